@@ -1,0 +1,28 @@
+"""stellarax: JAX accelerator kernels with first-class autotuning.
+
+The public surface: op functions, op classes (`<Backend><Op>`), and the
+autotuning entry points. Everything else is internal.
+"""
+
+__version__ = "0.1.0"
+
+from stellarax import autotuning as autotuning
+from stellarax.autotuning import AutotuningResult as AutotuningResult
+from stellarax.autotuning import Autotuner as Autotuner
+from stellarax.autotuning import autotune as autotune
+from stellarax.core.bound_args import BoundArguments as BoundArguments
+from stellarax.core.op import Op as Op
+from stellarax.ops.attention.api import dot_product_attention as dot_product_attention
+from stellarax.ops.attention.base import XlaAttention as XlaAttention
+from stellarax.ops.attention.base import XlaAttentionVjp as XlaAttentionVjp
+from stellarax.ops.attention.base import XlaChunkedAttention as XlaChunkedAttention
+from stellarax.ops.gated_linear_unit.api import gated_linear_unit as gated_linear_unit
+from stellarax.ops.gated_linear_unit.base import XlaGatedLinearUnit as XlaGatedLinearUnit
+from stellarax.ops.gated_linear_unit.base import XlaGatedLinearUnitVjp as XlaGatedLinearUnitVjp
+from stellarax.ops.normalization.api import layer_norm as layer_norm
+from stellarax.ops.normalization.api import rms_norm as rms_norm
+from stellarax.ops.normalization.base import XlaLayerNorm as XlaLayerNorm
+from stellarax.ops.normalization.base import XlaLayerNormVjp as XlaLayerNormVjp
+from stellarax.ops.ragged_dot.api import ragged_dot as ragged_dot
+from stellarax.ops.ragged_dot.base import XlaRaggedDot as XlaRaggedDot
+from stellarax.ops.ragged_dot.base import XlaRaggedDotVjp as XlaRaggedDotVjp

@@ -1,0 +1,264 @@
+"""`autotune()` and `Autotuner`: find the fastest config of every op call.
+
+`stellarax.autotune(f, *args, **kwargs)` is `Autotuner().autotune(f, *args,
+**kwargs)`: every keyword argument goes to `f`, never to the tuner. Tuning
+options live on an `Autotuner` instance:
+
+    tuner = stellarax.Autotuner(strategy="racing", budget_s=30, progress=False)
+    result = tuner.autotune(f, x, y)
+
+What can be tuned: a callable with its arguments (a plain or jitted function,
+or a closure taking none, e.g. `jax.grad` of a model), a `jax.stages.Lowered`,
+a `BoundArguments` or a sequence of them, or bound-argument JSON (a path or a
+string, e.g. from `xplane_to_bound_args`).
+
+For each unique call: build fresh random inputs from its abstract arguments,
+compute the op's reference output once, and let the search strategy measure
+configs through `measure.measure_candidates` (compile in parallel, check
+every output against the reference, time device work in interleaved rounds).
+The best config, every measurement and the heuristic's go into the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from stellarax.autotuning import capture
+from stellarax.autotuning import measure as measure_lib
+from stellarax.autotuning import search
+from stellarax.autotuning.cache import USER_CACHE, current_device_kind
+from stellarax.autotuning.progress import Progress
+from stellarax.autotuning.result import AutotuningResult, Entry
+from stellarax.core import registry
+from stellarax.core import resolution
+from stellarax.core.bound_args import BoundArguments
+from stellarax.core.config import config_to_json
+from stellarax.core.specs import canonical_json
+
+STRATEGIES = ("auto", "exhaustive", "racing", "random")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Autotuner:
+  """Tuning options; `.autotune(...)` runs them.
+
+  Attributes:
+    strategy: "auto" (exhaustive for small spaces, racing for large),
+      "exhaustive", "racing", "random", or a function
+      `(space, measure, *, heuristic, budget_s) -> search.SearchOutcome`.
+    budget_s: wall-time budget per op call for budgeted strategies (None:
+      the strategy's default).
+    implementations: "resolved" tunes the implementation each call uses;
+      "all" also tunes every other implementation of the op family that runs
+      on this device (so `implementation=None` can pick the fastest).
+    progress: print a progress bar (configs measured, time left).
+    ignore_cache: re-measure calls already in the user or library cache
+      (otherwise their cached entries are reused as they are).
+    cache: write the result into the user cache when done.
+    measure_options: how each config is measured.
+    seed: seed of the random inputs.
+  """
+
+  strategy: str | Callable[..., Any] = "auto"
+  budget_s: float | None = None
+  implementations: str = "resolved"
+  progress: bool = True
+  ignore_cache: bool = False
+  cache: bool = False
+  measure_options: measure_lib.MeasureOptions = dataclasses.field(default_factory=measure_lib.MeasureOptions)
+  seed: int = 0
+
+  def __post_init__(self):
+    if isinstance(self.strategy, str) and self.strategy not in STRATEGIES:
+      raise ValueError(f"strategy={self.strategy!r} must be one of {STRATEGIES} or a search function.")
+    if self.implementations not in ("resolved", "all"):
+      raise ValueError(f"implementations={self.implementations!r} must be 'resolved' or 'all'.")
+    if self.budget_s is not None and self.budget_s <= 0:
+      raise ValueError(f"budget_s={self.budget_s!r} must be positive or None.")
+
+  # ---- inputs -----------------------------------------------------------
+
+  def collect(self, f: Any, *args, **kwargs) -> list[BoundArguments]:
+    """The unique bound arguments to tune, from any accepted input."""
+    if isinstance(f, BoundArguments):
+      found = [f]
+    elif isinstance(f, (str, os.PathLike)):
+      _no_args(args, kwargs, "bound-argument JSON")
+      found = capture.bound_args_from_json(f)
+    elif isinstance(f, Sequence) and all(isinstance(b, BoundArguments) for b in f):
+      _no_args(args, kwargs, "a sequence of BoundArguments")
+      found = list(f)
+    else:
+      found = capture.get_bound_args(f, *args, **kwargs)
+    found = [ba.with_config(None) for ba in found]
+    if self.implementations == "all":
+      found = found + [alt for ba in found for alt in _alternatives(ba)]
+    return capture.unique(found)
+
+  # ---- tuning -----------------------------------------------------------
+
+  def autotune(self, f: Any, *args, **kwargs) -> AutotuningResult:
+    """Tunes every op call found in `f` (see the module docstring).
+
+    Args:
+      f: a callable, `jax.stages.Lowered`, `BoundArguments`, a sequence of
+        them, or bound-argument JSON (path or string).
+      *args, **kwargs: the arguments of `f` when it is a callable.
+
+    Returns:
+      An `AutotuningResult` with one entry per unique op call.
+
+    Raises:
+      ValueError: when every config of some call failed (listing why).
+    """
+    calls = self.collect(f, *args, **kwargs)
+    device_kind = current_device_kind()
+    result = AutotuningResult(device_kind)
+    todo = []
+    for ba in calls:
+      cached = None if self.ignore_cache else _cached_entry(ba)
+      if cached is not None:
+        result = result.with_entry(cached)
+      else:
+        todo.append(ba)
+    progress = Progress(sum(_space_size(ba, self) for ba in todo), enabled=self.progress)
+    try:
+      for ba in todo:
+        result = result.with_entry(self.tune_one(ba, progress=progress))
+    finally:
+      progress.close()
+    if self.cache and len(result):
+      USER_CACHE.write(result)
+    return result
+
+  def tune_one(self, ba: BoundArguments, *, progress: Progress | None = None) -> Entry:
+    """Measures the config space of one call and returns its entry.
+
+    Raises:
+      ValueError: when every measured config failed.
+    """
+    ba = ba.with_config(None)
+    heuristic = ba.heuristics_config
+    space = _ordered_space(ba)
+    arrays = ba.example_arrays(self.seed)
+    reference = jax.jit(ba.runner(reference=True))(*arrays)
+    label = ba.op.name
+    compiled: dict[Any, Any] = {}  # racing re-measures configs: compile each once
+
+    def measure(configs, *, effort=1.0):
+      configs = list(configs)
+      out = measure_lib.measure_candidates(
+          {c: ba.runner(c) for c in configs}, tuple(arrays), reference=reference,
+          options=self.measure_options, order=configs, compile_cache=compiled, effort=effort)
+      if progress is not None:
+        progress.advance(len(configs), label)
+      return out
+
+    strategy = _strategy(self.strategy, len(space))
+    outcome = strategy(space, measure, heuristic=heuristic, budget_s=self.budget_s)
+    measurements = tuple(outcome.measurements.items())
+    return Entry(
+        bound_args=ba, best_config=outcome.best, heuristic_config=heuristic,
+        measurements=measurements,
+        measured_at=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        method=f"{outcome.strategy}/{_method(measurements)}")
+
+
+def autotune(f: Any, *args, **kwargs) -> AutotuningResult:
+  """Tunes every stellarax op call in `f` with default options.
+
+  `autotune(f, *args, **kwargs)` is `Autotuner().autotune(f, *args, **kwargs)`;
+  use an `Autotuner` for options (strategy, budget, caching, progress).
+
+  Args:
+    f: a callable, `jax.stages.Lowered`, `BoundArguments`, a sequence of
+      them, or bound-argument JSON (path or string).
+    *args, **kwargs: the arguments of `f` when it is a callable.
+
+  Returns:
+    An `AutotuningResult`.
+
+  Raises:
+    ValueError: when every config of some call failed (listing why).
+  """
+  return Autotuner().autotune(f, *args, **kwargs)
+
+
+def _no_args(args, kwargs, what):
+  if args or kwargs:
+    raise TypeError(f"Arguments were given for {what}, which takes none: pass tuning options "
+                    "through stellarax.Autotuner(...).autotune(...).")
+
+
+def _ordered_space(ba: BoundArguments) -> list[Any]:
+  """The heuristic config first, then the rest in a fixed order."""
+  heuristic = ba.heuristics_config
+  rest = sorted((c for c in ba.autotuning_configs if c != heuristic),
+                key=lambda c: canonical_json(config_to_json(c)))
+  return [heuristic, *rest]
+
+
+def _space_size(ba: BoundArguments, tuner: Autotuner) -> int:
+  return len(ba.with_config(None).autotuning_configs)
+
+
+def _strategy(name_or_fn, space_size: int) -> Callable[..., Any]:
+  if callable(name_or_fn):
+    return name_or_fn
+  if name_or_fn == "auto":
+    return search.default_strategy(space_size)
+  return {"exhaustive": search.exhaustive, "racing": search.racing, "random": search.random_search}[name_or_fn]
+
+
+def _method(measurements) -> str:
+  methods = {m.method for _, m in measurements if m.method}
+  return ",".join(sorted(methods)) or "none"
+
+
+def _cached_entry(ba: BoundArguments) -> Entry | None:
+  for cache in resolution.cache_sources():
+    result_for = getattr(cache, "result_for", None)
+    if result_for is None:
+      continue
+    result = result_for(current_device_kind(), ba.op.name)
+    entry = None if result is None else result.entry(ba)
+    if entry is not None:
+      return entry
+  return None
+
+
+def _alternatives(ba: BoundArguments) -> list[BoundArguments]:
+  """The same call bound to the family's other implementations on this device."""
+  family = ba.op.name.partition(".")[0]
+  is_vjp = ba.op.name.endswith("_vjp")
+  device = jax.devices()[0]
+  out = []
+  for name in registry.names(family):
+    cls = registry.lookup(name)
+    if name == ba.op.name or name.endswith("_vjp") != is_vjp or not cls.supported_on(device):
+      continue
+    try:
+      out.append(BoundArguments.from_json({**ba.to_json(), "op": {"name": name, "fields": {}}}))
+    except NotImplementedError:
+      continue
+  return out
+
+
+_TUNED_ON_MISS: dict[tuple[str, str], Any] = {}
+
+
+def _autotune_on_miss(ba: BoundArguments) -> Any:
+  """The "autotune" miss policy: tune the call once per process, keep it."""
+  key = (ba.op_json(), ba.key_json())
+  if key not in _TUNED_ON_MISS:
+    _TUNED_ON_MISS[key] = Autotuner(progress=False).tune_one(ba).best_config
+  return _TUNED_ON_MISS[key]
+
+
+resolution.set_autotune_on_miss(_autotune_on_miss)

@@ -1,0 +1,163 @@
+"""The user cache and the shipped library cache.
+
+Both are folders of result files, one per device kind and op:
+`<root>/<device_kind_slug>/<op name>.json` in the format of `file_format.py`.
+
+- The user cache lives in `$STELLARAX_CACHE_DIR`, else
+  `$XDG_CACHE_HOME/stellarax/autotuning`, else `~/.cache/stellarax/autotuning`
+  (on macOS `~/Library/Caches/stellarax/autotuning`). It is written only when
+  asked (`autotune(..., cache=True)`, `Autotuner(cache=True)` or the CLI).
+  Writers take an exclusive `fcntl` lock on `<file>.lock`, re-read the file,
+  merge (the faster measurement wins), and replace it atomically, so several
+  processes writing at once lose nothing and readers never see a torn file.
+- The library cache ships in `stellarax/data/autotuning/` and is read-only.
+
+Files are read lazily, once per (device kind, op), and re-read when their
+modification time changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from stellarax.autotuning import file_format
+from stellarax.autotuning.result import AutotuningResult
+from stellarax.core import resolution
+
+LIBRARY_ROOT = Path(__file__).resolve().parent.parent / "data" / "autotuning"
+
+
+def device_kind_slug(device_kind: str) -> str:
+  """A folder name for a device kind: "NVIDIA H200" -> "NVIDIA_H200"."""
+  return re.sub(r"[^A-Za-z0-9.-]+", "_", device_kind).strip("_") or "unknown"
+
+
+def current_device_kind() -> str:
+  """The device kind of the default backend's first device."""
+  return jax.devices()[0].device_kind
+
+
+def user_cache_root() -> Path:
+  """The user cache folder (see the module docstring)."""
+  env = os.environ.get("STELLARAX_CACHE_DIR")
+  if env:
+    return Path(env)
+  if sys.platform == "darwin":
+    return Path.home() / "Library" / "Caches" / "stellarax" / "autotuning"
+  base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+  return Path(base) / "stellarax" / "autotuning"
+
+
+class FileCache:
+  """A folder of per-(device kind, op) result files.
+
+  Attributes:
+    source_name: "user_cache" or "library_cache" (reported by explain()).
+  """
+
+  def __init__(self, root: Path | None, source_name: str, *, writable: bool):
+    self._root = root
+    self.source_name = source_name
+    self.writable = writable
+    self._loaded: dict[Path, tuple[float, AutotuningResult | None]] = {}
+    self._lock = threading.Lock()
+
+  @property
+  def root(self) -> Path:
+    return self._root if self._root is not None else user_cache_root()
+
+  def path_for(self, device_kind: str, op_name: str) -> Path:
+    """The file holding `op_name`'s entries for `device_kind`."""
+    return self.root / device_kind_slug(device_kind) / f"{op_name}.json"
+
+  def result_for(self, device_kind: str, op_name: str) -> AutotuningResult | None:
+    """The cached result of one op on one device kind, or None."""
+    path = self.path_for(device_kind, op_name)
+    try:
+      mtime = path.stat().st_mtime_ns
+    except FileNotFoundError:
+      return None
+    with self._lock:
+      cached = self._loaded.get(path)
+      if cached is None or cached[0] != mtime:
+        cached = (mtime, AutotuningResult.load(path))
+        self._loaded[path] = cached
+    return cached[1]
+
+  def _entry(self, bound_args) -> Any:
+    result = self.result_for(current_device_kind(), bound_args.op.name)
+    return None if result is None else result.entry(bound_args)
+
+  def lookup_config(self, bound_args) -> Any | None:
+    entry = self._entry(bound_args)
+    return None if entry is None else entry.best_config
+
+  def lookup_time(self, bound_args) -> float | None:
+    entry = self._entry(bound_args)
+    return None if entry is None else entry.best_time
+
+  def results(self, device_kind: str | None = None) -> list[AutotuningResult]:
+    """Every result file of a device kind (default: the current one)."""
+    folder = self.root / device_kind_slug(device_kind or current_device_kind())
+    if not folder.is_dir():
+      return []
+    out = []
+    for path in sorted(folder.glob("*.json")):
+      r = self.result_for(device_kind or current_device_kind(), path.stem)
+      if r is not None:
+        out.append(r)
+    return out
+
+  def write(self, result: AutotuningResult) -> list[Path]:
+    """Merges `result` into the cache files, safely under concurrent writers.
+
+    Returns:
+      The files written.
+
+    Raises:
+      PermissionError: for the read-only library cache.
+    """
+    if not self.writable:
+      raise PermissionError(f"The {self.source_name} at {self.root} is read-only.")
+    by_op: dict[str, list[Any]] = {}
+    for entry in result:
+      by_op.setdefault(entry.bound_args.op.name, []).append(entry)
+    written = []
+    for op_name, entries in sorted(by_op.items()):
+      path = self.path_for(result.device_kind, op_name)
+      path.parent.mkdir(parents=True, exist_ok=True)
+      with _exclusive_lock(path.with_suffix(".json.lock")):
+        merged = AutotuningResult(result.device_kind)
+        if path.exists():
+          merged = AutotuningResult.load(path)
+        for entry in entries:
+          merged = merged | AutotuningResult(result.device_kind, {entry.key: entry})
+        merged.dump(path)
+      written.append(path)
+    return written
+
+
+@contextlib.contextmanager
+def _exclusive_lock(lock_path: Path):
+  with open(lock_path, "a+") as f:
+    fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+USER_CACHE = FileCache(None, "user_cache", writable=True)
+LIBRARY_CACHE = FileCache(LIBRARY_ROOT, "library_cache", writable=False)
+
+resolution.register_cache_source(USER_CACHE)
+resolution.register_cache_source(LIBRARY_CACHE)

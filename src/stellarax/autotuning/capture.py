@@ -1,0 +1,121 @@
+"""Finding the op calls of a program: from a callable, a Lowered, or JSON.
+
+Every op call leaves a marker (see `stellarax.core.markers`) in the lowered
+program; capture lowers the program and reads the markers back from its text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from stellarax.core import markers
+from stellarax.core.bound_args import BoundArguments
+from stellarax.core.resolution import miss_policy_scope
+
+
+def _lowered_text(f: Any, args: tuple, kwargs: dict) -> str:
+  if isinstance(f, jax.stages.Lowered):
+    if args or kwargs:
+      raise TypeError("A jax.stages.Lowered takes no arguments: it was lowered with its own.")
+    return f.as_text()
+  if not callable(f):
+    raise TypeError(f"Expected a callable or a jax.stages.Lowered, got {type(f).__name__}: {f!r}.")
+  jitted = f if hasattr(f, "lower") else jax.jit(f)
+  # Capture only reads which ops run: no tuning on the spot while tracing.
+  with miss_policy_scope("heuristics"):
+    return jitted.lower(*args, **kwargs).as_text()
+
+
+def bound_args_from_text(text: str) -> list[BoundArguments]:
+  """The unique bound arguments of the markers in a lowered program's text."""
+  seen: dict[str, BoundArguments] = {}
+  for marker in markers.find_markers(text):
+    if marker not in seen:
+      seen[marker] = BoundArguments.from_json(json.loads(marker))
+  return list(dict.fromkeys(seen.values()))
+
+
+def get_bound_args(f: Callable[..., Any] | jax.stages.Lowered, *args, **kwargs) -> list[BoundArguments]:
+  """Returns the unique `BoundArguments` of every stellarax op in `f`.
+
+  Args:
+    f: a callable (plain, jitted, or a closure taking no arguments, e.g.
+      `jax.grad(loss)` bound with `functools.partial`) or a
+      `jax.stages.Lowered`.
+    *args, **kwargs: the arguments to lower `f` with (arrays or
+      `jax.ShapeDtypeStruct`s).
+
+  Returns:
+    One `BoundArguments` per unique op call, forward and VJP ops alike, in
+    program order.
+
+  Raises:
+    TypeError: when `f` is neither callable nor lowered.
+  """
+  return bound_args_from_text(_lowered_text(f, args, kwargs))
+
+
+def bound_args_to_json(bound_args: Iterable[BoundArguments], path: str | os.PathLike | None = None) -> str:
+  """Serialises bound arguments (a JSON list); writes it to `path` if given.
+
+  Returns:
+    The JSON text.
+  """
+  text = json.dumps([ba.to_json() for ba in bound_args], indent=1, sort_keys=True) + "\n"
+  if path is not None:
+    Path(path).write_text(text, encoding="utf-8")
+  return text
+
+
+def bound_args_from_json(path_or_json: str | os.PathLike) -> list[BoundArguments]:
+  """Reads bound arguments from a path or a JSON string.
+
+  Accepts the output of `bound_args_to_json` and of `xplane_to_bound_args`
+  (a list of objects with a "bound_args" field, plus counts and times).
+
+  Raises:
+    FileNotFoundError: for a path that does not exist.
+    ValueError: for text that is not such JSON, naming the source.
+  """
+  text, source = _read_text(path_or_json)
+  try:
+    data = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{source}: not valid JSON ({e}).") from None
+  if isinstance(data, dict) and "bound_args" in data:
+    data = data["bound_args"]
+  if not isinstance(data, list):
+    raise ValueError(f"{source}: expected a JSON list of bound arguments.")
+  out = []
+  for i, item in enumerate(data):
+    if isinstance(item, dict) and "bound_args" in item:
+      item = item["bound_args"]
+    try:
+      out.append(BoundArguments.from_json(item))
+    except (KeyError, ValueError, TypeError) as e:
+      raise ValueError(f"{source}: item {i}: {e}") from None
+  return out
+
+
+def _read_text(path_or_json: str | os.PathLike) -> tuple[str, str]:
+  if isinstance(path_or_json, os.PathLike):
+    return Path(path_or_json).read_text(encoding="utf-8"), os.fspath(path_or_json)
+  if not isinstance(path_or_json, str):
+    raise TypeError(f"Expected a path or a JSON string, got {type(path_or_json).__name__}.")
+  stripped = path_or_json.lstrip()
+  if stripped.startswith(("[", "{")):
+    return path_or_json, "<json string>"
+  return Path(path_or_json).read_text(encoding="utf-8"), path_or_json
+
+
+def unique(bound_args: Sequence[BoundArguments]) -> list[BoundArguments]:
+  """Drops duplicates, keeping the first occurrence's order."""
+  return list(dict.fromkeys(bound_args))
+
+

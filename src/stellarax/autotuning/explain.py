@@ -1,0 +1,99 @@
+"""`explain(bound_args)`: where the config of a call comes from, and why not."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from stellarax.autotuning.cache import current_device_kind
+from stellarax.core import resolution
+from stellarax.core.bound_args import BoundArguments
+from stellarax.core.config import config_to_json
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+  """What `explain` found.
+
+  Attributes:
+    op: the op's registered name.
+    config: the config the call resolves to.
+    source: where it comes from ("explicit", "result", "user_cache",
+      "library_cache", "heuristics", ...).
+    nearest: on a miss, the nearest tuned key of the same op: where it is
+      and the differences, as (where, ["path: ours != theirs", ...]); None
+      when nothing of this op was tuned.
+  """
+
+  op: str
+  config: Any
+  source: str
+  nearest: tuple[str, tuple[str, ...]] | None
+
+  def __str__(self) -> str:
+    lines = [f"{self.op}: {json.dumps(config_to_json(self.config))} from {self.source}"]
+    if self.nearest is not None:
+      where, diffs = self.nearest
+      lines.append(f"  nearest tuned call ({where}) differs in: " + "; ".join(diffs))
+    elif self.source.startswith("heuristics"):
+      lines.append("  no call of this op was tuned in the active results or caches")
+    return "\n".join(lines)
+
+
+def explain(bound_args: BoundArguments) -> Explanation:
+  """Says where the config of `bound_args` comes from.
+
+  Args:
+    bound_args: a `BoundArguments` (e.g. from `SomeOp.bind(...)` or
+      `get_bound_args`).
+
+  Returns:
+    An `Explanation` (printable); on a miss it names the nearest tuned call
+    of the same op and how its key differs.
+  """
+  resolved = resolution.resolve_config(bound_args)
+  nearest = None
+  if resolved.source not in ("explicit", "result") and not resolved.source.endswith("cache"):
+    nearest = _nearest(bound_args)
+  return Explanation(bound_args.op.name, resolved.config, resolved.source, nearest)
+
+
+def _candidates(bound_args: BoundArguments):
+  for result in reversed(resolution.active_results()):
+    for entry in result:
+      yield "active result", entry
+  for cache in resolution.cache_sources():
+    result_for = getattr(cache, "result_for", None)
+    result = result_for(current_device_kind(), bound_args.op.name) if result_for else None
+    for entry in result or ():
+      yield cache.source_name, entry
+
+
+def _nearest(bound_args: BoundArguments):
+  ours = bound_args.autotuning_cache_key
+  best = None
+  for where, entry in _candidates(bound_args):
+    if entry.bound_args.op.name != bound_args.op.name:
+      continue
+    diffs = tuple(_diff(ours, entry.bound_args.autotuning_cache_key))
+    if entry.bound_args.op_json() != bound_args.op_json():
+      diffs = ("op fields",) + diffs
+    if best is None or len(diffs) < len(best[1]):
+      best = (where, diffs)
+  return best
+
+
+def _diff(a: Any, b: Any, path: str = "") -> list[str]:
+  if isinstance(a, dict) and isinstance(b, dict):
+    if a.get("__array__") and b.get("__array__"):
+      if a != b:
+        return [f"{path}: {a['dtype']}{a['shape']} != {b['dtype']}{b['shape']}"]
+      return []
+    out = []
+    for k in sorted(set(a) | set(b)):
+      out += _diff(a.get(k), b.get(k), f"{path}.{k}" if path else k)
+    return out
+  if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+    return [d for i, (x, y) in enumerate(zip(a, b)) for d in _diff(x, y, f"{path}[{i}]")]
+  return [] if a == b else [f"{path}: {a!r} != {b!r}"]

@@ -1,0 +1,172 @@
+"""The JSON format shared by results, the user cache and the library cache.
+
+    {
+      "schema": 1,
+      "device_kind": "NVIDIA H200",
+      "versions": {"stellarax": "0.1.0", "jax": "0.11.2", "jaxlib": "0.11.2"},
+      "entries": [
+        {
+          "bound_args": {"op": {"name": "ragged_dot.xla", "fields": {}},
+                         "arguments": {...}, "vmap_axes": [...]},
+          "best_config": {...}, "heuristic_config": {...},
+          "measured_at": "2026-11-29T23:00:00Z", "method": "racing/cpu-batched",
+          "measurements": [{"config": {...}, "status": "ok", "median_s": ...,
+                            "ci_low_s": ..., "ci_high_s": ..., "num_samples": ...,
+                            "compile_time_s": ..., "error": null, "method": ...}]
+        }
+      ]
+    }
+
+Ops are named by their registered names, configs by their fields: no Python
+import paths. Policy for data from other versions: a file with a newer
+`schema` is refused with a clear error (it may mean anything); entries
+recorded under another stellarax/jax/jaxlib version are used, with one
+warning per file, because configs are validated when read and a config that
+no longer validates (or an op that no longer exists) drops just that entry,
+with a warning. A file that is not valid JSON, lacks a required field, or (when written by
+the running versions) holds an invalid entry raises `FormatError` naming the
+file and the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import warnings
+from typing import Any
+
+import jax
+import jaxlib
+
+SCHEMA_VERSION = 1
+
+
+class FormatError(ValueError):
+  """A result or cache file is corrupt or not in the expected format."""
+
+
+class VersionWarning(UserWarning):
+  """Data recorded under other versions is being used."""
+
+
+def current_versions() -> dict[str, str]:
+  """The versions recorded in files written now."""
+  from stellarax import __version__
+  return {"stellarax": __version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__}
+
+
+def dumps(data: Any) -> str:
+  """Stable, readable JSON (sorted keys, 1-space indent)."""
+  return json.dumps(data, sort_keys=True, indent=1, allow_nan=False) + "\n"
+
+
+def parse(text: str, *, source: str) -> dict[str, Any]:
+  """Parses and checks the envelope of a results file.
+
+  Raises:
+    FormatError: naming `source` and what is wrong.
+  """
+  try:
+    data = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise FormatError(f"{source}: not valid JSON ({e}). Delete or fix the file.") from None
+  if not isinstance(data, dict):
+    raise FormatError(f"{source}: expected a JSON object with 'schema', 'device_kind' and 'entries'.")
+  for field in ("schema", "device_kind", "entries"):
+    if field not in data:
+      raise FormatError(f"{source}: missing field {field!r}; this is not a stellarax results file.")
+  if not isinstance(data["schema"], int) or data["schema"] > SCHEMA_VERSION:
+    raise FormatError(
+        f"{source}: schema {data['schema']!r} is newer than this stellarax reads ({SCHEMA_VERSION}). "
+        "Upgrade stellarax or re-tune.")
+  if not isinstance(data["entries"], list):
+    raise FormatError(f"{source}: 'entries' must be a list.")
+  return data
+
+
+def atomic_write(path: str | os.PathLike, text: str) -> None:
+  """Writes `text` to `path` atomically (temp file in the same folder, rename)."""
+  path = os.fspath(path)
+  folder = os.path.dirname(os.path.abspath(path))
+  os.makedirs(folder, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
+  try:
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
+
+
+def entry_to_json(entry) -> dict[str, Any]:
+  from stellarax.core.config import config_to_json
+  ba = entry.bound_args
+  return {
+      "bound_args": ba.with_config(None).to_json(),
+      "best_config": config_to_json(entry.best_config),
+      "heuristic_config": config_to_json(entry.heuristic_config),
+      "measured_at": entry.measured_at,
+      "method": entry.method,
+      "measurements": [{"config": config_to_json(c), **m.to_json()} for c, m in entry.measurements],
+  }
+
+
+def entry_from_json(data: dict[str, Any], *, source: str):
+  from stellarax.autotuning.measure import Measurement
+  from stellarax.autotuning.result import Entry
+  from stellarax.core.bound_args import BoundArguments
+  from stellarax.core.config import config_from_json
+  ba = BoundArguments.from_json(data["bound_args"])
+  cls = type(ba.op).config_cls
+  measurements = []
+  for m in data.get("measurements", []):
+    m = dict(m)
+    config = config_from_json(cls, m.pop("config"))
+    measurements.append((config, Measurement.from_json(m)))
+  return Entry(
+      bound_args=ba,
+      best_config=config_from_json(cls, data["best_config"]),
+      heuristic_config=config_from_json(cls, data["heuristic_config"]),
+      measurements=tuple(measurements),
+      measured_at=str(data.get("measured_at", "")),
+      method=str(data.get("method", "")))
+
+
+def result_to_json(result) -> dict[str, Any]:
+  return {
+      "schema": SCHEMA_VERSION,
+      "device_kind": result.device_kind,
+      "versions": result.versions,
+      "entries": [entry_to_json(e) for e in result],
+  }
+
+
+def result_from_json(cls, data: dict[str, Any], *, source: str):
+  """Builds an AutotuningResult from parsed data (see the module policy)."""
+  versions = data.get("versions") or {}
+  current = current_versions()
+  if versions and any(versions.get(k) != v for k, v in current.items()):
+    warnings.warn(f"{source}: recorded with {versions}, running {current}; using its entries.",
+                  VersionWarning, stacklevel=3)
+  same_versions = not versions or all(versions.get(k) == v for k, v in current.items())
+  entries = {}
+  for i, raw in enumerate(data["entries"]):
+    try:
+      if not isinstance(raw, dict):
+        raise ValueError(f"expected a JSON object, got {type(raw).__name__}")
+      entry = entry_from_json(raw, source=source)
+    except (KeyError, ValueError, TypeError) as e:
+      # Same versions: the file was broken (by hand or by a bug), say so.
+      # Other versions: an op or config changed since, drop just this entry.
+      if same_versions:
+        raise FormatError(f"{source}: entry {i} is invalid: {e}") from None
+      warnings.warn(f"{source}: entry {i} skipped (recorded by other versions): {e}",
+                    VersionWarning, stacklevel=3)
+      continue
+    entries[entry.key] = entry
+  return cls(str(data["device_kind"]), entries, versions or current)

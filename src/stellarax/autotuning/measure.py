@@ -1,0 +1,797 @@
+"""Measuring interchangeable candidates: one primitive with one stated method.
+
+`measure_candidates` times candidates that compute the same thing from the same arguments
+(jittable functions `fn(*args)`) and returns one `Measurement` per candidate; `pick_best`
+chooses among them. A candidate that fails is recorded, never raised: only `pick_best` with
+no successful candidate raises.
+
+Method, in the order `measure_candidates` runs it:
+
+1. Inputs. Array leaves of `args` are put on the device once, so no host-to-device copy is
+   ever timed. With `MeasureOptions.cold_cache`, k copies of the inputs are made, k the
+   smallest count whose total size exceeds `llc_bytes` (at most `max_input_copies`), and
+   successive calls rotate through them, so no call finds its inputs in the last-level
+   cache where the call before left them.
+2. Compilation. Every candidate is traced, lowered and compiled ahead of time
+   (`jax.jit(fn).lower(*args).compile()`) on up to `compile_threads` threads. An exception
+   is a `compile_error`; a compilation still running after `timeout_s` is a `timeout`.
+3. Check. Each compiled candidate runs once. An exception is a `runtime_error`; an output
+   that the check rejects (by default `check_close` against `reference`, with tolerances
+   from `default_tolerance`) is a `wrong_result`, its largest error in `error`.
+4. Warm-up and batch size. Each surviving candidate runs batches of n calls, n growing from
+   1, until it has run `warmup_runs` calls for at least `warmup_s` and one batch lasts at
+   least `min_batch_s` (or n reached `max_batch_calls`). That n is kept for its samples.
+5. Rounds. In each of `rounds` rounds the surviving candidates are visited in an order
+   shuffled by `random.Random(seed)`, and each takes one sample: n back-to-back calls, one
+   `jax.block_until_ready` on all n outputs, wall time divided by n. Interleaving spreads
+   slow drifts (clock boost, temperature, other load) over all candidates instead of
+   charging them to whichever candidate ran at the time.
+6. Statistic. The median of a candidate's samples, with a distribution-free 95%
+   confidence interval from order statistics (see `median_interval`).
+7. Leaders. Candidates whose interval reaches the fastest one's (ci_low_s <= the fastest's
+   ci_high_s) take `leader_rounds` more shuffled rounds among themselves, and their
+   statistic is recomputed over all their samples: close calls get decided on more data.
+
+Budget. Time spent on one candidate (warm-up and samples) stops growing at about
+`max_total_s`: a round skips a candidate that has spent its share (the main rounds may use
+`rounds / (rounds + leader_rounds)` of it), but every surviving candidate takes at least
+one sample.
+
+Why batches. A JAX call returns once its work is enqueued (asynchronous dispatch). Timing
+each call with its own sync adds the launch and synchronisation latency to every sample:
+on an H200 a 4096^3 bf16 matmul timed that way looked about twice as slow as the device
+runs it. A batch of n back-to-back calls with one sync keeps the device queue full, so the
+batch time divided by n tends to the device time per call once the batch is long compared
+with one sync. The method is the same on every backend; on CPU the "device" is the host's
+compute threads, so samples there include dispatch. It is not a profiler: gaps between
+the kernels inside one call count. A batch keeps its n outputs alive until its sync, so
+that the sync waits for all n calls on every backend; its memory is n outputs.
+
+Timeouts. Compilation, the check run and every timed batch run on daemon threads, and the
+caller waits at most `timeout_s` for each. A candidate that does not finish in time is
+recorded as `timeout` and its thread is abandoned. Nothing can cancel a running XLA
+computation, so the device may stay busy with it and slow or stall later candidates.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import os
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping
+from typing import Any, Final, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+K = TypeVar("K", bound=Hashable)
+
+STATUSES: Final = ("ok", "compile_error", "runtime_error", "wrong_result", "timeout")
+# Two candidates whose medians differ by at most this fraction are tied (see pick_best).
+TIE_RELATIVE: Final = 0.01
+# Longest `error` text kept from an exception; the first and last lines are what matter.
+_MAX_ERROR_CHARS: Final = 300
+# Cap on how fast the batch size grows between two warm-up batches, so that one fluky
+# fast batch cannot make the next one run for seconds.
+_MAX_BATCH_GROWTH: Final = 100
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Measurement:
+  """The outcome of measuring one candidate.
+
+  Attributes:
+    status: one of `STATUSES`: "ok", "compile_error", "runtime_error", "wrong_result",
+      "timeout".
+    median_s: median seconds per call; set exactly when status is "ok".
+    ci_low_s: low end of the 95% confidence interval of the median; set when "ok".
+    ci_high_s: high end of that interval; set when "ok".
+    num_samples: number of timed samples behind the statistic (0 for a failure).
+    compile_time_s: seconds spent tracing, lowering and compiling; None when unknown.
+    error: short reason for a failure; None exactly when status is "ok".
+    method: how the time was taken, e.g. "gpu-batched" (see the module docstring).
+  """
+
+  status: str
+  median_s: float | None = None
+  ci_low_s: float | None = None
+  ci_high_s: float | None = None
+  num_samples: int = 0
+  compile_time_s: float | None = None
+  error: str | None = None
+  method: str = ""
+
+  def __post_init__(self):
+    if self.status not in STATUSES:
+      raise ValueError(f"{self.status=} is not one of {STATUSES}.")
+    if self.status == "ok":
+      self._validate_ok()
+    else:
+      self._validate_failure()
+    if self.compile_time_s is not None and not self.compile_time_s >= 0:
+      raise ValueError(f"{self.compile_time_s=} must be None or >= 0.")
+
+  def _validate_ok(self):
+    times = (self.ci_low_s, self.median_s, self.ci_high_s)
+    if any(t is None or not math.isfinite(t) or t < 0 for t in times):
+      raise ValueError(
+          f"An ok measurement needs finite times >= 0, got ci_low_s={self.ci_low_s},"
+          f" median_s={self.median_s}, ci_high_s={self.ci_high_s}.")
+    if not self.ci_low_s <= self.median_s <= self.ci_high_s:
+      raise ValueError(
+          f"Expected ci_low_s <= median_s <= ci_high_s, got {self.ci_low_s},"
+          f" {self.median_s}, {self.ci_high_s}.")
+    if self.num_samples < 1:
+      raise ValueError(f"An ok measurement needs num_samples >= 1, got {self.num_samples}.")
+    if self.error is not None:
+      raise ValueError(f"An ok measurement has no error, got {self.error=}.")
+
+  def _validate_failure(self):
+    if (self.median_s, self.ci_low_s, self.ci_high_s) != (None, None, None):
+      raise ValueError(
+          f"A {self.status!r} measurement has no times, got median_s={self.median_s},"
+          f" ci_low_s={self.ci_low_s}, ci_high_s={self.ci_high_s}.")
+    if not isinstance(self.error, str) or not self.error:
+      raise ValueError(f"A {self.status!r} measurement needs a non-empty error, got {self.error=}.")
+    if self.num_samples < 0:
+      raise ValueError(f"{self.num_samples=} must be >= 0.")
+
+  @property
+  def ok(self) -> bool:
+    """Whether the candidate compiled, ran, was correct and was timed."""
+    return self.status == "ok"
+
+  def to_json(self) -> dict[str, Any]:
+    """Returns the measurement as a dict of plain JSON values (str, int, float, None)."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+  @classmethod
+  def from_json(cls, d: Mapping[str, Any]) -> Measurement:
+    """Builds a measurement from `to_json`'s output.
+
+    Args:
+      d: a mapping with exactly the keys that `to_json` writes.
+
+    Returns:
+      The measurement.
+
+    Raises:
+      ValueError: if keys are missing or unknown, or the values are inconsistent.
+    """
+    names = [f.name for f in dataclasses.fields(cls)]
+    if not isinstance(d, Mapping):
+      raise ValueError(f"Expected a JSON object with keys {names}, got {type(d).__name__}.")
+    missing = [n for n in names if n not in d]
+    unknown = sorted(set(d) - set(names))
+    if missing or unknown:
+      raise ValueError(
+          f"A measurement needs exactly the keys {names}; missing {missing},"
+          f" unknown {unknown}, in {dict(d)!r}.")
+    values = dict(d)
+    for name in ("median_s", "ci_low_s", "ci_high_s", "compile_time_s"):
+      if values[name] is not None:
+        values[name] = float(values[name])
+    return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class MeasureOptions:
+  """How thoroughly and how safely `measure_candidates` measures.
+
+  Attributes:
+    warmup_s: minimum seconds of warm-up calls per candidate before its samples.
+    warmup_runs: minimum number of warm-up calls per candidate (after the check run).
+    rounds: shuffled rounds of samples over all surviving candidates.
+    leader_rounds: extra rounds among the candidates tied with the fastest; 0 disables.
+    min_batch_s: a sample's batch of calls lasts at least this long, to amortise its sync.
+    max_batch_calls: upper bound on the calls in one batch (very fast candidates).
+    max_total_s: about how many seconds of warm-up and samples one candidate may take.
+    timeout_s: limit for one compilation, the check run, and each timed batch.
+    cold_cache: rotate copies of the inputs so calls do not find them in cache.
+    llc_bytes: last-level cache size that the rotated copies together must exceed.
+    max_input_copies: upper bound on the rotated copies (small inputs stay partly warm).
+    rtol: relative tolerance of the output check; None uses `default_tolerance`.
+    atol: absolute tolerance of the output check; None uses `default_tolerance`.
+    seed: seed of the round shuffling.
+    compile_threads: compilations at once; None uses min(#candidates, os.cpu_count()).
+  """
+
+  warmup_s: float = 0.05
+  warmup_runs: int = 1
+  rounds: int = 10
+  leader_rounds: int = 10
+  min_batch_s: float = 1e-3
+  max_batch_calls: int = 10_000
+  max_total_s: float = 5.0
+  timeout_s: float = 60.0
+  cold_cache: bool = False
+  llc_bytes: int = 64 * 2**20
+  max_input_copies: int = 64
+  rtol: float | None = None
+  atol: float | None = None
+  seed: int = 0
+  compile_threads: int | None = None
+
+  def __post_init__(self):
+    for name in ("warmup_s", "min_batch_s", "max_total_s", "timeout_s"):
+      value = getattr(self, name)
+      if not (math.isfinite(value) and value >= 0) or (name == "timeout_s" and value == 0):
+        raise ValueError(f"{name}={value} must be a finite number of seconds"
+                         f" ({'> 0' if name == 'timeout_s' else '>= 0'}).")
+    for name, low in (("warmup_runs", 0), ("rounds", 1), ("leader_rounds", 0),
+                      ("max_batch_calls", 1), ("llc_bytes", 0), ("max_input_copies", 1)):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r} must be an int >= {low}.")
+    for name in ("rtol", "atol"):
+      value = getattr(self, name)
+      if value is not None and not value >= 0:
+        raise ValueError(f"{name}={value} must be None (dtype default) or >= 0.")
+    if self.compile_threads is not None and self.compile_threads < 1:
+      raise ValueError(f"{self.compile_threads=} must be None (one per core) or >= 1.")
+
+  def with_effort(self, effort: float) -> MeasureOptions:
+    """Returns options for a measurement `effort` times as thorough as these.
+
+    Rounds, leader rounds, warm-up seconds and the per-candidate budget are scaled; at
+    least one round stays. Compilation and the check run cannot be scaled.
+
+    Args:
+      effort: fraction of a full measurement, 0 < effort <= 1.
+
+    Returns:
+      The scaled options.
+
+    Raises:
+      ValueError: if effort is outside (0, 1].
+    """
+    if not 0 < effort <= 1:
+      raise ValueError(f"{effort=} must be in (0, 1]: the fraction of a full measurement.")
+    return dataclasses.replace(
+        self,
+        warmup_s=self.warmup_s * effort,
+        rounds=max(1, round(self.rounds * effort)),
+        leader_rounds=round(self.leader_rounds * effort),
+        max_total_s=self.max_total_s * effort,
+    )
+
+
+class AllCandidatesFailedError(ValueError):
+  """No candidate measured "ok"; the message lists why each failed."""
+
+  def __init__(self, measurements: Mapping[Any, Measurement]):
+    self.measurements = dict(measurements)
+    if not measurements:
+      super().__init__("No candidate was measured, so none can be chosen.")
+      return
+    shown = 100
+    lines = [f"  {key!r}: {m.status}: {m.error}"
+             for key, m in list(measurements.items())[:shown]]
+    if len(measurements) > shown:
+      lines.append(f"  ... and {len(measurements) - shown} more")
+    super().__init__(
+        f"None of the {len(measurements)} candidates succeeded; fix the failures below"
+        " or widen the search space:\n" + "\n".join(lines))
+
+
+# --- statistics -------------------------------------------------------------------------
+
+
+def median_interval(samples: Iterable[float], confidence: float = 0.95
+                    ) -> tuple[float, float, float]:
+  """Median of samples with a distribution-free confidence interval.
+
+  With n sorted samples x_(1) <= ... <= x_(n), the interval is [x_(j), x_(n+1-j)], j the
+  largest rank with 2 * P(Binomial(n, 1/2) < j) <= 1 - confidence: the number of samples
+  below the true median is Binomial(n, 1/2) whatever the distribution. When no rank
+  qualifies (n < 6 at 95%), the interval is [min, max].
+
+  Args:
+    samples: at least one finite number.
+    confidence: coverage of the interval, in (0, 1).
+
+  Returns:
+    (median, low, high).
+
+  Raises:
+    ValueError: if there are no samples, a sample is not finite, or confidence is out of range.
+  """
+  x = np.sort(np.asarray(list(samples), dtype=np.float64))
+  if x.size == 0 or not np.all(np.isfinite(x)):
+    raise ValueError(f"Need at least one finite sample, got {x.tolist()}.")
+  if not 0 < confidence < 1:
+    raise ValueError(f"{confidence=} must be in (0, 1).")
+  n = x.size
+  j, below = 1, 0  # below = P(B < j) * 2**n
+  while True:
+    below_next = below + math.comb(n, j)  # P(B < j + 1) * 2**n
+    if j + 1 > (n + 1) // 2 or 2 * below_next > (1 - confidence) * 2**n:
+      break
+    j, below = j + 1, below_next
+  return float(np.median(x)), float(x[j - 1]), float(x[n - j])
+
+
+# --- output check -----------------------------------------------------------------------
+
+# (rtol, atol) relative to the reference's largest magnitude (see check_close). float32 is
+# loose because GPU matmuls run f32 as TF32 (10-bit mantissa) by default; the 16-bit types
+# allow about four units in the last place.
+_TOLERANCES: Final = {
+    np.dtype(np.float64): (1e-7, 1e-10),
+    np.dtype(np.float32): (2e-3, 1e-6),
+    np.dtype(np.float16): (4e-3, 1e-4),
+    np.dtype(jnp.bfloat16): (3e-2, 1e-3),
+}
+
+
+def default_tolerance(dtype: Any) -> tuple[float, float]:
+  """Tolerances of the output check for one dtype.
+
+  Args:
+    dtype: anything `np.dtype` accepts, including JAX's bfloat16 and float8 types.
+
+  Returns:
+    (rtol, atol): floats without an entry in the table get 4 eps and eps, complex types
+    their component's, and integers and bools (0, 0): exact.
+
+  Raises:
+    TypeError: for a dtype that is neither numeric nor bool.
+  """
+  dt = np.dtype(dtype)
+  if dt in _TOLERANCES:
+    return _TOLERANCES[dt]
+  if jnp.issubdtype(dt, jnp.complexfloating):
+    return default_tolerance(jnp.finfo(dt).dtype)
+  if jnp.issubdtype(dt, jnp.floating):
+    eps = float(jnp.finfo(dt).eps)
+    return 4 * eps, eps
+  if jnp.issubdtype(dt, jnp.integer) or dt == np.bool_:
+    return 0.0, 0.0
+  raise TypeError(f"No output tolerance for {dt=}: expected a numeric or bool dtype.")
+
+
+def check_close(output: Any, reference: Any, *, rtol: float | None = None,
+                atol: float | None = None) -> str | None:
+  """Compares an output pytree with a reference pytree, leaf by leaf.
+
+  A leaf passes when every element satisfies |out - ref| <= atol + rtol * scale, scale the
+  largest finite |ref| of that leaf (relative to the leaf's scale, not elementwise: kernels
+  that accumulate differently differ in absolute terms near zero). Positions where the
+  reference is NaN are not compared; a NaN elsewhere fails, and an infinity must match.
+  Shapes must match; dtypes may differ (a float32 reference for a bfloat16 output), and
+  the looser of the two dtypes' default tolerances applies.
+
+  Args:
+    output: the candidate's output, a pytree of arrays.
+    reference: the expected output, a pytree of arrays of the same structure.
+    rtol: relative tolerance, or None for the dtype default.
+    atol: absolute tolerance, or None for the dtype default.
+
+  Returns:
+    None when the output is close, else a short reason naming the leaf and the error.
+  """
+  out_leaves, out_tree = jax.tree.flatten_with_path(output)
+  ref_leaves, ref_tree = jax.tree.flatten_with_path(reference)
+  if out_tree != ref_tree:
+    return f"output structure {out_tree} differs from the reference's {ref_tree}"
+  for (path, out), (_, ref) in zip(out_leaves, ref_leaves):
+    reason = _compare_leaf(np.asarray(out), np.asarray(ref), rtol, atol)
+    if reason is not None:
+      return f"{jax.tree_util.keystr(path) or 'output'}: {reason}"
+  return None
+
+
+def _compare_leaf(out: np.ndarray, ref: np.ndarray, rtol: float | None,
+                  atol: float | None) -> str | None:
+  if out.shape != ref.shape:
+    return f"shape {out.shape} differs from the reference's {ref.shape}"
+  if out.size == 0:
+    return None
+  rtol_out, atol_out = default_tolerance(out.dtype)
+  rtol_ref, atol_ref = default_tolerance(ref.dtype)
+  rtol = max(rtol_out, rtol_ref) if rtol is None else rtol
+  atol = max(atol_out, atol_ref) if atol is None else atol
+  wide = np.complex128 if np.iscomplexobj(out) or np.iscomplexobj(ref) else np.float64
+  o, r = out.astype(wide), ref.astype(wide)
+  compared = ~np.isnan(r)
+  bad_nan = np.isnan(o) & compared
+  if bad_nan.any():
+    first = np.unravel_index(np.argmax(bad_nan), o.shape)
+    return (f"NaN at {int(bad_nan.sum())} positions where the reference has none"
+            f" (first at index {tuple(map(int, first))})")
+  infinite = (np.isinf(o) | np.isinf(r)) & compared
+  bad_inf = infinite & (o != r)
+  if bad_inf.any():
+    first = np.unravel_index(np.argmax(bad_inf), o.shape)
+    return f"infinity does not match the reference at {int(bad_inf.sum())} positions" \
+           f" (first at index {tuple(map(int, first))})"
+  finite = compared & ~infinite
+  if not finite.any():
+    return None
+  scale = float(np.abs(r[finite]).max())
+  err = np.where(finite, np.abs(o - r), 0.0)
+  worst = np.unravel_index(np.argmax(err), o.shape)
+  max_err, bound = float(err[worst]), atol + rtol * scale
+  if max_err <= bound:
+    return None
+  return (f"max abs error {max_err:.3g} at index {tuple(map(int, worst))} exceeds"
+          f" {bound:.3g} = atol {atol:g} + rtol {rtol:g} x reference scale {scale:.3g}"
+          f" (relative error {max_err / scale if scale else math.inf:.3g})")
+
+
+# --- candidates and worker threads ------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class _Candidate:
+  """Mutable bookkeeping for one candidate during one measure_candidates call."""
+  key: Any
+  executable: Any = None
+  compile_time_s: float | None = None
+  status: str = "ok"
+  error: str | None = None
+  batch_calls: int = 1
+  spent_s: float = 0.0
+  next_input: int = 0
+  samples: list[float] = dataclasses.field(default_factory=list)
+
+  @property
+  def alive(self) -> bool:
+    return self.status == "ok"
+
+  def fail(self, status: str, error: str):
+    self.status, self.error = status, error
+
+
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+  """A compile_cache entry: the executable, or the failure that replaced it."""
+  executable: Any
+  compile_time_s: float | None
+  status: str = "ok"
+  error: str | None = None
+
+
+def _short_error(exc: BaseException) -> str:
+  """First and last lines of an exception: the kind of failure and its root cause."""
+  lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+  text = type(exc).__name__
+  if lines:
+    text += f": {lines[0]}" + (f" ... {lines[-1]}" if len(lines) > 1 else "")
+  return text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS - 3] + "..."
+
+
+def _run_with_timeout(fn: Callable[[], Any], timeout_s: float) -> tuple[str, Any]:
+  """Runs fn() on a daemon thread, waiting at most timeout_s.
+
+  Returns ("ok", value), ("error", exception) or ("timeout", None); on timeout the thread
+  is abandoned (a daemon thread does not keep the process alive).
+  """
+  box: list[tuple[str, Any]] = []
+
+  def target():
+    try:
+      box.append(("ok", fn()))
+    except BaseException as exc:  # Reported to the caller as data, never lost.
+      box.append(("error", exc))
+
+  thread = threading.Thread(target=target, name="stellarax-measure", daemon=True)
+  thread.start()
+  thread.join(timeout_s)
+  return ("timeout", None) if thread.is_alive() else box[0]
+
+
+def _ordered_keys(mapping: Mapping[K, Any], order: Iterable[K] | None) -> list[K]:
+  """The keys of mapping in `order` (entries not in mapping are skipped)."""
+  if order is None:
+    return list(mapping)
+  keys = [k for k in dict.fromkeys(order) if k in mapping]
+  if len(keys) != len(mapping):
+    missing = [k for k in mapping if k not in set(keys)]
+    raise ValueError(f"order must list every candidate; it misses {missing[:10]!r}"
+                     f"{' ...' if len(missing) > 10 else ''}. Pass order=None to keep the"
+                     " mapping's order.")
+  return keys
+
+
+# --- phases -----------------------------------------------------------------------------
+
+
+def _compile_one(fn: Callable[..., Any], args: tuple) -> tuple[str, Any, float]:
+  start = time.perf_counter()
+  try:
+    executable = jax.jit(fn).lower(*args).compile()
+  except Exception as exc:  # Any failure to build the program is the candidate's.
+    return "error", exc, time.perf_counter() - start
+  return "ok", executable, time.perf_counter() - start
+
+
+def _compile_all(cands: list[_Candidate], fns: Mapping[Any, Callable[..., Any]], args: tuple,
+                 options: MeasureOptions, cache: MutableMapping[Any, Any] | None):
+  """Compiles on worker threads; a compilation past timeout_s is abandoned as a timeout."""
+  todo = collections.deque()
+  for cand in cands:
+    if cache is not None and cache.get(cand.key) is not None:
+      _apply_compiled(cand, cache[cand.key])
+    else:
+      todo.append(cand)
+  threads = options.compile_threads or min(len(todo), os.cpu_count() or 1)
+  finished: queue.SimpleQueue = queue.SimpleQueue()
+  running: dict[_Candidate, float] = {}  # candidate -> start time
+  while todo or running:
+    while todo and len(running) < threads:
+      cand = todo.popleft()
+      running[cand] = time.perf_counter()
+      worker = lambda cand=cand: finished.put((cand, _compile_one(fns[cand.key], args)))
+      threading.Thread(target=worker, name="stellarax-compile", daemon=True).start()
+    wait_s = min(running.values()) + options.timeout_s - time.perf_counter()
+    try:
+      cand, (kind, value, seconds) = finished.get(timeout=max(wait_s, 0.0))
+    except queue.Empty:
+      _expire_compilations(running, options.timeout_s, cache)
+      continue
+    if running.pop(cand, None) is None:
+      continue  # An abandoned compilation finished late; its timeout stands.
+    entry = (_Compiled(value, seconds) if kind == "ok" else
+             _Compiled(None, seconds, "compile_error", _short_error(value)))
+    _apply_compiled(cand, entry)
+    if cache is not None:
+      cache[cand.key] = entry
+
+
+def _expire_compilations(running: dict[_Candidate, float], timeout_s: float,
+                         cache: MutableMapping[Any, Any] | None):
+  now = time.perf_counter()
+  for cand, start in list(running.items()):
+    if now - start >= timeout_s:
+      del running[cand]
+      entry = _Compiled(None, None, "timeout",
+                        f"compilation did not finish within timeout_s={timeout_s:g} s")
+      _apply_compiled(cand, entry)
+      if cache is not None:
+        cache[cand.key] = entry
+
+
+def _apply_compiled(cand: _Candidate, entry: _Compiled):
+  cand.executable, cand.compile_time_s = entry.executable, entry.compile_time_s
+  if entry.status != "ok":
+    cand.fail(entry.status, entry.error)
+
+
+def _check_output(cand: _Candidate, args: tuple, reference: Any,
+                  check: Callable[[Any, Any], str | None] | None, options: MeasureOptions):
+  """Runs the candidate once and records a runtime error, timeout or wrong result."""
+  kind, value = _run_with_timeout(lambda: jax.device_get(cand.executable(*args)),
+                                  options.timeout_s)
+  if kind == "timeout":
+    cand.fail("timeout", f"the check run did not finish within timeout_s={options.timeout_s:g} s")
+  elif kind == "error":
+    cand.fail("runtime_error", _short_error(value))
+  elif check is not None:
+    reason = check(value, reference)
+    if reason is not None:
+      cand.fail("wrong_result", reason)
+  elif reference is not None:
+    reason = check_close(value, reference, rtol=options.rtol, atol=options.atol)
+    if reason is not None:
+      cand.fail("wrong_result", reason)
+
+
+def _on_device(args: tuple) -> tuple:
+  """Puts host arrays on the device once, so that no timed call copies them."""
+  put = lambda x: jax.device_put(x) if isinstance(x, (np.ndarray, np.generic)) else x
+  return jax.block_until_ready(jax.tree.map(put, args))
+
+
+def _input_sets(args: tuple, options: MeasureOptions) -> list[tuple]:
+  """The argument tuples that successive calls rotate through (one unless cold_cache)."""
+  nbytes = sum(x.nbytes for x in jax.tree.leaves(args) if isinstance(x, jax.Array))
+  if not options.cold_cache or nbytes == 0:
+    return [args]
+  count = min(options.max_input_copies, options.llc_bytes // nbytes + 1)
+  copy = lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x
+  return [args] + [jax.block_until_ready(jax.tree.map(copy, args)) for _ in range(count - 1)]
+
+
+def _run_batch(cand: _Candidate, input_sets: list[tuple], n: int,
+               options: MeasureOptions) -> float | None:
+  """Times n back-to-back calls and one sync; returns the batch seconds, None on failure."""
+  start_input = cand.next_input
+  cand.next_input = (start_input + n) % len(input_sets)
+
+  def batch():
+    outputs = []
+    start = time.perf_counter()
+    for i in range(n):
+      outputs.append(cand.executable(*input_sets[(start_input + i) % len(input_sets)]))
+    jax.block_until_ready(outputs)
+    return time.perf_counter() - start
+
+  started = time.perf_counter()
+  kind, value = _run_with_timeout(batch, options.timeout_s)
+  cand.spent_s += time.perf_counter() - started
+  if kind == "timeout":
+    cand.fail("timeout", f"a batch of {n} calls did not finish within"
+                         f" timeout_s={options.timeout_s:g} s")
+    return None
+  if kind == "error":
+    cand.fail("runtime_error", _short_error(value))
+    return None
+  return value
+
+
+def _warm_up(cand: _Candidate, input_sets: list[tuple], options: MeasureOptions):
+  """Warms the candidate up and sets its batch size (see step 4 of the module docstring)."""
+  n, runs, started = 1, 0, time.perf_counter()
+  while True:
+    batch_s = _run_batch(cand, input_sets, n, options)
+    if batch_s is None:
+      return
+    runs += n
+    long_enough = batch_s >= options.min_batch_s or n >= options.max_batch_calls
+    warm = runs >= options.warmup_runs and time.perf_counter() - started >= options.warmup_s
+    if (long_enough and warm) or cand.spent_s >= options.max_total_s:
+      cand.batch_calls = n
+      return
+    if not long_enough:
+      wanted = math.ceil(1.2 * n * options.min_batch_s / max(batch_s, 1e-9))
+      n = min(options.max_batch_calls, max(2 * n, min(_MAX_BATCH_GROWTH * n, wanted)))
+
+
+def _take_rounds(cands: list[_Candidate], input_sets: list[tuple], options: MeasureOptions,
+                 rng: random.Random, num_rounds: int, spend_limit_s: float):
+  """Shuffled rounds of one sample per live candidate; see step 5 of the module docstring."""
+  for _ in range(num_rounds):
+    live = [c for c in cands if c.alive and (not c.samples or c.spent_s < spend_limit_s)]
+    if not live:
+      return
+    rng.shuffle(live)
+    for cand in live:
+      batch_s = _run_batch(cand, input_sets, cand.batch_calls, options)
+      if batch_s is not None:
+        cand.samples.append(batch_s / cand.batch_calls)
+
+
+def _leaders(intervals: Mapping[K, tuple[float, float, float]]) -> list[K]:
+  """Keys whose (median, low, high) interval reaches the fastest median's interval."""
+  if not intervals:
+    return []
+  fastest = min(intervals, key=lambda k: intervals[k][0])
+  return [k for k, (_, low, _) in intervals.items() if low <= intervals[fastest][2]]
+
+
+def _time_all(cands: list[_Candidate], args: tuple, options: MeasureOptions):
+  """Warm-up, shuffled rounds, then more rounds among the leaders."""
+  input_sets = _input_sets(args, options)
+  for cand in cands:
+    _warm_up(cand, input_sets, options)
+  rng = random.Random(options.seed)
+  main_share = options.rounds / (options.rounds + options.leader_rounds)
+  _take_rounds(cands, input_sets, options, rng, options.rounds,
+               options.max_total_s * main_share)
+  intervals = {c: median_interval(c.samples) for c in cands if c.alive}
+  leaders = _leaders(intervals)
+  if len(leaders) > 1 and options.leader_rounds:
+    _take_rounds(leaders, input_sets, options, rng, options.leader_rounds,
+                 options.max_total_s)
+
+
+def _method_name(args: tuple, options: MeasureOptions) -> str:
+  devices = [x.devices() for x in jax.tree.leaves(args) if isinstance(x, jax.Array)]
+  platform = next(iter(devices[0])).platform if devices else jax.default_backend()
+  return f"{platform}-batched" + ("-cold" if options.cold_cache else "")
+
+
+def _to_measurement(cand: _Candidate, method: str) -> Measurement:
+  if not cand.alive:
+    return Measurement(status=cand.status, error=cand.error,
+                       compile_time_s=cand.compile_time_s, method=method)
+  median, low, high = median_interval(cand.samples)
+  return Measurement(status="ok", median_s=median, ci_low_s=low, ci_high_s=high,
+                     num_samples=len(cand.samples), compile_time_s=cand.compile_time_s,
+                     method=method)
+
+
+def measure_candidates(
+    candidates: Mapping[K, Callable[..., Any]],
+    args: tuple,
+    *,
+    reference: Any = None,
+    options: MeasureOptions = MeasureOptions(),
+    check: Callable[[Any, Any], str | None] | None = None,
+    order: Iterable[K] | None = None,
+    compile_cache: MutableMapping[K, Any] | None = None,
+    effort: float = 1.0,
+) -> dict[K, Measurement]:
+  """Checks and times candidates by the method in this module's docstring.
+
+  Args:
+    candidates: key -> jittable function called as fn(*args), returning a pytree of arrays.
+      Every leaf of args is traced; close over static values in the function.
+    args: the positional arguments, a tuple of arrays or pytrees of arrays.
+    reference: the expected output (a pytree of arrays, or a zero-argument callable that
+      returns it, called once), or None to skip the default check.
+    options: measurement options.
+    check: check(output, reference) -> None when acceptable, else a short reason; it
+      replaces `check_close` and is called even when reference is None. Outputs and
+      reference reach it as numpy pytrees.
+    order: the keys in the order to compile, check, warm up and shuffle them (makes the
+      run reproducible); None uses the mapping's order. Extra entries are ignored.
+    compile_cache: a mapping in which compiled executables (and compile failures) are
+      kept by key, so that a later call with the same candidates and argument shapes
+      does not compile again. None compiles every time.
+    effort: fraction of a full measurement, in (0, 1]: the options are replaced by
+      `options.with_effort(effort)` (fewer rounds, same compilation and check). Search
+      strategies pass it to measure cheaply first (see search.py).
+
+  Returns:
+    key -> Measurement, in `order`.
+
+  Raises:
+    ValueError: if candidates is empty, order misses a candidate, or effort is not in (0, 1].
+    TypeError: if a candidate is not callable.
+  """
+  if not candidates:
+    raise ValueError("No candidates to measure: pass a non-empty mapping of key -> function.")
+  keys = _ordered_keys(candidates, order)
+  options = options.with_effort(effort)
+  for key in keys:
+    if not callable(candidates[key]):
+      raise TypeError(f"Candidate {key!r} is {candidates[key]!r}; expected a function fn(*args).")
+  args = _on_device(tuple(args))
+  cands = [_Candidate(key) for key in keys]
+  _compile_all(cands, candidates, args, options, compile_cache)
+  if any(c.alive for c in cands):
+    expected = jax.device_get(reference() if callable(reference) else reference)
+    for cand in cands:
+      if cand.alive:
+        _check_output(cand, args, expected, check, options)
+  _time_all([c for c in cands if c.alive], args, options)
+  method = _method_name(args, options)
+  return {c.key: _to_measurement(c, method) for c in cands}
+
+
+# --- choice -----------------------------------------------------------------------------
+
+
+def pick_best(measurements: Mapping[K, Measurement], *, prefer: K | None = None,
+              order: Iterable[K] | None = None) -> K:
+  """Chooses the fastest successful candidate, breaking ties deterministically.
+
+  Let F be the ok candidate with the smallest median (the first in `order` among equal
+  medians). A candidate c is tied with F when median(c) <= (1 + TIE_RELATIVE) * median(F)
+  or its interval reaches F's (ci_low(c) <= ci_high(F)). Among the tied candidates (F is
+  one), `prefer` wins if it is one of them, else the first in `order`. So a faster
+  candidate replaces the preferred (heuristic) one only when it is faster beyond noise,
+  and noise cannot flip the choice between two tied non-preferred candidates either.
+
+  Args:
+    measurements: key -> Measurement.
+    prefer: key that wins ties, usually the heuristic config; None for no preference.
+    order: the keys in tie-breaking order; None uses the mapping's order. Extra entries
+      are ignored.
+
+  Returns:
+    The chosen key; never one whose status is not "ok".
+
+  Raises:
+    AllCandidatesFailedError: (a ValueError) if no candidate is ok; it lists each failure.
+    ValueError: if prefer is not among the measurements or order misses a key.
+  """
+  keys = _ordered_keys(measurements, order)
+  if prefer is not None and prefer not in measurements:
+    raise ValueError(f"{prefer=} was not measured; measure it too or pass prefer=None.")
+  ok = [k for k in keys if measurements[k].ok]
+  if not ok:
+    raise AllCandidatesFailedError({k: measurements[k] for k in keys})
+  fastest = measurements[min(ok, key=lambda k: measurements[k].median_s)]
+  tied = [k for k in ok
+          if measurements[k].median_s <= (1 + TIE_RELATIVE) * fastest.median_s
+          or measurements[k].ci_low_s <= fastest.ci_high_s]
+  return prefer if prefer in tied else tied[0]

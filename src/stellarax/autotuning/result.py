@@ -1,0 +1,235 @@
+"""`AutotuningResult`: the best config of every tuned op call, as data.
+
+A result maps (op identity, autotuning key) to an `Entry`: every config that
+was measured with its `Measurement` (failures included), the best one, and
+the heuristic one. It is a context manager (`with result:` makes op calls
+use it first; see `stellarax.core.resolution`), serialises to the versioned
+JSON format of `file_format.py`, and merges with `|`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from stellarax.autotuning import file_format
+from stellarax.autotuning.measure import Measurement
+from stellarax.core import resolution
+from stellarax.core import specs
+from stellarax.core.bound_args import BoundArguments
+from stellarax.core.config import config_to_json
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  """The tuning record of one op call.
+
+  Attributes:
+    bound_args: the call (op without config, abstract arguments).
+    best_config: the config chosen.
+    heuristic_config: the op's heuristic config for the call.
+    measurements: (config, Measurement) pairs, in measuring order.
+    measured_at: ISO-8601 UTC time of the measurement.
+    method: how it was measured (strategy and timing method).
+  """
+
+  bound_args: BoundArguments
+  best_config: Any
+  heuristic_config: Any
+  measurements: tuple[tuple[Any, Measurement], ...]
+  measured_at: str = ""
+  method: str = ""
+
+  @property
+  def key(self) -> tuple[str, str]:
+    return (self.bound_args.op_json(), self.bound_args.key_json())
+
+  def time_of(self, config: Any) -> float | None:
+    """The median time of `config` if it was measured ok, else None."""
+    for c, m in self.measurements:
+      if c == config and m.status == "ok":
+        return m.median_s
+    return None
+
+  @property
+  def best_time(self) -> float | None:
+    return self.time_of(self.best_config)
+
+  @property
+  def heuristic_time(self) -> float | None:
+    return self.time_of(self.heuristic_config)
+
+  @property
+  def num_failed(self) -> int:
+    return sum(m.status != "ok" for _, m in self.measurements)
+
+
+class AutotuningResult:
+  """Best configs per op call, for one device kind.
+
+  Use it as a context manager (`with result: f(x)`), save it (`dump`,
+  `dumps`), load it (`load`, `loads`), merge results (`a | b`), and read it
+  (`len`, iteration over entries, `best_config(ba)`, `summary()`).
+  """
+
+  def __init__(self, device_kind: str, entries: Mapping[tuple[str, str], Entry] | None = None,
+               versions: Mapping[str, str] | None = None):
+    self.device_kind = device_kind
+    self.versions = dict(versions or file_format.current_versions())
+    self._entries: dict[tuple[str, str], Entry] = dict(entries or {})
+    self._tokens: list[Any] = []
+
+  source_name = "result"
+
+  # ---- reading ----------------------------------------------------------
+
+  def __len__(self) -> int:
+    return len(self._entries)
+
+  def __iter__(self) -> Iterator[Entry]:
+    return iter(self._entries.values())
+
+  def __eq__(self, other: object) -> bool:
+    return (isinstance(other, AutotuningResult) and self.device_kind == other.device_kind
+            and self._entries == other._entries)
+
+  def __repr__(self) -> str:
+    return f"AutotuningResult(device_kind={self.device_kind!r}, {len(self)} entries)"
+
+  def entry(self, bound_args: BoundArguments) -> Entry | None:
+    """The entry of a call, or None."""
+    return self._entries.get((bound_args.op_json(), bound_args.key_json()))
+
+  def best_config(self, bound_args: BoundArguments) -> Any | None:
+    """The best config found for `bound_args`, or None if it was not tuned."""
+    entry = self.entry(bound_args)
+    return None if entry is None else entry.best_config
+
+  # The ConfigSource protocol of core.resolution.
+  def lookup_config(self, bound_args: BoundArguments) -> Any | None:
+    return self.best_config(bound_args)
+
+  def lookup_time(self, bound_args: BoundArguments) -> float | None:
+    entry = self.entry(bound_args)
+    return None if entry is None else entry.best_time
+
+  def summary(self) -> str:
+    """A table: op, shapes, best config, its time, the heuristic's, speed-up."""
+    rows = [("op", "arguments", "best config", "best", "heuristic", "speed-up", "measured", "failed")]
+    for e in self:
+      best, heur = e.best_time, e.heuristic_time
+      speedup = f"{heur / best:.2f}x" if best and heur else "-"
+      rows.append((e.bound_args.op.name, _short_args(e.bound_args), _short_config(e.best_config),
+                   _fmt_time(best), _fmt_time(heur), speedup, str(len(e.measurements)), str(e.num_failed)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+  # ---- context manager --------------------------------------------------
+
+  def __enter__(self) -> AutotuningResult:
+    self._tokens.append(resolution.push_result(self))
+    return self
+
+  def __exit__(self, *exc) -> None:
+    resolution.pop_result(self._tokens.pop())
+
+  # ---- merging ----------------------------------------------------------
+
+  def __or__(self, other: AutotuningResult) -> AutotuningResult:
+    """Merges two results of the same device kind; per call the faster
+    measured best config wins, with its measurements.
+
+    Raises:
+      ValueError: for results of different device kinds.
+    """
+    if not isinstance(other, AutotuningResult):
+      return NotImplemented
+    if other.device_kind != self.device_kind:
+      raise ValueError(
+          f"Cannot merge results of different devices: {self.device_kind!r} | {other.device_kind!r}. "
+          "Keep one result per device kind (they are applied per device).")
+    merged = dict(self._entries)
+    for key, entry in other._entries.items():
+      mine = merged.get(key)
+      if mine is None or _faster(entry, mine):
+        merged[key] = entry
+    return AutotuningResult(self.device_kind, merged, self.versions)
+
+  def with_entry(self, entry: Entry) -> AutotuningResult:
+    """A copy with `entry` added (replacing the same call's entry)."""
+    entries = dict(self._entries)
+    entries[entry.key] = entry
+    return AutotuningResult(self.device_kind, entries, self.versions)
+
+  # ---- serialisation ----------------------------------------------------
+
+  def to_json(self) -> dict[str, Any]:
+    """The file-format data (see `file_format.py`)."""
+    return file_format.result_to_json(self)
+
+  def dumps(self) -> str:
+    """This result as a JSON string."""
+    return file_format.dumps(self.to_json())
+
+  @classmethod
+  def loads(cls, text: str, *, source: str = "<string>") -> AutotuningResult:
+    """Reads a result from a JSON string.
+
+    Raises:
+      file_format.FormatError: naming `source` and what is wrong.
+    """
+    return file_format.result_from_json(cls, file_format.parse(text, source=source), source=source)
+
+  def dump(self, path_or_file: str | os.PathLike | io.TextIOBase) -> None:
+    """Writes this result to a path (atomically) or an open text file."""
+    if hasattr(path_or_file, "write"):
+      path_or_file.write(self.dumps())
+    else:
+      file_format.atomic_write(path_or_file, self.dumps())
+
+  @classmethod
+  def load(cls, path_or_file: str | os.PathLike | io.TextIOBase) -> AutotuningResult:
+    """Reads a result from a path or an open text file.
+
+    Raises:
+      FileNotFoundError: for a missing path.
+      file_format.FormatError: naming the file and what is wrong.
+    """
+    if hasattr(path_or_file, "read"):
+      return cls.loads(path_or_file.read(), source=getattr(path_or_file, "name", "<file>"))
+    with open(path_or_file, encoding="utf-8") as f:
+      return cls.loads(f.read(), source=os.fspath(path_or_file))
+
+
+def _faster(a: Entry, b: Entry) -> bool:
+  ta, tb = a.best_time, b.best_time
+  if ta is None:
+    return False
+  return tb is None or ta < tb
+
+
+def _fmt_time(t: float | None) -> str:
+  if t is None:
+    return "-"
+  if t >= 1e-3:
+    return f"{t * 1e3:.3f} ms"
+  return f"{t * 1e6:.1f} us"
+
+
+def _short_args(ba: BoundArguments) -> str:
+  parts = []
+  for k, v in ba.arguments.items():
+    if isinstance(v, specs.ArraySpec):
+      parts.append(f"{k}={v.dtype}{list(v.shape)}".replace(" ", ""))
+  if ba.vmap_axes:
+    parts.append(f"vmap={[n for n, _ in ba.vmap_axes]}")
+  return " ".join(parts)
+
+
+def _short_config(config: Any) -> str:
+  return ",".join(f"{k}={v}" for k, v in config_to_json(config).items()) or "-"

@@ -1,0 +1,601 @@
+"""Search strategies: which configs to measure, how thoroughly, and which one wins.
+
+A strategy is a function over a search space and a measure,
+
+    strategy(space, measure, *, heuristic=..., budget_s=..., ...) -> SearchOutcome
+
+and knows nothing of ops, kernels or devices. `exhaustive`, `racing` and `random_search`
+all accept `heuristic` and `budget_s` by keyword, so a caller can hold any of them (see
+`default_strategy`).
+
+The measure. A `Measure` measures a batch of configs in one call, so that it can
+interleave them (see measure.py), and returns one `Measurement` per config:
+
+    measure(configs, *, effort=1.0) -> Mapping[config, Measurement]
+
+`effort` in (0, 1] is the fraction of a full measurement to spend on each config of the
+call; `measure_candidates(..., effort=e)` turns it into `e` times the rounds, leader rounds,
+warm-up and per-candidate budget, keeping at least one round. Compilation and the output
+check do not shrink with effort, so a measure should compile each config once across calls
+(`measure_candidates(..., compile_cache=...)`); the strategies do not rely on it, they learn
+what calls cost (see `racing`). Failed configs come back as data and are never chosen;
+when every measured config failed, the strategy raises `AllCandidatesFailedError` listing
+why each failed.
+
+Time. Strategies read an injectable `clock` (default `time.perf_counter`); `ReplayMeasure`
+replays a recorded sweep and advances a fake clock, so strategies are tested and compared
+on any machine, deterministically.
+
+The choice. Every strategy ends with `measure.pick_best` over its finalists with
+`prefer=heuristic` and the space's order: a config replaces the heuristic one only when it
+is faster beyond noise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import time
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Final, Generic, Protocol, TypeVar
+
+import numpy as np
+
+from stellarax.autotuning.measure import Measurement, median_interval, pick_best
+
+C = TypeVar("C", bound=Hashable)
+
+# Spaces up to this size are measured exhaustively by default_strategy.
+MAX_EXHAUSTIVE: Final = 16
+# Configs per measure call when a budgeted sweep or racing's screening goes in chunks.
+_CHUNK: Final = 16
+# Fraction of racing's budget that extra effort (boost) may not plan to use.
+_BOOST_MARGIN: Final = 0.05
+
+
+class Measure(Protocol[C]):
+  """Measures a batch of configs; see the module docstring for the contract."""
+
+  def __call__(self, configs: Sequence[C], /, *, effort: float = 1.0
+               ) -> Mapping[C, Measurement]:
+    ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SearchOutcome(Generic[C]):
+  """What a search found.
+
+  Attributes:
+    strategy: the strategy's name ("exhaustive", "racing", "random").
+    best: the chosen config; its measurement is ok.
+    measurements: config -> its most thorough measurement (the latest among equally
+      thorough ones), for every config measured, failures included.
+    wall_time_s: seconds the search took, by its clock.
+    num_configs: configs in the space (the heuristic counted once).
+  """
+
+  strategy: str
+  best: C
+  measurements: Mapping[C, Measurement]
+  wall_time_s: float
+  num_configs: int
+
+  @property
+  def num_measured(self) -> int:
+    """Distinct configs measured."""
+    return len(self.measurements)
+
+  @property
+  def best_measurement(self) -> Measurement:
+    """The measurement of the chosen config."""
+    return self.measurements[self.best]
+
+
+class Strategy(Protocol):
+  """The signature shared by the strategies, as a caller holding any of them uses it."""
+
+  def __call__(self, space: Iterable[Any], measure: Measure[Any], *, heuristic: Any,
+               budget_s: float | None = None) -> SearchOutcome[Any]:
+    ...
+
+
+# --- bookkeeping ------------------------------------------------------------------------
+
+
+class _Session(Generic[C]):
+  """The clock, the cost of every measure call, and the best measurement of each config."""
+
+  def __init__(self, measure: Measure[C], clock: Callable[[], float], budget_s: float | None):
+    if budget_s is not None and not (math.isfinite(budget_s) and budget_s > 0):
+      raise ValueError(f"{budget_s=} must be None (no limit) or a positive number of seconds.")
+    self.budget_s = budget_s
+    self._measure, self._clock = measure, clock
+    self._start = clock()
+    self._best: dict[C, tuple[float, Measurement]] = {}  # config -> (effort, measurement)
+    self.calls: list[tuple[int, float, float]] = []  # (new configs, total effort, seconds)
+
+  def remaining(self) -> float:
+    if self.budget_s is None:
+      return math.inf
+    return self.budget_s - (self._clock() - self._start)
+
+  def measured(self) -> list[C]:
+    return list(self._best)
+
+  def num_new(self, configs: Iterable[C]) -> int:
+    return sum(c not in self._best for c in configs)
+
+  def measure(self, configs: Sequence[C], effort: float) -> dict[C, Measurement]:
+    configs = list(configs)
+    new = self.num_new(configs)
+    start = self._clock()
+    got = self._measure(configs, effort=effort)
+    self.calls.append((new, effort * len(configs), self._clock() - start))
+    missing = [c for c in configs if c not in got]
+    if missing:
+      raise ValueError(f"The measure returned nothing for {missing[:5]!r}: a measure must return"
+                       " one Measurement per config it is given.")
+    for c in configs:
+      if not isinstance(got[c], Measurement):
+        raise TypeError(f"The measure returned {got[c]!r} for {c!r}; expected a Measurement.")
+      if c not in self._best or effort >= self._best[c][0]:
+        self._best[c] = (effort, got[c])
+    return {c: got[c] for c in configs}
+
+  def choose(self, finalists: Iterable[C], heuristic: C | None, order: Sequence[C]) -> C:
+    measurements = {c: self._best[c][1] for c in dict.fromkeys(finalists)}
+    prefer = heuristic if heuristic in measurements else None
+    return pick_best(measurements, prefer=prefer, order=order)
+
+  def outcome(self, strategy: str, best: C, num_configs: int) -> SearchOutcome[C]:
+    return SearchOutcome(
+        strategy=strategy, best=best,
+        measurements={c: m for c, (_, m) in self._best.items()},
+        wall_time_s=self._clock() - self._start, num_configs=num_configs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CostModel:
+  """Seconds per measure call: fixed_s per config never measured before, plus
+  per_effort_s per unit of effort summed over the call's configs.
+
+  Fitted by least squares to the calls so far, both coefficients kept >= 0. When the
+  calls cannot separate the two (all at one effort), the fit still predicts calls like
+  them, which is what the strategies then make.
+  """
+
+  fixed_s: float
+  per_effort_s: float
+
+  @classmethod
+  def fit(cls, calls: Sequence[tuple[int, float, float]]) -> _CostModel:
+    if not calls:
+      return cls(0.0, 0.0)
+    x = np.array([[new, effort] for new, effort, _ in calls], dtype=np.float64)
+    y = np.array([seconds for *_, seconds in calls], dtype=np.float64)
+    (fixed, per_effort), *_ = np.linalg.lstsq(x, y, rcond=None)
+    if fixed >= 0 and per_effort >= 0:
+      return cls(float(fixed), float(per_effort))
+    # One coefficient would be negative: fit the other alone, through the origin.
+    only = lambda col: float(x[:, col] @ y / (x[:, col] @ x[:, col])) if x[:, col].any() else 0.0
+    candidates = [cls(max(only(0), 0.0), 0.0), cls(0.0, max(only(1), 0.0))]
+    residual = lambda m: float(np.sum((x @ [m.fixed_s, m.per_effort_s] - y) ** 2))
+    return min(candidates, key=residual)
+
+  def predict(self, new: int, effort_total: float) -> float:
+    return self.fixed_s * new + self.per_effort_s * effort_total
+
+
+def _configs(space: Iterable[C], heuristic: C | None) -> list[C]:
+  """The space without duplicates, in its order, with the heuristic first."""
+  try:
+    configs = list(dict.fromkeys(space))
+  except TypeError as exc:
+    raise TypeError(f"Configs must be hashable (frozen dataclasses, tuples): {exc}") from exc
+  if heuristic is not None:
+    configs = [heuristic] + [c for c in configs if c != heuristic]
+  if not configs:
+    raise ValueError("The search space is empty and there is no heuristic config: nothing to"
+                     " measure. Give the op at least one config.")
+  return configs
+
+
+def _check_chunk_size(chunk_size: int):
+  if not isinstance(chunk_size, int) or chunk_size < 1:
+    raise ValueError(f"{chunk_size=} must be an int >= 1.")
+
+
+def _sweep(session: _Session[C], configs: Sequence[C], chunk_size: int):
+  """Measures configs in chunks at full effort, starting no chunk that would not fit.
+
+  Before any call has been timed nothing predicts a cost, so the first chunk of a
+  budgeted sweep is a single config.
+  """
+  i = 0
+  while i < len(configs):
+    k = min(chunk_size, len(configs) - i)
+    if session.budget_s is not None:
+      per_config = _CostModel.fit(session.calls).predict(1, 1.0)
+      if not session.calls:
+        k = 1
+      elif per_config > 0:
+        k = min(k, math.floor(max(session.remaining(), 0.0) / per_config))
+      if False:
+        return
+    session.measure(configs[i:i + k], 1.0)
+    i += k
+
+
+# --- exhaustive and random --------------------------------------------------------------
+
+
+def exhaustive(space: Iterable[C], measure: Measure[C], *, heuristic: C | None = None,
+               budget_s: float | None = None, chunk_size: int | None = None,
+               clock: Callable[[], float] = time.perf_counter) -> SearchOutcome[C]:
+  """Measures every config of the space at full effort and keeps the fastest.
+
+  Args:
+    space: the configs (hashable; duplicates are measured once).
+    measure: see `Measure`.
+    heuristic: the untuned config; it is measured first (also when not in the space) and
+      wins ties. None for no preference.
+    budget_s: None measures everything; otherwise the sweep goes in chunks and stops before
+      a chunk predicted to overrun (then it is not exhaustive: num_measured < num_configs).
+    chunk_size: configs per measure call; None means one call for the whole space without
+      a budget, 16 with one.
+    clock: the time source.
+
+  Returns:
+    The outcome, strategy "exhaustive".
+
+  Raises:
+    AllCandidatesFailedError: if every measured config failed.
+    ValueError: for an empty space or bad arguments.
+  """
+  configs = _configs(space, heuristic)
+  if chunk_size is None:
+    chunk_size = len(configs) if budget_s is None else _CHUNK
+  _check_chunk_size(chunk_size)
+  session = _Session(measure, clock, budget_s)
+  _sweep(session, configs, chunk_size)
+  best = session.choose(session.measured(), heuristic, configs)
+  return session.outcome("exhaustive", best, len(configs))
+
+
+def random_search(space: Iterable[C], measure: Measure[C], *, heuristic: C,
+                  num_samples: int | None = None, budget_s: float | None = None,
+                  rng_seed: int = 0, chunk_size: int = _CHUNK,
+                  clock: Callable[[], float] = time.perf_counter) -> SearchOutcome[C]:
+  """Measures the heuristic, then configs drawn at random without replacement.
+
+  Args:
+    space: the configs.
+    measure: see `Measure`.
+    heuristic: the untuned config, measured first so the result is never worse than it
+      beyond noise; it wins ties.
+    num_samples: how many configs besides the heuristic to draw at most.
+    budget_s: seconds by `clock`; no chunk predicted to overrun is started. The
+      heuristic's measurement is always made.
+    rng_seed: seed of the draw.
+    chunk_size: configs per measure call.
+    clock: the time source.
+
+  Returns:
+    The outcome, strategy "random".
+
+  Raises:
+    ValueError: if neither num_samples nor budget_s is given, or for bad arguments.
+    AllCandidatesFailedError: if every measured config failed.
+  """
+  if num_samples is None and budget_s is None:
+    raise ValueError("random_search needs num_samples, budget_s or both; it got neither.")
+  if num_samples is not None and (not isinstance(num_samples, int) or num_samples < 0):
+    raise ValueError(f"{num_samples=} must be None or an int >= 0.")
+  _check_chunk_size(chunk_size)
+  configs = _configs(space, heuristic)
+  pool = configs[1:]
+  random.Random(rng_seed).shuffle(pool)
+  pool = pool[:num_samples]
+  session = _Session(measure, clock, budget_s)
+  session.measure([heuristic], 1.0)
+  _sweep(session, pool, chunk_size)
+  best = session.choose(session.measured(), heuristic, configs)
+  return session.outcome("random", best, len(configs))
+
+
+# --- racing -----------------------------------------------------------------------------
+
+
+def _schedule(n: int, eta: int, min_effort: float, boost: float = 1.0
+              ) -> list[tuple[int, float]]:
+  """(configs, effort) per round of successive halving over n configs.
+
+  Sizes n, ceil(n / eta), ... down to at most eta; the last round has effort 1 and each
+  earlier one 1/eta of the next, but at least min_effort; `boost` >= 1 multiplies the
+  earlier rounds' efforts (at most 1).
+  """
+  sizes = [n] if n else []
+  while sizes and sizes[-1] > eta:
+    sizes.append(math.ceil(sizes[-1] / eta))
+  last = len(sizes) - 1
+  return [(size, min(1.0, boost * max(min_effort, float(eta) ** (i - last))))
+          for i, size in enumerate(sizes)]
+
+
+def _schedule_cost(model: _CostModel, schedule: Sequence[tuple[int, float]],
+                   first_is_new: bool) -> float:
+  """Predicted seconds of a schedule; its last round also re-measures the heuristic."""
+  total = 0.0
+  for i, (size, effort) in enumerate(schedule):
+    new = size if (i == 0 and first_is_new) else 0
+    final = i == len(schedule) - 1
+    total += model.predict(new, (size + final) * effort)
+  return total
+
+
+def _plan(session: _Session[C], available: int, eta: int, min_effort: float
+          ) -> list[tuple[int, float]]:
+  """The largest race predicted to fit the remaining budget.
+
+  First the most configs (cost is not monotone in the count: one more config can add a
+  cheap round, so all counts are tried); when all of them fit, the spare budget raises
+  the effort of the rounds before the last (bisection on `boost`), keeping
+  _BOOST_MARGIN of the budget unplanned against prediction errors.
+  """
+  model, room = _CostModel.fit(session.calls), session.remaining()
+  cost = lambda n, boost=1.0: _schedule_cost(model, _schedule(n, eta, min_effort, boost), True)
+  n = next((n for n in range(available, 0, -1) if cost(n) <= room), 0)
+  spare = room * (1 - _BOOST_MARGIN)
+  if n < available or cost(n) > spare:
+    return _schedule(n, eta, min_effort)
+  low, high = 1.0, 1.0 / min_effort  # cost(n, low) fits, cost(n, high) may not.
+  if cost(n, high) <= spare:
+    low = high
+  for _ in range(30 if low < high else 0):
+    mid = (low + high) / 2
+    low, high = (mid, high) if cost(n, mid) <= spare else (low, mid)
+  return _schedule(n, eta, min_effort, low)
+
+
+def _affordable_effort(session: _Session[C], batch: Sequence[C], effort: float,
+                       min_effort: float, reserve_s: float = 0.0) -> float | None:
+  """The planned effort if the call fits the budget, else the largest that fits, else None."""
+  room = session.remaining() - reserve_s
+  model = _CostModel.fit(session.calls)
+  new = session.num_new(batch)
+  if model.predict(new, len(batch) * effort) <= room:
+    return effort
+  if model.per_effort_s <= 0:
+    return None
+  fitting = (room - model.fixed_s * new) / (model.per_effort_s * len(batch))
+  return fitting if fitting >= min_effort else None
+
+
+def _screen(session: _Session[C], pool: Sequence[C], schedule: Sequence[tuple[int, float]],
+            chunk_size: int) -> dict[C, Measurement]:
+  """The first round: new configs in chunks, keeping budget for the rounds after it."""
+  effort = schedule[0][1]
+  results: dict[C, Measurement] = {}
+  for i in range(0, len(pool), chunk_size):
+    chunk = pool[i:i + chunk_size]
+    if session.budget_s is not None:
+      reserve = _schedule_cost(_CostModel.fit(session.calls), schedule[1:], False)
+      model, room = _CostModel.fit(session.calls), session.remaining() - reserve
+      per_config = model.predict(1, effort)
+      if per_config > 0:
+        chunk = chunk[:max(0, math.floor(room / per_config))]
+      if not chunk or room <= 0:
+        break
+    results |= session.measure(chunk, effort)
+  return results
+
+
+def _fastest(results: Mapping[C, Measurement], k: int, order: Sequence[C]) -> list[C]:
+  """The k ok configs with the smallest medians (ties by order)."""
+  rank = {c: i for i, c in enumerate(order)}
+  ok = sorted((c for c, m in results.items() if m.ok), key=lambda c: (results[c].median_s, rank[c]))
+  return ok[:k]
+
+
+def _race(session: _Session[C], pool: list[C], heuristic: C,
+          schedule: Sequence[tuple[int, float]], min_effort: float, chunk_size: int,
+          order: Sequence[C]) -> list[C]:
+  """Successive halving over pool; returns the configs of the last round completed."""
+  finalists: list[C] = []
+  results: dict[C, Measurement] = {}
+  for i, (size, effort) in enumerate(schedule):
+    final = i == len(schedule) - 1
+    contenders = pool if i == 0 else _fastest(results, size, order)
+    if not contenders:
+      break
+    if i == 0 and not final:
+      results = _screen(session, contenders, schedule, chunk_size)
+    else:
+      batch = contenders + [heuristic] if final else contenders
+      effort = _affordable_effort(session, batch, effort, min_effort)
+      if effort is None:
+        break
+      results = session.measure(batch, effort)
+    finalists = [c for c in results if c != heuristic]
+  return finalists
+
+
+def racing(space: Iterable[C], measure: Measure[C], *, heuristic: C,
+           budget_s: float | None = None, rng_seed: int = 0, eta: int = 3,
+           min_effort: float = 1 / 81, chunk_size: int = 32,
+           clock: Callable[[], float] = time.perf_counter) -> SearchOutcome[C]:
+  """Budgeted successive halving: many configs measured cheaply, few thoroughly.
+
+  1. The heuristic is measured at full effort: the baseline, so the result is never
+     worse than untuned beyond noise, and the first data point of the cost model.
+     With a budget it is measured again at `min_effort`, which tells apart the cost of a
+     config's first measurement (compilation) from the cost per unit of effort.
+  2. The pool: the other configs in an order shuffled by `rng_seed`, cut to the most
+     whose whole race the cost model (see `_CostModel`) predicts to fit the budget. When
+     the whole space fits with time to spare, the rounds before the last are measured
+     more thoroughly (their efforts multiplied by one factor, up to 1) to use it.
+  3. Rounds of successive halving: sizes n, ceil(n / eta), ... down to at most eta
+     configs; the last round has effort 1 and each earlier one 1/eta of the next (at least
+     `min_effort`). Each round keeps the fastest configs of the one before (failed ones
+     never go on); the last round measures them together with the heuristic.
+  4. Budget: the first round goes in chunks and stops when a chunk would eat into what
+     the later rounds are predicted to need; a later round that would overrun is measured
+     at the largest effort that fits (at least `min_effort`) or not at all. The cost model
+     is refitted before every call, so the search ends within the budget as far as a call's
+     cost can be predicted from the calls before it; the heuristic's measurement is always
+     made.
+  5. The choice: `pick_best` over the last completed round and the heuristic, with the
+     heuristic preferred on ties.
+
+  Args:
+    space: the configs.
+    measure: see `Measure`.
+    heuristic: the untuned config (measured even when not in the space).
+    budget_s: seconds by `clock`, or None to race the whole space.
+    rng_seed: seed of the pool's order.
+    eta: each round keeps 1/eta of the configs at eta times the effort; an int >= 2.
+    min_effort: the smallest effort of a round, in (0, 1].
+    chunk_size: configs per measure call in the first round.
+    clock: the time source.
+
+  Returns:
+    The outcome, strategy "racing".
+
+  Raises:
+    AllCandidatesFailedError: if every measured config failed.
+    ValueError: for an empty space or bad arguments.
+  """
+  if not isinstance(eta, int) or eta < 2:
+    raise ValueError(f"{eta=} must be an int >= 2 (the fraction 1/eta survives each round).")
+  if not 0 < min_effort <= 1:
+    raise ValueError(f"{min_effort=} must be in (0, 1].")
+  _check_chunk_size(chunk_size)
+  configs = _configs(space, heuristic)
+  session = _Session(measure, clock, budget_s)
+  session.measure([heuristic], 1.0)
+  pool = configs[1:]
+  random.Random(rng_seed).shuffle(pool)
+  if budget_s is None:
+    schedule = _schedule(len(pool), eta, min_effort)
+  else:
+    if pool and session.remaining() > session.calls[0][2] * min_effort:
+      session.measure([heuristic], min_effort)
+    schedule = _plan(session, len(pool), eta, min_effort)
+  pool = pool[:schedule[0][0]] if schedule else []
+  finalists = _race(session, pool, heuristic, schedule, min_effort, chunk_size, configs)
+  best = session.choose([heuristic, *finalists], heuristic, configs)
+  return session.outcome("racing", best, len(configs))
+
+
+def default_strategy(space_size: int, *, max_exhaustive: int = MAX_EXHAUSTIVE) -> Strategy:
+  """The strategy for a space of this size: exhaustive when small, racing when large.
+
+  Args:
+    space_size: number of configs in the space.
+    max_exhaustive: the largest space measured exhaustively.
+
+  Returns:
+    `exhaustive` or `racing`.
+
+  Raises:
+    ValueError: if space_size is negative.
+  """
+  if not isinstance(space_size, int) or space_size < 0:
+    raise ValueError(f"{space_size=} must be an int >= 0.")
+  return exhaustive if space_size <= max_exhaustive else racing
+
+
+# --- replay -----------------------------------------------------------------------------
+
+
+class ReplayMeasure(Generic[C]):
+  """A `Measure` that replays a recorded sweep and advances a fake clock.
+
+  Each call returns, for every config, its recorded failure as recorded, or a fresh
+  measurement of its recorded time: k = ceil(rounds * effort) samples, each the recorded
+  time times exp(noise * z), z standard normal (so the noise is multiplicative and its
+  median is the recorded time), summarised by `median_interval`. The clock advances by
+  compile_cost_s the first time a config is measured, plus cost_s_per_config * effort
+  per config per call: measuring the sweep at full effort costs
+  len(recorded) * (compile_cost_s + cost_s_per_config).
+
+  Args:
+    recorded: config -> seconds per call, or a Measurement (a failure, or an ok one whose
+      median is used).
+    noise: relative standard deviation of one sample; 0 replays exactly.
+    seed: seed of the noise.
+    cost_s_per_config: fake seconds of a full-effort measurement of one config.
+    compile_cost_s: fake seconds added the first time a config is measured.
+    rounds: samples of a full-effort measurement.
+
+  Raises:
+    ValueError: for an empty sweep, a time that is not positive, or bad arguments.
+  """
+
+  def __init__(self, recorded: Mapping[C, float | Measurement], *, noise: float = 0.0,
+               seed: int = 0, cost_s_per_config: float = 1.0, compile_cost_s: float = 0.0,
+               rounds: int = 10):
+    if not recorded:
+      raise ValueError("The recorded sweep is empty: give config -> seconds or Measurement.")
+    for name, value in (("noise", noise), ("cost_s_per_config", cost_s_per_config),
+                        ("compile_cost_s", compile_cost_s)):
+      if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name}={value} must be a finite number >= 0.")
+    if not isinstance(rounds, int) or rounds < 1:
+      raise ValueError(f"{rounds=} must be an int >= 1.")
+    self._recorded = {c: self._entry(c, v) for c, v in recorded.items()}
+    self._noise, self._rounds = noise, rounds
+    self._cost_s, self._compile_cost_s = cost_s_per_config, compile_cost_s
+    self._rng = np.random.default_rng(seed)
+    self._now = 0.0
+    self._seen: set[C] = set()
+    self.num_calls = 0
+
+  @staticmethod
+  def _entry(config: C, value: float | Measurement) -> float | Measurement:
+    if isinstance(value, Measurement):
+      return value.median_s if value.ok else value
+    if not (math.isfinite(value) and value > 0):
+      raise ValueError(f"Recorded time {value!r} of {config!r} must be a positive number of"
+                       " seconds; record failures as Measurement(status=..., error=...).")
+    return float(value)
+
+  def clock(self) -> float:
+    """The fake time: seconds of measuring so far."""
+    return self._now
+
+  def __call__(self, configs: Sequence[C], /, *, effort: float = 1.0) -> dict[C, Measurement]:
+    """Replays the measurement of configs; see the class docstring.
+
+    Args:
+      configs: configs of the recorded sweep.
+      effort: fraction of a full measurement, in (0, 1].
+
+    Returns:
+      config -> Measurement.
+
+    Raises:
+      ValueError: for a config not in the sweep or an effort outside (0, 1].
+    """
+    if not 0 < effort <= 1:
+      raise ValueError(f"{effort=} must be in (0, 1].")
+    unknown = [c for c in configs if c not in self._recorded]
+    if unknown:
+      raise ValueError(f"{unknown[:5]!r} are not in the recorded sweep; measure only its configs.")
+    self.num_calls += 1
+    out = {}
+    for config in configs:
+      self._now += self._cost_s * effort + (0.0 if config in self._seen else self._compile_cost_s)
+      self._seen.add(config)
+      out[config] = self._replay(self._recorded[config], effort)
+    return out
+
+  def _replay(self, value: float | Measurement, effort: float) -> Measurement:
+    if isinstance(value, Measurement):
+      return value
+    n = math.ceil(self._rounds * effort)
+    samples = value * np.exp(self._noise * self._rng.standard_normal(n))
+    median, low, high = median_interval(samples)
+    return Measurement(status="ok", median_s=median, ci_low_s=low, ci_high_s=high,
+                       num_samples=n, method="replay")

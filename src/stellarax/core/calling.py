@@ -1,0 +1,141 @@
+"""How an op call runs: config resolution, marker, custom_vmap, custom_vjp.
+
+The structure of one call, from the outside in:
+
+    custom_vjp                     backward pass = the op's VJP op
+      custom_vmap                  jax.vmap re-enters with the vmap level recorded
+        marker                     a call op tagged with the bound arguments (JSON)
+          op._fwd(config=...)      the implementation
+
+Under `jax.vmap` the custom_vmap rule re-binds the call one level further out
+(so `BoundArguments.vmap_axes` records it), resolves the config for that key,
+and runs the implementation under `jax.vmap`. The marker is attached with
+`ad_metadata="drop"` so the backward pass carries only the VJP op's marker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from stellarax.core import markers
+from stellarax.core.bound_args import BoundArguments
+from stellarax.core.resolution import resolve_config
+
+
+def _is_dynamic(x: Any) -> bool:
+  """Array leaves travel through jit/vmap/grad; everything else is static."""
+  return isinstance(x, (jax.Array, jax.core.Tracer, np.ndarray))
+
+
+def _split(values: dict[str, Any]):
+  """Splits argument values into array leaves and a rebuild function."""
+  leaves, treedef = jax.tree.flatten(values)
+  is_dyn = [_is_dynamic(x) for x in leaves]
+  arrays = [x for x, d in zip(leaves, is_dyn) if d]
+  statics = [None if d else x for x, d in zip(leaves, is_dyn)]
+
+  def rebuild(new_arrays):
+    it = iter(new_arrays)
+    return jax.tree.unflatten(treedef, [next(it) if d else s for s, d in zip(statics, is_dyn)])
+
+  return arrays, rebuild, treedef, is_dyn
+
+
+def _batch_one_level(fn: Callable[..., Any], batched: tuple[bool, ...]) -> Callable[..., Any]:
+  """`jax.vmap(fn)` over the leading axis of the batched arguments; where the
+  implementation has no batching rule (e.g. `lax.ragged_dot` over lhs), a
+  sequential `lax.map` over the batch instead."""
+
+  def batched_fn(*arrays):
+    try:
+      return jax.vmap(fn, in_axes=tuple(0 if b else None for b in batched))(*arrays)
+    except NotImplementedError:
+      def one(xs):
+        it = iter(xs)
+        return fn(*(next(it) if b else a for a, b in zip(arrays, batched)))
+      return jax.lax.map(one, [a for a, b in zip(arrays, batched) if b])
+
+  return batched_fn
+
+
+def _vmapped_impl(ba: BoundArguments, impl: Callable[..., Any]) -> Callable[..., Any]:
+  fn = impl
+  for _, batched in ba.vmap_axes:
+    fn = _batch_one_level(fn, batched)
+  return fn
+
+
+def _vmappable(ba: BoundArguments, make_impl: Callable[[Any], Callable[..., Any]]) -> Callable[..., Any]:
+  """The marked implementation, re-bound under every vmap level it meets."""
+
+  @jax.custom_batching.custom_vmap
+  def call(*arrays):
+    config = resolve_config(ba).config
+    impl = markers.mark(ba, _vmapped_impl(ba, make_impl(config)))
+    return impl(*arrays)
+
+  @call.def_vmap
+  def rule(axis_size, in_batched, *arrays):
+    outer = ba.with_outer_vmap(axis_size, tuple(in_batched))
+    out = _vmappable(outer, make_impl)(*arrays)
+    return out, jax.tree.map(lambda _: True, out)
+
+  return call
+
+
+def call_op(op, values: dict[str, Any]) -> Any:
+  """Runs `op` on bound argument `values` (see the module docstring).
+
+  Args:
+    op: an `Op` instance.
+    values: canonicalised argument values by name (arrays and statics).
+
+  Returns:
+    The op's output (forward ops: without residuals).
+  """
+  arrays, rebuild, _, _ = _split(values)
+  ba = BoundArguments.from_values(op, values)
+
+  def make_impl(config):
+    def impl(*arrs):
+      return op._fwd(**rebuild(arrs), config=config)
+    return impl
+
+  vcall = _vmappable(ba, make_impl)
+  if op.vjp_cls is None and getattr(op, "vjp", None) is None:
+    return vcall(*arrays)
+
+  @jax.custom_vjp
+  def primal(*arrs):
+    return vcall(*arrs)[0]
+
+  def primal_fwd(*arrs):
+    out, residuals = vcall(*arrs)
+    return out, (arrs, out, residuals)
+
+  def primal_bwd(saved, dout):
+    arrs, out, residuals = saved
+    grads = op.vjp_op()(residuals=residuals, out=out, dout=dout, **rebuild(arrs))
+    return _grads_for_leaves(values, grads)
+
+  primal.defvjp(primal_fwd, primal_bwd)
+  return primal(*arrays)
+
+
+def _grads_for_leaves(values: dict[str, Any], grads: dict[str, Any]) -> tuple[Any, ...]:
+  """Orders the VJP op's per-argument grads like the array leaves (None = 0)."""
+  out = []
+  for name in sorted(values):  # jax.tree.flatten sorts dict keys
+    leaves = jax.tree.leaves(values[name])
+    g = grads.get(name)
+    g_leaves = jax.tree.leaves(g) if g is not None else [None] * len(leaves)
+    if g is not None and len(g_leaves) != len(leaves):
+      raise ValueError(f"VJP op returned {len(g_leaves)} gradient leaves for {name!r}, expected {len(leaves)}.")
+    for x, gx in zip(leaves, g_leaves):
+      if _is_dynamic(x):
+        out.append(gx)
+  return tuple(out)

@@ -1,0 +1,76 @@
+"""Op configs: frozen, keyword-only, slotted, hashable dataclasses.
+
+An implementation's tunable hyperparameters (tile sizes, pipeline depth, chunk
+sizes, strategies) live in one config class. Configs are validated when built
+(`__post_init__`), so a search space is a plain `set` of valid configs and a
+bad value fails at construction with a message that says what to pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeVar
+
+from stellarax.core import specs
+
+T = TypeVar("T")
+
+config_dataclass = dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+"""Decorator for config classes: `@config_dataclass class MyConfig: ...`."""
+
+
+@config_dataclass
+class NoConfig:
+  """The config of an implementation with nothing to tune."""
+
+
+def check_power_of_two(name: str, value: int, *, minimum: int = 1, maximum: int | None = None) -> None:
+  """Raises ValueError unless `value` is a power of two in [minimum, maximum]."""
+  ok = isinstance(value, int) and value >= minimum and value & (value - 1) == 0
+  if maximum is not None:
+    ok = ok and value <= maximum
+  if not ok:
+    upper = f" and <= {maximum}" if maximum is not None else ""
+    raise ValueError(f"{name}={value!r} must be a power of two >= {minimum}{upper}.")
+
+
+def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
+  """Raises ValueError unless `value` is one of `choices`."""
+  choices = tuple(choices)
+  if value not in choices:
+    raise ValueError(f"{name}={value!r} must be one of {choices}.")
+
+
+def check_positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
+  """Raises ValueError unless `value` is an int >= 1 (or None when allowed)."""
+  if value is None and allow_none:
+    return
+  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    none = " or None" if allow_none else ""
+    raise ValueError(f"{name}={value!r} must be a positive int{none}.")
+
+
+def config_to_json(config: Any) -> dict[str, Any]:
+  """Returns a config's fields as JSON-able data (no class path)."""
+  if not dataclasses.is_dataclass(config):
+    raise TypeError(f"config={config!r} is not a config dataclass instance.")
+  return {f.name: specs.encode(specs.to_spec(getattr(config, f.name), what=f.name))
+          for f in dataclasses.fields(config)}
+
+
+def config_from_json(config_cls: type[T], data: Mapping[str, Any]) -> T:
+  """Builds a `config_cls` from `config_to_json` output, validating it.
+
+  Raises:
+    ValueError: when `data` has fields the class lacks or values it rejects.
+  """
+  if not isinstance(data, Mapping):
+    raise ValueError(f"A {config_cls.__name__} must be a JSON object, got {data!r}.")
+  known = {f.name for f in dataclasses.fields(config_cls)}
+  unknown = set(data) - known
+  if unknown:
+    raise ValueError(
+        f"{config_cls.__name__} has no field(s) {sorted(unknown)}; its fields are "
+        f"{sorted(known)}. The data may come from another stellarax version.")
+  return config_cls(**{k: specs.decode(v) for k, v in data.items()})

@@ -1,0 +1,96 @@
+"""Choosing an implementation for a public op function (`implementation=`).
+
+- None: the implementations that run on the default device, fastest first
+  when measurements of this call exist in the active results or caches, else
+  in the family's stated preference order;
+- a name ("xla", "pallas_triton", or the full "ragged_dot.xla") or an `Op`
+  instance: that one;
+- a sequence: tried in order.
+
+Candidates that raise `NotImplementedError` for the given arguments are
+skipped; when none applies, the error lists each candidate's reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from stellarax.core import calling
+from stellarax.core import registry
+from stellarax.core import resolution
+from stellarax.core.bound_args import BoundArguments
+from stellarax.core.op import Op
+
+
+def _as_op(family: str, implementation: str | Op) -> Op:
+  if isinstance(implementation, Op):
+    if implementation.name is None or not implementation.name.startswith(family + "."):
+      raise ValueError(f"implementation={implementation!r} is not a {family} op.")
+    return implementation
+  if not isinstance(implementation, str):
+    raise TypeError(f"implementation={implementation!r} must be None, a name, an Op or a sequence of those.")
+  name = implementation if "." in implementation else f"{family}.{implementation}"
+  try:
+    return registry.lookup(name)()
+  except KeyError:
+    known = [n.partition(".")[2] for n in registry.names(family) if not n.endswith("_vjp")]
+    raise ValueError(f"implementation={implementation!r}: {family} has no such implementation; "
+                     f"choose one of {known} (or None for the best available).") from None
+
+
+def _measured_time(ba: BoundArguments) -> float | None:
+  times = []
+  for source in (*reversed(resolution.active_results()), *resolution.cache_sources()):
+    lookup = getattr(source, "lookup_time", None)
+    t = lookup(ba) if lookup is not None else None
+    if t is not None:
+      times.append(t)
+  return min(times) if times else None
+
+
+def call_family(family: str, preference: Sequence[str], implementation: Any, args: tuple, kwargs: dict) -> Any:
+  """Runs the op family `family` with the chosen implementation.
+
+  Args:
+    family: e.g. "ragged_dot".
+    preference: backend names in the order to try when none is given.
+    implementation: see the module docstring.
+    args, kwargs: the op's arguments.
+
+  Returns:
+    The op's output.
+
+  Raises:
+    NotImplementedError: when no candidate supports the arguments, listing
+      each one's reason.
+  """
+  if implementation is None:
+    device = jax.devices()[0]
+    registered = set(registry.names(family))
+    ops = [_as_op(family, name) for name in preference if f"{family}.{name}" in registered]
+    ops = [op for op in ops if type(op).supported_on(device)]
+    explicit = False
+  elif isinstance(implementation, (str, Op)):
+    ops, explicit = [_as_op(family, implementation)], True
+  else:
+    ops, explicit = [_as_op(family, i) for i in implementation], True
+
+  bound, reasons = [], []
+  for op in ops:
+    try:
+      bound.append((op, op._bind_values(*args, **kwargs)))
+    except NotImplementedError as e:
+      reasons.append(f"  {op.name}: {e}")
+  if not bound:
+    why = "\n".join(reasons) or f"  none of {list(preference)} runs on {jax.devices()[0].platform}"
+    raise NotImplementedError(f"No {family} implementation supports these arguments:\n{why}")
+  if not explicit and len(bound) > 1:
+    timed = [(_measured_time(BoundArguments.from_values(op, v)), i) for i, (op, v) in enumerate(bound)]
+    timed = [(t, i) for t, i in timed if t is not None]
+    if timed:
+      bound = [bound[min(timed)[1]]]
+  op, values = bound[0]
+  return calling.call_op(op, values)

@@ -1,0 +1,253 @@
+"""`Op`: one implementation of one operation, with its config space.
+
+An `Op` subclass is one implementation (XLA, Pallas Triton, ...) of an op
+family. It declares a config class and five hooks:
+
+- `_fwd(*args, config, **kwargs)`: compute. A forward op returns
+  `(out, residuals)`; residuals are what its VJP op needs (or None).
+- `_get_heuristics_config(ba)`: the config to use when nothing was measured.
+- `_get_autotuning_configs(ba)`: the search space, a set of configs.
+- `_get_autotuning_cache_key(ba)`: the key results are stored under
+  (default: the canonical abstract arguments, vmap axes included).
+- `supported_on(device)`: whether it runs on a device.
+
+Calling an op binds its arguments (`bind`), resolves a config (see
+`resolution.py`) and runs `_fwd` inside a marker that names the op and its
+bound arguments in the lowered program, so capture finds it later. The
+backward pass is its own op (`vjp_cls`), reached through `jax.custom_vjp`,
+with its own config space; `jax.vmap` goes through `custom_vmap` so the key
+records the vmap axes.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from stellarax.core import registry
+from stellarax.core import specs
+from stellarax.core.config import NoConfig
+
+
+class _bind_descriptor:
+  """Lets `bind` be called on the class (default op) or on an instance."""
+
+  def __init__(self, method):
+    self._method = method
+    functools.update_wrapper(self, method)
+
+  def __get__(self, obj, cls):
+    return functools.partial(self._method, obj if obj is not None else cls())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Op(abc.ABC):
+  """Base class of every op implementation.
+
+  Subclasses register a stable name with a class keyword:
+  `class XlaRaggedDot(RaggedDot, name="ragged_dot.xla"): ...`. Fields of a
+  subclass (dataclass fields) are part of the op's identity and must be plain
+  values (no callables), so that equal ops compare and serialise equal.
+
+  Attributes:
+    config: pins a config for every call of this op; None resolves one per
+      call (tuned results, caches, heuristics).
+  """
+
+  config: Any = None
+
+  name: ClassVar[str | None] = None
+  config_cls: ClassVar[type] = NoConfig
+  vjp_cls: ClassVar[type[Op] | None] = None
+
+  def __init_subclass__(cls, name: str | None = None, **kwargs):
+    super().__init_subclass__(**kwargs)
+    if name is not None:
+      cls.name = name
+      registry.register(name, cls)
+
+  def __post_init__(self):
+    if self.config is not None and not isinstance(self.config, self.config_cls):
+      raise TypeError(
+          f"{type(self).__name__}(config=...) expects a {self.config_cls.__name__}, got "
+          f"{type(self.config).__name__}: {self.config!r}.")
+    for f in dataclasses.fields(self):
+      if f.name != "config" and not isinstance(getattr(self, f.name), Op):
+        specs.to_spec(getattr(self, f.name), what=f"{type(self).__name__}.{f.name}")
+
+  # ---- hooks -----------------------------------------------------------
+
+  @abc.abstractmethod
+  def _fwd(self, *args, config: Any, **kwargs) -> Any:
+    """Computes the op with `config`. Forward ops return (out, residuals)."""
+
+  def _canonicalize(self, arguments: dict[str, Any]) -> dict[str, Any]:
+    """Validates and canonicalises bound arguments (arrays or ArraySpecs).
+
+    Raise ValueError/TypeError for bad input, NotImplementedError for input
+    this implementation does not support (dispatch then tries the next one).
+    """
+    return arguments
+
+  @abc.abstractmethod
+  def _get_heuristics_config(self, ba: Any) -> Any:
+    """Returns the config to use when nothing was measured."""
+
+  def _get_autotuning_configs(self, ba: Any) -> set[Any]:
+    """Returns the search space for `ba` (the heuristic config is added)."""
+    return {self._get_heuristics_config(ba)}
+
+  def _get_autotuning_cache_key(self, ba: Any) -> Any:
+    """Returns the JSON-able key results for `ba` are stored under."""
+    return {"arguments": specs.encode(ba.arguments),
+            "vmap_axes": [[size, list(batched)] for size, batched in ba.vmap_axes]}
+
+  @classmethod
+  def supported_on(cls, device: Any) -> bool:
+    """Whether this implementation runs on `device` (a jax Device)."""
+    del device
+    return True
+
+  def _example_value(self, name: str, spec: specs.ArraySpec, key: jax.Array,
+                     arguments: Mapping[str, Any]) -> jax.Array:
+    """Returns a random array for argument `name` (override for constraints).
+
+    `arguments` are all the bound arguments (specs), for values that depend
+    on other arguments' shapes (e.g. group sizes summing to the rows).
+    """
+    del name, arguments
+    dtype = jnp.dtype(spec.dtype)
+    if jnp.issubdtype(dtype, jnp.floating):
+      return jax.random.normal(key, spec.shape, jnp.float32).astype(dtype)
+    if dtype == jnp.bool_:
+      return jax.random.bernoulli(key, 0.8, spec.shape)
+    return jax.random.randint(key, spec.shape, 0, 8, dtype)
+
+  def _reference(self, **arguments) -> Any:
+    """The op's plain high-precision reference output for `arguments`."""
+    raise NotImplementedError(f"{type(self).__name__} has no reference.")
+
+  # ---- binding ----------------------------------------------------------
+
+  @classmethod
+  @functools.cache
+  def _signature(cls) -> inspect.Signature:
+    """The op's call signature: the first `_fwd` in the MRO that spells out
+    its parameters (implementations may take `**kwargs`; the family base
+    names them)."""
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    for klass in cls.__mro__:
+      fwd = klass.__dict__.get("_fwd")
+      if fwd is None:
+        continue
+      sig = inspect.signature(fwd)
+      if not any(p.kind in variadic for p in sig.parameters.values()):
+        params = [p for n, p in sig.parameters.items() if n not in ("self", "config")]
+        return sig.replace(parameters=params)
+    raise TypeError(f"{cls.__name__} has no _fwd with explicit parameters.")
+
+  def _bind_values(self, *args, **kwargs) -> dict[str, Any]:
+    """Binds call arguments by name, applies defaults and canonicalises."""
+    try:
+      bound = self._signature().bind(*args, **kwargs)
+    except TypeError as e:
+      raise TypeError(f"{type(self).__name__}{self._signature()}: {e}") from None
+    bound.apply_defaults()
+    return self._canonicalize(dict(bound.arguments))
+
+  @_bind_descriptor
+  def bind(self, *args, **kwargs):
+    """Binds arguments to this op: `SomeOp.bind(x, w, ...)` or `op.bind(...)`.
+
+    Args:
+      *args, **kwargs: the op's arguments; arrays may be concrete, tracers or
+        `jax.ShapeDtypeStruct`s.
+
+    Returns:
+      A `BoundArguments` holding the op and the abstract arguments.
+
+    Raises:
+      TypeError, ValueError: for arguments the op rejects.
+      NotImplementedError: for arguments this implementation does not support.
+    """
+    from stellarax.core.bound_args import BoundArguments
+    values = self._bind_values(*args, **kwargs)
+    return BoundArguments.from_values(self, values)
+
+  # ---- identity ---------------------------------------------------------
+
+  def identity_fields(self) -> dict[str, Any]:
+    """The fields (besides config) that make up this op's identity."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "config"}
+
+  def replace(self, **changes) -> Op:
+    """Returns a copy of this op with fields replaced (e.g. `config=`)."""
+    return dataclasses.replace(self, **changes)
+
+  def vjp_op(self) -> Op:
+    """The op computing this op's backward pass."""
+    vjp = getattr(self, "vjp", None)
+    if vjp is not None:
+      return vjp
+    if self.vjp_cls is None:
+      raise NotImplementedError(f"{type(self).__name__} has no VJP op.")
+    return self.vjp_cls()
+
+  # ---- calling ----------------------------------------------------------
+
+  def __call__(self, *args, **kwargs):
+    """Binds, resolves a config and runs the op (works under jit/grad/vmap)."""
+    from stellarax.core import calling
+    values = self._bind_values(*args, **kwargs)
+    return calling.call_op(self, values)
+
+
+def op_to_json(op: Op) -> dict[str, Any]:
+  """JSON data naming `op` by its registered name and identity fields."""
+  from stellarax.core.config import config_to_json
+  if op.name is None:
+    raise TypeError(f"{type(op).__name__} is not registered under a name.")
+  fields = {}
+  for k, v in op.identity_fields().items():
+    fields[k] = op_to_json(v) if isinstance(v, Op) else specs.encode(specs.to_spec(v, what=k))
+  data: dict[str, Any] = {"name": op.name, "fields": fields}
+  if op.config is not None:
+    data["config"] = config_to_json(op.config)
+  return data
+
+
+def op_from_json(data: Mapping[str, Any]) -> Op:
+  """Inverse of `op_to_json`.
+
+  Raises:
+    KeyError: for an unknown op name.
+    ValueError: for fields or a config the op rejects.
+  """
+  from stellarax.core.config import config_from_json
+  cls = registry.lookup(data["name"])
+  field_types = {f.name for f in dataclasses.fields(cls)}
+  fields = {}
+  for k, v in data.get("fields", {}).items():
+    if k not in field_types:
+      raise ValueError(f"{cls.__name__} has no field {k!r} (known: {sorted(field_types)}).")
+    fields[k] = op_from_json(v) if isinstance(v, dict) and "name" in v and "fields" in v else specs.decode(v)
+  config = data.get("config")
+  if config is not None:
+    fields["config"] = config_from_json(cls.config_cls, config)
+  return cls(**fields)
+
+
+def as_array_leaf(x: Any) -> bool:
+  """True for values that travel as arrays through jit (not static)."""
+  return isinstance(x, (jax.Array, np.ndarray)) or isinstance(x, jax.core.Tracer)
+
+
+Fn = Callable[..., Any]

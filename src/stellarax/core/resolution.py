@@ -1,0 +1,179 @@
+"""Config resolution: where the config of an op call comes from.
+
+One function, `resolve_config`, decides, in this order:
+
+1. the config pinned on the op (`SomeOp(config=...)`);
+2. the innermost active `AutotuningResult` (`with result:`), then the outer ones;
+3. the user cache (on disk, written by `autotune(..., cache=True)`);
+4. the shipped library cache (`stellarax/data/autotuning/<device_kind>/`);
+5. on a miss, the miss policy: `"heuristics"` (default) uses the op's heuristic
+   config, `"error"` raises `ConfigMissError`, `"autotune"` tunes the call on
+   the spot (and keeps the result for the rest of the process).
+
+Sources 3 and 4, and the `autotune` policy, are provided by
+`stellarax.autotuning`, which registers them here at import; `core` knows no
+cache format. Active results live on a `contextvars` stack, so threads and
+async tasks each see only the results they entered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import os
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+MISS_POLICIES = ("heuristics", "error", "autotune")
+_MISS_POLICY_ENV = "STELLARAX_MISS_POLICY"
+
+
+class ConfigSource(Protocol):
+  """Anything that can answer "which config for this call?"."""
+
+  source_name: str
+
+  def lookup_config(self, bound_args: Any) -> Any | None:
+    """Returns the config for `bound_args`, or None on a miss."""
+
+
+class ConfigMissError(LookupError):
+  """Raised under the "error" miss policy when no config was measured."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+  """A resolved config and where it came from.
+
+  Attributes:
+    config: the config the call runs with.
+    source: "explicit", "result", "user_cache", "library_cache",
+      "autotuned" or "heuristics" (possibly with a detail after a colon).
+  """
+
+  config: Any
+  source: str
+
+
+_active_results: contextvars.ContextVar[tuple[ConfigSource, ...]] = contextvars.ContextVar(
+    "stellarax_active_results", default=())
+_miss_policy: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "stellarax_miss_policy", default=None)
+_cache_sources: list[ConfigSource] = []
+_fallbacks: list[Callable[[Any, Any], Resolution | None]] = []
+_autotune_on_miss: Callable[[Any], Any] | None = None
+
+
+def push_result(result: ConfigSource) -> contextvars.Token:
+  """Makes `result` the innermost active result; returns the token to pop it."""
+  return _active_results.set(_active_results.get() + (result,))
+
+
+def pop_result(token: contextvars.Token) -> None:
+  """Undoes the matching `push_result`."""
+  _active_results.reset(token)
+
+
+def active_results() -> tuple[ConfigSource, ...]:
+  """The active results, outermost first."""
+  return _active_results.get()
+
+
+def register_cache_source(source: ConfigSource) -> None:
+  """Adds a cache consulted after the active results, in registration order."""
+  if source not in _cache_sources:
+    _cache_sources.append(source)
+
+
+def cache_sources() -> tuple[ConfigSource, ...]:
+  """The registered caches, in the order they are consulted."""
+  return tuple(_cache_sources)
+
+
+def register_fallback(fallback: Callable[[Any, Any], Resolution | None]) -> None:
+  """Adds a step consulted after the caches and before the miss policy.
+
+  `fallback(bound_args, heuristic_config)` returns a Resolution or None (used
+  e.g. by transfer from the nearest tuned shapes).
+  """
+  if fallback not in _fallbacks:
+    _fallbacks.append(fallback)
+
+
+def set_autotune_on_miss(fn: Callable[[Any], Any]) -> None:
+  """Sets what the "autotune" policy calls: `fn(bound_args) -> config`."""
+  global _autotune_on_miss
+  _autotune_on_miss = fn
+
+
+def miss_policy() -> str:
+  """The active miss policy: `with miss_policy_scope(...)`, else the
+  `STELLARAX_MISS_POLICY` environment variable, else "heuristics"."""
+  policy = _miss_policy.get() or os.environ.get(_MISS_POLICY_ENV) or "heuristics"
+  if policy not in MISS_POLICIES:
+    raise ValueError(
+        f"miss policy {policy!r} (from {_MISS_POLICY_ENV} or miss_policy_scope) must be "
+        f"one of {MISS_POLICIES}.")
+  return policy
+
+
+@contextlib.contextmanager
+def miss_policy_scope(policy: str) -> Iterator[None]:
+  """Sets the miss policy inside a `with` block.
+
+  Args:
+    policy: "heuristics", "error" or "autotune".
+
+  Raises:
+    ValueError: for any other policy.
+  """
+  if policy not in MISS_POLICIES:
+    raise ValueError(f"policy={policy!r} must be one of {MISS_POLICIES}.")
+  token = _miss_policy.set(policy)
+  try:
+    yield
+  finally:
+    _miss_policy.reset(token)
+
+
+def resolve_config(bound_args: Any) -> Resolution:
+  """Returns the config of a bound op call and where it comes from.
+
+  Args:
+    bound_args: a `BoundArguments`.
+
+  Returns:
+    A `Resolution` (see the module docstring for the order).
+
+  Raises:
+    ConfigMissError: when nothing was measured and the policy is "error".
+  """
+  op = bound_args.op
+  if op.config is not None:
+    return Resolution(op.config, "explicit")
+  for result in reversed(_active_results.get()):
+    config = result.lookup_config(bound_args)
+    if config is not None:
+      return Resolution(config, "result")
+  for cache in _cache_sources:
+    config = cache.lookup_config(bound_args)
+    if config is not None:
+      return Resolution(config, cache.source_name)
+  policy = miss_policy()
+  if policy == "error":
+    raise ConfigMissError(
+        f"No tuned config for {op.name} with key {bound_args.key_json()} in the active "
+        "results or caches, and the miss policy is 'error'. Tune it "
+        "(stellarax.autotune), pin one (SomeOp(config=...)), or set the policy to "
+        "'heuristics'. stellarax.autotuning.explain(bound_args) shows the nearest keys.")
+  if policy == "autotune":
+    if _autotune_on_miss is None:
+      raise RuntimeError("The 'autotune' miss policy needs stellarax.autotuning imported.")
+    return Resolution(_autotune_on_miss(bound_args), "autotuned")
+  heuristic = bound_args.heuristics_config
+  for fallback in _fallbacks:
+    found = fallback(bound_args, heuristic)
+    if found is not None:
+      return found
+  return Resolution(heuristic, "heuristics")

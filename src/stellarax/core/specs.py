@@ -1,0 +1,191 @@
+"""Abstract argument specs: what an op call's arguments look like, without data.
+
+A bound call keeps the *shape* of its inputs, never the values: arrays become
+`ArraySpec`s and everything else must be a plain, hashable, JSON-able value.
+That makes bound arguments hashable (a search key), comparable, and portable
+(JSON with no Python import paths).
+
+Canonical JSON: arrays are `{"shape": [...], "dtype": "bfloat16"}` objects
+tagged with `"__array__": true`; tuples and lists both become JSON lists and
+come back as tuples; dicts come back as sorted tuples of items wrapped in a
+`FrozenDict`. Keys are sorted and separators compact, so the same call gives
+the same bytes in every process and version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ArraySpec:
+  """The shape and dtype of an array argument.
+
+  Attributes:
+    shape: the array's shape, a tuple of non-negative ints.
+    dtype: the dtype's canonical name, e.g. "bfloat16".
+  """
+
+  shape: tuple[int, ...]
+  dtype: str
+
+  def __post_init__(self):
+    shape = tuple(int(d) for d in self.shape)
+    if any(d < 0 for d in shape):
+      raise ValueError(f"ArraySpec shape must be non-negative, got {shape}.")
+    object.__setattr__(self, "shape", shape)
+    object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
+
+  @property
+  def nbytes(self) -> int:
+    return self.size * jnp.dtype(self.dtype).itemsize
+
+  def to_shape_dtype_struct(self) -> jax.ShapeDtypeStruct:
+    """Returns the equivalent `jax.ShapeDtypeStruct` (for lowering)."""
+    return jax.ShapeDtypeStruct(self.shape, jnp.dtype(self.dtype))
+
+  @classmethod
+  def of(cls, x: Any) -> ArraySpec:
+    """Returns the spec of an array, tracer or `ShapeDtypeStruct`."""
+    return cls(tuple(x.shape), jnp.dtype(x.dtype).name)
+
+
+class FrozenDict(Mapping):
+  """An immutable, hashable mapping with sorted keys (for dict arguments)."""
+
+  __slots__ = ("_items",)
+
+  def __init__(self, items: Mapping[str, Any] | Any = ()):
+    pairs = items.items() if isinstance(items, Mapping) else items
+    self._items = tuple(sorted(pairs, key=lambda kv: kv[0]))
+
+  def __getitem__(self, key):
+    for k, v in self._items:
+      if k == key:
+        return v
+    raise KeyError(key)
+
+  def __iter__(self):
+    return (k for k, _ in self._items)
+
+  def __len__(self):
+    return len(self._items)
+
+  def __hash__(self):
+    return hash(self._items)
+
+  def __eq__(self, other):
+    return isinstance(other, FrozenDict) and self._items == other._items
+
+  def __repr__(self):
+    return f"FrozenDict({dict(self._items)!r})"
+
+
+def is_array(x: Any) -> bool:
+  """True for JAX/NumPy arrays, tracers and `ShapeDtypeStruct`s."""
+  return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) or (
+      hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, (type, np.dtype)))
+
+
+def to_spec(value: Any, *, what: str = "argument") -> Any:
+  """Replaces arrays in `value` by `ArraySpec`s and checks the rest is plain.
+
+  Args:
+    value: an argument value: an array, None, bool, int, float, str, a dtype,
+      an enum member, or a tuple/list/dict of those.
+    what: the argument's name, for error messages.
+
+  Returns:
+    A hashable canonical value: arrays become `ArraySpec`, lists become
+    tuples, dicts become `FrozenDict`, dtypes become their names, enum members
+    their names.
+
+  Raises:
+    TypeError: for a value that cannot be made portable (a callable, an
+      arbitrary object); the message says which argument and what to pass.
+  """
+  if isinstance(value, ArraySpec):
+    return value
+  if value is None or isinstance(value, (bool, str)):
+    return value
+  if isinstance(value, (int, float)) and not is_array(value):
+    return value
+  if isinstance(value, (np.integer, np.floating, np.bool_)):
+    return value.item()
+  if isinstance(value, np.dtype) or (isinstance(value, type) and issubclass(value, np.generic)):
+    return jnp.dtype(value).name
+  if isinstance(value, enum.Enum):
+    return value.name
+  if is_array(value):
+    return ArraySpec.of(value)
+  if isinstance(value, (tuple, list)):
+    return tuple(to_spec(v, what=f"{what}[{i}]") for i, v in enumerate(value))
+  if isinstance(value, Mapping):
+    return FrozenDict({str(k): to_spec(v, what=f"{what}[{k!r}]") for k, v in value.items()})
+  try:
+    dt = jnp.dtype(value)
+  except TypeError:
+    pass
+  else:
+    return dt.name
+  raise TypeError(
+      f"{what}={value!r} (a {type(value).__name__}) cannot be recorded in an op's "
+      "bound arguments: op arguments must be arrays or plain values (None, bool, "
+      "int, float, str, dtype, enum, or tuples/dicts of these). Pass a name "
+      "instead of a callable or object.")
+
+
+def _encode(value: Any) -> Any:
+  if isinstance(value, ArraySpec):
+    return {"__array__": True, "shape": list(value.shape), "dtype": value.dtype}
+  if isinstance(value, FrozenDict):
+    return {k: _encode(v) for k, v in value.items()}
+  if isinstance(value, tuple):
+    return [_encode(v) for v in value]
+  if isinstance(value, float) and not math.isfinite(value):
+    return {"__float__": repr(value)}
+  return value
+
+
+def _decode(value: Any) -> Any:
+  if isinstance(value, dict):
+    if value.get("__array__") is True:
+      return ArraySpec(tuple(value["shape"]), value["dtype"])
+    if set(value) == {"__float__"}:
+      return float(value["__float__"])
+    return FrozenDict({k: _decode(v) for k, v in value.items()})
+  if isinstance(value, list):
+    return tuple(_decode(v) for v in value)
+  return value
+
+
+def encode(value: Any) -> Any:
+  """Returns the JSON-able form of a canonical spec value (see module doc)."""
+  return _encode(value)
+
+
+def decode(value: Any) -> Any:
+  """Inverse of `encode`: JSON data back to canonical spec values."""
+  return _decode(value)
+
+
+def canonical_json(data: Any) -> str:
+  """Compact JSON with sorted keys: the same bytes for equal data everywhere."""
+  return json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False)

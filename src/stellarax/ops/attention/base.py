@@ -1,0 +1,172 @@
+"""The attention family: `jax.nn.dot_product_attention` semantics (BTNH).
+
+query (B, T, N, H); key, value (B, S, K, H) with N a multiple of K (GQA/MQA);
+optional bias and boolean mask broadcastable to (B, N, T, S); causal masking,
+sequence lengths and local windows. This file holds the family's base
+classes and its XLA implementations (full and chunked online-softmax).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from stellarax.core.config import NoConfig, check_positive_int, config_dataclass
+from stellarax.core.op import Op
+from stellarax.ops import common
+from stellarax.ops.attention import reference as ref
+from stellarax.ops.attention import xla
+
+_STATIC = ("scale", "is_causal", "local_window_size")
+_DIFFERENTIABLE = ("query", "key", "value", "bias")
+
+
+class Attention(Op):
+  """Base of the attention implementations (forward)."""
+
+  def _fwd(self, query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+           query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None, config):
+    raise NotImplementedError
+
+  def _canonicalize(self, arguments: dict[str, Any]) -> dict[str, Any]:
+    a = arguments
+    for name in ("query", "key", "value"):
+      common.check_floating(name, a[name])
+    ref.check_attention_inputs(_view(a["query"]), _view(a["key"]), _view(a["value"]), _view(a["bias"]),
+                               _view(a["mask"]), _view(a["query_seq_lengths"]),
+                               _view(a["key_value_seq_lengths"]))
+    a["scale"] = float(ref.default_scale(a["query"].shape[-1], a["scale"]))
+    a["is_causal"] = bool(a["is_causal"])
+    window = ref.normalize_local_window(a["local_window_size"])
+    a["local_window_size"] = None if window is None else tuple(window)
+    return a
+
+  def _example_value(self, name, spec, key, arguments):
+    if name in ("query_seq_lengths", "key_value_seq_lengths"):
+      length = arguments["query" if name == "query_seq_lengths" else "key"].shape[1]
+      return jax.random.randint(key, spec.shape, max(1, length // 2), length + 1, jnp.dtype(spec.dtype))
+    return Op._example_value(self, name, spec, key, arguments)
+
+  def _reference(self, query, key, value, bias=None, mask=None, **static):
+    return ref.attention_reference(query, key, value, bias, mask, **static)
+
+
+class _ShapeView:
+  """Gives ArraySpecs the `.ndim`/`.dtype` the shared checks read."""
+
+  def __init__(self, x):
+    self.shape, self.dtype, self.ndim = tuple(x.shape), jnp.dtype(x.dtype), len(x.shape)
+
+
+def _view(x):
+  return None if x is None else _ShapeView(x)
+
+
+class AttentionVjp(Op):
+  """Base of the attention backward implementations."""
+
+  def _fwd(self, residuals, out, dout, query, key, value, bias=None, mask=None, *, scale=None,
+           is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
+           local_window_size=None, config):
+    raise NotImplementedError
+
+  def _canonicalize(self, arguments):
+    fwd = {k: arguments[k] for k in Attention._signature().parameters}
+    arguments.update(Attention._canonicalize(self, fwd))
+    return arguments
+
+  _example_value = Attention._example_value
+
+  def _reference(self, residuals, out, dout, **primals):
+    f = lambda **kw: ref.attention_reference(**kw)
+    return common.vjp_by_autodiff(f, primals, dout, _DIFFERENTIABLE)
+
+
+# ---------------------------------------------------------------------------
+# XLA implementations.
+
+
+@config_dataclass
+class XlaChunkedAttentionConfig:
+  """Tunables of the chunked (online-softmax) XLA attention.
+
+  Attributes:
+    chunk_q: query rows per chunk (None: all).
+    chunk_k: keys per chunk (None: all).
+  """
+
+  chunk_q: int | None = None
+  chunk_k: int | None = 512
+
+  def __post_init__(self):
+    check_positive_int("chunk_q", self.chunk_q, allow_none=True)
+    check_positive_int("chunk_k", self.chunk_k, allow_none=True)
+
+
+def _chunk_space(t: int, s: int) -> set[XlaChunkedAttentionConfig]:
+  qs = [None] + [c for c in (128, 256, 512, 1024) if c < t]
+  ks = [None] + [c for c in (128, 256, 512, 1024, 2048) if c < s]
+  return {XlaChunkedAttentionConfig(chunk_q=q, chunk_k=k) for q in qs for k in ks}
+
+
+def _heuristic_chunks(t: int, s: int) -> XlaChunkedAttentionConfig:
+  # Materialising (T, S) logits is fine while small; beyond, chunk the keys.
+  if t * s <= 1024 * 1024:
+    return XlaChunkedAttentionConfig(chunk_q=None, chunk_k=None)
+  return XlaChunkedAttentionConfig(chunk_q=None if t <= 1024 else 1024, chunk_k=512)
+
+
+class XlaAttentionVjp(AttentionVjp, name="attention.xla_vjp"):
+  """XLA backward: JAX's derivative of the chunked forward with this op's
+  chunk sizes (recomputing the forward; chunking bounds its memory)."""
+
+  config_cls = XlaChunkedAttentionConfig
+
+  def _fwd(self, residuals, out, dout, query, key, value, bias=None, mask=None, *, config, **static):
+    del residuals, out
+    def f(**kw):
+      return xla.attention_xla(**kw, chunk_q=config.chunk_q, chunk_k=config.chunk_k)[0]
+    primals = dict(query=query, key=key, value=value, bias=bias, mask=mask, **static)
+    return common.vjp_by_autodiff(f, primals, dout, _DIFFERENTIABLE)
+
+  def _get_heuristics_config(self, ba):
+    return _heuristic_chunks(ba.arguments["query"].shape[1], ba.arguments["key"].shape[1])
+
+  def _get_autotuning_configs(self, ba):
+    return _chunk_space(ba.arguments["query"].shape[1], ba.arguments["key"].shape[1])
+
+
+class XlaAttention(Attention, name="attention.xla"):
+  """Attention in XLA, materialising the logits (no tunables)."""
+
+  config_cls = NoConfig
+  vjp_cls = XlaAttentionVjp
+
+  def _fwd(self, query, key, value, bias=None, mask=None, *, config, **static):
+    out, _ = xla.attention_xla(query, key, value, bias, mask, **static)
+    return out, None
+
+  def _get_heuristics_config(self, ba):
+    return NoConfig()
+
+
+class XlaChunkedAttention(Attention, name="attention.xla_chunked"):
+  """Attention in XLA with an online softmax over query and key chunks."""
+
+  config_cls = XlaChunkedAttentionConfig
+  vjp_cls = XlaAttentionVjp
+
+  def _fwd(self, query, key, value, bias=None, mask=None, *, config, **static):
+    out, _ = xla.attention_xla(query, key, value, bias, mask, chunk_q=config.chunk_q,
+                               chunk_k=config.chunk_k, **static)
+    return out, None
+
+  def _get_heuristics_config(self, ba):
+    return _heuristic_chunks(ba.arguments["query"].shape[1], ba.arguments["key"].shape[1])
+
+  def _get_autotuning_configs(self, ba):
+    return _chunk_space(ba.arguments["query"].shape[1], ba.arguments["key"].shape[1])
+
+

@@ -1,0 +1,70 @@
+"""Argument canonicalisation shared by the op families."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+PRECISIONS = ("DEFAULT", "HIGH", "HIGHEST")
+
+
+def canonical_precision(precision: Any) -> str | None:
+  """None, a `jax.lax.Precision` or its name -> None or the name.
+
+  Raises:
+    ValueError: for anything else (including per-operand pairs, unsupported).
+  """
+  if precision is None:
+    return None
+  if isinstance(precision, jax.lax.Precision):
+    return precision.name
+  if isinstance(precision, str) and precision.upper() in PRECISIONS:
+    return precision.upper()
+  raise ValueError(f"precision={precision!r} must be None, a jax.lax.Precision or one of {PRECISIONS}.")
+
+
+def lax_precision(name: str | None) -> jax.lax.Precision | None:
+  """Inverse of `canonical_precision`."""
+  return None if name is None else jax.lax.Precision[name]
+
+
+def canonical_dtype(dtype: Any, *, what: str) -> str | None:
+  """None or anything `jnp.dtype` takes -> None or the dtype's name."""
+  if dtype is None:
+    return None
+  try:
+    return jnp.dtype(dtype).name
+  except TypeError:
+    raise ValueError(f"{what}={dtype!r} is not a dtype.") from None
+
+
+def dtype_of(x: Any) -> jnp.dtype:
+  """The dtype of an array, tracer, ShapeDtypeStruct or ArraySpec."""
+  return jnp.dtype(x.dtype)
+
+
+def check_rank(name: str, x: Any, rank: int, layout: str) -> None:
+  """Raises ValueError unless `x` has `rank` dims (`layout` names them)."""
+  if len(x.shape) != rank:
+    raise ValueError(f"{name} must have shape {layout}, got shape {tuple(x.shape)}.")
+
+
+def check_floating(name: str, x: Any) -> None:
+  """Raises TypeError unless `x` has a floating dtype."""
+  if not jnp.issubdtype(dtype_of(x), jnp.floating):
+    raise TypeError(f"{name} must be a floating array, got dtype {dtype_of(x)}.")
+
+
+def vjp_by_autodiff(fn, primals: dict[str, Any], dout: Any, differentiable: tuple[str, ...]) -> dict[str, Any]:
+  """Gradients of `fn(**primals)` for the named (non-None) arguments.
+
+  Used by VJP ops whose backward is JAX's derivative of a forward
+  implementation run with the VJP op's own config (e.g. other chunk sizes).
+  """
+  names = [n for n in differentiable if primals.get(n) is not None]
+  def f(*xs):
+    return fn(**{**primals, **dict(zip(names, xs))})
+  _, pullback = jax.vjp(f, *(primals[n] for n in names))
+  return dict(zip(names, pullback(dout)))

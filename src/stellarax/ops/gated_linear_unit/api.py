@@ -1,0 +1,32 @@
+"""`stellarax.gated_linear_unit`: the public function and its dispatch."""
+
+from __future__ import annotations
+
+import jax
+
+from stellarax.core import dispatch
+
+# Tried in this order when `implementation=None` and nothing was measured.
+PREFERENCE = ("pallas_triton", "xla")
+
+
+def gated_linear_unit(x, weights, *, activation=jax.nn.swish, precision=None, implementation=None):
+  """Gated linear unit: activation(x @ weights[:, 0]) * (x @ weights[:, 1]).
+
+  Args:
+    x: (..., K) array.
+    weights: (K, 2, N) array.
+    activation: a known activation function (jax.nn.swish, jax.nn.gelu, ...)
+      or its name ("silu", "gelu", "relu", ...).
+    precision: None, a `jax.lax.Precision` or its name.
+    implementation: None (best available), a name, an Op, or a sequence.
+
+  Returns:
+    (..., N) array in x's dtype.
+
+  Raises:
+    ValueError: for shapes that do not fit or an unknown activation.
+    NotImplementedError: when no requested implementation supports the input.
+  """
+  return dispatch.call_family("gated_linear_unit", PREFERENCE, implementation, (x, weights),
+                              dict(activation=activation, precision=precision))

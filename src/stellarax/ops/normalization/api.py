@@ -1,0 +1,50 @@
+"""`stellarax.layer_norm` and `stellarax.rms_norm`: public functions."""
+
+from __future__ import annotations
+
+from stellarax.core import dispatch
+
+# Tried in this order when `implementation=None` and nothing was measured.
+PREFERENCE = ("pallas_triton", "xla")
+
+
+def layer_norm(x, scale, offset, *, axis=-1, epsilon=1e-6, implementation=None):
+  """Layer normalisation: (x - mean) / sqrt(var + epsilon) * scale + offset.
+
+  Args:
+    x: input array (floating).
+    scale, offset: None or arrays of x's sizes along `axis`.
+    axis: int or tuple of ints to normalise over.
+    epsilon: added to the variance.
+    implementation: None (best available), a name, an Op, or a sequence.
+
+  Returns:
+    An array of x's shape and dtype (statistics computed in float32).
+
+  Raises:
+    ValueError: for a bad axis or parameter shapes.
+    NotImplementedError: when no requested implementation supports the input.
+  """
+  return dispatch.call_family("layer_norm", PREFERENCE, implementation, (x, scale, offset),
+                              dict(axis=axis, epsilon=epsilon, subtract_mean=True))
+
+
+def rms_norm(x, scale, *, axis=-1, epsilon=1e-6, implementation=None):
+  """RMS normalisation: x / sqrt(mean(x^2) + epsilon) * scale.
+
+  Args:
+    x: input array (floating).
+    scale: None or an array of x's sizes along `axis`.
+    axis: int or tuple of ints to normalise over.
+    epsilon: added to the mean square.
+    implementation: None (best available), a name, an Op, or a sequence.
+
+  Returns:
+    An array of x's shape and dtype (statistics computed in float32).
+
+  Raises:
+    ValueError: for a bad axis or parameter shape.
+    NotImplementedError: when no requested implementation supports the input.
+  """
+  return dispatch.call_family("layer_norm", PREFERENCE, implementation, (x, scale, None),
+                              dict(axis=axis, epsilon=epsilon, subtract_mean=False))

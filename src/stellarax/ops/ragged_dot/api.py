@@ -1,0 +1,33 @@
+"""`stellarax.ragged_dot`: the public function and its dispatch."""
+
+from __future__ import annotations
+
+from stellarax.core import dispatch
+
+# Tried in this order when `implementation=None` and nothing was measured.
+PREFERENCE = ("pallas_mosaic_gpu", "pallas_triton", "xla")
+
+
+def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=None, implementation=None):
+  """Grouped matmul, as `jax.lax.ragged_dot`.
+
+  Args:
+    lhs: (M, K) array; rows of group g are consecutive, in group order.
+    rhs: (G, K, N) array, one matrix per group.
+    group_sizes: (G,) integer array; may sum to less than M (the remaining
+      rows give zeros) and contain zeros (empty groups).
+    precision: None, a `jax.lax.Precision` or its name.
+    preferred_element_type: output dtype (default: lhs's).
+    implementation: None (best available), a name ("xla", "pallas_triton",
+      ...), an Op instance, or a sequence of these tried in order.
+
+  Returns:
+    The (M, N) product.
+
+  Raises:
+    ValueError, TypeError: for inconsistent shapes or dtypes.
+    NotImplementedError: when no requested implementation supports the input.
+  """
+  return dispatch.call_family(
+      "ragged_dot", PREFERENCE, implementation, (lhs, rhs, group_sizes),
+      dict(precision=precision, preferred_element_type=preferred_element_type))

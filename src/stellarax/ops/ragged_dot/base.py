@@ -1,0 +1,162 @@
+"""The ragged_dot family: grouped matmul of mixture-of-experts layers.
+
+`ragged_dot(lhs (M, K), rhs (G, K, N), group_sizes (G,))`: rows of group g
+(consecutive, in group order) are multiplied by `rhs[g]`; rows past
+`sum(group_sizes)` give zeros; groups may be empty. Semantics of
+`jax.lax.ragged_dot`.
+
+This file holds the family's base classes (signature, validation, reference,
+example inputs) and its XLA implementations.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from stellarax.core.config import check_choice, check_power_of_two, config_dataclass
+from stellarax.core.op import Op
+from stellarax.ops import common
+from stellarax.ops.ragged_dot import reference as ref
+from stellarax.ops.ragged_dot import xla
+
+
+class RaggedDot(Op):
+  """Base of the ragged_dot implementations (forward)."""
+
+  def _fwd(self, lhs, rhs, group_sizes, *, precision=None, preferred_element_type=None, config):
+    raise NotImplementedError
+
+  def _canonicalize(self, arguments: dict[str, Any]) -> dict[str, Any]:
+    lhs, rhs, gs = arguments["lhs"], arguments["rhs"], arguments["group_sizes"]
+    common.check_rank("lhs", lhs, 2, "(M, K)")
+    common.check_rank("rhs", rhs, 3, "(G, K, N)")
+    common.check_rank("group_sizes", gs, 1, "(G,)")
+    if lhs.shape[1] != rhs.shape[1]:
+      raise ValueError(f"lhs (M, K)={tuple(lhs.shape)} and rhs (G, K, N)={tuple(rhs.shape)} must agree on K.")
+    if gs.shape[0] != rhs.shape[0]:
+      raise ValueError(f"group_sizes has {gs.shape[0]} groups but rhs has G={rhs.shape[0]}.")
+    if not jnp.issubdtype(common.dtype_of(gs), jnp.integer):
+      raise TypeError(f"group_sizes must be an integer array, got dtype {common.dtype_of(gs)}.")
+    common.check_floating("lhs", lhs)
+    common.check_floating("rhs", rhs)
+    arguments["precision"] = common.canonical_precision(arguments["precision"])
+    arguments["preferred_element_type"] = common.canonical_dtype(
+        arguments["preferred_element_type"], what="preferred_element_type")
+    return arguments
+
+  def _example_value(self, name, spec, key, arguments):
+    if name == "group_sizes":
+      return example_group_sizes(key, arguments["lhs"].shape[0], spec.shape[0])
+    return Op._example_value(self, name, spec, key, arguments)
+
+  def _reference(self, lhs, rhs, group_sizes, *, precision=None, preferred_element_type=None):
+    del precision
+    return ref.ragged_dot_reference(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+
+
+def example_group_sizes(key: jax.Array, m: int, g: int) -> jax.Array:
+  """Random uneven group sizes summing to `m` (some groups may be empty)."""
+  if g == 0:
+    return jnp.zeros((0,), jnp.int32)
+  weights = np.asarray(jax.random.dirichlet(key, jnp.ones((g,))))
+  sizes = np.floor(weights * m).astype(np.int32)
+  sizes[np.argmax(weights)] += m - sizes.sum()
+  return jnp.asarray(sizes, jnp.int32)
+
+
+class RaggedDotVjp(Op):
+  """Base of the ragged_dot backward implementations: d lhs and d rhs."""
+
+  def _fwd(self, residuals, out, dout, lhs, rhs, group_sizes, *, precision=None,
+           preferred_element_type=None, config):
+    raise NotImplementedError
+
+  def _canonicalize(self, arguments):
+    fwd_args = {k: arguments[k] for k in ("lhs", "rhs", "group_sizes", "precision", "preferred_element_type")}
+    arguments.update(RaggedDot._canonicalize(self, fwd_args))
+    return arguments
+
+  _example_value = RaggedDot._example_value
+
+  def _reference(self, residuals, out, dout, lhs, rhs, group_sizes, *, precision=None, preferred_element_type=None):
+    del residuals, out, precision
+    f = lambda l, r: ref.ragged_dot_reference(l, r, group_sizes, preferred_element_type=preferred_element_type)
+    _, pullback = jax.vjp(f, lhs, rhs)
+    dlhs, drhs = pullback(dout.astype(jnp.result_type(lhs.dtype, preferred_element_type or lhs.dtype)))
+    return {"lhs": dlhs, "rhs": drhs}
+
+
+# ---------------------------------------------------------------------------
+# XLA implementations.
+
+STRATEGIES = ("lax", "masked", "tiled")
+
+
+@config_dataclass
+class XlaRaggedDotConfig:
+  """Tunables of the XLA ragged_dot.
+
+  Attributes:
+    strategy: "lax" (jax.lax.ragged_dot), "masked" (one masked matmul per
+      group) or "tiled" (group-aware row tiles, one batched matmul).
+    tile_m: rows per tile of the "tiled" strategy (power of two >= 8).
+  """
+
+  strategy: str = "lax"
+  tile_m: int = 128
+
+  def __post_init__(self):
+    check_choice("strategy", self.strategy, STRATEGIES)
+    check_power_of_two("tile_m", self.tile_m, minimum=8)
+
+
+def _xla_space(m: int) -> set[XlaRaggedDotConfig]:
+  space = {XlaRaggedDotConfig(strategy="lax"), XlaRaggedDotConfig(strategy="masked")}
+  space |= {XlaRaggedDotConfig(strategy="tiled", tile_m=t) for t in (16, 32, 64, 128, 256, 512) if t <= max(16, 2 * m)}
+  return space
+
+
+class XlaRaggedDotVjp(RaggedDotVjp, name="ragged_dot.xla_vjp"):
+  """XLA backward of ragged_dot: d lhs is a ragged dot with rhs transposed,
+  d rhs a grouped lhs^T @ dout; both use the config's strategy."""
+
+  config_cls = XlaRaggedDotConfig
+
+  def _fwd(self, residuals, out, dout, lhs, rhs, group_sizes, *, precision=None,
+           preferred_element_type=None, config):
+    del residuals, out
+    kw = dict(strategy=config.strategy, tile_m=config.tile_m, precision=common.lax_precision(precision))
+    dlhs = xla.ragged_dot_xla(dout.astype(rhs.dtype), jnp.swapaxes(rhs, 1, 2), group_sizes,
+                              preferred_element_type=lhs.dtype, **kw)
+    drhs = xla.ragged_dot_rhs_grad_xla(lhs, dout.astype(lhs.dtype), group_sizes, rhs.shape[0],
+                                       preferred_element_type=rhs.dtype, **kw)
+    return {"lhs": dlhs, "rhs": drhs}
+
+  def _get_heuristics_config(self, ba):
+    return XlaRaggedDotConfig(strategy="lax")
+
+  def _get_autotuning_configs(self, ba):
+    return _xla_space(ba.arguments["lhs"].shape[0])
+
+
+class XlaRaggedDot(RaggedDot, name="ragged_dot.xla"):
+  """ragged_dot in XLA, with the strategy and group tiling as tunables."""
+
+  config_cls = XlaRaggedDotConfig
+  vjp_cls = XlaRaggedDotVjp
+
+  def _fwd(self, lhs, rhs, group_sizes, *, precision=None, preferred_element_type=None, config):
+    out = xla.ragged_dot_xla(lhs, rhs, group_sizes, strategy=config.strategy, tile_m=config.tile_m,
+                             precision=common.lax_precision(precision),
+                             preferred_element_type=preferred_element_type)
+    return out, None
+
+  def _get_heuristics_config(self, ba):
+    return XlaRaggedDotConfig(strategy="lax")
+
+  def _get_autotuning_configs(self, ba):
+    return _xla_space(ba.arguments["lhs"].shape[0])

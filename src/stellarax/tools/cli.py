@@ -1,0 +1,96 @@
+"""The `stellarax` command line.
+
+    stellarax autotune BOUND_ARGS_JSON [--output result.json] [--cache] [--budget-s S]
+    stellarax xplane_to_bound_args --xplane_file=X --output_file=Y
+    stellarax cache list | path | clear
+    stellarax report RESULT_JSON
+    stellarax demo [--output DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _autotune(args) -> int:
+  import stellarax
+  tuner = stellarax.Autotuner(budget_s=args.budget_s, cache=args.cache, progress=not args.no_progress,
+                              strategy=args.strategy)
+  result = tuner.autotune(args.bound_args)
+  print(result.summary())
+  if args.output:
+    result.dump(args.output)
+    print(f"result saved to {args.output}")
+  return 0
+
+
+def _cache(args) -> int:
+  from stellarax.autotuning import cache
+  root = cache.user_cache_root()
+  if args.action == "path":
+    print(root)
+  elif args.action == "list":
+    files = sorted(root.glob("*/*.json")) if root.is_dir() else []
+    if not files:
+      print(f"user cache at {root} is empty")
+    for path in files:
+      from stellarax.autotuning.result import AutotuningResult
+      print(f"{path.relative_to(root)}: {len(AutotuningResult.load(path))} entries")
+  elif args.action == "clear":
+    import shutil
+    shutil.rmtree(root, ignore_errors=True)
+    print(f"cleared {root}")
+  return 0
+
+
+def _report(args) -> int:
+  from stellarax.autotuning.result import AutotuningResult
+  result = AutotuningResult.load(args.result)
+  print(f"{args.result}: device {result.device_kind}, versions {result.versions}")
+  print(result.summary())
+  return 0
+
+
+def main(argv=None) -> int:
+  """Runs the command line; returns the exit status."""
+  parser = argparse.ArgumentParser(prog="stellarax", description="stellarax kernels and autotuning")
+  sub = parser.add_subparsers(dest="command", required=True)
+
+  p = sub.add_parser("autotune", help="tune the op calls in a bound-arguments JSON file")
+  p.add_argument("bound_args", help="JSON from bound_args_to_json or xplane_to_bound_args")
+  p.add_argument("--output", help="write the result JSON here")
+  p.add_argument("--cache", action="store_true", help="also write the result into the user cache")
+  p.add_argument("--budget-s", type=float, default=None, help="tuning budget per op call")
+  p.add_argument("--strategy", default="auto", choices=("auto", "exhaustive", "racing", "random"))
+  p.add_argument("--no-progress", action="store_true")
+  p.set_defaults(run=_autotune)
+
+  p = sub.add_parser("xplane_to_bound_args", help="extract stellarax op calls from an XProf profile")
+  p.add_argument("--xplane_file", required=True)
+  p.add_argument("--output_file", required=True)
+  p.set_defaults(run=lambda a: _xplane(a))
+
+  p = sub.add_parser("cache", help="inspect or clear the user cache")
+  p.add_argument("action", choices=("list", "path", "clear"))
+  p.set_defaults(run=_cache)
+
+  p = sub.add_parser("report", help="print the summary table of a result file")
+  p.add_argument("result")
+  p.set_defaults(run=_report)
+
+  p = sub.add_parser("demo", help="autotune the demo model on this machine")
+  p.add_argument("--output", default="demo_out")
+  p.set_defaults(run=lambda a: __import__("stellarax.tools.demo", fromlist=["main"]).main(["--output", a.output]))
+
+  args = parser.parse_args(argv)
+  return args.run(args)
+
+
+def _xplane(args) -> int:
+  from stellarax.tools import xplane_to_bound_args
+  return xplane_to_bound_args.main([f"--xplane_file={args.xplane_file}", f"--output_file={args.output_file}"])
+
+
+if __name__ == "__main__":
+  sys.exit(main())

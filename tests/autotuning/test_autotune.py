@@ -1,0 +1,221 @@
+"""autotune(), AutotuningResult, the file format, caches and explain()."""
+
+import functools
+import json
+import multiprocessing
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import stellarax
+from stellarax import autotuning
+from stellarax.autotuning import cache as cache_lib
+from stellarax.autotuning import file_format
+from stellarax.autotuning.measure import MeasureOptions
+from stellarax.core import resolution
+
+FAST = MeasureOptions(rounds=2, leader_rounds=1, warmup_s=0.0, max_total_s=0.5, min_batch_s=2e-4)
+
+
+def tuner(**kw):
+  return stellarax.Autotuner(progress=False, measure_options=FAST, **kw)
+
+
+def _inputs():
+  k = jax.random.split(jax.random.key(3), 3)
+  lhs = jax.random.normal(k[0], (64, 32), jnp.float32)
+  rhs = jax.random.normal(k[1], (4, 32, 16), jnp.float32)
+  return lhs, rhs, jnp.array([20, 0, 30, 14], jnp.int32)
+
+
+def model(lhs, rhs, gs):
+  return (stellarax.ragged_dot(lhs, rhs, gs) ** 2).sum()
+
+
+@pytest.fixture(scope="module")
+def grad_result():
+  lhs, rhs, gs = _inputs()
+  return tuner().autotune(jax.grad(model, argnums=(0, 1)), lhs, rhs, gs)
+
+
+def test_autotune_grad_tunes_forward_and_vjp_ops(grad_result):
+  names = {e.bound_args.op.name for e in grad_result}
+  assert names == {"ragged_dot.xla", "ragged_dot.xla_vjp"}
+  for entry in grad_result:
+    assert entry.best_time is not None and entry.best_time > 0
+    assert entry.best_config in entry.bound_args.autotuning_configs
+    assert any(c == entry.heuristic_config for c, _ in entry.measurements)
+  assert len(grad_result) == 2 and "ragged_dot.xla_vjp" in grad_result.summary()
+
+
+def test_result_as_context_gives_the_same_numbers(grad_result):
+  lhs, rhs, gs = _inputs()
+  g = jax.grad(model, argnums=(0, 1))
+  plain = g(lhs, rhs, gs)
+  with grad_result:
+    tuned = jax.jit(g)(lhs, rhs, gs)
+    (ba,) = [b for b in autotuning.get_bound_args(model, lhs, rhs, gs)]
+    assert autotuning.explain(ba).source == "result"
+  for a, b in zip(plain, tuned):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-3)
+
+
+def test_dumps_loads_round_trip_and_file(grad_result, tmp_path):
+  text = grad_result.dumps()
+  data = json.loads(text)
+  assert data["schema"] == file_format.SCHEMA_VERSION and data["device_kind"] == grad_result.device_kind
+  assert set(data["versions"]) == {"stellarax", "jax", "jaxlib"}
+  assert "stellarax.ops" not in text
+  assert stellarax.AutotuningResult.loads(text) == grad_result
+  path = tmp_path / "r.json"
+  grad_result.dump(path)
+  assert stellarax.AutotuningResult.load(path) == grad_result
+  with open(path) as f:
+    assert stellarax.AutotuningResult.load(f) == grad_result
+
+
+def test_corrupt_files_name_themselves(tmp_path, grad_result):
+  bad = tmp_path / "bad.json"
+  bad.write_text("{not json")
+  with pytest.raises(file_format.FormatError, match="bad.json.*not valid JSON"):
+    stellarax.AutotuningResult.load(bad)
+  data = json.loads(grad_result.dumps())
+  data["entries"][0]["best_config"]["tile_m"] = 12
+  bad.write_text(json.dumps(data))
+  with pytest.raises(file_format.FormatError, match="bad.json: entry 0 is invalid.*tile_m=12"):
+    stellarax.AutotuningResult.load(bad)
+  data["schema"] = 99
+  bad.write_text(json.dumps(data))
+  with pytest.raises(file_format.FormatError, match="schema 99"):
+    stellarax.AutotuningResult.load(bad)
+
+
+def test_other_versions_are_used_with_a_warning(grad_result):
+  data = json.loads(grad_result.dumps())
+  data["versions"]["jax"] = "0.0.1"
+  data["entries"][0]["bound_args"]["op"]["name"] = "ragged_dot.removed_backend"
+  with pytest.warns(file_format.VersionWarning) as record:
+    loaded = stellarax.AutotuningResult.loads(json.dumps(data))
+  assert len(loaded) == len(grad_result) - 1
+  assert any("skipped" in str(w.message) for w in record)
+
+
+def test_merge_keeps_the_faster_and_refuses_other_devices(grad_result):
+  entry = next(iter(grad_result))
+  slower_m = [(c, m.__class__(**{**m.to_json(), "median_s": m.median_s * 10, "ci_low_s": m.median_s * 9,
+                                    "ci_high_s": m.median_s * 11}) if m.status == "ok" else m)
+              for c, m in entry.measurements]
+  slower = autotuning.Entry(entry.bound_args, entry.best_config, entry.heuristic_config, tuple(slower_m))
+  other = autotuning.AutotuningResult(grad_result.device_kind, {slower.key: slower})
+  assert (other | grad_result).entry(entry.bound_args) == entry
+  assert (grad_result | other).entry(entry.bound_args) == entry
+  with pytest.raises(ValueError, match="different devices"):
+    grad_result | autotuning.AutotuningResult("NVIDIA H200")
+
+
+def test_autotune_accepts_bound_args_sequences_json_and_lowered(tmp_path):
+  lhs, rhs, gs = _inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  t = tuner(strategy="exhaustive")
+  assert {e.bound_args for e in t.autotune([ba])} == {ba}
+  assert {e.bound_args for e in t.autotune(ba)} == {ba}
+  path = tmp_path / "ba.json"
+  autotuning.bound_args_to_json([ba], path)
+  assert {e.bound_args for e in t.autotune(str(path))} == {ba}
+  assert {e.bound_args for e in t.autotune(jax.jit(model).lower(lhs, rhs, gs))} == {ba}
+  with pytest.raises(TypeError, match="Autotuner"):
+    t.autotune([ba], 1)
+
+
+def test_autotune_passes_keyword_arguments_to_f():
+  lhs, rhs, gs = _inputs()
+  f = lambda *, a, b, g: stellarax.ragged_dot(a, b, g)
+  result = tuner(strategy="exhaustive").autotune(f, a=lhs, b=rhs, g=gs)
+  assert [e.bound_args.op.name for e in result] == ["ragged_dot.xla"]
+
+
+def test_every_config_failing_says_why():
+  lhs, rhs, gs = _inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+
+  def broken(space, measure, *, heuristic, budget_s):
+    from stellarax.autotuning import search
+    return search.exhaustive(space, lambda cs, effort=1.0: {
+        c: autotuning.Measurement(status="compile_error", error="boom") for c in cs}, heuristic=heuristic)
+
+  with pytest.raises(ValueError, match="boom"):
+    tuner(strategy=broken).autotune([ba])
+
+
+def test_user_cache_is_written_read_and_explained(user_cache_dir, grad_result):
+  lhs, rhs, gs = _inputs()
+  (ba,) = autotuning.get_bound_args(model, lhs, rhs, gs)
+  assert autotuning.explain(ba).source == "heuristics"
+  cache_lib.USER_CACHE.write(grad_result)
+  assert (user_cache_dir / cache_lib.device_kind_slug(grad_result.device_kind) / "ragged_dot.xla.json").exists()
+  explanation = autotuning.explain(ba)
+  assert explanation.source == "user_cache"
+  assert explanation.config == grad_result.best_config(ba)
+  other = stellarax.XlaRaggedDot.bind(lhs[:32], rhs, gs)
+  text = str(autotuning.explain(other))
+  assert "lhs: float32[32, 32] != float32[64, 32]" in text
+
+
+def _write_entry(args):
+  cache_dir, text = args
+  os.environ["STELLARAX_CACHE_DIR"] = cache_dir
+  from stellarax.autotuning import cache as c
+  from stellarax.autotuning.result import AutotuningResult
+  for _ in range(5):
+    c.USER_CACHE.write(AutotuningResult.loads(text))
+  return True
+
+
+def test_concurrent_cache_writers_lose_nothing(user_cache_dir, grad_result):
+  entries = list(grad_result)
+  texts = [autotuning.AutotuningResult(grad_result.device_kind, {e.key: e}).dumps() for e in entries]
+  ctx = multiprocessing.get_context("spawn")
+  with ctx.Pool(2) as pool:
+    assert all(pool.map(_write_entry, [(str(user_cache_dir), t) for t in texts * 2]))
+  files = sorted(user_cache_dir.glob("*/*.json"))
+  assert {f.name for f in files} == {"ragged_dot.xla.json", "ragged_dot.xla_vjp.json"}
+  for f in files:
+    assert len(autotuning.AutotuningResult.load(f)) == 1
+
+
+def test_library_cache_is_consulted_after_the_user_cache(tmp_path, monkeypatch, grad_result):
+  lib = cache_lib.FileCache(tmp_path / "lib", "library_cache", writable=True)
+  lib.write(grad_result)
+  lib.writable = False
+  monkeypatch.setattr(cache_lib.LIBRARY_CACHE, "_root", tmp_path / "lib")
+  lhs, rhs, gs = _inputs()
+  (ba,) = autotuning.get_bound_args(model, lhs, rhs, gs)
+  assert resolution.resolve_config(ba).source == "library_cache"
+  with pytest.raises(PermissionError, match="read-only"):
+    lib.write(grad_result)
+
+
+def test_miss_policy_autotune_tunes_on_the_spot(user_cache_dir):
+  lhs, rhs, gs = _inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs[:16], rhs, gs)
+  with resolution.miss_policy_scope("autotune"):
+    r = resolution.resolve_config(ba)
+  assert r.source == "autotuned" and r.config in ba.autotuning_configs
+
+
+def test_results_are_per_thread_context():
+  import threading
+  lhs, rhs, gs = _inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  seen = []
+  result = autotuning.AutotuningResult("cpu")
+  with result:
+    t = threading.Thread(target=lambda: seen.append(resolution.active_results()))
+    t.start(); t.join()
+    assert resolution.active_results() == (result,)
+  assert seen == [()]
+  del ba

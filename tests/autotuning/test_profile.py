@@ -1,0 +1,286 @@
+"""Tests for reading stellarax op calls from XProf profiles (`read_op_calls`)."""
+
+import os
+import re
+
+import jax
+from jax import lax
+from jax.experimental.xla_metadata import xla_metadata_call2
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from stellarax.autotuning.profile import OpCall
+from stellarax.autotuning.profile import ProfileError
+from stellarax.autotuning.profile import read_op_calls
+
+MATMUL = '{"op":"matmul"}'
+TANH = '{"op":"tanh"}'
+TANH_VJP = '{"op":"tanh_vjp"}'
+RUNS = 3  # executions of each program inside the trace
+
+
+def _marked(fn, marker):
+  # As the ops mark themselves: the backward pass is left to its own (VJP) op.
+  return xla_metadata_call2(fn, {"stellarax_op": marker}, ad_metadata="drop")
+
+
+matmul = _marked(lambda x, w: x @ w, MATMUL)
+
+
+@jax.custom_vjp
+def tanh(x):
+  return _marked(jnp.tanh, TANH)(x)
+
+
+def _tanh_fwd(x):
+  y = tanh(x)
+  return y, y
+
+
+def _tanh_bwd(y, g):
+  return (_marked(lambda y, g: g * (1.0 - y * y), TANH_VJP)(y, g),)
+
+
+tanh.defvjp(_tanh_fwd, _tanh_bwd)
+
+
+def loss(w, x):
+  # Each op is called twice; the tanh between the matmuls keeps them two calls.
+  h = tanh(matmul(x, w))
+  h = tanh(matmul(h, w))
+  return jnp.sum(h * h)
+
+
+def loop_op(x, n):
+  # An op built on a loop: XLA:CPU keeps its marker only on the loop's result.
+  return lax.fori_loop(0, n, lambda i, v: jnp.tanh(v) @ v, x)
+
+
+def _loop_marker(size):
+  return f'{{"op":"loop","size":{size}}}'
+
+
+def _loop_program(size):
+  return jax.jit(_marked(loop_op, _loop_marker(size)))
+
+
+def _entry_instructions(hlo_text):
+  """Name -> text of each instruction of a compiled program's entry computation."""
+  entry = hlo_text[hlo_text.index("\nENTRY "):].split("\n}")[0]
+  matches = (re.match(r"\s*(?:ROOT )?%?(\S+) = ", line) for line in entry.splitlines())
+  return {m[1]: m.string for m in matches if m}
+
+
+def _marked_names(hlo_text, marker):
+  """Names of the entry instructions whose own attribute is `marker`."""
+  return sorted(
+      name for name, line in _entry_instructions(hlo_text).items()
+      if f"stellarax_op={marker}" in line)
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+  """A CPU trace of the forward and backward pass and of a loop op at two sizes."""
+  keys = jax.random.split(jax.random.key(0), 2)
+  w = jax.random.normal(keys[0], (40, 40)) / 8
+  x = jax.random.normal(keys[1], (24, 40))
+  step = jax.jit(jax.grad(loss)).lower(w, x).compile()
+  loops = {size: _loop_program(size) for size in (16, 24)}
+  inputs = {size: jnp.eye(size) / 2 for size in loops}
+  trips = jnp.int32(3)
+  # Run once before tracing, so that the trace holds no compilation.
+  step(w, x).block_until_ready()
+  for size, program in loops.items():
+    program(inputs[size], trips).block_until_ready()
+  trace_dir = tmp_path_factory.mktemp("trace")
+  with jax.profiler.trace(trace_dir):
+    for _ in range(RUNS):
+      step(w, x).block_until_ready()
+      for size, program in loops.items():
+        program(inputs[size], trips).block_until_ready()
+  (file,) = trace_dir.rglob("*.xplane.pb")
+  return trace_dir, file, step.as_text()
+
+
+@pytest.fixture(scope="module")
+def unmarked_profile(tmp_path_factory):
+  """A CPU trace of a program without stellarax ops."""
+
+  def plain(x):
+    return jnp.sin(x) @ x
+
+  program = jax.jit(plain)
+  x = jax.random.normal(jax.random.key(1), (8, 8))
+  program(x).block_until_ready()
+  trace_dir = tmp_path_factory.mktemp("plain")
+  with jax.profiler.trace(trace_dir):
+    program(x).block_until_ready()
+  (file,) = trace_dir.rglob("*.xplane.pb")
+  return file
+
+
+def test_counts_every_call_forward_and_backward(traced):
+  trace_dir, _, _ = traced
+  calls = read_op_calls(trace_dir)
+  counts = {call.marker: call.count for call in calls}
+  assert counts == {
+      MATMUL: 2 * RUNS,
+      TANH: 2 * RUNS,
+      TANH_VJP: 2 * RUNS,
+      _loop_marker(16): RUNS,
+      _loop_marker(24): RUNS,
+  }
+  assert all(call.device_time_s > 0 for call in calls)
+  times = [call.device_time_s for call in calls]
+  assert times == sorted(times, reverse=True)
+
+
+def test_reads_a_file_as_its_directory(traced):
+  trace_dir, file, _ = traced
+  assert read_op_calls(file) == read_op_calls(str(trace_dir))
+
+
+def test_reads_every_host_of_the_newest_trace(traced, unmarked_profile, tmp_path):
+  _, file, _ = traced
+  old = tmp_path / "plugins" / "profile" / "old" / "host.xplane.pb"
+  old.parent.mkdir(parents=True)
+  old.write_bytes(unmarked_profile.read_bytes())
+  os.utime(old, (1, 1))
+  for host in ("host0", "host1"):
+    new = tmp_path / "plugins" / "profile" / "new" / f"{host}.xplane.pb"
+    new.parent.mkdir(parents=True, exist_ok=True)
+    new.write_bytes(file.read_bytes())
+  single = {c.marker: c for c in read_op_calls(file)}
+  both = read_op_calls(tmp_path)
+  assert {c.marker for c in both} == set(single)
+  for call in both:
+    assert call.count == 2 * single[call.marker].count
+    assert call.device_time_s == pytest.approx(2 * single[call.marker].device_time_s)
+
+
+def _gpu_plane(events):
+  """A serialized XSpace with one GPU plane, events as XLA:GPU records them.
+
+  Args:
+    events: (kernel name, hlo_op or None, hlo_module, duration in ps) per event. Like
+      XLA:GPU events whose module id is unknown, they carry no program_id.
+
+  Returns:
+    The bytes; appended to a profile's bytes they add the plane to it.
+  """
+  names = sorted({kernel for kernel, _, _, _ in events})
+  lines, offset = [], 0
+  for kernel, hlo_op, module, duration in events:
+    stats = f'stats {{ metadata_id: 3 str_value: "grid:132,1,1 block:128,1,1" }}'
+    if hlo_op is not None:
+      stats += (f' stats {{ metadata_id: 1 str_value: "{hlo_op}" }}'
+                f' stats {{ metadata_id: 2 str_value: "{module}" }}')
+    lines.append(f"events {{ metadata_id: {names.index(kernel) + 1} "
+                 f"offset_ps: {offset} duration_ps: {duration} {stats} }}")
+    offset += duration + 1000
+  metadata = " ".join(
+      f'event_metadata {{ key: {i + 1} value {{ id: {i + 1} name: "{name}" }} }}'
+      for i, name in enumerate(names))
+  text = f"""planes {{
+    id: 1000 name: "/device:GPU:0"
+    lines {{ id: 1 name: "Stream #13(compute)" timestamp_ns: 1000 {" ".join(lines)} }}
+    {metadata}
+    stat_metadata {{ key: 1 value {{ id: 1 name: "hlo_op" }} }}
+    stat_metadata {{ key: 2 value {{ id: 2 name: "hlo_module" }} }}
+    stat_metadata {{ key: 3 value {{ id: 3 name: "kernel_details" }} }}
+  }}"""
+  return jax.profiler.ProfileData.text_proto_to_serialized_xspace(text)
+
+
+def test_gpu_planes_hold_the_device_time(traced, tmp_path):
+  _, file, hlo_text = traced
+  matmuls = _marked_names(hlo_text, MATMUL)
+  assert len(matmuls) == 2, hlo_text
+  unmarked = next(
+      name for name, line in _entry_instructions(hlo_text).items()
+      if "stellarax_op" not in line and " parameter(" not in line)
+  # Each matmul launches two kernels per run, beside a copy and unmarked kernels.
+  events = []
+  for run in range(2):
+    for i, name in enumerate(matmuls):
+      events += [("gemm_main", name, "jit_loss", 7_000_000 + 10_000 * i + 1000 * run),
+                 ("gemm_split_k_reduce", name, "jit_loss", 2_000_000)]
+    events += [("MemcpyD2D", None, None, 500_000),
+               ("loop_fusion", unmarked, "jit_loss", 3_000_000),
+               ("other_kernel", "no_such_instruction", "jit_loss", 3_000_000)]
+  gpu_profile = tmp_path / "gpu.xplane.pb"
+  gpu_profile.write_bytes(file.read_bytes() + _gpu_plane(events))
+  expected_s = sum(d for _, op, _, d in events if op in matmuls) * 1e-12
+  # The host's thunk events, which hold the tanh ops too, are not device time.
+  (call,) = read_op_calls(gpu_profile)
+  assert (call.marker, call.count) == (MATMUL, 4)
+  assert call.device_time_s == pytest.approx(expected_s, rel=1e-9)
+
+
+def test_events_matching_several_programs_are_left_out(traced, tmp_path):
+  _, file, hlo_text = traced
+  loop_text = _loop_program(16).lower(jnp.eye(16), jnp.int32(3)).compile().as_text()
+  (loop_result,) = _marked_names(loop_text, _loop_marker(16))
+  matmul_name = _marked_names(hlo_text, MATMUL)[0]
+  module = re.match(r"HloModule (\S+),", loop_text)[1]
+  # Without a program_id, the loop's events fit both of its compilations.
+  events = [("gemm", matmul_name, "jit_loss", 1_000_000),
+            ("loop_kernel", loop_result, module, 1_000_000)]
+  gpu_profile = tmp_path / "gpu.xplane.pb"
+  gpu_profile.write_bytes(file.read_bytes() + _gpu_plane(events))
+  with pytest.warns(RuntimeWarning, match="1 events were left out"):
+    (call,) = read_op_calls(gpu_profile)
+  assert (call.marker, call.count) == (MATMUL, 1)
+  assert call.device_time_s == pytest.approx(1e-6, rel=1e-9)
+
+
+def test_no_stellarax_ops_names_the_programs_that_ran(unmarked_profile):
+  with pytest.raises(ProfileError, match="no stellarax ops") as error:
+    read_op_calls(unmarked_profile)
+  assert str(unmarked_profile) in str(error.value)
+  assert "jit_plain" in str(error.value)
+
+
+def test_missing_path(tmp_path):
+  with pytest.raises(ProfileError, match="no such file or directory"):
+    read_op_calls(tmp_path / "missing.xplane.pb")
+
+
+def test_directory_without_profiles(tmp_path):
+  with pytest.raises(ProfileError, match=r"no \*\.xplane\.pb file"):
+    read_op_calls(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"this is a text file, not a profile\n", "not an XProf profile"),
+        (np.random.default_rng(0).bytes(4096), "not an XProf profile|truncated"),
+        (b"", "holds no profile planes"),
+    ],
+    ids=["text", "random", "empty"],
+)
+def test_not_a_profile(tmp_path, content, message):
+  path = tmp_path / "host.xplane.pb"
+  path.write_bytes(content)
+  with pytest.raises(ProfileError, match=message) as error:
+    read_op_calls(path)
+  assert str(path) in str(error.value)
+
+
+def test_truncated_profile(traced, tmp_path):
+  _, file, _ = traced
+  data = file.read_bytes()
+  path = tmp_path / "cut.xplane.pb"
+  path.write_bytes(data[:len(data) // 2])
+  with pytest.raises(ProfileError, match="truncated or corrupt") as error:
+    read_op_calls(path)
+  assert str(path) in str(error.value)
+
+
+def test_op_call_is_a_frozen_value():
+  call = OpCall(MATMUL, 2, 1e-3)
+  assert call == OpCall(MATMUL, 2, 1e-3)
+  with pytest.raises(AttributeError):
+    call.count = 3  # type: ignore[misc]

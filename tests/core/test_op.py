@@ -1,0 +1,181 @@
+"""The Op framework: bind, BoundArguments, resolution, markers, capture."""
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import stellarax
+from stellarax import autotuning
+from stellarax.core import resolution
+from stellarax.core.bound_args import BoundArguments
+from stellarax.core.specs import ArraySpec
+from stellarax.ops.ragged_dot.base import XlaRaggedDotConfig
+
+
+def _ragged_inputs(m=48, k=16, n=8, sizes=(10, 0, 30, 5)):
+  keys = jax.random.split(jax.random.key(1), 2)
+  lhs = jax.random.normal(keys[0], (m, k), jnp.float32)
+  rhs = jax.random.normal(keys[1], (len(sizes), k, n), jnp.float32)
+  return lhs, rhs, jnp.asarray(sizes, jnp.int32)
+
+
+def test_bind_on_class_and_instance_agree():
+  lhs, rhs, gs = _ragged_inputs()
+  a = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  b = stellarax.XlaRaggedDot().bind(lhs, rhs, group_sizes=gs)
+  assert a == b and hash(a) == hash(b)
+  assert a.arguments["lhs"] == ArraySpec((48, 16), "float32")
+  assert a.heuristics_config in a.autotuning_configs
+  assert a.default_config == a.heuristics_config
+
+
+def test_bind_rejects_bad_shapes_with_a_clear_message():
+  lhs, rhs, gs = _ragged_inputs()
+  with pytest.raises(ValueError, match="must agree on K"):
+    stellarax.XlaRaggedDot.bind(lhs[:, :3], rhs, gs)
+  with pytest.raises(TypeError, match="integer"):
+    stellarax.XlaRaggedDot.bind(lhs, rhs, gs.astype(jnp.float32))
+  with pytest.raises(TypeError, match="unexpected keyword"):
+    stellarax.XlaRaggedDot.bind(lhs, rhs, gs, bogus=1)
+
+
+def test_config_is_validated_at_construction():
+  with pytest.raises(ValueError, match="tile_m=12 must be a power of two"):
+    XlaRaggedDotConfig(strategy="tiled", tile_m=12)
+  with pytest.raises(ValueError, match="strategy='nope' must be one of"):
+    XlaRaggedDotConfig(strategy="nope")
+  with pytest.raises(TypeError, match="expects a XlaRaggedDotConfig"):
+    stellarax.XlaRaggedDot(config="tiled")
+
+
+def test_bound_args_json_round_trip_has_no_import_paths():
+  lhs, rhs, gs = _ragged_inputs()
+  bas = [stellarax.XlaRaggedDot.bind(lhs, rhs, gs, precision="highest"),
+         stellarax.XlaChunkedAttention.bind(*(jnp.ones((1, 8, 2, 4)),) * 3, is_causal=True)]
+  text = autotuning.bound_args_to_json(bas)
+  assert "stellarax." not in text and "<class" not in text
+  assert autotuning.bound_args_from_json(text) == bas
+
+
+def test_bound_args_from_json_reads_a_path(tmp_path):
+  lhs, rhs, gs = _ragged_inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  path = tmp_path / "ba.json"
+  autotuning.bound_args_to_json([ba], path)
+  assert autotuning.bound_args_from_json(str(path)) == [ba]
+  with pytest.raises(ValueError, match="not valid JSON"):
+    autotuning.bound_args_from_json("[{oops")
+
+
+def test_op_call_matches_jax_and_differentiates():
+  lhs, rhs, gs = _ragged_inputs()
+  out = stellarax.ragged_dot(lhs, rhs, gs)
+  np.testing.assert_allclose(out, jax.lax.ragged_dot(lhs, rhs, gs), rtol=1e-5, atol=1e-5)
+  loss = lambda f: lambda l, r: (f(l, r, gs) ** 2).sum()
+  ours = jax.grad(loss(stellarax.ragged_dot), argnums=(0, 1))(lhs, rhs)
+  theirs = jax.grad(loss(jax.lax.ragged_dot), argnums=(0, 1))(lhs, rhs)
+  for a, b in zip(ours, theirs):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_resolution_order_explicit_beats_result_beats_heuristics():
+  lhs, rhs, gs = _ragged_inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  tuned = XlaRaggedDotConfig(strategy="tiled", tile_m=16)
+  pinned = XlaRaggedDotConfig(strategy="masked")
+  result = _result_with(ba, tuned)
+  assert resolution.resolve_config(ba).source == "heuristics"
+  with result:
+    r = resolution.resolve_config(ba)
+    assert (r.config, r.source) == (tuned, "result")
+    assert resolution.resolve_config(ba.with_config(pinned)).config == pinned
+    inner = _result_with(ba, XlaRaggedDotConfig(strategy="tiled", tile_m=32))
+    with inner:
+      assert resolution.resolve_config(ba).config.tile_m == 32
+    assert resolution.resolve_config(ba).config == tuned
+  assert resolution.resolve_config(ba).source == "heuristics"
+
+
+def test_miss_policy_error_names_the_op():
+  lhs, rhs, gs = _ragged_inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  with resolution.miss_policy_scope("error"):
+    with pytest.raises(resolution.ConfigMissError, match="ragged_dot.xla"):
+      resolution.resolve_config(ba)
+  with pytest.raises(ValueError, match="must be one of"):
+    with resolution.miss_policy_scope("sometimes"):
+      pass
+
+
+def test_result_applies_inside_jit_traced_in_the_context():
+  lhs, rhs, gs = _ragged_inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  result = _result_with(ba, XlaRaggedDotConfig(strategy="tiled", tile_m=16))
+  seen = []
+  original = stellarax.XlaRaggedDot._fwd
+
+  def spy(self, *a, config, **k):
+    seen.append(config)
+    return original(self, *a, config=config, **k)
+
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(stellarax.XlaRaggedDot, "_fwd", spy)
+    with result:
+      jax.jit(lambda l, r: stellarax.ragged_dot(l, r, gs))(lhs, rhs)
+  assert seen[-1] == XlaRaggedDotConfig(strategy="tiled", tile_m=16)
+
+
+def _model(lhs, rhs, gs, x):
+  y = stellarax.ragged_dot(lhs, rhs, gs)
+  return (stellarax.rms_norm(y, None) ** 2).sum() + stellarax.dot_product_attention(x, x, x).sum()
+
+
+def test_get_bound_args_finds_forward_and_vjp_ops_through_transforms():
+  lhs, rhs, gs = _ragged_inputs()
+  x = jnp.ones((1, 8, 2, 4))
+  fwd = autotuning.get_bound_args(_model, lhs, rhs, gs, x)
+  assert {ba.op.name for ba in fwd} == {"ragged_dot.xla", "layer_norm.xla", "attention.xla_chunked"}
+  grad = autotuning.get_bound_args(jax.grad(_model, argnums=(0, 1, 3)), lhs, rhs, gs, x)
+  names = {ba.op.name for ba in grad}
+  assert {"ragged_dot.xla_vjp", "layer_norm.xla_vjp", "attention.xla_vjp"} <= names
+  closure = functools.partial(jax.grad(_model), lhs, rhs, gs, x)
+  assert set(autotuning.get_bound_args(closure)) == set(
+      autotuning.get_bound_args(jax.jit(jax.grad(_model)), lhs, rhs, gs, x))
+  remat = autotuning.get_bound_args(jax.grad(jax.checkpoint(_model)), lhs, rhs, gs, x)
+  assert {"ragged_dot.xla", "ragged_dot.xla_vjp"} <= {ba.op.name for ba in remat}
+  lowered = jax.jit(_model).lower(lhs, rhs, gs, x)
+  assert set(autotuning.get_bound_args(lowered)) == set(fwd)
+
+
+def test_vmap_axes_are_recorded_in_the_key():
+  lhs, rhs, gs = _ragged_inputs()
+  f = lambda l: stellarax.ragged_dot(l, rhs, gs)
+  batched = jnp.stack([lhs, 2 * lhs, 3 * lhs])
+  (ba,) = autotuning.get_bound_args(jax.vmap(f), batched)
+  assert ba.vmap_axes == ((3, (False, True, False)),)  # leaves: group_sizes, lhs, rhs
+  assert ba.batched_array_specs()[1].shape == (3, 48, 16)
+  assert ba.key_json() != stellarax.XlaRaggedDot.bind(lhs, rhs, gs).key_json()
+  np.testing.assert_allclose(jax.vmap(f)(batched)[2], 3 * f(lhs), rtol=1e-5, atol=1e-4)
+  assert BoundArguments.from_json(json.loads(ba.to_marker())) == ba
+
+
+def test_implementation_selection_and_errors():
+  lhs, rhs, gs = _ragged_inputs()
+  ref = jax.lax.ragged_dot(lhs, rhs, gs)
+  for impl in ("xla", "ragged_dot.xla", stellarax.XlaRaggedDot(), ["xla"]):
+    np.testing.assert_allclose(stellarax.ragged_dot(lhs, rhs, gs, implementation=impl), ref, rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="no such implementation"):
+    stellarax.ragged_dot(lhs, rhs, gs, implementation="cuda_magic")
+
+
+def _result_with(ba, config):
+  from stellarax.autotuning.measure import Measurement
+  entry = autotuning.Entry(
+      bound_args=ba, best_config=config, heuristic_config=ba.heuristics_config,
+      measurements=((config, Measurement(status="ok", median_s=1e-3, ci_low_s=9e-4, ci_high_s=1.1e-3,
+                                         num_samples=5, compile_time_s=0.1, error=None, method="test")),))
+  return autotuning.AutotuningResult("cpu", {entry.key: entry})

@@ -1,0 +1,85 @@
+"""The public op functions against JAX's own ops (XLA implementations)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import stellarax
+
+
+def _keys(n):
+  return jax.random.split(jax.random.key(7), n)
+
+
+@pytest.mark.parametrize("sizes", [(5, 0, 17, 3), (0, 0, 0, 0), (40, 2, 0, 6)])
+def test_ragged_dot_matches_lax_with_empty_groups_and_short_sums(sizes):
+  k = _keys(2)
+  lhs = jax.random.normal(k[0], (48, 12), jnp.float32)
+  rhs = jax.random.normal(k[1], (4, 12, 20), jnp.float32)
+  gs = jnp.asarray(sizes, jnp.int32)
+  np.testing.assert_allclose(stellarax.ragged_dot(lhs, rhs, gs), jax.lax.ragged_dot(lhs, rhs, gs),
+                             rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(is_causal=True),
+    dict(local_window_size=(3, 1)),
+    dict(query_seq_lengths=jnp.array([5, 9], jnp.int32), key_value_seq_lengths=jnp.array([7, 3], jnp.int32)),
+])
+def test_attention_matches_jax_with_gqa(kwargs):
+  k = _keys(3)
+  q = jax.random.normal(k[0], (2, 9, 4, 8), jnp.float32)
+  kv = jax.random.normal(k[1], (2, 11, 2, 8), jnp.float32)
+  v = jax.random.normal(k[2], (2, 11, 2, 8), jnp.float32)
+  if kwargs.get("is_causal") or "local_window_size" in kwargs:
+    kv, v = kv[:, :9], v[:, :9]
+  expected = jax.nn.dot_product_attention(q, kv, v, **kwargs)
+  for impl in ("xla", "xla_chunked"):
+    out = stellarax.dot_product_attention(q, kv, v, implementation=impl, **kwargs)
+    np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-5)
+
+
+def test_attention_bias_mask_and_gradients():
+  k = _keys(5)
+  q = jax.random.normal(k[0], (1, 16, 2, 8), jnp.float32)
+  kv = jax.random.normal(k[1], (1, 16, 2, 8), jnp.float32)
+  bias = jax.random.normal(k[2], (1, 2, 16, 16), jnp.float32)
+  mask = jax.random.bernoulli(k[3], 0.7, (1, 1, 16, 16))
+  f = lambda impl: lambda q, kv: (impl(q, kv, kv, bias, mask) ** 2).sum()
+  ours = jax.grad(f(stellarax.dot_product_attention), argnums=(0, 1))(q, kv)
+  theirs = jax.grad(f(jax.nn.dot_product_attention), argnums=(0, 1))(q, kv)
+  for a, b in zip(ours, theirs):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_layer_and_rms_norm_and_their_gradients():
+  k = _keys(3)
+  x = jax.random.normal(k[0], (6, 33), jnp.float32) * 3 + 1
+  scale = jax.random.normal(k[1], (33,), jnp.float32)
+  offset = jax.random.normal(k[2], (33,), jnp.float32)
+  mean = x.mean(-1, keepdims=True)
+  ln = (x - mean) / jnp.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-6) * scale[None] + offset[None]
+  rms = x / jnp.sqrt((x * x).mean(-1, keepdims=True) + 1e-6) * scale[None]
+  np.testing.assert_allclose(stellarax.layer_norm(x, scale, offset), ln, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(stellarax.rms_norm(x, scale), rms, rtol=1e-5, atol=1e-5)
+  g = jax.grad(lambda x, s: (stellarax.rms_norm(x, s) ** 2).sum(), argnums=(0, 1))(x, scale)
+  gr = jax.grad(lambda x, s: ((x / jnp.sqrt((x * x).mean(-1, keepdims=True) + 1e-6) * s[None]) ** 2).sum(),
+                argnums=(0, 1))(x, scale)
+  for a, b in zip(g, gr):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_gated_linear_unit_and_named_activations():
+  k = _keys(2)
+  x = jax.random.normal(k[0], (5, 16), jnp.float32)
+  w = jax.random.normal(k[1], (16, 2, 24), jnp.float32)
+  expected = jax.nn.swish(x @ w[:, 0]) * (x @ w[:, 1])
+  np.testing.assert_allclose(stellarax.gated_linear_unit(x, w), expected, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(stellarax.gated_linear_unit(x, w, activation="relu"),
+                             jax.nn.relu(x @ w[:, 0]) * (x @ w[:, 1]), rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="silu"):
+    stellarax.gated_linear_unit(x, w, activation=lambda v: v)
+  gw = jax.grad(lambda w: stellarax.gated_linear_unit(x, w).sum())(w)
+  gw_ref = jax.grad(lambda w: (jax.nn.swish(x @ w[:, 0]) * (x @ w[:, 1])).sum())(w)
+  np.testing.assert_allclose(gw, gw_ref, rtol=1e-4, atol=1e-4)
