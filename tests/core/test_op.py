@@ -179,3 +179,29 @@ def _result_with(ba, config):
       measurements=((config, Measurement(status="ok", median_s=1e-3, ci_low_s=9e-4, ci_high_s=1.1e-3,
                                          num_samples=5, compile_time_s=0.1, error=None, method="test")),))
   return autotuning.AutotuningResult("cpu", {entry.key: entry})
+
+
+def test_result_applies_to_a_function_traced_before_the_context():
+  lhs, rhs, gs = _ragged_inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  tuned = XlaRaggedDotConfig(strategy="tiled", tile_m=16)
+  result = _result_with(ba, tuned)
+  seen, traces = [], []
+  original = stellarax.XlaRaggedDot._fwd
+
+  def spy(self, *a, config, **k):
+    seen.append(config)
+    return original(self, *a, config=config, **k)
+
+  f = jax.jit(lambda l, r: stellarax.ragged_dot(l, r, gs))
+  plain = jax.jit(lambda x: (traces.append(1), x * 2)[1])
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(stellarax.XlaRaggedDot, "_fwd", spy)
+    f(lhs, rhs)
+    plain(1.0)
+    for _ in range(2):
+      with result:
+        f(lhs, rhs)
+        plain(1.0)
+  assert seen[0] == ba.heuristics_config and seen[-1] == tuned
+  assert len(traces) == 2  # once outside, once for this result; reused when re-entered

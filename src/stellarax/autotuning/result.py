@@ -10,6 +10,8 @@ JSON format of `file_format.py`, and merges with `|`.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import io
 import os
 from collections.abc import Iterator, Mapping
@@ -83,6 +85,15 @@ class AutotuningResult:
     self._tokens: list[Any] = []
 
   source_name = "result"
+
+  @functools.cached_property
+  def trace_digest(self) -> str:
+    """A digest of the configs this result selects (keys JAX's trace cache)."""
+    h = hashlib.sha256(self.device_kind.encode())
+    for key in sorted(self._entries):
+      h.update(repr(key).encode())
+      h.update(repr(self._entries[key].best_config).encode())
+    return h.hexdigest()[:16]
 
   # ---- reading ----------------------------------------------------------
 

@@ -25,6 +25,8 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+from jax._src import config as _jax_config
+
 MISS_POLICIES = ("heuristics", "error", "autotune")
 _MISS_POLICY_ENV = "STELLARAX_MISS_POLICY"
 
@@ -61,18 +63,35 @@ _active_results: contextvars.ContextVar[tuple[ConfigSource, ...]] = contextvars.
 _miss_policy: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "stellarax_miss_policy", default=None)
 _cache_sources: list[ConfigSource] = []
+
+# Configs are resolved while tracing, so a function jitted and traced before
+# `with result:` must be traced again inside it. The digests of the active
+# results are therefore part of JAX's trace context (thread-local, like all
+# JAX config state): `jax.jit` retraces once per distinct set of active
+# results, and reuses its traces when the same results are active again.
+_trace_state = _jax_config.string_or_object_state(
+    name="stellarax_active_results", default=(), include_in_trace_context=True, include_in_jit_key=True,
+    help="Digests of the active stellarax AutotuningResults (set by `with result:`).")
 _fallbacks: list[Callable[[Any, Any], Resolution | None]] = []
 _autotune_on_miss: Callable[[Any], Any] | None = None
 
 
-def push_result(result: ConfigSource) -> contextvars.Token:
+def _digest(result: ConfigSource) -> Any:
+  return getattr(result, "trace_digest", None) or id(result)
+
+
+def push_result(result: ConfigSource) -> tuple[contextvars.Token, Any]:
   """Makes `result` the innermost active result; returns the token to pop it."""
-  return _active_results.set(_active_results.get() + (result,))
+  stack = _active_results.get() + (result,)
+  previous = _trace_state.swap_local(tuple(_digest(r) for r in stack))
+  return _active_results.set(stack), previous
 
 
-def pop_result(token: contextvars.Token) -> None:
+def pop_result(token: tuple[contextvars.Token, Any]) -> None:
   """Undoes the matching `push_result`."""
-  _active_results.reset(token)
+  ctx_token, previous = token
+  _active_results.reset(ctx_token)
+  _trace_state.set_local(previous)
 
 
 def active_results() -> tuple[ConfigSource, ...]:
