@@ -219,3 +219,14 @@ def test_results_are_per_thread_context():
     assert resolution.active_results() == (result,)
   assert seen == [()]
   del ba
+
+
+def test_bound_args_autotune_and_benchmark():
+  lhs, rhs, gs = _inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  result = ba.autotune(progress=False, measure_options=FAST, strategy="exhaustive")
+  assert len(result) == 1 and result.best_config(ba) in ba.autotuning_configs
+  m = ba.benchmark(rounds=2, leader_rounds=0, max_total_s=0.3)
+  assert m.status == "ok" and m.ci_low_s <= m.median_s <= m.ci_high_s
+  from stellarax.ops.ragged_dot.base import XlaRaggedDotConfig
+  assert ba.benchmark(XlaRaggedDotConfig(strategy="masked"), rounds=2, leader_rounds=0).status == "ok"

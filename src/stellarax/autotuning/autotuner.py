@@ -261,4 +261,22 @@ def _autotune_on_miss(ba: BoundArguments) -> Any:
   return _TUNED_ON_MISS[key]
 
 
+class _TuningBackend:
+  """What `BoundArguments.autotune()` and `.benchmark()` call."""
+
+  @staticmethod
+  def autotune_bound_args(ba: BoundArguments, **options) -> AutotuningResult:
+    return Autotuner(**options).autotune([ba])
+
+  @staticmethod
+  def benchmark(ba: BoundArguments, config: Any, **measure_options) -> measure_lib.Measurement:
+    ba = ba.with_config(None)
+    arrays = ba.example_arrays()
+    reference = jax.jit(ba.runner(reference=True))(*arrays)
+    out = measure_lib.measure_candidates({"config": ba.runner(config)}, tuple(arrays), reference=reference,
+                                         options=measure_lib.MeasureOptions(**measure_options))
+    return out["config"]
+
+
 resolution.set_autotune_on_miss(_autotune_on_miss)
+resolution.set_tuning_backend(_TuningBackend())

@@ -76,8 +76,9 @@ def bound_args_to_json(bound_args: Iterable[BoundArguments], path: str | os.Path
 def bound_args_from_json(path_or_json: str | os.PathLike) -> list[BoundArguments]:
   """Reads bound arguments from a path or a JSON string.
 
-  Accepts the output of `bound_args_to_json` and of `xplane_to_bound_args`
-  (a list of objects with a "bound_args" field, plus counts and times).
+  Accepts the output of `bound_args_to_json` (a list) and of
+  `xplane_to_bound_args` (an object whose "calls" hold a "bound_args" field
+  each, with counts and times).
 
   Raises:
     FileNotFoundError: for a path that does not exist.
@@ -88,8 +89,8 @@ def bound_args_from_json(path_or_json: str | os.PathLike) -> list[BoundArguments
     data = json.loads(text)
   except json.JSONDecodeError as e:
     raise ValueError(f"{source}: not valid JSON ({e}).") from None
-  if isinstance(data, dict) and "bound_args" in data:
-    data = data["bound_args"]
+  if isinstance(data, dict) and "calls" in data:  # xplane_to_bound_args output
+    data = data["calls"]
   if not isinstance(data, list):
     raise ValueError(f"{source}: expected a JSON list of bound arguments.")
   out = []

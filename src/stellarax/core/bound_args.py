@@ -141,6 +141,34 @@ class BoundArguments:
       fn = _vmap_level(fn, batched, reference)
     return fn
 
+  # ---- tuning -----------------------------------------------------------
+
+  def autotune(self, **options) -> Any:
+    """Tunes this one call: `Autotuner(**options).autotune([self])`.
+
+    Args:
+      **options: `stellarax.Autotuner` options (strategy, budget_s, ...).
+
+    Returns:
+      An `AutotuningResult` with one entry.
+    """
+    from stellarax.core.resolution import tuning_backend
+    return tuning_backend().autotune_bound_args(self, **options)
+
+  def benchmark(self, config: Any = None, **measure_options) -> Any:
+    """Measures this call with one config (default: the resolved one).
+
+    Args:
+      config: the config to measure; None uses `default_config`.
+      **measure_options: `stellarax.autotuning.MeasureOptions` fields.
+
+    Returns:
+      A `Measurement` (status, median time and its confidence interval).
+    """
+    from stellarax.core.resolution import tuning_backend
+    return tuning_backend().benchmark(self, self.default_config if config is None else config,
+                                      **measure_options)
+
   # ---- JSON -------------------------------------------------------------
 
   def to_json(self) -> dict[str, Any]:

@@ -126,6 +126,26 @@ def set_autotune_on_miss(fn: Callable[[Any], Any]) -> None:
   _autotune_on_miss = fn
 
 
+_tuning_backend: Any = None
+
+
+def set_tuning_backend(backend: Any) -> None:
+  """Sets what `BoundArguments.autotune/benchmark` call (autotuning registers it)."""
+  global _tuning_backend
+  _tuning_backend = backend
+
+
+def tuning_backend() -> Any:
+  """The registered tuning backend.
+
+  Raises:
+    RuntimeError: when `stellarax.autotuning` was not imported.
+  """
+  if _tuning_backend is None:
+    raise RuntimeError("Tuning needs stellarax.autotuning; `import stellarax` loads it.")
+  return _tuning_backend
+
+
 def miss_policy() -> str:
   """The active miss policy: `with miss_policy_scope(...)`, else the
   `STELLARAX_MISS_POLICY` environment variable, else "heuristics"."""

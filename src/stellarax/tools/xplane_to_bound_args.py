@@ -1,0 +1,85 @@
+"""Extract the stellarax op calls of a profiled run as bound-argument JSON.
+
+    python -m stellarax.tools.xplane_to_bound_args \\
+        --xplane_file=my_model.xplane.pb --output_file=/tmp/bound_args.json
+
+`--xplane_file` is a `*.xplane.pb` file or a folder as `jax.profiler.trace`
+writes it. The output lists the unique `BoundArguments` of every stellarax op
+that ran, forward and VJP, with how many times each ran and its total device
+time, most expensive first, so that the calls that cost most are tuned first:
+
+    {"stellarax": "0.1.0", "source": "...", "calls": [
+       {"bound_args": {...}, "count": 12, "device_time_s": 0.0421}, ...]}
+
+Read it back with `stellarax.autotuning.bound_args_from_json(path)` and tune
+with `stellarax.autotune(...)` (or `stellarax autotune PATH`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from stellarax.autotuning.profile import ProfileError, read_op_calls
+
+
+class ExtractError(Exception):
+  """A profile's op calls cannot be turned into bound arguments."""
+
+
+def extract(xplane_file: str | os.PathLike) -> list[dict[str, Any]]:
+  """The op calls of a profile as JSON-able records, most expensive first.
+
+  Args:
+    xplane_file: a `*.xplane.pb` file or a `jax.profiler.trace` folder.
+
+  Returns:
+    [{"bound_args": ..., "count": int, "device_time_s": float}, ...].
+
+  Raises:
+    ProfileError: for a missing, unreadable or op-less profile.
+    ExtractError: for a marker this stellarax cannot read (e.g. from
+      another version with other ops or configs).
+  """
+  from stellarax.core.bound_args import BoundArguments
+  records = []
+  for call in read_op_calls(xplane_file):
+    try:
+      ba = BoundArguments.from_json(json.loads(call.marker))
+    except (KeyError, ValueError, TypeError) as e:
+      raise ExtractError(
+          f"{xplane_file}: an op call in the profile cannot be read by this stellarax "
+          f"(was the profile made with another version?): {e}") from None
+    records.append({"bound_args": ba.with_config(None).to_json(), "count": call.count,
+                    "device_time_s": call.device_time_s})
+  return records
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Runs the tool; returns the exit status (0 ok, 2 for a bad profile)."""
+  from stellarax import __version__
+  parser = argparse.ArgumentParser(prog="xplane_to_bound_args", description=__doc__.splitlines()[0])
+  parser.add_argument("--xplane_file", required=True, help="*.xplane.pb file or jax.profiler.trace folder")
+  parser.add_argument("--output_file", required=True, help="where to write the bound-argument JSON")
+  args = parser.parse_args(argv)
+  try:
+    records = extract(args.xplane_file)
+  except (ProfileError, ExtractError) as e:
+    print(f"xplane_to_bound_args: error: {e}", file=sys.stderr)
+    return 2
+  out = {"stellarax": __version__, "source": os.fspath(args.xplane_file), "calls": records}
+  with open(args.output_file, "w", encoding="utf-8") as f:
+    json.dump(out, f, indent=1, sort_keys=True)
+    f.write("\n")
+  total = sum(r["device_time_s"] for r in records)
+  print(f"{len(records)} stellarax op calls ({total * 1e3:.3f} ms of device time) -> {args.output_file}")
+  for r in records:
+    print(f"  {r['bound_args']['op']['name']:<28} x{r['count']:<5} {r['device_time_s'] * 1e3:9.3f} ms")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
