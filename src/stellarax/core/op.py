@@ -140,11 +140,11 @@ class Op(abc.ABC):
   @classmethod
   @functools.cache
   def _signature(cls) -> inspect.Signature:
-    """The op's call signature: the first `_fwd` in the MRO that spells out
-    its parameters (implementations may take `**kwargs`; the family base
-    names them)."""
+    """The op's call signature: the family base's `_fwd` (the one nearest
+    `Op` in the MRO that spells out its parameters), so implementations may
+    take `**kwargs` or drop defaults without changing how calls bind."""
     variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    for klass in cls.__mro__:
+    for klass in reversed(cls.__mro__):
       fwd = klass.__dict__.get("_fwd")
       if fwd is None:
         continue
@@ -199,7 +199,9 @@ class Op(abc.ABC):
       return vjp
     if self.vjp_cls is None:
       raise NotImplementedError(f"{type(self).__name__} has no VJP op.")
-    return self.vjp_cls()
+    # Fields both ops have (e.g. `interpret`) carry over to the backward.
+    shared = {f.name for f in dataclasses.fields(self.vjp_cls)} - {"config"}
+    return self.vjp_cls(**{k: v for k, v in self.identity_fields().items() if k in shared})
 
   # ---- calling ----------------------------------------------------------
 

@@ -1,0 +1,77 @@
+"""Pallas Triton op classes through the framework, in interpret mode on CPU:
+public functions with `implementation=`, gradients through their VJP ops,
+capture, and a small tuning run."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import stellarax
+from stellarax import autotuning
+from stellarax.autotuning.measure import MeasureOptions
+from stellarax.ops.attention.pallas_triton import PallasTritonAttention, PallasTritonAttentionConfig
+from stellarax.ops.normalization.pallas_triton import PallasTritonLayerNorm
+
+
+def _close(a, b, tol=2e-5):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(x, y, rtol=tol, atol=tol)
+
+
+def test_layer_norm_pallas_matches_xla_with_gradients():
+  k = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(k[0], (37, 200)) * 2 + 1
+  s, o = jax.random.normal(k[1], (200,)), jax.random.normal(k[2], (200,))
+  op = PallasTritonLayerNorm(interpret=True)
+  _close(stellarax.layer_norm(x, s, o, implementation=op), stellarax.layer_norm(x, s, o))
+  _close(stellarax.rms_norm(x, s, implementation=op), stellarax.rms_norm(x, s))
+  loss = lambda impl: lambda x, s, o: (stellarax.layer_norm(x, s, o, implementation=impl) ** 2).sum()
+  _close(jax.grad(loss(op), argnums=(0, 1, 2))(x, s, o), jax.grad(loss("xla"), argnums=(0, 1, 2))(x, s, o), 1e-4)
+  names = [b.op.name for b in autotuning.get_bound_args(jax.grad(loss(op)), x, s, o)]
+  assert names == ["layer_norm.pallas_triton", "layer_norm.pallas_triton_vjp"]
+
+
+def test_layer_norm_pallas_falls_back_for_what_it_lacks():
+  x = jnp.ones((4, 6, 8))
+  with pytest.raises(NotImplementedError, match="several axes"):
+    stellarax.layer_norm(x, None, None, axis=(1, 2), implementation=PallasTritonLayerNorm(interpret=True))
+  out = stellarax.layer_norm(x, None, None, axis=(1, 2), implementation=[PallasTritonLayerNorm(interpret=True), "xla"])
+  assert out.shape == x.shape
+
+
+def test_attention_pallas_matches_jax_with_bias_gradient():
+  k = jax.random.split(jax.random.key(1), 3)
+  q = jax.random.normal(k[0], (1, 80, 4, 64))
+  kv = jax.random.normal(k[1], (1, 80, 2, 64))
+  bias = jax.random.normal(k[2], (1, 4, 80, 80))
+  op = PallasTritonAttention(interpret=True, config=PallasTritonAttentionConfig(block_q=64, block_k=64, num_warps=4, num_stages=2))
+  _close(stellarax.dot_product_attention(q, kv, kv, bias, is_causal=True, implementation=op),
+         jax.nn.dot_product_attention(q, kv, kv, bias, is_causal=True))
+  loss = lambda f: lambda q, kv, b: (f(q, kv, kv, b, is_causal=True) ** 2).sum()
+  ours = jax.grad(loss(lambda *a, **kw: stellarax.dot_product_attention(*a, **kw, implementation=op)), argnums=(0, 1, 2))
+  _close(ours(q, kv, bias), jax.grad(loss(jax.nn.dot_product_attention), argnums=(0, 1, 2))(q, kv, bias), 1e-4)
+
+
+def test_attention_pallas_rejects_unsupported_head_dims_for_dispatch():
+  q = jnp.ones((1, 8, 2, 24))
+  with pytest.raises(NotImplementedError, match="head dim 24"):
+    PallasTritonAttention.bind(q, q, q)
+  out = stellarax.dot_product_attention(q, q, q, implementation=[PallasTritonAttention(interpret=True), "xla"])
+  assert out.shape == q.shape
+
+
+def test_tuning_a_pallas_call_in_interpret_mode():
+  x = jax.random.normal(jax.random.key(2), (64, 512))
+  ba = PallasTritonLayerNorm(interpret=True).bind(x, None, None)
+  space = sorted(ba.autotuning_configs, key=repr)[:3]
+
+  def first_three(space_, measure, *, heuristic, budget_s):
+    from stellarax.autotuning import search
+    return search.exhaustive([heuristic, *space], measure, heuristic=heuristic)
+
+  fast = MeasureOptions(rounds=1, leader_rounds=0, warmup_s=0.0, max_total_s=0.2, min_batch_s=0.0)
+  result = stellarax.Autotuner(strategy=first_three, progress=False, measure_options=fast).autotune([ba])
+  (entry,) = list(result)
+  assert all(m.status == "ok" for _, m in entry.measurements)
+  assert entry.best_config in set(space) | {ba.heuristics_config}
