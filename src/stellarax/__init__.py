@@ -16,6 +16,8 @@ from stellarax.ops.attention.api import dot_product_attention as dot_product_att
 from stellarax.ops.attention.base import XlaAttention as XlaAttention
 from stellarax.ops.attention.base import XlaAttentionVjp as XlaAttentionVjp
 from stellarax.ops.attention.base import XlaChunkedAttention as XlaChunkedAttention
+from stellarax.ops.attention.pallas_triton import PallasTritonAttention as PallasTritonAttention
+from stellarax.ops.attention.pallas_triton import PallasTritonAttentionVjp as PallasTritonAttentionVjp
 from stellarax.ops.gated_linear_unit.api import gated_linear_unit as gated_linear_unit
 from stellarax.ops.gated_linear_unit.base import XlaGatedLinearUnit as XlaGatedLinearUnit
 from stellarax.ops.gated_linear_unit.base import XlaGatedLinearUnitVjp as XlaGatedLinearUnitVjp
@@ -23,6 +25,10 @@ from stellarax.ops.normalization.api import layer_norm as layer_norm
 from stellarax.ops.normalization.api import rms_norm as rms_norm
 from stellarax.ops.normalization.base import XlaLayerNorm as XlaLayerNorm
 from stellarax.ops.normalization.base import XlaLayerNormVjp as XlaLayerNormVjp
+from stellarax.ops.normalization.pallas_triton import PallasTritonLayerNorm as PallasTritonLayerNorm
+from stellarax.ops.normalization.pallas_triton import PallasTritonLayerNormVjp as PallasTritonLayerNormVjp
 from stellarax.ops.ragged_dot.api import ragged_dot as ragged_dot
 from stellarax.ops.ragged_dot.base import XlaRaggedDot as XlaRaggedDot
 from stellarax.ops.ragged_dot.base import XlaRaggedDotVjp as XlaRaggedDotVjp
+from stellarax.ops.ragged_dot.pallas_triton import PallasTritonRaggedDot as PallasTritonRaggedDot
+from stellarax.ops.ragged_dot.pallas_triton import PallasTritonRaggedDotVjp as PallasTritonRaggedDotVjp

@@ -75,3 +75,18 @@ def test_tuning_a_pallas_call_in_interpret_mode():
   (entry,) = list(result)
   assert all(m.status == "ok" for _, m in entry.measurements)
   assert entry.best_config in set(space) | {ba.heuristics_config}
+
+
+def test_ragged_dot_pallas_matches_lax_with_gradients():
+  from stellarax.ops.ragged_dot.pallas_triton import PallasTritonRaggedDot, PallasTritonRaggedDotConfig
+  k = jax.random.split(jax.random.key(3), 2)
+  lhs = jax.random.normal(k[0], (100, 48))
+  rhs = jax.random.normal(k[1], (4, 48, 40))
+  gs = jnp.array([30, 0, 45, 10], jnp.int32)
+  op = PallasTritonRaggedDot(interpret=True, config=PallasTritonRaggedDotConfig(
+      block_m=32, block_n=32, block_k=32, num_warps=4, num_stages=2))
+  ref = lambda l, r: jax.lax.ragged_dot(l, r, gs, precision=jax.lax.Precision.HIGHEST)
+  _close(stellarax.ragged_dot(lhs, rhs, gs, implementation=op), ref(lhs, rhs), 1e-4)
+  loss = lambda f: lambda l, r: (f(l, r) ** 2).sum()
+  ours = jax.grad(loss(lambda l, r: stellarax.ragged_dot(l, r, gs, implementation=op)), argnums=(0, 1))(lhs, rhs)
+  _close(ours, jax.grad(loss(ref), argnums=(0, 1))(lhs, rhs), 1e-3)

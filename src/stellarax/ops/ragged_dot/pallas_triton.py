@@ -1,0 +1,711 @@
+"""Pallas Triton kernels for ragged_dot (the grouped matmul of mixture-of-experts layers).
+
+Three products, each a plain function with keyword-only tunables:
+
+  ragged_dot_pallas_triton       out[m] = lhs[m] @ rhs[g(m)]            (M, N)
+  ragged_dot_dlhs_pallas_triton  dlhs[m] = dout[m] @ rhs[g(m)].T        (M, K)
+  ragged_dot_drhs_pallas_triton  drhs[g] = lhs[rows g].T @ dout[rows g] (G, K, N)
+
+Semantics are those of `jax.lax.ragged_dot` (see `reference.py`): groups are
+consecutive row ranges whose sizes are runtime values; rows past the last group give
+zeros; a group that runs past row M is cut there; empty groups are allowed.
+
+Shapes need not be multiples of the blocks. K and N edges are masked only when K or
+N is not a multiple of its block (decided statically), so the common K loop runs
+without masks.
+
+Scheduling of the forward (and lhs-gradient) kernel
+---------------------------------------------------
+The rows are cut into work items in jnp before the kernel: each group, and then the
+rows past the last group (which get zeros), is split into tiles of at most block_m
+rows that start at the group's first row. The items partition [0, M); their number
+is bounded statically by cdiv(M, block_m) + G, and the items past the real count
+have an empty row range. One program computes one (item, n-tile): a plain K loop
+over a block_m-row tile that starts at the item's first row (moved up to end at
+row M at most, so the loads need no row masks; rows past the item's end belong to
+the next group and are computed but not stored), and then a store masked to the
+item's rows.
+
+Why this is race-free on a GPU, where grid steps run in parallel in any order: two
+programs with the same n-tile write disjoint row ranges, and a masked Triton store
+writes only the enabled elements, so no output element is written twice and none
+is read back. Every row lies in exactly one item, so every output element is
+written once, and rows in no group get the zeros of the tail items.
+
+Compared with fixed m-tiles that loop over the groups they straddle (also
+race-free, each program owning its tile), aligning tiles to group starts wastes on
+average half a tile per group instead of a whole tile per group boundary, and the K
+loop needs no row masks.
+
+Programs are numbered in the grouped ("swizzled") order of Triton's matmul
+tutorial: `_L2_GROUP_M` consecutive items sweep the n-tiles together, so the rhs
+columns and lhs rows they share stay in L2; consecutive items mostly share a group.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from stellarax.core.config import check_choice, check_power_of_two
+from stellarax.ops.ragged_dot.reference import (
+    check_group_sizes,
+    check_ragged_dot_shapes,
+    group_bounds,
+)
+
+# Triton's tensor-core dot needs every block dimension >= 16. Blocks above 256 are
+# refused: no useful Hopper tile needs them, and most would overflow registers.
+MIN_BLOCK = 16
+MAX_BLOCK = 256
+NUM_WARPS_CHOICES = (1, 2, 4, 8, 16)
+MAX_NUM_STAGES = 8
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+# Number of work items (m-tiles) that sweep the n-tiles together, for L2 reuse; 8 is
+# the usual value for Hopper-sized L2 caches and not worth a tunable of its own.
+_L2_GROUP_M = 8
+# Shared memory one H200 thread block may use (227 KiB); used to prune the search space.
+_SMEM_BYTES = 227 * 1024
+_TUNABLE_NAMES = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def validate_tunables(*, block_m: int, block_n: int, block_k: int, num_warps: int,
+                      num_stages: int) -> None:
+  """Checks the tunables of the three ragged_dot Triton kernels.
+
+  Args:
+    block_m: rows per tile (forward: output rows; weight gradient: rows per step).
+    block_n: output columns per tile.
+    block_k: contracted columns per step (weight gradient: output rows of the tile).
+    num_warps: warps per program.
+    num_stages: software-pipelining depth of the inner loop.
+
+  Raises:
+    ValueError: naming the first tunable that Triton cannot use, what was given
+      and what is expected.
+  """
+  for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+    if isinstance(value, bool):
+      raise ValueError(f"{name}={value!r} must be an int, not a bool.")
+    check_power_of_two(name, value, minimum=MIN_BLOCK, maximum=MAX_BLOCK)
+  if isinstance(num_warps, bool):
+    raise ValueError(f"num_warps={num_warps!r} must be an int, not a bool.")
+  check_choice("num_warps", num_warps, NUM_WARPS_CHOICES)
+  if (not isinstance(num_stages, int) or isinstance(num_stages, bool)
+      or not 1 <= num_stages <= MAX_NUM_STAGES):
+    raise ValueError(
+        f"num_stages={num_stages!r} must be an int in [1, {MAX_NUM_STAGES}] "
+        "(Triton's software-pipelining depth; 3 or 4 suit Hopper).")
+
+
+def _check_sizes(m: int, k: int, n: int, g: int) -> None:
+  for name, value in (("m", m), ("k", k), ("n", n), ("g", g)):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"{name}={value!r} must be a positive int (a problem size).")
+
+
+def _check_dtype(what: str, dtype: Any) -> jnp.dtype:
+  dtype = jnp.dtype(dtype)
+  if dtype not in SUPPORTED_DTYPES:
+    raise ValueError(
+        f"{what}={dtype} is not supported by the Triton ragged_dot kernels; expected one "
+        f"of {[str(d) for d in SUPPORTED_DTYPES]}. Cast the operands first.")
+  return dtype
+
+
+def _check_same_dtype(a_name: str, a: jax.Array, b_name: str, b: jax.Array) -> None:
+  """Triton's dot takes operands of one element type, so mixed inputs are refused."""
+  _check_dtype(f"{a_name}.dtype", a.dtype)
+  if a.dtype != b.dtype:
+    raise ValueError(
+        f"{a_name}.dtype={a.dtype} and {b_name}.dtype={b.dtype} differ; the Triton dot "
+        f"needs one element type. Cast {b_name} to {a.dtype} (or both to a common dtype).")
+
+
+def _check_int32_addressing(**shapes: tuple[int, ...]) -> None:
+  """Refuses arrays whose element offsets would overflow Pallas Triton's int32 indexing.
+
+  Masked edge tiles reach up to MAX_BLOCK rows and columns past an array, so the
+  bound leaves that much room.
+  """
+  for name, shape in shapes.items():
+    reach = math.prod(shape) + (MAX_BLOCK + 1) * (shape[-1] + MAX_BLOCK)
+    if reach >= 2**31:
+      raise ValueError(
+          f"{name}.shape={shape} has too many elements for the Triton kernels, which "
+          f"address elements with int32 offsets (limit about 2**31 = {2**31}). Split "
+          "the call, e.g. over groups or rows.")
+
+
+def _out_dtype(preferred_element_type: Any, like: jax.Array) -> jnp.dtype:
+  return jnp.dtype(like.dtype if preferred_element_type is None else preferred_element_type)
+
+
+def _pow2_at_least(x: int) -> int:
+  return 1 << (max(1, x) - 1).bit_length()
+
+
+def _pow2_at_most(x: int) -> int:
+  return 1 << (max(1, x).bit_length() - 1)
+
+
+def _cap(block: int, dim: int) -> int:
+  """Shrinks `block` to the smallest power of two >= 16 that covers `dim`."""
+  return max(MIN_BLOCK, min(block, _pow2_at_least(dim)))
+
+
+def _smem_bytes(block_m: int, block_n: int, block_k: int, num_stages: int, itemsize: int) -> int:
+  """Estimates the shared memory of the pipelined K loop: one lhs and rhs tile per stage."""
+  return num_stages * (block_m * block_k + block_k * block_n) * itemsize
+
+
+def heuristic_tunables(m: int, k: int, n: int, g: int, dtype: Any) -> dict[str, int]:
+  """Returns tunables that are a reasonable guess on an H200, without measuring.
+
+  16-bit inputs use 128x128x64 tiles, 4 warps (one warpgroup) and 3 stages, the
+  shape of a good Hopper Triton matmul; float32 (an IEEE dot on CUDA cores) uses
+  64x64x32. block_m shrinks to the average group size (rounded down to a power of
+  two, at least 16), since each group wastes about half a tile. Blocks never exceed
+  the problem size rounded up to a power of two.
+
+  Args:
+    m: lhs rows M.
+    k: contracted size K.
+    n: output columns N.
+    g: number of groups G.
+    dtype: the operands' dtype.
+
+  Returns:
+    A dict with block_m, block_n, block_k, num_warps and num_stages; valid for
+    `validate_tunables`.
+
+  Raises:
+    ValueError: for an unsupported dtype or non-positive sizes.
+  """
+  _check_sizes(m, k, n, g)
+  if _check_dtype("dtype", dtype).itemsize == 2:
+    block_m, block_n, block_k = 128, 128, 64
+  else:
+    block_m, block_n, block_k = 64, 64, 32
+  block_m = max(MIN_BLOCK, min(block_m, _pow2_at_most(m // g)))
+  return dict(block_m=_cap(block_m, m), block_n=_cap(block_n, n), block_k=_cap(block_k, k),
+              num_warps=4, num_stages=3)
+
+
+def _candidate_tiles(m: int, g: int, itemsize: int) -> list[tuple[int, int, int]]:
+  """Uncapped (block_m, block_n, block_k) candidates for the search space."""
+  # The three largest block_m up to twice the average group (at least 64): larger
+  # tiles only add padding rows.
+  upper = max(64, 2 * _pow2_at_most(m // g))
+  block_ms = [b for b in (16, 32, 64, 128, 256) if b <= upper][-3:]
+  block_ks = (32, 64, 128) if itemsize == 2 else (16, 32, 64)
+  # A float32 accumulator of more than 128x256 (128x128 for float32 inputs, whose
+  # CUDA-core dot needs more registers) does not fit in registers.
+  max_acc = 128 * 256 if itemsize == 2 else 128 * 128
+  return [(bm, bn, bk) for bm in block_ms for bn in (64, 128, 256) for bk in block_ks
+          if bm * bn <= max_acc]
+
+
+def tunable_space(m: int, k: int, n: int, g: int, dtype: Any) -> list[dict[str, int]]:
+  """Returns the autotuning search space for one ragged_dot shape (at most about 60 configs).
+
+  Tiles: block_m among the three largest of 16..256 up to twice the average group
+  size (at least 64), block_n of 64 to 256, block_k of 32 to 128 (16 to 64 for
+  float32), accumulators up to 128x256 (128x128 for float32); 4 warps, or 8 for
+  accumulators of at least 128x128; 3 or 4 stages (3 for block_k = 128). Blocks are
+  capped at the problem size, duplicates dropped, and configs whose pipelined tiles
+  overflow the H200's shared memory left out. The heuristic config comes first.
+
+  Args:
+    m: lhs rows M.
+    k: contracted size K.
+    n: output columns N.
+    g: number of groups G.
+    dtype: the operands' dtype.
+
+  Returns:
+    A list of distinct dicts with block_m, block_n, block_k, num_warps, num_stages,
+    each valid for `validate_tunables`, the heuristic config first.
+
+  Raises:
+    ValueError: for an unsupported dtype or non-positive sizes.
+  """
+  heuristic = heuristic_tunables(m, k, n, g, dtype)
+  itemsize = jnp.dtype(dtype).itemsize
+  keys = [tuple(heuristic[name] for name in _TUNABLE_NAMES)]
+  for bm, bn, bk in _candidate_tiles(m, g, itemsize):
+    bm, bn, bk = _cap(bm, m), _cap(bn, n), _cap(bk, k)
+    for num_warps in (4, 8) if bm * bn >= 128 * 128 else (4,):
+      for num_stages in (3, 4) if bk <= 64 else (3,):
+        if _smem_bytes(bm, bn, bk, num_stages, itemsize) <= _SMEM_BYTES:
+          keys.append((bm, bn, bk, num_warps, num_stages))
+  return [dict(zip(_TUNABLE_NAMES, key)) for key in dict.fromkeys(keys)]
+
+
+# --------------------------------------------------------------------------- metadata
+
+
+def _group_offsets(group_sizes: jax.Array, num_rows: int) -> jax.Array:
+  """Returns (G + 1,) int32 offsets: group g owns rows [offsets[g], offsets[g + 1]), cut at M."""
+  _, ends = group_bounds(group_sizes, num_rows)
+  return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+
+
+def _num_work_items(num_rows: int, num_groups: int, block_m: int) -> int:
+  """A static bound on the work items: tiles of the G groups plus the zero tail."""
+  # The G + 1 parts (groups and the tail) sum to M rows and each rounds up by less
+  # than one tile, so they need fewer than M / block_m + G + 1 tiles.
+  return pl.cdiv(num_rows, block_m) + num_groups
+
+
+def _work_items(offsets: jax.Array, num_rows: int, block_m: int) -> jax.Array:
+  """Splits the rows into work items, computed in jnp outside the kernel.
+
+  Every group, and then the rows past the last group (part G, which gets zeros), is
+  cut into tiles of at most block_m rows starting at the part's first row. The
+  items partition [0, M), so each output row belongs to exactly one item.
+
+  Returns:
+    (3, num_items) int32: the part (group id, or G for the zero tail) and the
+    [row_start, row_end) range of each item; items past the real count have part G
+    and an empty range, so they do nothing.
+  """
+  num_groups = offsets.shape[0] - 1
+  part_starts = offsets
+  part_ends = jnp.concatenate([offsets[1:], jnp.full((1,), num_rows, jnp.int32)])
+  part_tiles = (part_ends - part_starts + block_m - 1) // block_m
+  tiles_end = jnp.cumsum(part_tiles)
+  items = jnp.arange(_num_work_items(num_rows, num_groups, block_m), dtype=jnp.int32)
+  # Parts whose tiles all come before an item are counted, so this is the item's
+  # part; empty parts have no tiles and are skipped.
+  part = jnp.searchsorted(tiles_end, items, side="right").astype(jnp.int32)
+  active = part <= num_groups
+  part = jnp.minimum(part, num_groups)
+  local = items - (tiles_end[part] - part_tiles[part])
+  row_start = jnp.where(active, part_starts[part] + local * block_m, 0)
+  row_end = jnp.where(active, jnp.minimum(row_start + block_m, part_ends[part]), 0)
+  return jnp.stack([part, row_start, row_end]).astype(jnp.int32)
+
+
+def _swizzle(pid: jax.Array, num_m_tiles: int, num_n_tiles: int) -> tuple[jax.Array, jax.Array]:
+  """Maps a 1-D program id to (m-tile, n-tile) in L2-friendly grouped order."""
+  per_band = _L2_GROUP_M * num_n_tiles
+  band = lax.div(pid, per_band)
+  first_m = band * _L2_GROUP_M
+  band_rows = jnp.minimum(num_m_tiles - first_m, _L2_GROUP_M)
+  within = lax.rem(pid, per_band)
+  return first_m + lax.rem(within, band_rows), lax.div(within, band_rows)
+
+
+def _span(start: jax.Array | int, size: int) -> jax.Array:
+  return start + lax.broadcasted_iota(jnp.int32, (size,), 0)
+
+
+def _dot(a: jax.Array, b: jax.Array, contract_a: int, contract_b: int) -> jax.Array:
+  """A 2-D dot on the tensor cores with a float32 accumulator."""
+  return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())),
+                         preferred_element_type=jnp.float32)
+
+
+def _and(*masks: jax.Array | None) -> jax.Array | None:
+  present = [mask for mask in masks if mask is not None]
+  return functools.reduce(jnp.logical_and, present) if present else None
+
+
+def _load(ref: Any, mask: jax.Array | None) -> jax.Array:
+  """Loads a block; masked-off elements read as zero (never garbage: 0 * NaN is NaN)."""
+  if mask is None:
+    return ref[...]
+  return pltriton.load(ref, mask=jnp.broadcast_to(mask, ref.shape), other=0)
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def _ragged_dot_kernel(items_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, block_n: int,
+                       block_k: int, transpose_rhs: bool):
+  """One program: work item x n-tile; writes only the item's rows of the output.
+
+  lhs is (M, C); rhs is (G, C, D), or (G, D, C) with transpose_rhs; out is (M, D).
+  """
+  num_rows, contract = lhs_ref.shape
+  num_groups, cols_out = rhs_ref.shape[0], out_ref.shape[1]
+  num_items, num_n_tiles = items_ref.shape[1], pl.cdiv(cols_out, block_n)
+  item, tile_n = _swizzle(pl.program_id(0), num_items, num_n_tiles)
+  group, row_start, row_end = items_ref[0, item], items_ref[1, item], items_ref[2, item]
+  # The tile is moved up to end at row M at most, so that its loads stay in bounds
+  # without masks; rows outside [row_start, row_end) are computed but not stored.
+  tile_start = jnp.minimum(row_start, num_rows - block_m) if num_rows >= block_m else 0
+  rows = _span(tile_start, block_m)[:, None]
+  row_mask = rows < num_rows if num_rows < block_m else None
+  n0 = tile_n * block_n
+  col_mask = (_span(n0, block_n) < cols_out)[None, :] if cols_out % block_n else None
+  num_full_k = contract // block_k
+  # The zero tail and empty items run no K step (rhs[G] does not exist).
+  is_group = (group < num_groups).astype(jnp.int32)
+
+  def k_step(k0, k_mask, acc):
+    lhs = _load(lhs_ref.at[pl.ds(tile_start, block_m), pl.ds(k0, block_k)],
+                _and(row_mask, k_mask))
+    if transpose_rhs:
+      rhs = _load(rhs_ref.at[group, pl.ds(n0, block_n), pl.ds(k0, block_k)],
+                  _and(None if col_mask is None else col_mask.T, k_mask))
+      return acc + _dot(lhs, rhs, 1, 1)
+    rhs = _load(rhs_ref.at[group, pl.ds(k0, block_k), pl.ds(n0, block_n)],
+                _and(None if k_mask is None else k_mask.T, col_mask))
+    return acc + _dot(lhs, rhs, 1, 0)
+
+  def full_k(i, acc):
+    return k_step(pl.multiple_of(i * block_k, block_k), None, acc)
+
+  def ragged_k(i, acc):
+    k0 = i * block_k
+    return k_step(k0, (_span(k0, block_k) < contract)[None, :], acc)
+
+  acc = jnp.zeros((block_m, block_n), jnp.float32)
+  # Static guards: a loop body is traced even when it never runs, and interpret
+  # mode cannot trace an unmasked block larger than the array.
+  if num_full_k:
+    acc = lax.fori_loop(0, is_group * num_full_k, full_k, acc)
+  if contract % block_k:  # static: only a ragged K pays for the K mask, in one step.
+    # A loop of at most one trip, so that the slice start is a traced value (a
+    # static start past K would be rejected at trace time even though it is masked).
+    acc = lax.fori_loop(num_full_k, num_full_k + is_group, ragged_k, acc)
+  out = acc.astype(out_ref.dtype)
+  # Items partition the rows, so the masked stores of different programs never
+  # touch the same element: no race even though programs run in parallel.
+  out_mask = _and((rows >= row_start) & (rows < row_end), col_mask)
+  pltriton.store(out_ref.at[pl.ds(tile_start, block_m), pl.ds(n0, block_n)], out,
+                 mask=jnp.broadcast_to(out_mask, out.shape))
+
+
+def _ragged_dot_call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, block_m, block_n,
+                     block_k, num_warps, num_stages, interpret, name):
+  """Launches the forward kernel; out is (M, D) with D = rhs.shape[1 if transpose_rhs else 2]."""
+  num_rows = lhs.shape[0]
+  cols_out = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  items = _work_items(_group_offsets(group_sizes, num_rows), num_rows, block_m)
+  num_programs = items.shape[1] * pl.cdiv(cols_out, block_n)
+  kernel = functools.partial(_ragged_dot_kernel, block_m=block_m, block_n=block_n,
+                             block_k=block_k, transpose_rhs=transpose_rhs)
+  return pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((num_rows, cols_out), out_dtype),
+      grid=(num_programs,),
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name=name,
+  )(items, lhs, rhs)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages",
+                     "preferred_element_type", "interpret"))
+def ragged_dot_pallas_triton(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    num_warps: int,
+    num_stages: int,
+    preferred_element_type: Any = None,
+    interpret: bool = False,
+) -> jax.Array:
+  """Computes `jax.lax.ragged_dot(lhs, rhs, group_sizes)` with a Pallas Triton kernel.
+
+  Args:
+    lhs: (M, K) bfloat16, float16 or float32.
+    rhs: (G, K, N), the same dtype as lhs.
+    group_sizes: (G,) integer array (a runtime value); group g is the next
+      group_sizes[g] rows of lhs.
+    block_m, block_n: output tile; block_k: contracted columns per pipelined step.
+    num_warps, num_stages: Triton launch parameters.
+    preferred_element_type: output dtype; defaults to lhs.dtype. Accumulation is
+      always float32.
+    interpret: run in Pallas interpret mode (CPU, for tests).
+
+  Returns:
+    (M, N) array: row m of group g is lhs[m] @ rhs[g]; rows in no group are zero.
+
+  Raises:
+    ValueError: for mismatched shapes or dtypes, or invalid tunables.
+  """
+  validate_tunables(block_m=block_m, block_n=block_n, block_k=block_k,
+                    num_warps=num_warps, num_stages=num_stages)
+  check_ragged_dot_shapes(lhs, rhs, group_sizes)
+  _check_same_dtype("lhs", lhs, "rhs", rhs)
+  _check_int32_addressing(lhs=lhs.shape, rhs=rhs.shape, out=(lhs.shape[0], rhs.shape[2]))
+  return _ragged_dot_call(
+      lhs, rhs, group_sizes, transpose_rhs=False,
+      out_dtype=_out_dtype(preferred_element_type, lhs), block_m=block_m,
+      block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+      interpret=interpret, name="ragged_dot_fwd")
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages",
+                     "preferred_element_type", "interpret"))
+def ragged_dot_dlhs_pallas_triton(
+    dout: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    num_warps: int,
+    num_stages: int,
+    preferred_element_type: Any = None,
+    interpret: bool = False,
+) -> jax.Array:
+  """Computes the lhs gradient of ragged_dot: dlhs[m] = dout[m] @ rhs[g(m)].T.
+
+  The forward kernel runs with rhs read transposed in its tiles, so no transposed
+  copy of rhs is made. Here the output columns are K and the contraction is over N:
+  block_n tiles K and block_k steps over N.
+
+  Args:
+    dout: (M, N) cotangent of the forward output, the same dtype as rhs.
+    rhs: (G, K, N) forward rhs.
+    group_sizes: (G,) integer array, as in the forward call.
+    block_m, block_n, block_k, num_warps, num_stages: as in the forward call.
+    preferred_element_type: output dtype; defaults to dout.dtype.
+    interpret: run in Pallas interpret mode (CPU, for tests).
+
+  Returns:
+    (M, K) array; rows in no group are zero.
+
+  Raises:
+    ValueError: for mismatched shapes or dtypes, or invalid tunables.
+  """
+  validate_tunables(block_m=block_m, block_n=block_n, block_k=block_k,
+                    num_warps=num_warps, num_stages=num_stages)
+  if dout.ndim != 2 or rhs.ndim != 3 or dout.shape[1] != rhs.shape[2]:
+    raise ValueError(
+        f"The lhs gradient needs dout (M, N) and rhs (G, K, N) with the same N; got "
+        f"dout.shape={dout.shape} and rhs.shape={rhs.shape}.")
+  check_group_sizes(group_sizes, rhs.shape[0])
+  _check_same_dtype("dout", dout, "rhs", rhs)
+  _check_int32_addressing(dout=dout.shape, rhs=rhs.shape, dlhs=(dout.shape[0], rhs.shape[1]))
+  return _ragged_dot_call(
+      dout, rhs, group_sizes, transpose_rhs=True,
+      out_dtype=_out_dtype(preferred_element_type, dout), block_m=block_m,
+      block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+      interpret=interpret, name="ragged_dot_dlhs")
+
+
+# --------------------------------------------------------------------------- rhs gradient
+
+
+def _drhs_kernel(offsets_ref, lhs_ref, dout_ref, out_ref, *, block_m: int, block_n: int,
+                 block_k: int):
+  """One program: tile (k-tile, n-tile) of drhs[group], looping over the group's rows."""
+  _, contract_k, cols_n = out_ref.shape
+  num_rows = lhs_ref.shape[0]
+  num_k_tiles, num_n_tiles = pl.cdiv(contract_k, block_k), pl.cdiv(cols_n, block_n)
+  pid = pl.program_id(0)
+  per_group = num_k_tiles * num_n_tiles
+  group = lax.div(pid, per_group)
+  # Group-major order keeps the programs in flight on one group's rows (L2 reuse).
+  tile_k, tile_n = _swizzle(lax.rem(pid, per_group), num_k_tiles, num_n_tiles)
+  k0, n0 = tile_k * block_k, tile_n * block_n
+  k_mask = (_span(k0, block_k) < contract_k)[None, :] if contract_k % block_k else None
+  n_mask = (_span(n0, block_n) < cols_n)[None, :] if cols_n % block_n else None
+  row_lo, row_hi = offsets_ref[group], offsets_ref[group + 1]
+  size = row_hi - row_lo
+
+  def step(r0, row_mask, acc):
+    lhs = _load(lhs_ref.at[pl.ds(r0, block_m), pl.ds(k0, block_k)], _and(row_mask, k_mask))
+    dout = _load(dout_ref.at[pl.ds(r0, block_m), pl.ds(n0, block_n)], _and(row_mask, n_mask))
+    return acc + _dot(lhs, dout, 0, 0)
+
+  def full_rows(i, acc):
+    return step(row_lo + i * block_m, None, acc)
+
+  def tail_rows(_, acc):
+    r0 = row_lo + lax.div(size, block_m) * block_m
+    return step(r0, (_span(r0, block_m) < row_hi)[:, None], acc)
+
+  acc = jnp.zeros((block_k, block_n), jnp.float32)
+  # Whole row blocks need no row mask; the partial last block (if any) runs as a
+  # loop of zero or one trips so that the common path stays mask-free. With
+  # M < block_m there is no whole block, and its loop is not even traced (interpret
+  # mode cannot trace an unmasked block larger than the array).
+  if num_rows >= block_m:
+    acc = lax.fori_loop(0, lax.div(size, block_m), full_rows, acc)
+  acc = lax.fori_loop(0, jnp.where(lax.rem(size, block_m) > 0, 1, 0), tail_rows, acc)
+  out = acc.astype(out_ref.dtype)
+  out_tile = out_ref.at[group, pl.ds(k0, block_k), pl.ds(n0, block_n)]
+  out_mask = _and(None if k_mask is None else k_mask.T, n_mask)
+  if out_mask is None:
+    out_tile[...] = out
+  else:
+    pltriton.store(out_tile, out, mask=jnp.broadcast_to(out_mask, out.shape))
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("num_groups", "block_m", "block_n", "block_k", "num_warps",
+                     "num_stages", "preferred_element_type", "interpret"))
+def ragged_dot_drhs_pallas_triton(
+    lhs: jax.Array,
+    dout: jax.Array,
+    group_sizes: jax.Array,
+    num_groups: int,
+    *,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    num_warps: int,
+    num_stages: int,
+    preferred_element_type: Any = None,
+    interpret: bool = False,
+) -> jax.Array:
+  """Computes the rhs gradient of ragged_dot: drhs[g] = lhs[rows of g].T @ dout[rows of g].
+
+  One program per (group, K tile, N tile) loops over the group's rows in steps of
+  block_m; an empty group's programs store zeros.
+
+  Args:
+    lhs: (M, K) forward lhs.
+    dout: (M, N) cotangent of the forward output, the same dtype as lhs.
+    group_sizes: (num_groups,) integer array, as in the forward call.
+    num_groups: G (static).
+    block_m: rows per step; block_k x block_n: output tile of drhs[g].
+    num_warps, num_stages: Triton launch parameters.
+    preferred_element_type: output dtype; defaults to lhs.dtype.
+    interpret: run in Pallas interpret mode (CPU, for tests).
+
+  Returns:
+    (G, K, N) array.
+
+  Raises:
+    ValueError: for mismatched shapes or dtypes, or invalid tunables.
+  """
+  validate_tunables(block_m=block_m, block_n=block_n, block_k=block_k,
+                    num_warps=num_warps, num_stages=num_stages)
+  if lhs.ndim != 2 or dout.ndim != 2 or lhs.shape[0] != dout.shape[0]:
+    raise ValueError(
+        f"The rhs gradient needs lhs (M, K) and dout (M, N) with the same M; got "
+        f"lhs.shape={lhs.shape} and dout.shape={dout.shape}.")
+  check_group_sizes(group_sizes, num_groups)
+  _check_same_dtype("lhs", lhs, "dout", dout)
+  _check_int32_addressing(lhs=lhs.shape, dout=dout.shape,
+                          drhs=(num_groups, lhs.shape[1], dout.shape[1]))
+  (num_rows, contract_k), cols_n = lhs.shape, dout.shape[1]
+  offsets = _group_offsets(group_sizes, num_rows)
+  num_programs = num_groups * pl.cdiv(contract_k, block_k) * pl.cdiv(cols_n, block_n)
+  kernel = functools.partial(_drhs_kernel, block_m=block_m, block_n=block_n, block_k=block_k)
+  return pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((num_groups, contract_k, cols_n),
+                                     _out_dtype(preferred_element_type, lhs)),
+      grid=(num_programs,),
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name="ragged_dot_drhs",
+  )(offsets, lhs, dout)
+
+
+# ---------------------------------------------------------------------------
+# Op classes: ragged_dot.pallas_triton and its VJP.
+
+from stellarax.core.config import config_dataclass  # noqa: E402
+from stellarax.ops import pallas_common  # noqa: E402
+from stellarax.ops.ragged_dot import base as _base  # noqa: E402
+
+
+@config_dataclass
+class PallasTritonRaggedDotConfig:
+  """Tiles and pipelining of the Pallas Triton ragged_dot kernels (see
+  `validate_tunables`). The backward uses one config for both products."""
+
+  block_m: int
+  block_n: int
+  block_k: int
+  num_warps: int
+  num_stages: int
+
+  def __post_init__(self):
+    validate_tunables(**pallas_common.tunables_of(self))
+
+
+def _mkng(ba) -> tuple[int, int, int, int, str]:
+  lhs, rhs = ba.arguments["lhs"], ba.arguments["rhs"]
+  return lhs.shape[0], lhs.shape[1], rhs.shape[2], rhs.shape[0], lhs.dtype
+
+
+def _check_supported(arguments):
+  dtypes = {jnp.dtype(arguments["lhs"].dtype), jnp.dtype(arguments["rhs"].dtype)}
+  if len(dtypes) != 1 or not dtypes <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)}:
+    raise NotImplementedError(f"lhs and rhs dtypes {sorted(map(str, dtypes))}: the kernel needs one of "
+                              "bfloat16, float16, float32 for both.")
+
+
+class PallasTritonRaggedDotVjp(pallas_common.PallasTritonOp, _base.RaggedDotVjp, name="ragged_dot.pallas_triton_vjp"):
+  """ragged_dot backward in Pallas Triton: d lhs with the forward kernel
+  reading rhs transposed, d rhs with a per-group lhs^T @ dout kernel."""
+
+  config_cls = PallasTritonRaggedDotConfig
+
+  def _canonicalize(self, arguments):
+    arguments = _base.RaggedDotVjp._canonicalize(self, arguments)
+    _check_supported(arguments)
+    return arguments
+
+  def _fwd(self, residuals, out, dout, lhs, rhs, group_sizes, *, precision=None, preferred_element_type=None,
+           config):
+    del residuals, out, precision, preferred_element_type
+    kw = dict(interpret=self.interpret, **pallas_common.tunables_of(config))
+    dout = dout.astype(rhs.dtype)  # one operand dtype for Triton's dot
+    dlhs = ragged_dot_dlhs_pallas_triton(dout, rhs, group_sizes, preferred_element_type=lhs.dtype, **kw)
+    drhs = ragged_dot_drhs_pallas_triton(lhs, dout, group_sizes, rhs.shape[0], preferred_element_type=rhs.dtype, **kw)
+    return {"lhs": dlhs, "rhs": drhs}
+
+  def _get_heuristics_config(self, ba):
+    return PallasTritonRaggedDotConfig(**heuristic_tunables(*_mkng(ba)))
+
+  def _get_autotuning_configs(self, ba):
+    return pallas_common.configs_from_tunables(PallasTritonRaggedDotConfig, tunable_space(*_mkng(ba)))
+
+
+class PallasTritonRaggedDot(pallas_common.PallasTritonOp, _base.RaggedDot, name="ragged_dot.pallas_triton"):
+  """ragged_dot in Pallas Triton: group-aligned row tiles, one masked store
+  per (tile, n-tile), fp32 accumulation. f32 inputs use exact fp32 dots, so
+  every `precision` is met."""
+
+  config_cls = PallasTritonRaggedDotConfig
+  vjp_cls = PallasTritonRaggedDotVjp
+
+  def _canonicalize(self, arguments):
+    arguments = _base.RaggedDot._canonicalize(self, arguments)
+    _check_supported(arguments)
+    return arguments
+
+  def _fwd(self, lhs, rhs, group_sizes, *, precision=None, preferred_element_type=None, config):
+    del precision
+    out = ragged_dot_pallas_triton(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,
+                                   interpret=self.interpret, **pallas_common.tunables_of(config))
+    return out, None
+
+  def _get_heuristics_config(self, ba):
+    return PallasTritonRaggedDotConfig(**heuristic_tunables(*_mkng(ba)))
+
+  def _get_autotuning_configs(self, ba):
+    return pallas_common.configs_from_tunables(PallasTritonRaggedDotConfig, tunable_space(*_mkng(ba)))
