@@ -40,3 +40,25 @@ def configs_from_tunables(config_cls: type, space: Iterable[Mapping[str, Any]]) 
 def tunables_of(config: Any) -> dict[str, Any]:
   """A config's fields as keyword arguments for a kernel wrapper."""
   return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PallasMosaicGpuOp(Op):
+  """Mixin of the Pallas Mosaic GPU implementations (Hopper and later).
+
+  Attributes:
+    interpret: run under Mosaic GPU interpret mode
+      (`plgpu.force_gpu_interpret_mode`) on any backend; for tests on a CPU.
+  """
+
+  interpret: bool = False
+
+  @classmethod
+  def supported_on(cls, device: Any) -> bool:
+    """Mosaic GPU kernels need an NVIDIA GPU of compute capability >= 9.0."""
+    if getattr(device, "platform", None) != "gpu" or "nvidia" not in str(getattr(device, "device_kind", "")).lower():
+      return False
+    try:
+      return float(getattr(device, "compute_capability", "0")) >= 9.0
+    except ValueError:
+      return False
