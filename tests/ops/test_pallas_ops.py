@@ -90,3 +90,17 @@ def test_ragged_dot_pallas_matches_lax_with_gradients():
   loss = lambda f: lambda l, r: (f(l, r) ** 2).sum()
   ours = jax.grad(loss(lambda l, r: stellarax.ragged_dot(l, r, gs, implementation=op)), argnums=(0, 1))(lhs, rhs)
   _close(ours, jax.grad(loss(ref), argnums=(0, 1))(lhs, rhs), 1e-3)
+
+
+def test_tuning_a_vjp_op_uses_residuals_its_forward_computed():
+  # Random residuals (rstd) would make the correct kernel look wrong.
+  x = jax.random.normal(jax.random.key(4), (64, 256))
+  s = jnp.ones((256,))
+  op = PallasTritonLayerNorm(interpret=True)
+  loss = lambda x, s: jnp.sum(jnp.sin(stellarax.rms_norm(x, s, implementation=op)))
+  (vjp,) = [b for b in autotuning.get_bound_args(jax.grad(loss), x, s) if b.op.name.endswith("_vjp")]
+  values = vjp.example_values()
+  np.testing.assert_allclose(values["out"], stellarax.rms_norm(values["x"], values["scale"]), rtol=1e-5, atol=1e-5)
+  fast = MeasureOptions(rounds=1, leader_rounds=0, warmup_s=0.0, max_total_s=0.1, min_batch_s=0.0)
+  entry = stellarax.Autotuner(progress=False, measure_options=fast, strategy="random", budget_s=5).tune_one(vjp)
+  assert entry.best_time is not None

@@ -308,12 +308,12 @@ def median_interval(samples: Iterable[float], confidence: float = 0.95
   if not 0 < confidence < 1:
     raise ValueError(f"{confidence=} must be in (0, 1).")
   n = x.size
-  j, below = 1, 0  # below = P(B < j) * 2**n
-  while True:
-    below_next = below + math.comb(n, j)  # P(B < j + 1) * 2**n
-    if j + 1 > (n + 1) // 2 or 2 * below_next > (1 - confidence) * 2**n:
-      break
-    j, below = j + 1, below_next
+  # P(B = k) for B ~ Binomial(n, 1/2), in logs so that large n neither overflows nor is slow.
+  pmf = lambda k: math.exp(math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+                           - n * math.log(2))
+  j, below = 1, pmf(0)  # below = P(B < j)
+  while j + 1 <= (n + 1) // 2 and 2 * (below + pmf(j)) <= 1 - confidence:
+    j, below = j + 1, below + pmf(j)
   return float(np.median(x)), float(x[j - 1]), float(x[n - j])
 
 
@@ -409,8 +409,8 @@ def _compare_leaf(out: np.ndarray, ref: np.ndarray, rtol: float | None,
   bad_inf = infinite & (o != r)
   if bad_inf.any():
     first = np.unravel_index(np.argmax(bad_inf), o.shape)
-    return f"infinity does not match the reference at {int(bad_inf.sum())} positions" \
-           f" (first at index {tuple(map(int, first))})"
+    return (f"infinity does not match the reference at {int(bad_inf.sum())} positions"
+            f" (first at index {tuple(map(int, first))})")
   finite = compared & ~infinite
   if not finite.any():
     return None
@@ -493,7 +493,8 @@ def _ordered_keys(mapping: Mapping[K, Any], order: Iterable[K] | None) -> list[K
     return list(mapping)
   keys = [k for k in dict.fromkeys(order) if k in mapping]
   if len(keys) != len(mapping):
-    missing = [k for k in mapping if k not in set(keys)]
+    listed = set(keys)
+    missing = [k for k in mapping if k not in listed]
     raise ValueError(f"order must list every candidate; it misses {missing[:10]!r}"
                      f"{' ...' if len(missing) > 10 else ''}. Pass order=None to keep the"
                      " mapping's order.")
@@ -668,6 +669,8 @@ def _leaders(intervals: Mapping[K, tuple[float, float, float]]) -> list[K]:
 
 def _time_all(cands: list[_Candidate], args: tuple, options: MeasureOptions):
   """Warm-up, shuffled rounds, then more rounds among the leaders."""
+  if not cands:
+    return
   input_sets = _input_sets(args, options)
   for cand in cands:
     _warm_up(cand, input_sets, options)

@@ -158,15 +158,19 @@ class _Session(Generic[C]):
 @dataclasses.dataclass(frozen=True)
 class _CostModel:
   """Seconds per measure call: fixed_s per config never measured before, plus
-  per_effort_s per unit of effort summed over the call's configs.
+  per_effort_s per unit of effort summed over the call's configs, times `scale`.
 
-  Fitted by least squares to the calls so far, both coefficients kept >= 0. When the
-  calls cannot separate the two (all at one effort), the fit still predicts calls like
-  them, which is what the strategies then make.
+  The two coefficients are fitted by least squares to the calls so far, both kept >= 0.
+  When the calls cannot separate them (all at one effort), the fit still predicts calls
+  like them, which is what the strategies then make. Costs can drift (a loaded machine,
+  larger configs later in the space), and a fit over all the history lags behind: `scale`
+  is how much longer than fitted the latest call took (at least 1), so one surprise makes
+  the next predictions cautious at once.
   """
 
   fixed_s: float
   per_effort_s: float
+  scale: float = 1.0
 
   @classmethod
   def fit(cls, calls: Sequence[tuple[int, float, float]]) -> _CostModel:
@@ -174,6 +178,13 @@ class _CostModel:
       return cls(0.0, 0.0)
     x = np.array([[new, effort] for new, effort, _ in calls], dtype=np.float64)
     y = np.array([seconds for *_, seconds in calls], dtype=np.float64)
+    base = cls._least_squares(x, y)
+    fitted_last = base.predict(*calls[-1][:2])
+    scale = max(1.0, calls[-1][2] / fitted_last) if fitted_last > 0 else 1.0
+    return cls(base.fixed_s, base.per_effort_s, scale)
+
+  @classmethod
+  def _least_squares(cls, x: np.ndarray, y: np.ndarray) -> _CostModel:
     (fixed, per_effort), *_ = np.linalg.lstsq(x, y, rcond=None)
     if fixed >= 0 and per_effort >= 0:
       return cls(float(fixed), float(per_effort))
@@ -184,7 +195,7 @@ class _CostModel:
     return min(candidates, key=residual)
 
   def predict(self, new: int, effort_total: float) -> float:
-    return self.fixed_s * new + self.per_effort_s * effort_total
+    return self.scale * (self.fixed_s * new + self.per_effort_s * effort_total)
 
 
 def _configs(space: Iterable[C], heuristic: C | None) -> list[C]:
@@ -221,7 +232,7 @@ def _sweep(session: _Session[C], configs: Sequence[C], chunk_size: int):
         k = 1
       elif per_config > 0:
         k = min(k, math.floor(max(session.remaining(), 0.0) / per_config))
-      if False:
+      if k == 0 or session.remaining() <= 0:
         return
     session.measure(configs[i:i + k], 1.0)
     i += k
@@ -359,16 +370,21 @@ def _plan(session: _Session[C], available: int, eta: int, min_effort: float
 
 
 def _affordable_effort(session: _Session[C], batch: Sequence[C], effort: float,
-                       min_effort: float, reserve_s: float = 0.0) -> float | None:
-  """The planned effort if the call fits the budget, else the largest that fits, else None."""
-  room = session.remaining() - reserve_s
+                       min_effort: float, later: Sequence[tuple[int, float]]) -> float | None:
+  """The planned effort if the call fits the budget, else the largest that fits, else None.
+
+  The predicted cost of the `later` rounds is kept aside.
+  """
   model = _CostModel.fit(session.calls)
+  room = session.remaining() - _schedule_cost(model, later, False)
   new = session.num_new(batch)
   if model.predict(new, len(batch) * effort) <= room:
     return effort
   if model.per_effort_s <= 0:
     return None
-  fitting = (room - model.fixed_s * new) / (model.per_effort_s * len(batch))
+  # Aim a little under the room, so that rounding cannot turn "fits exactly" into an overrun.
+  room *= 1 - 1e-6
+  fitting = (room / model.scale - model.fixed_s * new) / (model.per_effort_s * len(batch))
   return fitting if fitting >= min_effort else None
 
 
@@ -380,8 +396,8 @@ def _screen(session: _Session[C], pool: Sequence[C], schedule: Sequence[tuple[in
   for i in range(0, len(pool), chunk_size):
     chunk = pool[i:i + chunk_size]
     if session.budget_s is not None:
-      reserve = _schedule_cost(_CostModel.fit(session.calls), schedule[1:], False)
-      model, room = _CostModel.fit(session.calls), session.remaining() - reserve
+      model = _CostModel.fit(session.calls)
+      room = session.remaining() - _schedule_cost(model, schedule[1:], False)
       per_config = model.predict(1, effort)
       if per_config > 0:
         chunk = chunk[:max(0, math.floor(room / per_config))]
@@ -404,20 +420,31 @@ def _race(session: _Session[C], pool: list[C], heuristic: C,
   """Successive halving over pool; returns the configs of the last round completed."""
   finalists: list[C] = []
   results: dict[C, Measurement] = {}
+  contenders = pool
   for i, (size, effort) in enumerate(schedule):
     final = i == len(schedule) - 1
-    contenders = pool if i == 0 else _fastest(results, size, order)
+    if i > 0:
+      # When the round before was cut short, keep the planned fraction of what it measured.
+      keep = math.ceil(size * len(results) / schedule[i - 1][0])
+      contenders = _fastest(results, keep, order)
     if not contenders:
       break
     if i == 0 and not final:
       results = _screen(session, contenders, schedule, chunk_size)
     else:
+      later = [(math.ceil(n * len(contenders) / size), e) for n, e in schedule[i + 1:]]
       batch = contenders + [heuristic] if final else contenders
-      effort = _affordable_effort(session, batch, effort, min_effort)
-      if effort is None:
+      affordable = _affordable_effort(session, batch, effort, min_effort, later)
+      if affordable is None and not final:
+        # No budget for this round and the ones after it: hold the last round now.
+        final, batch = True, contenders[:schedule[-1][0]] + [heuristic]
+        affordable = _affordable_effort(session, batch, 1.0, min_effort, [])
+      if affordable is None:
         break
-      results = session.measure(batch, effort)
+      results = session.measure(batch, affordable)
     finalists = [c for c in results if c != heuristic]
+    if final:
+      break
   return finalists
 
 
@@ -439,12 +466,14 @@ def racing(space: Iterable[C], measure: Measure[C], *, heuristic: C,
      configs; the last round has effort 1 and each earlier one 1/eta of the next (at least
      `min_effort`). Each round keeps the fastest configs of the one before (failed ones
      never go on); the last round measures them together with the heuristic.
-  4. Budget: the first round goes in chunks and stops when a chunk would eat into what
-     the later rounds are predicted to need; a later round that would overrun is measured
-     at the largest effort that fits (at least `min_effort`) or not at all. The cost model
-     is refitted before every call, so the search ends within the budget as far as a call's
-     cost can be predicted from the calls before it; the heuristic's measurement is always
-     made.
+  4. Budget: before every call the cost model is refitted, and a call is made only when
+     its predicted cost fits what is left after the predicted cost of the rounds after it
+     (as planned, scaled to the configs actually left). The first round goes in chunks and
+     stops when the next chunk does not fit; a later round that does not fit runs at the
+     largest effort that does (at least `min_effort`), and when none does, the last round
+     is held at once with the fastest configs so far. So the search ends within the budget
+     as far as a call's cost can be predicted from the calls before it; the heuristic's
+     first measurement is always made.
   5. The choice: `pick_best` over the last completed round and the heuristic, with the
      heuristic preferred on ties.
 

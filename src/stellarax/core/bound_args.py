@@ -106,7 +106,7 @@ class BoundArguments:
       out[name] = jax.tree.map(
           lambda s, name=name: self.op._example_value(name, s, next(keys), self.arguments) if isinstance(s, specs.ArraySpec) else s,
           _thaw(value), is_leaf=_is_spec)
-    return out
+    return self.op._complete_example(out)
 
   def example_arrays(self, seed: int = 0) -> list[jax.Array]:
     """Random array leaves for the (batched) call, as `runner()` takes them."""

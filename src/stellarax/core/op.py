@@ -67,12 +67,18 @@ class Op(abc.ABC):
   name: ClassVar[str | None] = None
   config_cls: ClassVar[type] = NoConfig
   vjp_cls: ClassVar[type[Op] | None] = None
+  # Set on a VJP op class: the forward op whose residuals it consumes (the
+  # first forward class naming it as `vjp_cls`).
+  fwd_cls: ClassVar[type[Op] | None] = None
 
   def __init_subclass__(cls, name: str | None = None, **kwargs):
     super().__init_subclass__(**kwargs)
     if name is not None:
       cls.name = name
       registry.register(name, cls)
+    vjp = cls.__dict__.get("vjp_cls")
+    if vjp is not None and vjp.__dict__.get("fwd_cls") is None:
+      vjp.fwd_cls = cls
 
   def __post_init__(self):
     if self.config is not None and not isinstance(self.config, self.config_cls):
@@ -130,6 +136,25 @@ class Op(abc.ABC):
     if dtype == jnp.bool_:
       return jax.random.bernoulli(key, 0.8, spec.shape)
     return jax.random.randint(key, spec.shape, 0, 8, dtype)
+
+  def _complete_example(self, values: dict[str, Any]) -> dict[str, Any]:
+    """Makes random example values consistent where they must be.
+
+    For a VJP op, `out` and `residuals` are what its forward op computes
+    from the primal arguments (random residuals would make a correct
+    backward look wrong); other ops return `values` as they are.
+    """
+    if self.fwd_cls is None or "residuals" not in values:
+      return values
+    from stellarax.core.bound_args import BoundArguments
+    shared = {f.name for f in dataclasses.fields(self.fwd_cls)} - {"config"}
+    fwd = self.fwd_cls(**{k: v for k, v in self.identity_fields().items() if k in shared})
+    primal = {k: values[k] for k in fwd._signature().parameters}
+    config = BoundArguments.from_values(fwd, primal).heuristics_config
+    arrays = {k: v for k, v in primal.items() if isinstance(v, jax.Array)}
+    statics = {k: v for k, v in primal.items() if k not in arrays}
+    out, residuals = jax.jit(lambda a: fwd._fwd(**a, **statics, config=config))(arrays)
+    return {**values, "out": out.astype(values["out"].dtype), "residuals": residuals}
 
   def _reference(self, **arguments) -> Any:
     """The op's plain high-precision reference output for `arguments`."""

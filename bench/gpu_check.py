@@ -1,0 +1,270 @@
+"""Check and time every implementation of every op side by side.
+
+    python bench/gpu_check.py --out results/2026-11-29-h200 [--tune-budget-s 20]
+    python bench/gpu_check.py --smoke --out /tmp/smoke     # tiny shapes, CPU, interpret mode
+
+For each workload (the speed targets of DESIGN.md: ragged_dot, attention,
+rms_norm/layer_norm, forward and forward+backward) every implementation that
+runs here is first checked against the op's float32 reference on fresh random
+inputs, then all of them are timed together by `measure_candidates`
+(interleaved shuffled rounds of batched asynchronous calls, one sync per
+batch: device time, not dispatch). Ours run with the heuristic config and,
+unless --tune-budget-s 0, with the config `stellarax.Autotuner` finds within
+that budget per op call. Baselines: XLA (`jax.lax.ragged_dot`,
+`jax.nn.dot_product_attention(implementation="xla")`), cuDNN attention,
+cuBLAS dense matmuls of the same FLOPs, and an elementwise copy for bandwidth.
+
+Writes `<out>/results.json` (every row, the tuned result, environment) and
+`<out>/tuned.json` (an AutotuningResult for the library cache); prints the
+table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import stellarax
+from stellarax.autotuning import measure
+
+
+@dataclasses.dataclass
+class Row:
+  workload: str
+  impl: str
+  median_ms: float | None = None
+  rate: str = ""
+  max_rel_err: float | None = None
+  status: str = ""
+  config: str = ""
+
+
+def _rel_err(out, ref) -> float:
+  errs = []
+  for o, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+    o, r = np.asarray(o, np.float32), np.asarray(r, np.float32)
+    scale = max(float(np.abs(r).max()), 1e-6)
+    errs.append(float(np.abs(o - r).max()) / scale)
+  return max(errs) if errs else 0.0
+
+
+def _ragged_inputs(g, m, k, n, dtype):
+  keys = jax.random.split(jax.random.key(0), 3)
+  lhs = jax.random.normal(keys[0], (m, k), jnp.float32).astype(dtype)
+  rhs = (jax.random.normal(keys[1], (g, k, n), jnp.float32) / math.sqrt(k)).astype(dtype)
+  w = np.asarray(jax.random.dirichlet(keys[2], jnp.ones(g) * 4))
+  sizes = np.floor(w * m).astype(np.int32)
+  sizes[-1] += m - sizes.sum()
+  return lhs, rhs, jnp.asarray(sizes)
+
+
+def _attention_inputs(b, t, h, d, dtype):
+  keys = jax.random.split(jax.random.key(1), 3)
+  return tuple(jax.random.normal(kk, (b, t, h, d), jnp.float32).astype(dtype) for kk in keys)
+
+
+def _impls(family: str, smoke: bool) -> list[tuple[str, Any]]:
+  """Our implementations of a family that run here (interpret mode in smoke runs)."""
+  from stellarax.core import registry
+  device = jax.devices()[0]
+  out = []
+  for name in registry.names(family):
+    if name.endswith("_vjp"):
+      continue
+    cls = registry.lookup(name)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    if cls.supported_on(device):
+      out.append((name, cls()))
+    elif smoke and "interpret" in fields and "mosaic" not in name:
+      out.append((name, cls(interpret=True)))
+  return out
+
+
+def _grad_of(f, argnums):
+  """The gradient of sum(sin(f(...))): a loss with no degenerate directions
+  (sum(f**2) of a normalisation has a zero gradient)."""
+  return jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a).astype(jnp.float32))), argnums=argnums)
+
+
+@dataclasses.dataclass
+class Workload:
+  name: str
+  family: str
+  make_inputs: Callable[[], tuple]
+  call: Callable[..., Any]  # call(op, *inputs)
+  reference: Callable[..., Any]
+  flops: float | None = None
+  nbytes: float | None = None
+  baselines: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
+  # Baselines that compute something else of the same cost (not checked).
+  unchecked: tuple[str, ...] = ()
+
+
+def _ragged_workloads(smoke, dtype):
+  shapes = [(8, 8192, 4096, 14336), (64, 16384, 2048, 1536)] if not smoke else [(4, 64, 32, 48)]
+  out = []
+  for g, m, k, n in shapes:
+    inputs = functools.partial(_ragged_inputs, g, m, k, n, dtype)
+    ref = lambda l, r, gs: jax.lax.ragged_dot(l.astype(jnp.float32), r.astype(jnp.float32), gs,
+                                              precision=jax.lax.Precision.HIGHEST)
+    call = lambda op, l, r, gs: stellarax.ragged_dot(l, r, gs, implementation=op)
+    xla = lambda l, r, gs: jax.lax.ragged_dot(l, r, gs)
+    dense = lambda l, r, gs, k=k, n=n: l @ r.reshape(-1, n)[:k]  # (M, K) @ (K, N): the same FLOPs
+    label = f"ragged_dot G={g} M={m} K={k} N={n}"
+    out.append(Workload(f"{label} fwd", "ragged_dot", inputs, call, ref, flops=2 * m * k * n,
+                        baselines={"xla jax.lax.ragged_dot": xla, "cuBLAS dense same FLOPs": dense},
+                        unchecked=("cuBLAS dense same FLOPs",)))
+    out.append(Workload(
+        f"{label} fwd+bwd", "ragged_dot", inputs,
+        lambda op, l, r, gs, call=call: _grad_of(lambda a, b: call(op, a, b, gs), (0, 1))(l, r),
+        lambda l, r, gs, ref=ref: _grad_of(lambda a, b: ref(a, b, gs), (0, 1))(l, r), flops=6 * m * k * n,
+        baselines={"xla jax.lax.ragged_dot": lambda l, r, gs, xla=xla: _grad_of(lambda a, b: xla(a, b, gs), (0, 1))(l, r)}))
+  return out
+
+
+def _attention_workloads(smoke, dtype):
+  b, t, h, d = (2, 8192, 16, 128) if not smoke else (1, 128, 2, 64)
+  inputs = functools.partial(_attention_inputs, b, t, h, d, dtype)
+  flops = 4 * b * h * t * t * d / 2  # causal: half the logits
+  f32 = lambda x: x.astype(jnp.float32)
+  ref = lambda q, k, v: jax.nn.dot_product_attention(f32(q), f32(k), f32(v), is_causal=True)
+  call = lambda op, q, k, v: stellarax.dot_product_attention(q, k, v, is_causal=True, implementation=op)
+  base = {"xla jax.nn.dot_product_attention": lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=True, implementation="xla")}
+  if jax.devices()[0].platform == "gpu":
+    base["cuDNN jax.nn.dot_product_attention"] = lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn")
+  label = f"attention B={b} T={t} H={h} D={d} causal"
+  return [
+      Workload(f"{label} fwd", "attention", inputs, call, ref, flops=flops, baselines=base),
+      Workload(f"{label} fwd+bwd", "attention", inputs,
+               lambda op, q, k, v: _grad_of(lambda *a: call(op, *a), (0, 1, 2))(q, k, v),
+               _grad_of(ref, (0, 1, 2)), flops=3.5 * flops,
+               baselines={name: _grad_of(fn, (0, 1, 2)) for name, fn in base.items()}),
+  ]
+
+
+def _norm_workloads(smoke, dtype):
+  rows, cols = (8192, 8192) if not smoke else (64, 256)
+  inputs = lambda: (jax.random.normal(jax.random.key(2), (rows, cols), jnp.float32).astype(dtype),
+                    jnp.ones((cols,), dtype))
+  nbytes = 2 * rows * cols * jnp.dtype(dtype).itemsize  # read x, write y
+  ref = lambda x, s: stellarax.rms_norm(x.astype(jnp.float32), s.astype(jnp.float32), implementation="xla")
+  call = lambda op, x, s: stellarax.rms_norm(x, s, implementation=op)
+  label = f"rms_norm ({rows}, {cols})"
+  return [
+      Workload(f"{label} fwd", "layer_norm", inputs, call, ref, nbytes=nbytes,
+               baselines={"copy x*2 (bandwidth)": lambda x, s: x * 2}, unchecked=("copy x*2 (bandwidth)",)),
+      Workload(f"{label} fwd+bwd", "layer_norm", inputs,
+               lambda op, x, s: _grad_of(lambda a, c: call(op, a, c), (0, 1))(x, s),
+               _grad_of(ref, (0, 1)), nbytes=3 * nbytes,  # fwd: x -> y; bwd: x, dy -> dx
+               baselines={"xla (autodiff)": _grad_of(lambda x, s: stellarax.rms_norm(x, s, implementation="xla"), (0, 1))}),
+  ]
+
+
+def _workloads(smoke: bool) -> list[Workload]:
+  """The speed targets of DESIGN.md (tiny shapes in smoke runs)."""
+  dtype = jnp.float32 if smoke else jnp.bfloat16
+  return _ragged_workloads(smoke, dtype) + _attention_workloads(smoke, dtype) + _norm_workloads(smoke, dtype)
+
+
+def _rate(seconds: float | None, flops, nbytes) -> str:
+  if not seconds:
+    return ""
+  if flops:
+    return f"{flops / seconds / 1e12:.1f} TFLOP/s"
+  return f"{nbytes / seconds / 1e12:.2f} TB/s"
+
+
+def run(args) -> list[Row]:
+  rows: list[Row] = []
+  tuned_all = None
+  opts = measure.MeasureOptions(rounds=3 if args.smoke else 10, max_total_s=1.0 if args.smoke else 5.0)
+  for w in _workloads(args.smoke):
+    inputs = w.make_inputs()
+    expected = jax.jit(w.reference)(*inputs)
+    candidates: dict[str, Callable] = {}
+    configs: dict[str, str] = {}
+    for impl_name, op in _impls(w.family, args.smoke):
+      call = functools.partial(w.call, op)
+      candidates[f"{impl_name} heuristic"] = call
+      if args.tune_budget_s > 0:
+        tuner = stellarax.Autotuner(budget_s=args.tune_budget_s, progress=False, measure_options=opts)
+        try:
+          result = tuner.autotune(call, *inputs)
+        except Exception as e:  # a failed tuning is a row, not a crash
+          rows.append(Row(w.name, f"{impl_name} tuned", status=f"tuning failed: {str(e)[:200]}"))
+          continue
+        tuned_all = result if tuned_all is None else tuned_all | result
+        candidates[f"{impl_name} tuned"] = _with_result(result, call)
+        configs[f"{impl_name} tuned"] = "; ".join(f"{e.bound_args.op.name}: {e.best_config}" for e in result)
+    candidates.update(w.baselines)
+    checked = []
+    for key, fn in candidates.items():
+      try:
+        out = jax.jit(fn)(*inputs)
+        err = None if key in w.unchecked else _rel_err(out, expected)
+      except Exception as e:
+        rows.append(Row(w.name, key, status=f"error: {str(e).splitlines()[0][:200]}"))
+        continue
+      rows.append(Row(w.name, key, max_rel_err=err, config=configs.get(key, "")))
+      checked.append(key)
+    timed = measure.measure_candidates({k: candidates[k] for k in checked}, tuple(inputs), options=opts)
+    for r in rows:
+      if r.workload == w.name and r.impl in timed:
+        m = timed[r.impl]
+        r.status = m.status if m.status == "ok" else f"{m.status}: {m.error}"
+        if m.status == "ok":
+          r.median_ms = m.median_s * 1e3
+          r.rate = _rate(m.median_s, w.flops, w.nbytes)
+  out = Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  if tuned_all is not None:
+    tuned_all.dump(out / "tuned.json")
+  env = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "stellarax": stellarax.__version__,
+         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "argv": sys.argv}
+  (out / "results.json").write_text(json.dumps({"env": env, "rows": [dataclasses.asdict(r) for r in rows]}, indent=1))
+  return rows
+
+
+def _with_result(result, fn):
+  def run(*a):
+    with result:
+      return fn(*a)
+  return run
+
+
+def print_table(rows: list[Row]) -> None:
+  header = ("workload", "implementation", "ms", "rate", "max rel err", "status")
+  table = [header] + [(r.workload, r.impl, f"{r.median_ms:.3f}" if r.median_ms else "-", r.rate,
+                       f"{r.max_rel_err:.1e}" if r.max_rel_err is not None else "-", r.status[:60]) for r in rows]
+  widths = [max(len(str(row[i])) for row in table) for i in range(len(header))]
+  for row in table:
+    print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", required=True, help="results folder")
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes; Pallas in interpret mode (CPU)")
+  parser.add_argument("--tune-budget-s", type=float, default=20.0, help="tuning budget per op call; 0 = no tuning")
+  args = parser.parse_args(argv)
+  print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+  rows = run(args)
+  print_table(rows)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

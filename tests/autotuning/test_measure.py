@@ -1,0 +1,290 @@
+"""Tests of the measuring primitive (CPU; relative timings only, never absolute ones)."""
+
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from stellarax.autotuning import measure as m
+
+# Small, fast settings: the method is the same, only the counts shrink.
+FAST = m.MeasureOptions(rounds=5, leader_rounds=3, warmup_s=0.005, max_total_s=2.0,
+                        timeout_s=30.0)
+
+
+def _x(shape=(192, 160), seed=0, dtype=jnp.float32):
+  return jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+def _matmul(x, w):
+  return jnp.tanh(x @ w)
+
+
+def _matmul_20x(x, w):
+  # Each step depends on the one before, so XLA can neither hoist nor fuse the 20 matmuls.
+  return jax.lax.fori_loop(0, 20, lambda i, y: jnp.tanh(y @ w), _matmul(x, w))
+
+
+def _callback(x, fn):
+  return jax.pure_callback(fn, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+
+def _raises(x, w):
+  def fail(v):
+    raise RuntimeError("boom from the candidate")
+  return _callback(_matmul(x, w), fail)
+
+
+def _hangs(x, w):
+  def sleep(v):
+    time.sleep(30)
+    return v
+  return _callback(_matmul(x, w), sleep)
+
+
+def _hangs_while_compiling(x, w):
+  time.sleep(30)  # Runs while tracing, so the compilation is what hangs.
+  return _matmul(x, w)
+
+
+def _ok(status="ok", median=1e-3, low=None, high=None):
+  low = median if low is None else low
+  high = median if high is None else high
+  return m.Measurement(status=status, median_s=median, ci_low_s=low, ci_high_s=high,
+                       num_samples=5, compile_time_s=0.1, method="cpu-batched")
+
+
+def _failed(status, error):
+  return m.Measurement(status=status, error=error, method="cpu-batched")
+
+
+def test_ranks_candidates_of_very_different_cost():
+  x, w = _x(), _x((160, 160), seed=1)
+  got = m.measure_candidates({"20x": _matmul_20x, "1x": _matmul}, (x, w), options=FAST)
+  assert list(got) == ["20x", "1x"]
+  for meas in got.values():
+    assert meas.status == "ok" and meas.method == "cpu-batched"
+    assert meas.ci_low_s <= meas.median_s <= meas.ci_high_s
+    assert meas.compile_time_s > 0
+  # 20 times the work; a factor 4 leaves room for a loaded machine.
+  assert got["20x"].median_s > 4 * got["1x"].median_s
+  # Far apart, so the slow one is no leader and takes no extra rounds.
+  assert got["20x"].num_samples == FAST.rounds
+  assert m.pick_best(got) == "1x"
+
+
+def test_failures_are_recorded_and_the_run_goes_on():
+  x, w = _x(), _x((160, 160), seed=1)
+  x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  candidates = {
+      "bad_shapes": lambda x, w: x @ jnp.ones((3, 5), x.dtype),
+      "raises": _raises,
+      "off_by_1pct": lambda x, w: _matmul(x, w) * 1.01,
+      "identity": lambda x, w: x[:, :160],  # Cheapest of all, and wrong.
+      "good": _matmul,
+  }
+  got = m.measure_candidates(candidates, (x, w), reference=lambda: np.tanh(x64 @ w64),
+                             options=FAST)
+  assert got["bad_shapes"].status == "compile_error"
+  assert "TypeError" in got["bad_shapes"].error
+  assert got["raises"].status == "runtime_error"
+  assert "boom from the candidate" in got["raises"].error
+  assert got["off_by_1pct"].status == "wrong_result"
+  assert "max abs error" in got["off_by_1pct"].error
+  assert got["identity"].status == "wrong_result"
+  assert got["good"].ok
+  assert m.pick_best(got) == "good"
+
+
+def test_hung_candidates_time_out_and_the_call_returns():
+  x, w = _x(), _x((160, 160), seed=1)
+  options = m.MeasureOptions(rounds=3, leader_rounds=0, warmup_s=0.005, timeout_s=1.0)
+  start = time.perf_counter()
+  got = m.measure_candidates(
+      {"hangs": _hangs, "hangs_compiling": _hangs_while_compiling, "good": _matmul}, (x, w),
+      options=options)
+  assert time.perf_counter() - start < 15  # Not the 30 s the hung candidates sleep.
+  assert got["hangs"].status == "timeout"
+  assert "check run" in got["hangs"].error
+  assert got["hangs_compiling"].status == "timeout"
+  assert "compilation" in got["hangs_compiling"].error
+  assert got["good"].ok
+
+
+def test_every_candidate_gets_a_sample_even_past_its_budget():
+  x, w = _x(), _x((160, 160), seed=1)
+  def slow(x, w):
+    return _callback(_matmul(x, w), lambda v: (time.sleep(0.02), v)[1])
+  options = m.MeasureOptions(rounds=4, leader_rounds=0, warmup_s=0.0, max_total_s=0.001)
+  got = m.measure_candidates({"slow": slow}, (x, w), options=options)
+  assert got["slow"].ok and got["slow"].num_samples == 1
+
+
+def test_effort_scales_the_rounds():
+  x, w = _x(), _x((160, 160), seed=1)
+  full = m.measure_candidates({"a": _matmul}, (x, w), options=FAST)
+  cheap = m.measure_candidates({"a": _matmul}, (x, w), options=FAST, effort=0.2)
+  assert (full["a"].num_samples, cheap["a"].num_samples) == (FAST.rounds, 1)
+  with pytest.raises(ValueError, match="effort"):
+    m.measure_candidates({"a": _matmul}, (x, w), options=FAST, effort=0.0)
+
+
+def test_compile_cache_skips_recompiling():
+  x, w = _x(), _x((160, 160), seed=1)
+  traced = []
+  def counted(x, w):
+    traced.append(1)
+    return _matmul(x, w)
+  cache = {}
+  for _ in range(2):
+    got = m.measure_candidates({"a": counted, "bad": lambda x, w: x @ x}, (x, w),
+                               options=FAST, effort=0.2, compile_cache=cache)
+    assert got["a"].ok and got["bad"].status == "compile_error"
+  assert len(traced) == 1
+
+
+def test_cold_cache_rotates_enough_input_copies():
+  x, w = _x(), _x((160, 160), seed=1)
+  options = m.MeasureOptions(cold_cache=True, llc_bytes=2**20)
+  sets = m._input_sets((x, w), options)
+  nbytes = x.nbytes + w.nbytes
+  assert len(sets) == 2**20 // nbytes + 1 and len(sets) * nbytes > 2**20
+  assert all(np.array_equal(s[0], x) for s in sets)
+  assert len({s[0].unsafe_buffer_pointer() for s in sets}) == len(sets)
+  got = m.measure_candidates({"a": _matmul}, (x, w), options=FAST.with_effort(0.4),
+                             reference=_matmul(x, w))
+  cold = m.measure_candidates({"a": _matmul}, (x, w), reference=_matmul(x, w),
+                              options=m.MeasureOptions(cold_cache=True, llc_bytes=2**20,
+                                                       rounds=2, warmup_s=0.0))
+  assert got["a"].method == "cpu-batched" and cold["a"].method == "cpu-batched-cold"
+  assert cold["a"].ok
+
+
+def test_order_sets_the_result_order_and_must_cover_every_candidate():
+  x, w = _x(), _x((160, 160), seed=1)
+  cands = {"a": _matmul, "b": lambda x, w: _matmul(x, w) + 0}
+  got = m.measure_candidates(cands, (x, w), options=FAST.with_effort(0.2), order=["b", "z", "a"])
+  assert list(got) == ["b", "a"]
+  with pytest.raises(ValueError, match="order must list every candidate"):
+    m.measure_candidates(cands, (x, w), order=["a"])
+  with pytest.raises(ValueError, match="No candidates"):
+    m.measure_candidates({}, (x, w))
+
+
+def test_measurement_json_round_trip():
+  for meas in (_ok(median=2e-3, low=1.5e-3, high=2.5e-3),
+               _failed("wrong_result", "max abs error 3 exceeds 0.1"),
+               m.Measurement(status="timeout", error="slow", compile_time_s=None)):
+    text = json.dumps(meas.to_json())
+    assert m.Measurement.from_json(json.loads(text)) == meas
+  with pytest.raises(ValueError, match="unknown \\['extra'\\]"):
+    m.Measurement.from_json({**_ok().to_json(), "extra": 1})
+  with pytest.raises(ValueError, match="missing \\['method'\\]"):
+    m.Measurement.from_json({k: v for k, v in _ok().to_json().items() if k != "method"})
+
+
+def test_measurement_validation():
+  with pytest.raises(ValueError, match="is not one of"):
+    m.Measurement(status="fast")
+  with pytest.raises(ValueError, match="finite times"):
+    m.Measurement(status="ok", num_samples=1)
+  with pytest.raises(ValueError, match="ci_low_s <= median_s <= ci_high_s"):
+    m.Measurement(status="ok", median_s=1.0, ci_low_s=1.5, ci_high_s=2.0, num_samples=3)
+  with pytest.raises(ValueError, match="needs a non-empty error"):
+    m.Measurement(status="timeout")
+  with pytest.raises(ValueError, match="has no times"):
+    m.Measurement(status="timeout", error="x", median_s=1.0)
+
+
+def test_options_validation_and_effort():
+  with pytest.raises(ValueError, match="rounds=0 must be an int >= 1"):
+    m.MeasureOptions(rounds=0)
+  with pytest.raises(ValueError, match="timeout_s"):
+    m.MeasureOptions(timeout_s=0.0)
+  scaled = m.MeasureOptions(rounds=10, leader_rounds=10, max_total_s=4.0).with_effort(0.25)
+  assert (scaled.rounds, scaled.leader_rounds, scaled.max_total_s) == (2, 2, 1.0)
+  assert m.MeasureOptions(rounds=10).with_effort(0.01).rounds == 1
+
+
+def test_pick_best_breaks_ties_by_preference_then_order():
+  results = {
+      "a": _ok(median=1.000e-3, low=0.99e-3, high=1.01e-3),
+      "b": _ok(median=1.009e-3, low=1.005e-3, high=1.012e-3),  # Within 1% of a.
+      "c": _ok(median=1.05e-3, low=1.008e-3, high=1.1e-3),  # Interval reaches a's.
+      "d": _ok(median=1.05e-3, low=1.03e-3, high=1.07e-3),  # Slower beyond noise.
+      "broken": _failed("runtime_error", "boom"),
+  }
+  assert m.pick_best(results) == "a"
+  assert m.pick_best(results, prefer="b") == "b"
+  assert m.pick_best(results, prefer="c") == "c"
+  assert m.pick_best(results, prefer="d") == "a"
+  assert m.pick_best(results, prefer="broken") == "a"
+  assert m.pick_best(results, order=["d", "c", "b", "a", "broken"]) == "c"
+  with pytest.raises(ValueError, match="was not measured"):
+    m.pick_best(results, prefer="e")
+
+
+def test_pick_best_with_every_candidate_failed_lists_why():
+  results = {"x": _failed("compile_error", "TypeError: bad shapes"),
+             "y": _failed("timeout", "a batch of 1 calls did not finish")}
+  with pytest.raises(m.AllCandidatesFailedError) as info:
+    m.pick_best(results)
+  text = str(info.value)
+  assert "'x': compile_error: TypeError: bad shapes" in text
+  assert "'y': timeout: a batch of 1 calls did not finish" in text
+  assert isinstance(info.value, ValueError) and info.value.measurements == results
+
+
+def test_median_interval_uses_binomial_order_statistics():
+  rng = np.random.default_rng(0)
+  # Ranks from the standard table of distribution-free 95% intervals for the median.
+  table = {100: (40, 61), 20: (6, 15), 10: (2, 9), 6: (1, 6), 5: (1, 5), 2: (1, 2), 1: (1, 1)}
+  for n, (lo_rank, hi_rank) in table.items():
+    samples = rng.lognormal(size=n)
+    ordered = np.sort(samples)
+    median, low, high = m.median_interval(samples)
+    assert median == np.median(samples)
+    assert (low, high) == (ordered[lo_rank - 1], ordered[hi_rank - 1])
+  assert m.median_interval(rng.lognormal(size=5000))[1] > 0  # No overflow for many samples.
+  with pytest.raises(ValueError, match="at least one finite sample"):
+    m.median_interval([])
+
+
+def test_leaders_are_those_reaching_the_fastest_interval():
+  intervals = {"a": (1.0, 0.9, 1.1), "b": (1.05, 1.08, 1.2), "c": (1.2, 1.11, 1.3)}
+  assert m._leaders(intervals) == ["a", "b"]
+
+
+def test_default_tolerance_is_looser_for_narrow_floats():
+  floats = (jnp.float64, jnp.float32, jnp.float16, jnp.bfloat16)
+  rtol = {d: m.default_tolerance(d)[0] for d in floats}
+  assert rtol[jnp.float64] < rtol[jnp.float32] < rtol[jnp.float16] < rtol[jnp.bfloat16]
+  assert m.default_tolerance(jnp.int32) == (0.0, 0.0)
+  assert m.default_tolerance(jnp.complex64) == m.default_tolerance(jnp.float32)
+  assert m.default_tolerance(jnp.float8_e4m3fn)[0] > rtol[jnp.bfloat16]
+  with pytest.raises(TypeError, match="No output tolerance"):
+    m.default_tolerance(np.dtype("U3"))
+
+
+def test_check_close_is_dtype_aware_and_strict_about_nan():
+  ref = np.asarray(_x((37, 13), seed=3), np.float64)
+  off = ref * (1 + 0.01 * np.sign(ref))  # 1% too large everywhere.
+  assert m.check_close(jnp.asarray(off, jnp.bfloat16), ref) is None
+  assert "max abs error" in m.check_close(jnp.asarray(off, jnp.float32), ref)
+  assert m.check_close(jnp.asarray(off, jnp.float32), ref, rtol=0.02) is None
+  with_nan = off.copy()
+  with_nan[5, 7] = np.nan
+  assert "NaN at 1 positions" in m.check_close(with_nan, ref, rtol=0.1)
+  ref_nan = ref.copy()
+  ref_nan[5, 7] = np.nan
+  assert m.check_close(with_nan, ref_nan, rtol=0.1) is None
+  with_inf = ref.copy()
+  with_inf[0, 0] = np.inf
+  assert "infinity" in m.check_close(with_inf, ref)
+  assert "shape (13, 37)" in m.check_close(ref.T, ref)
+  assert "structure" in m.check_close((ref, ref), [ref, ref])
+  assert m.check_close({"a": np.zeros((0, 3))}, {"a": np.zeros((0, 3))}) is None
+  assert m.check_close(np.arange(5), np.arange(5) + np.array([0, 0, 0, 0, 1])) is not None

@@ -1,0 +1,223 @@
+"""Tests of the search strategies on replayed sweeps (fake clock: deterministic, no device)."""
+
+import dataclasses
+import itertools
+import math
+
+import pytest
+
+from stellarax.autotuning import search
+from stellarax.autotuning.measure import AllCandidatesFailedError, Measurement
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Tile:
+  block_m: int
+  block_n: int
+  block_k: int
+  warps: int
+  stages: int
+
+
+OPTIMUM = Tile(block_m=128, block_n=256, block_k=64, warps=8, stages=3)
+HEURISTIC = Tile(block_m=64, block_n=64, block_k=32, warps=4, stages=2)
+
+
+def _sweep() -> dict[Tile, float | Measurement]:
+  """192 configs: a smooth bowl in log2 tile sizes around OPTIMUM, plus failed configs."""
+  sweep = {}
+  for bm, bn, bk, warps, stages in itertools.product(
+      (32, 64, 128, 256), (32, 64, 128, 256), (32, 64, 128), (4, 8), (2, 3)):
+    tile = Tile(block_m=bm, block_n=bn, block_k=bk, warps=warps, stages=stages)
+    if bm == bn == 256 and bk == 128:
+      sweep[tile] = Measurement(status="compile_error", error="out of shared memory")
+    elif bm == 32 and warps == 8:
+      sweep[tile] = Measurement(status="wrong_result", error="max abs error 7.1")
+    else:
+      dm, dn, dk = math.log2(bm / 128), math.log2(bn / 256), math.log2(bk / 64)
+      sweep[tile] = 1e-3 * (1 + 0.08 * dm**2 + 0.06 * dn**2 + 0.05 * dk**2
+                            + 0.02 * dm * dk + 0.04 * (warps == 4) + 0.015 * (stages == 2))
+  return sweep
+
+
+SWEEP = _sweep()
+TRUE = {c: v for c, v in SWEEP.items() if isinstance(v, float)}
+EXHAUSTIVE_COST = len(SWEEP) * 1.0  # ReplayMeasure's default: 1 fake second per config.
+
+
+def test_the_synthetic_sweep_is_what_the_tests_assume():
+  assert len(SWEEP) == 192 and len(TRUE) == 164
+  assert min(TRUE, key=TRUE.get) == OPTIMUM
+  assert TRUE[HEURISTIC] > 1.3 * TRUE[OPTIMUM]
+  near = [c for c in TRUE if TRUE[c] <= 1.02 * TRUE[OPTIMUM]]
+  assert len(near) == 2  # The optimum and its stages=2 twin: racing must be accurate.
+
+
+def test_exhaustive_finds_the_optimum():
+  replay = search.ReplayMeasure(SWEEP)
+  outcome = search.exhaustive(SWEEP, replay, heuristic=HEURISTIC, clock=replay.clock)
+  assert outcome.best == OPTIMUM and outcome.best_measurement.ok
+  assert outcome.strategy == "exhaustive"
+  assert outcome.num_measured == outcome.num_configs == len(SWEEP)
+  assert outcome.wall_time_s == EXHAUSTIVE_COST and replay.num_calls == 1
+  assert outcome.measurements[Tile(block_m=32, block_n=32, block_k=32, warps=8, stages=2)
+                              ].status == "wrong_result"
+
+
+def test_exhaustive_with_noise_lands_near_the_optimum_and_chunks_within_budget():
+  replay = search.ReplayMeasure(SWEEP, noise=0.01, seed=3)
+  outcome = search.exhaustive(SWEEP, replay, chunk_size=50, clock=replay.clock)
+  assert TRUE[outcome.best] <= 1.02 * TRUE[OPTIMUM] and replay.num_calls == 4
+  replay = search.ReplayMeasure(SWEEP)
+  partial = search.exhaustive(SWEEP, replay, heuristic=HEURISTIC, budget_s=40.0,
+                              clock=replay.clock)
+  assert replay.clock() <= 40.0 and partial.num_measured == 40
+  assert HEURISTIC in partial.measurements
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_racing_in_a_tenth_of_the_time_lands_within_2_percent(seed):
+  replay = search.ReplayMeasure(SWEEP, noise=0.01, seed=seed)
+  budget = 0.1 * EXHAUSTIVE_COST
+  outcome = search.racing(SWEEP, replay, heuristic=HEURISTIC, budget_s=budget,
+                          rng_seed=seed, clock=replay.clock)
+  assert replay.clock() <= budget and outcome.wall_time_s == replay.clock()
+  assert outcome.strategy == "racing"
+  assert outcome.best_measurement.ok
+  assert TRUE[outcome.best] <= 1.02 * TRUE[OPTIMUM]
+  assert TRUE[outcome.best] < TRUE[HEURISTIC]
+  # The budget was spent on screening most of the space, not on a few configs.
+  assert outcome.num_measured > 0.8 * len(SWEEP)
+
+
+def test_racing_respects_the_budget_when_compiling_dominates():
+  # Half of a config's cost is paid once (compilation), so screening cannot be cheap.
+  replay = search.ReplayMeasure(SWEEP, noise=0.01, cost_s_per_config=0.5, compile_cost_s=0.5)
+  outcome = search.racing(SWEEP, replay, heuristic=HEURISTIC, budget_s=0.1 * EXHAUSTIVE_COST,
+                          clock=replay.clock)
+  assert replay.clock() <= 0.1 * EXHAUSTIVE_COST
+  assert 5 < outcome.num_measured < 0.2 * len(SWEEP)
+  assert TRUE[outcome.best] <= TRUE[HEURISTIC]
+
+
+def test_racing_adapts_when_calls_cost_more_than_predicted():
+  # After the two calibration calls every call costs three times what the replay charges,
+  # so the plan made from the calibration overruns unless racing re-predicts each call.
+  replay = search.ReplayMeasure(SWEEP, noise=0.01)
+  extra = [0.0]
+  def pricier(configs, *, effort=1.0):
+    before = replay.clock()
+    out = replay(configs, effort=effort)
+    if replay.num_calls > 2:
+      extra[0] += 2 * (replay.clock() - before)
+    return out
+  clock = lambda: replay.clock() + extra[0]
+  budget = 0.1 * EXHAUSTIVE_COST
+  outcome = search.racing(SWEEP, pricier, heuristic=HEURISTIC, budget_s=budget, clock=clock)
+  assert clock() <= budget
+  assert outcome.best_measurement.ok and TRUE[outcome.best] < TRUE[HEURISTIC]
+
+
+def test_racing_never_returns_worse_than_an_optimal_heuristic():
+  for noise in (0.0, 0.01):
+    replay = search.ReplayMeasure(SWEEP, noise=noise)
+    outcome = search.racing(SWEEP, replay, heuristic=OPTIMUM, budget_s=20.0,
+                            clock=replay.clock)
+    assert outcome.best == OPTIMUM
+
+
+def test_racing_without_budget_races_the_whole_space():
+  replay = search.ReplayMeasure(SWEEP)
+  outcome = search.racing(SWEEP, replay, heuristic=HEURISTIC, clock=replay.clock)
+  assert outcome.best == OPTIMUM and outcome.num_measured == len(SWEEP)
+  assert replay.clock() < 0.2 * EXHAUSTIVE_COST
+
+
+def test_racing_with_a_tiny_budget_keeps_the_heuristic():
+  replay = search.ReplayMeasure(SWEEP)
+  outcome = search.racing(SWEEP, replay, heuristic=HEURISTIC, budget_s=1.0, clock=replay.clock)
+  assert outcome.best == HEURISTIC and outcome.num_measured == 1
+  replay = search.ReplayMeasure(SWEEP)
+  alone = search.racing([HEURISTIC], replay, heuristic=HEURISTIC, budget_s=5.0,
+                        clock=replay.clock)
+  assert alone.best == HEURISTIC and alone.num_configs == 1
+
+
+def test_random_search_respects_its_budget_and_sample_count():
+  replay = search.ReplayMeasure(SWEEP)
+  outcome = search.random_search(SWEEP, replay, heuristic=HEURISTIC, budget_s=15.5,
+                                 rng_seed=1, clock=replay.clock)
+  assert replay.clock() <= 15.5 and outcome.num_measured == 15
+  assert outcome.strategy == "random" and HEURISTIC in outcome.measurements
+  best_seen = min((c for c, m in outcome.measurements.items() if m.ok), key=TRUE.get)
+  assert outcome.best == best_seen and outcome.best_measurement.ok
+  replay = search.ReplayMeasure(SWEEP)
+  outcome = search.random_search(SWEEP, replay, heuristic=HEURISTIC, num_samples=20,
+                                 clock=replay.clock)
+  assert outcome.num_measured == 21
+  with pytest.raises(ValueError, match="needs num_samples, budget_s or both"):
+    search.random_search(SWEEP, replay, heuristic=HEURISTIC)
+
+
+def test_failed_configs_are_never_chosen():
+  # The failed configs' neighbours are the fastest of this sweep: a strategy that ranked
+  # failures as fast (as zero time, say) would pick one.
+  sweep = {c: (v if not isinstance(v, float) else 1e-3 + abs(c.block_m - 256) * 1e-5)
+           for c, v in SWEEP.items()}
+  for strategy in (search.exhaustive, search.racing):
+    replay = search.ReplayMeasure(sweep)
+    outcome = strategy(sweep, replay, heuristic=HEURISTIC, budget_s=30.0, clock=replay.clock)
+    assert outcome.best_measurement.ok
+
+
+def test_every_config_failed_raises_a_clear_error():
+  failed = {Tile(block_m=m, block_n=64, block_k=64, warps=4, stages=2):
+            Measurement(status="compile_error", error=f"block_m={m} too large") for m in (64, 128)}
+  for strategy in (search.exhaustive, search.racing, search.random_search):
+    replay = search.ReplayMeasure(failed)
+    with pytest.raises(AllCandidatesFailedError, match="block_m=128 too large") as info:
+      strategy(failed, replay, heuristic=next(iter(failed)), budget_s=10.0, clock=replay.clock)
+    assert len(info.value.measurements) == 2
+
+
+def test_default_strategy_picks_by_space_size():
+  assert search.default_strategy(16) is search.exhaustive
+  assert search.default_strategy(17) is search.racing
+  assert search.default_strategy(3, max_exhaustive=2) is search.racing
+  with pytest.raises(ValueError, match="space_size=-1"):
+    search.default_strategy(-1)
+
+
+def test_replay_measure_advances_its_clock_and_scales_samples_with_effort():
+  replay = search.ReplayMeasure(SWEEP, noise=0.05, cost_s_per_config=2.0, compile_cost_s=3.0)
+  first = replay([OPTIMUM, HEURISTIC], effort=0.25)
+  assert replay.clock() == 2 * (3.0 + 0.5)
+  assert first[OPTIMUM].num_samples == 3 and first[OPTIMUM].method == "replay"
+  again = replay([OPTIMUM])
+  assert replay.clock() == 7.0 + 2.0 and again[OPTIMUM].num_samples == 10
+  assert abs(again[OPTIMUM].median_s / TRUE[OPTIMUM] - 1) < 0.1
+  with pytest.raises(ValueError, match="not in the recorded sweep"):
+    replay([Tile(block_m=1, block_n=1, block_k=1, warps=1, stages=1)])
+  with pytest.raises(ValueError, match="effort=0"):
+    replay([OPTIMUM], effort=0)
+  with pytest.raises(ValueError, match="must be a positive number"):
+    search.ReplayMeasure({OPTIMUM: 0.0})
+
+
+def test_a_measure_that_drops_configs_is_reported():
+  def forgetful(configs, *, effort=1.0):
+    return search.ReplayMeasure(SWEEP)(configs[:1], effort=effort)
+  with pytest.raises(ValueError, match="returned nothing for"):
+    search.exhaustive(list(SWEEP)[:3], forgetful)
+
+
+def test_bad_strategy_arguments_are_rejected():
+  replay = search.ReplayMeasure(SWEEP)
+  with pytest.raises(ValueError, match="eta=1"):
+    search.racing(SWEEP, replay, heuristic=HEURISTIC, eta=1)
+  with pytest.raises(ValueError, match="budget_s=0"):
+    search.racing(SWEEP, replay, heuristic=HEURISTIC, budget_s=0)
+  with pytest.raises(ValueError, match="search space is empty"):
+    search.exhaustive([], replay)
+  with pytest.raises(TypeError, match="hashable"):
+    search.exhaustive([[1, 2]], replay)
