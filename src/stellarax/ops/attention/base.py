@@ -106,16 +106,17 @@ class XlaChunkedAttentionConfig:
 
 
 def _chunk_space(t: int, s: int) -> set[XlaChunkedAttentionConfig]:
-  qs = [None] + [c for c in (128, 256, 512, 1024) if c < t]
-  ks = [None] + [c for c in (128, 256, 512, 1024, 2048) if c < s]
+  qs = [None] + [c for c in (64, 128, 256, 512, 1024) if c < t]
+  ks = [None] + [c for c in (64, 128, 256, 512, 1024, 2048) if c < s]
   return {XlaChunkedAttentionConfig(chunk_q=q, chunk_k=k) for q in qs for k in ks}
 
 
 def _heuristic_chunks(t: int, s: int) -> XlaChunkedAttentionConfig:
-  # Materialising (T, S) logits is fine while small; beyond, chunk the keys.
-  if t * s <= 1024 * 1024:
+  """Small problems materialise the (T, S) logits; larger ones use 256 x 256
+  chunks, which measured fastest on CPU (T=S=2048: 2-3x faster than full)."""
+  if t * s <= 256 * 256:
     return XlaChunkedAttentionConfig(chunk_q=None, chunk_k=None)
-  return XlaChunkedAttentionConfig(chunk_q=None if t <= 1024 else 1024, chunk_k=512)
+  return XlaChunkedAttentionConfig(chunk_q=256 if t > 256 else None, chunk_k=256 if s > 256 else None)
 
 
 class XlaAttentionVjp(AttentionVjp, name="attention.xla_vjp"):

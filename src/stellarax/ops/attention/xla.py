@@ -58,7 +58,8 @@ def _keep_mask(q_pos, k_pos, mask, is_causal, window, q_lengths, kv_lengths):
     keep = both(keep, (k_pos[None, :] <= q_pos[:, None])[None, None, None])
   if window is not None:
     left, right = window
-    in_window = (q_pos[:, None] - left <= k_pos[None, :]) & (k_pos[None, :] <= q_pos[:, None] + right)
+    q_col, k_row = q_pos[:, None], k_pos[None, :]
+    in_window = (q_col - left <= k_row) & (k_row <= q_col + right)
     keep = both(keep, in_window[None, None, None])
   if q_lengths is not None:
     keep = both(keep, (q_pos[None, :] < q_lengths[:, None])[:, None, None, :, None])
@@ -133,6 +134,39 @@ def _block_may_keep(q_start, k_start, chunk_q, chunk_k, is_causal, window, q_len
   return live
 
 
+def _online_softmax_step(carry, q_blk, k_blk, v_blk, scale, bias_blk, keep):
+  """Folds one key chunk into the running (row max, row sum, output) of a query chunk.
+
+  Dropped keys get weight 0 (logit -inf), not JAX's large negative logit: a row
+  that never sees a kept key ends with row sum 0 and is finished by _finish_rows.
+  """
+  row_max, row_sum, acc = carry
+  logits = jnp.where(keep, _scaled_logits(q_blk, k_blk, scale, bias_blk), -jnp.inf)
+  new_max = jnp.maximum(row_max, logits.max(axis=-1))
+  # A row with no kept key so far has max -inf; shift by 0 to avoid inf - inf.
+  shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+  weights = jnp.exp(logits - shift[..., None])
+  rescale = jnp.exp(row_max - shift)
+  row_sum = rescale * row_sum + weights.sum(axis=-1)
+  acc = rescale[..., None] * acc + _weighted_values(weights, v_blk)
+  return new_max, row_sum, acc
+
+
+def _split_chunks(x, chunk, num_chunks):
+  """(B, L, ...) -> (num_chunks, B, chunk, ...), zero-padding L to num_chunks * chunk."""
+  x = _pad_axis(x, 1, num_chunks * chunk)
+  return jnp.moveaxis(x.reshape(x.shape[0], num_chunks, chunk, *x.shape[2:]), 1, 0)
+
+
+def _pad_pairwise(x, t_pad, s_pad):
+  """Pads the (t, s) axes (3 and 4) of a grouped bias or mask, unless they broadcast."""
+  if x is not None and x.shape[3] > 1:
+    x = _pad_axis(x, 3, t_pad)
+  if x is not None and x.shape[4] > 1:
+    x = _pad_axis(x, 4, s_pad)
+  return x
+
+
 def _attention_chunked(q, k, v, bias, mask, scale, is_causal, window, q_lengths, kv_lengths,
                        chunk_q, chunk_k):
   """Online softmax over chunks; q is (B, T, K, G, H). Returns like _attention_full."""
@@ -141,63 +175,42 @@ def _attention_chunked(q, k, v, bias, mask, scale, is_causal, window, q_lengths,
   # A chunk larger than its axis is the whole axis (at least 1, so empty axes work).
   chunk_q, chunk_k = max(1, min(chunk_q, t)), max(1, min(chunk_k, s))
   num_q, num_k = -(-t // chunk_q), -(-s // chunk_k)
-  t_pad, s_pad = num_q * chunk_q, num_k * chunk_k
-  # Chunks lead, so that map/scan iterate over them.
-  q_chunks = jnp.moveaxis(_pad_axis(q, 1, t_pad).reshape(b, num_q, chunk_q, kh, g, h), 1, 0)
-  k_chunks = jnp.moveaxis(_pad_axis(k, 1, s_pad).reshape(b, num_k, chunk_k, kh, h), 1, 0)
-  v_chunks = jnp.moveaxis(_pad_axis(v, 1, s_pad).reshape(b, num_k, chunk_k, kh, h), 1, 0)
-  if bias is not None and bias.shape[3] > 1:
-    bias = _pad_axis(bias, 3, t_pad)
-  if bias is not None and bias.shape[4] > 1:
-    bias = _pad_axis(bias, 4, s_pad)
-  if mask is not None and mask.shape[3] > 1:
-    mask = _pad_axis(mask, 3, t_pad)
-  if mask is not None and mask.shape[4] > 1:
-    mask = _pad_axis(mask, 4, s_pad)
+  bias = _pad_pairwise(bias, num_q * chunk_q, num_k * chunk_k)
+  mask = _pad_pairwise(mask, num_q * chunk_q, num_k * chunk_k)
+  k_chunks, v_chunks = _split_chunks(k, chunk_k, num_k), _split_chunks(v, chunk_k, num_k)
 
   def query_chunk(args):
-    q_blk, qi = args
-    q_start = qi * chunk_q
+    q_blk, q_start = args
     q_pos = q_start + jnp.arange(chunk_q)
-    bias_q, mask_q = _block_slice(bias, 3, q_start, chunk_q), _block_slice(mask, 3, q_start, chunk_q)
-
-    def update(carry, k_blk, v_blk, k_start):
-      row_max, row_sum, acc = carry
-      k_pos = k_start + jnp.arange(chunk_k)
-      logits = _scaled_logits(q_blk, k_blk, scale, _block_slice(bias_q, 4, k_start, chunk_k))
-      keep = _keep_mask(q_pos, k_pos, _block_slice(mask_q, 4, k_start, chunk_k), is_causal,
-                        window, q_lengths, kv_lengths)
-      in_range = (k_pos < s)[None, None, None, None, :]
-      keep = in_range if keep is None else keep & in_range
-      logits = jnp.where(keep, logits, -jnp.inf)
-      new_max = jnp.maximum(row_max, logits.max(axis=-1))
-      # A row with no kept key so far has max -inf; shift by 0 to avoid inf - inf.
-      shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
-      weights = jnp.exp(logits - shift[..., None])
-      rescale = jnp.exp(row_max - shift)
-      row_sum = rescale * row_sum + weights.sum(axis=-1)
-      acc = rescale[..., None] * acc + _weighted_values(weights, v_blk)
-      return new_max, row_sum, acc
+    bias_q = _block_slice(bias, 3, q_start, chunk_q)
+    mask_q = _block_slice(mask, 3, q_start, chunk_q)
 
     def key_chunk(carry, args):
-      k_blk, v_blk, ki = args
-      k_start = ki * chunk_k
+      k_blk, v_blk, k_start = args
+
+      def update(carry):
+        k_pos = k_start + jnp.arange(chunk_k)
+        keep = _keep_mask(q_pos, k_pos, _block_slice(mask_q, 4, k_start, chunk_k), is_causal,
+                          window, q_lengths, kv_lengths)
+        in_range = (k_pos < s)[None, None, None, None, :]  # padding keys never count
+        keep = in_range if keep is None else keep & in_range
+        return _online_softmax_step(carry, q_blk, k_blk, v_blk, scale,
+                                    _block_slice(bias_q, 4, k_start, chunk_k), keep)
+
       live = _block_may_keep(q_start, k_start, chunk_q, chunk_k, is_causal, window,
                              q_lengths, kv_lengths)
-      carry = lax.cond(live, lambda c: update(c, k_blk, v_blk, k_start), lambda c: c, carry)
-      return carry, None
+      return lax.cond(live, update, lambda c: c, carry), None
 
     init = (jnp.full((b, kh, g, chunk_q), -jnp.inf, jnp.float32),
             jnp.zeros((b, kh, g, chunk_q), jnp.float32),
             jnp.zeros((b, kh, g, chunk_q, h), jnp.float32))
-    carry, _ = lax.scan(key_chunk, init, (k_chunks, v_chunks, jnp.arange(num_k)))
-    return carry
+    return lax.scan(key_chunk, init, (k_chunks, v_chunks, jnp.arange(num_k) * chunk_k))[0]
 
-  row_max, row_sum, acc = lax.map(query_chunk, (q_chunks, jnp.arange(num_q)))
+  carry = lax.map(query_chunk, (_split_chunks(q, chunk_q, num_q), jnp.arange(num_q) * chunk_q))
   # (num_q, B, K, G, chunk_q, ...) -> (B, K, G, T, ...)
-  row_max = jnp.moveaxis(row_max, 0, 3).reshape(b, kh, g, t_pad)[..., :t]
-  row_sum = jnp.moveaxis(row_sum, 0, 3).reshape(b, kh, g, t_pad)[..., :t]
-  acc = jnp.moveaxis(acc, 0, 3).reshape(b, kh, g, t_pad, h)[..., :t, :]
+  row_max, row_sum, acc = (
+      jnp.moveaxis(x, 0, 3).reshape(b, kh, g, num_q * chunk_q, *x.shape[5:])[:, :, :, :t]
+      for x in carry)
   return _finish_rows(row_max, row_sum, acc, v)
 
 

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from stellarax.core.config import check_choice, check_power_of_two
-from stellarax.ops.ragged_dot.reference import check_group_sizes, check_ragged_dot_shapes, group_bounds
+from stellarax.ops.ragged_dot.reference import (
+    check_group_sizes, check_ragged_dot_shapes, group_bounds)
 
 Strategy = Literal["lax", "masked", "tiled"]
 STRATEGIES: tuple[str, ...] = ("lax", "masked", "tiled")
@@ -53,12 +54,23 @@ class _TileLayout(NamedTuple):
     hold no rows, so their products are zeros).
   gather_rows: (num_tiles * tile_m,) int32 lhs row of every padded slot, or M
     (out of range, read as zero) for a padding slot.
-  scatter_slots: (M,) int32 padded slot of every lhs row, or num_tiles * tile_m
+  row_slots: (M,) int32 padded slot of every lhs row, or num_tiles * tile_m
     (out of range, read as zero) for a row in no group.
   """
   tile_group: jax.Array
   gather_rows: jax.Array
-  scatter_slots: jax.Array
+  row_slots: jax.Array
+
+
+def _group_of_positions(ends: jax.Array, num_positions: int) -> jax.Array:
+  """Returns, for positions 0..num_positions-1, how many of the sorted `ends` are <= it.
+
+  With `ends` the cumulative ends of consecutive groups that is the group of every
+  position (G for a position past the last group): `searchsorted(ends, positions,
+  side="right")` in O(positions + G) work and without a sequential loop.
+  """
+  marks = jnp.zeros((num_positions + 1,), jnp.int32).at[ends].add(1, mode="drop")
+  return jnp.cumsum(marks)[:num_positions]
 
 
 def _tile_layout(group_sizes: jax.Array, num_rows: int, tile_m: int) -> _TileLayout:
@@ -72,20 +84,20 @@ def _tile_layout(group_sizes: jax.Array, num_rows: int, tile_m: int) -> _TileLay
   tile_starts = tile_ends - tiles_per_group
 
   tiles = jnp.arange(num_tiles, dtype=jnp.int32)
-  tile_group = jnp.minimum(jnp.searchsorted(tile_ends, tiles, side="right"), num_groups - 1)
+  tile_group = jnp.minimum(_group_of_positions(tile_ends, num_tiles), num_groups - 1)
   # Offset of every padded slot inside its group; slots past the group's size pad.
   slot_offset = (tiles - tile_starts[tile_group])[:, None] * tile_m + jnp.arange(tile_m)[None, :]
   slot_is_row = (tiles < tile_ends[-1])[:, None] & (slot_offset < sizes[tile_group][:, None])
   gather_rows = jnp.where(slot_is_row, starts[tile_group][:, None] + slot_offset, num_rows)
 
   rows = jnp.arange(num_rows, dtype=jnp.int32)
-  row_group = jnp.searchsorted(ends, rows, side="right")
+  row_group = _group_of_positions(ends, num_rows)
   row_in_group = row_group < num_groups
   row_group = jnp.minimum(row_group, num_groups - 1)
   slots = tile_starts[row_group] * tile_m + rows - starts[row_group]
-  scatter_slots = jnp.where(row_in_group, slots, num_tiles * tile_m)
+  row_slots = jnp.where(row_in_group, slots, num_tiles * tile_m)
   return _TileLayout(tile_group.astype(jnp.int32), gather_rows.reshape(-1).astype(jnp.int32),
-                     scatter_slots.astype(jnp.int32))
+                     row_slots.astype(jnp.int32))
 
 
 def _gather_tiles(x: jax.Array, layout: _TileLayout, tile_m: int) -> jax.Array:
@@ -118,7 +130,7 @@ def _ragged_dot_tiled(lhs, rhs, group_sizes, tile_m, precision, out_dtype):
       lhs_tiles, rhs[layout.tile_group], (((2,), (1,)), ((0,), (0,))),
       precision=precision, preferred_element_type=out_dtype)
   out_slots = out_tiles.reshape(-1, rhs.shape[2])
-  return jnp.take(out_slots, layout.scatter_slots, axis=0, mode="fill", fill_value=0)
+  return jnp.take(out_slots, layout.row_slots, axis=0, mode="fill", fill_value=0)
 
 
 def ragged_dot_xla(
