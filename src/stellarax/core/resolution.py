@@ -6,7 +6,8 @@ One function, `resolve_config`, decides, in this order:
 2. the innermost active `AutotuningResult` (`with result:`), then the outer ones;
 3. the user cache (on disk, written by `autotune(..., cache=True)`);
 4. the shipped library cache (`stellarax/data/autotuning/<device_kind>/`);
-5. on a miss, the miss policy: `"heuristics"` (default) uses the op's heuristic
+5. registered fallbacks (e.g. transfer from the nearest tuned shapes);
+6. on a miss, the miss policy: `"heuristics"` (default) uses the op's heuristic
    config, `"error"` raises `ConfigMissError`, `"autotune"` tunes the call on
    the spot (and keeps the result for the rest of the process).
 
@@ -199,6 +200,11 @@ def resolve_config(bound_args: Any) -> Resolution:
     config = cache.lookup_config(bound_args)
     if config is not None:
       return Resolution(config, cache.source_name)
+  heuristic = bound_args.heuristics_config
+  for fallback in _fallbacks:
+    found = fallback(bound_args, heuristic)
+    if found is not None:
+      return found
   policy = miss_policy()
   if policy == "error":
     raise ConfigMissError(
@@ -210,9 +216,4 @@ def resolve_config(bound_args: Any) -> Resolution:
     if _autotune_on_miss is None:
       raise RuntimeError("The 'autotune' miss policy needs stellarax.autotuning imported.")
     return Resolution(_autotune_on_miss(bound_args), "autotuned")
-  heuristic = bound_args.heuristics_config
-  for fallback in _fallbacks:
-    found = fallback(bound_args, heuristic)
-    if found is not None:
-      return found
   return Resolution(heuristic, "heuristics")
