@@ -205,3 +205,32 @@ def test_result_applies_to_a_function_traced_before_the_context():
         plain(1.0)
   assert seen[0] == ba.heuristics_config and seen[-1] == tuned
   assert len(traces) == 2  # once outside, once for this result; reused when re-entered
+
+
+def test_implementation_none_picks_the_measured_fastest():
+  from stellarax.autotuning.measure import Measurement
+  from stellarax.core.config import NoConfig
+  q = jnp.ones((1, 16, 2, 8))
+  chunked = stellarax.XlaChunkedAttention.bind(q, q, q)
+  full = stellarax.XlaAttention.bind(q, q, q)
+
+  def entry(ba, config, t):
+    m = Measurement(status="ok", median_s=t, ci_low_s=t, ci_high_s=t, num_samples=3, compile_time_s=0.1, method="t")
+    return autotuning.Entry(ba, config, config, ((config, m),))
+
+  seen = []
+  original = stellarax.XlaAttention._fwd
+
+  def spy(self, *a, **k):
+    seen.append(type(self).__name__)
+    return original(self, *a, **k)
+
+  fast_full = [entry(chunked, chunked.heuristics_config, 2e-3), entry(full, NoConfig(), 1e-3)]
+  result = autotuning.AutotuningResult("cpu", {e.key: e for e in fast_full})
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(stellarax.XlaAttention, "_fwd", spy)
+    stellarax.dot_product_attention(q, q, q)
+    assert seen == []  # preference order: xla_chunked first
+    with result:
+      stellarax.dot_product_attention(q, q, q)
+    assert seen == ["XlaAttention"]

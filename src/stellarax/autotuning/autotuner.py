@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -133,6 +134,8 @@ class Autotuner:
         result = result.with_entry(self.tune_one(ba, progress=progress))
     finally:
       progress.close()
+    if self.progress and todo:
+      print(result.summary(), file=sys.stderr)
     if self.cache and len(result):
       USER_CACHE.write(result)
     return result
