@@ -230,3 +230,16 @@ def test_bound_args_autotune_and_benchmark():
   assert m.status == "ok" and m.ci_low_s <= m.median_s <= m.ci_high_s
   from stellarax.ops.ragged_dot.base import XlaRaggedDotConfig
   assert ba.benchmark(XlaRaggedDotConfig(strategy="masked"), rounds=2, leader_rounds=0).status == "ok"
+
+
+def test_all_implementations_and_cache_reuse(user_cache_dir):
+  q = jax.random.normal(jax.random.key(9), (1, 16, 2, 8))
+  f = lambda q: stellarax.dot_product_attention(q, q, q, is_causal=True)
+  result = tuner(implementations="all", cache=True).autotune(f, q)
+  assert {e.bound_args.op.name for e in result} == {"attention.xla_chunked", "attention.xla"}
+  assert len(list(user_cache_dir.glob("*/*.json"))) == 2
+  again = tuner(implementations="all").autotune(f, q)
+  assert again == result  # reused from the user cache, nothing re-measured
+  fresh = tuner(implementations="all", ignore_cache=True).autotune(f, q)
+  # Re-measured: new samples give new medians.
+  assert all(fresh.entry(e.bound_args).measurements != e.measurements for e in result)
