@@ -1,0 +1,25 @@
+"""The `stellarax` command line."""
+
+import jax
+import jax.numpy as jnp
+
+import stellarax
+from stellarax import autotuning
+from stellarax.tools import cli
+
+
+def test_autotune_report_and_cache_commands(tmp_path, user_cache_dir, capsys):
+  lhs, rhs = jnp.ones((32, 16)), jax.random.normal(jax.random.key(0), (2, 16, 8))
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, jnp.array([10, 22], jnp.int32))
+  calls = tmp_path / "calls.json"
+  autotuning.bound_args_to_json([ba], calls)
+  out = tmp_path / "result.json"
+  assert cli.main(["autotune", str(calls), "--output", str(out), "--cache", "--budget-s", "5",
+                   "--no-progress"]) == 0
+  assert len(stellarax.AutotuningResult.load(out)) == 1
+  assert cli.main(["report", str(out)]) == 0
+  assert "ragged_dot.xla" in capsys.readouterr().out
+  assert cli.main(["cache", "list"]) == 0
+  assert "ragged_dot.xla.json: 1 entries" in capsys.readouterr().out
+  assert cli.main(["cache", "path"]) == 0
+  assert str(user_cache_dir) in capsys.readouterr().out
