@@ -243,3 +243,15 @@ def test_all_implementations_and_cache_reuse(user_cache_dir):
   fresh = tuner(implementations="all", ignore_cache=True).autotune(f, q)
   # Re-measured: new samples give new medians.
   assert all(fresh.entry(e.bound_args).measurements != e.measurements for e in result)
+
+
+def test_progress_counts_configs_once_and_ends_full():
+  import io
+  from stellarax.autotuning.progress import Progress
+  lhs, rhs, gs = _inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  stream = io.StringIO()
+  progress = Progress(len(ba.autotuning_configs), stream=stream)
+  tuner(strategy="racing", budget_s=2).tune_one(ba, progress=progress)
+  assert progress.done == progress.total == len(ba.autotuning_configs)
+  assert f"{progress.total}/{progress.total} configs" in stream.getvalue()

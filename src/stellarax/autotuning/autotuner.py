@@ -128,7 +128,7 @@ class Autotuner:
         result = result.with_entry(cached)
       else:
         todo.append(ba)
-    progress = Progress(sum(_space_size(ba, self) for ba in todo), enabled=self.progress)
+    progress = Progress(sum(len(ba.autotuning_configs) for ba in todo), enabled=self.progress)
     try:
       for ba in todo:
         result = result.with_entry(self.tune_one(ba, progress=progress))
@@ -153,6 +153,7 @@ class Autotuner:
     reference = jax.jit(ba.runner(reference=True))(*arrays)
     label = ba.op.name
     compiled: dict[Any, Any] = {}  # racing re-measures configs: compile each once
+    seen: set[Any] = set()  # progress counts each config once, however often measured
 
     def measure(configs, *, effort=1.0):
       configs = list(configs)
@@ -160,11 +161,14 @@ class Autotuner:
           {c: ba.runner(c) for c in configs}, tuple(arrays), reference=reference,
           options=self.measure_options, order=configs, compile_cache=compiled, effort=effort)
       if progress is not None:
-        progress.advance(len(configs), label)
+        progress.advance(len(set(configs) - seen), label)
+      seen.update(configs)
       return out
 
     strategy = _strategy(self.strategy, len(space))
     outcome = strategy(space, measure, heuristic=heuristic, budget_s=self.budget_s)
+    if progress is not None:  # configs a budgeted strategy skipped count as done
+      progress.advance(len(set(space) - seen), label)
     measurements = tuple(outcome.measurements.items())
     return Entry(
         bound_args=ba, best_config=outcome.best, heuristic_config=heuristic,
@@ -205,10 +209,6 @@ def _ordered_space(ba: BoundArguments) -> list[Any]:
   rest = sorted((c for c in ba.autotuning_configs if c != heuristic),
                 key=lambda c: canonical_json(config_to_json(c)))
   return [heuristic, *rest]
-
-
-def _space_size(ba: BoundArguments, tuner: Autotuner) -> int:
-  return len(ba.with_config(None).autotuning_configs)
 
 
 def _strategy(name_or_fn, space_size: int) -> Callable[..., Any]:
