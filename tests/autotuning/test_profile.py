@@ -13,11 +13,17 @@ import pytest
 from stellarax.autotuning.profile import OpCall
 from stellarax.autotuning.profile import ProfileError
 from stellarax.autotuning.profile import read_op_calls
+from stellarax.autotuning.profile import _without_repeats
 
 MATMUL = '{"op":"matmul"}'
 TANH = '{"op":"tanh"}'
 TANH_VJP = '{"op":"tanh_vjp"}'
+SCANNED = '{"op":"scanned"}'
+STEPPED = '{"op":"stepped"}'
+UNROLLED = '{"op":"unrolled"}'
 RUNS = 3  # executions of each program inside the trace
+TRIPS = 5  # trips of the scan around the scanned op
+CALLS = 3  # calls of the unrolled op from one line in a Python loop
 
 
 def _marked(fn, marker):
@@ -57,6 +63,19 @@ def loop_op(x, n):
   return lax.fori_loop(0, n, lambda i, v: jnp.tanh(v) @ v, x)
 
 
+def ops_in_loops(x, w, n):
+  # Ops called in every trip of a caller's loops: a scan of static length, whose trip
+  # count XLA knows, a loop of `n` trips, which only the events tell, and a Python
+  # loop, whose calls share their stack.
+  scanned, stepped = _marked(jnp.tanh, SCANNED), _marked(jnp.sin, STEPPED)
+  x = lax.scan(lambda h, _: (scanned(h) * 0.5, None), x, None, length=TRIPS)[0]
+  x = lax.fori_loop(0, n, lambda i, h: stepped(h) * 0.5, x)
+  unrolled = _marked(lambda h, w: h @ w, UNROLLED)
+  for _ in range(CALLS):
+    x = jnp.sin(unrolled(x, w))
+  return x
+
+
 def _loop_marker(size):
   return f'{{"op":"loop","size":{size}}}'
 
@@ -81,7 +100,8 @@ def _marked_names(hlo_text, marker):
 
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
-  """A CPU trace of the forward and backward pass and of a loop op at two sizes."""
+  """A CPU trace of the forward and backward pass, of a loop op at two sizes and of
+  ops in loops."""
   keys = jax.random.split(jax.random.key(0), 2)
   w = jax.random.normal(keys[0], (40, 40)) / 8
   x = jax.random.normal(keys[1], (24, 40))
@@ -89,14 +109,17 @@ def traced(tmp_path_factory):
   loops = {size: _loop_program(size) for size in (16, 24)}
   inputs = {size: jnp.eye(size) / 2 for size in loops}
   trips = jnp.int32(3)
+  in_loops = jax.jit(ops_in_loops)
   # Run once before tracing, so that the trace holds no compilation.
   step(w, x).block_until_ready()
+  in_loops(x, w, trips).block_until_ready()
   for size, program in loops.items():
     program(inputs[size], trips).block_until_ready()
   trace_dir = tmp_path_factory.mktemp("trace")
   with jax.profiler.trace(trace_dir):
     for _ in range(RUNS):
       step(w, x).block_until_ready()
+      in_loops(x, w, trips).block_until_ready()
       for size, program in loops.items():
         program(inputs[size], trips).block_until_ready()
   (file,) = trace_dir.rglob("*.xplane.pb")
@@ -130,10 +153,22 @@ def test_counts_every_call_forward_and_backward(traced):
       TANH_VJP: 2 * RUNS,
       _loop_marker(16): RUNS,
       _loop_marker(24): RUNS,
+      SCANNED: TRIPS * RUNS,
+      STEPPED: 3 * RUNS,
+      UNROLLED: CALLS * RUNS,
   }
   assert all(call.device_time_s > 0 for call in calls)
   times = [call.device_time_s for call in calls]
   assert times == sorted(times, reverse=True)
+
+
+def test_a_call_site_keeps_repeated_frames_once():
+  # A custom VJP's backward pass repeats the caller's frames once per level.
+  outer, call, inner = ("run.py", "<module>", 3), ("model.py", "f", 7), ("m.py", "g", 2)
+  once = (outer, call, inner)
+  assert _without_repeats((outer, call, call, call, inner)) == once
+  assert _without_repeats((outer, call, inner, call, inner, call, inner)) == once
+  assert _without_repeats((outer, call, inner, outer)) == (outer, call, inner, outer)
 
 
 def test_reads_a_file_as_its_directory(traced):
@@ -159,23 +194,26 @@ def test_reads_every_host_of_the_newest_trace(traced, unmarked_profile, tmp_path
     assert call.device_time_s == pytest.approx(2 * single[call.marker].device_time_s)
 
 
-def _gpu_plane(events):
+def _gpu_plane(events, run_ids=None):
   """A serialized XSpace with one GPU plane, events as XLA:GPU records them.
 
   Args:
     events: (kernel name, hlo_op or None, hlo_module, duration in ps) per event. Like
       XLA:GPU events whose module id is unknown, they carry no program_id.
+    run_ids: the run_id stat of each event, or None for events without one.
 
   Returns:
     The bytes; appended to a profile's bytes they add the plane to it.
   """
   names = sorted({kernel for kernel, _, _, _ in events})
   lines, offset = [], 0
-  for kernel, hlo_op, module, duration in events:
+  for i, (kernel, hlo_op, module, duration) in enumerate(events):
     stats = f'stats {{ metadata_id: 3 str_value: "grid:132,1,1 block:128,1,1" }}'
     if hlo_op is not None:
       stats += (f' stats {{ metadata_id: 1 str_value: "{hlo_op}" }}'
                 f' stats {{ metadata_id: 2 str_value: "{module}" }}')
+    if run_ids is not None:
+      stats += f' stats {{ metadata_id: 4 int64_value: {run_ids[i]} }}'
     lines.append(f"events {{ metadata_id: {names.index(kernel) + 1} "
                  f"offset_ps: {offset} duration_ps: {duration} {stats} }}")
     offset += duration + 1000
@@ -189,6 +227,7 @@ def _gpu_plane(events):
     stat_metadata {{ key: 1 value {{ id: 1 name: "hlo_op" }} }}
     stat_metadata {{ key: 2 value {{ id: 2 name: "hlo_module" }} }}
     stat_metadata {{ key: 3 value {{ id: 3 name: "kernel_details" }} }}
+    stat_metadata {{ key: 4 value {{ id: 4 name: "run_id" }} }}
   }}"""
   return jax.profiler.ProfileData.text_proto_to_serialized_xspace(text)
 
@@ -212,10 +251,29 @@ def test_gpu_planes_hold_the_device_time(traced, tmp_path):
   gpu_profile = tmp_path / "gpu.xplane.pb"
   gpu_profile.write_bytes(file.read_bytes() + _gpu_plane(events))
   expected_s = sum(d for _, op, _, d in events if op in matmuls) * 1e-12
-  # The host's thunk events, which hold the tanh ops too, are not device time.
-  (call,) = read_op_calls(gpu_profile)
-  assert (call.marker, call.count) == (MATMUL, 4)
-  assert call.device_time_s == pytest.approx(expected_s, rel=1e-9)
+  calls = read_op_calls(gpu_profile)
+  # Without run_id, the program ran as often as its rarest kernel: twice. Every op of
+  # a program that ran is reported; the tanh ops, with no kernel on the GPU plane, get
+  # no device time, since the host's thunk events, which time them too, are not.
+  assert [(c.marker, c.count) for c in calls] == [(MATMUL, 4), (TANH, 4), (TANH_VJP, 4)]
+  assert calls[0].device_time_s == pytest.approx(expected_s, rel=1e-9)
+  assert [c.device_time_s for c in calls[1:]] == [0.0, 0.0]
+
+
+def test_run_ids_count_the_executions(traced, tmp_path):
+  _, file, hlo_text = traced
+  matmuls = _marked_names(hlo_text, MATMUL)
+  # Each matmul launches the same kernel twice per run, so only run_id tells the runs.
+  events, run_ids = [], []
+  for run in range(3):
+    for name in matmuls:
+      events += [("gemm", name, "jit_loss", 1_000_000)] * 2
+      run_ids += [700 + run] * 2
+  gpu_profile = tmp_path / "gpu.xplane.pb"
+  gpu_profile.write_bytes(file.read_bytes() + _gpu_plane(events, run_ids))
+  calls = {call.marker: call for call in read_op_calls(gpu_profile)}
+  assert {m: c.count for m, c in calls.items()} == {MATMUL: 6, TANH: 6, TANH_VJP: 6}
+  assert calls[MATMUL].device_time_s == pytest.approx(12e-6, rel=1e-9)
 
 
 def test_events_matching_several_programs_are_left_out(traced, tmp_path):
@@ -230,9 +288,11 @@ def test_events_matching_several_programs_are_left_out(traced, tmp_path):
   gpu_profile = tmp_path / "gpu.xplane.pb"
   gpu_profile.write_bytes(file.read_bytes() + _gpu_plane(events))
   with pytest.warns(RuntimeWarning, match="1 events were left out"):
-    (call,) = read_op_calls(gpu_profile)
-  assert (call.marker, call.count) == (MATMUL, 1)
-  assert call.device_time_s == pytest.approx(1e-6, rel=1e-9)
+    calls = read_op_calls(gpu_profile)
+  # jit_loss ran once, with its two calls of each op; no loop program ran.
+  assert [(c.marker, c.count) for c in calls] == [(MATMUL, 2), (TANH, 2), (TANH_VJP, 2)]
+  assert calls[0].device_time_s == pytest.approx(1e-6, rel=1e-9)
+  assert [c.device_time_s for c in calls[1:]] == [0.0, 0.0]
 
 
 def test_no_stellarax_ops_names_the_programs_that_ran(unmarked_profile):

@@ -8,57 +8,83 @@ What a profile holds (jax 0.11.2):
 - ``/host:metadata``: no lines. Its event metadata holds one entry per compiled program,
   named ``"<module>(<program_id>)"``, with the stats ``program_id`` and ``Hlo Proto`` (the
   serialized ``xla.HloProto`` of the optimized, scheduled module). The HLO instructions
-  carry ``frontend_attributes``, and so our markers. `jax.profiler.ProfileData` does not
-  expose event metadata, so this plane is read here with a small protobuf reader.
+  carry ``frontend_attributes``, and so our markers, and ``metadata.stack_frame_id``: the
+  Python stack that JAX traced the instruction from, kept in the module's stack frame
+  index. `jax.profiler.ProfileData` does not expose event metadata, so this plane is read
+  here with a small protobuf reader.
 - CPU: ``/host:CPU``. Line ``python`` has PjRt host work and Python frames; lines
   ``tf_XLAPjRtCpuClient/<tid>`` and ``tf_XLAEigen/<tid>`` are XLA:CPU worker threads, where
   each executed thunk is one event named after its top-level HLO instruction, with stats
-  ``hlo_op``, ``hlo_module``, ``program_id``, ``run_id`` and ``device_ordinal``.
+  ``hlo_op``, ``hlo_module``, ``program_id``, ``run_id`` (one per execution of the
+  program) and ``device_ordinal``.
 - GPU (from XLA's CUPTI collector; not yet checked against a real profile here):
   ``/device:GPU:<n>`` planes, one line per stream, one event per kernel, memcpy or
   memset, with stats parsed from XLA's annotations: ``hlo_op``, ``hlo_module``,
-  ``program_id`` (when XLA knows it), ``tf_op``, ``kernel_details``. Host planes hold
-  the launches, which are not device time.
+  ``program_id`` (when XLA knows it), ``tf_op``, ``kernel_details``, and ``run_id`` where
+  the annotation has it. Host planes hold the launches, which are not device time.
 
 How events become op calls:
 
 1. Events are the ones with an ``hlo_op`` stat on ``/device:*`` planes; a profile with
-   none there (CPU) uses the other planes instead.
-2. An event names a program by ``program_id``, or else by ``hlo_module``, and an
-   instruction of it by ``hlo_op``. The instruction runs the work of its own HLO and of
-   the computations it calls (fusion bodies, reducers, wrapped calls), but not of
-   ``while``/``conditional`` bodies, which run as events of their own. Its markers are
-   the ``stellarax_op`` attributes found on that work. XLA propagates the attribute
-   unevenly (a pass that rewrites an instruction may drop it), hence three rules: a
-   fusion counts when any instruction inside it is marked; an unmarked instruction whose
-   result a marked ``get-tuple-element`` reads is the op's (XLA:CPU keeps the marker of
-   an op built on a loop only there); and a marked loop or conditional marks its bodies.
-3. Time: each event's duration goes to its instruction's markers, split evenly when a
-   kernel holds parts of several ops (XLA fused them). An event is left out for a marker
-   when an enclosing ``while``/``conditional``/``call`` of the same marker has events of
-   its own (XLA:CPU times a loop thunk and, inside it, each body thunk).
-4. Count: the op's calls are found in the HLO, then each call's executions in the events.
-   A call is a group of marked instructions of one computation, joined where one
-   consumes what the other produced (directly or through unmarked data movement such as
-   ``bitcast`` or ``get-tuple-element``) and the producer's own attribute is the marker:
-   a call that compiles to a preparation fusion and a kernel is one call, while a matmul
-   whose fused epilogue belongs to another op does not join the next matmul. A call's
-   executions are those of its most executed instruction, and an instruction's
-   executions are the number of events of its rarest event name, so an instruction that
-   launches two kernels counts once. Counts add up over runs, loop trips and devices.
+   none there (CPU) uses the other planes instead. An event names a program by
+   ``program_id``, or else by ``hlo_module``, and an instruction of it by ``hlo_op``. A
+   program *ran* when at least one event is filed under it.
+2. Markers. An instruction runs the work of its own HLO and of the computations it calls
+   (fusion bodies, reducers, wrapped calls), but not of ``while``/``conditional`` bodies,
+   which run as events of their own. Its markers are the ``stellarax_op`` attributes
+   found on that work. XLA propagates the attribute unevenly (a pass that rewrites an
+   instruction may drop it), hence three rules: a fusion counts when any instruction
+   inside it is marked; an unmarked instruction whose result a marked
+   ``get-tuple-element`` reads is the op's (XLA:CPU keeps the marker of an op built on a
+   loop only there); and a marked loop or conditional marks its bodies.
+3. Call sites. The call site of an instruction is its Python stack (HLO metadata)
+   without the frames of this library's modules, each run of repeated frames kept
+   once (JAX repeats the caller's frames once per transformation level in a custom
+   VJP's backward pass). So every instruction of one op call has that call's site, the
+   user code that called the op, in the forward and in the backward pass.
+4. Count = runs x calls, summed over the computations of every program that ran, and
+   over files. The calls of a marker in a computation (the entry, or a body of a loop,
+   conditional or call) add up over the distinct call sites of its marked instructions.
+   A site counts one call, or more when several kernels compute their results with
+   marked instructions traced at one and the same stack frame: then the most such
+   kernels of one frame (a Python loop that calls the op n times gives n). A marker that
+   a loop, conditional or call around the computation carries is counted there
+   instead. The runs of the entry computation are the program's executions: its
+   distinct (device, ``run_id``) pairs; without ``run_id`` (GPU profiles whose
+   annotations lack it), the fewest events of any one (instruction, event name) of the
+   entry computation, so an instruction that launches two kernels still runs once. A
+   loop body runs its parent's runs times the loop's ``known_trip_count`` (XLA's
+   annotation); any other such computation runs as often as its rarest (instruction,
+   event name) says, or else as often as its parent. So every marker in the HLO of a
+   program that ran is reported, even when no executed instruction kept it.
+5. Time: each event's duration goes to its instruction's markers, split evenly when a
+   kernel holds parts of several ops (XLA fused them). An unmarked kernel traced from
+   inside this library (an op's work whose attribute XLA dropped) goes to the markers
+   of its call site that it is joined to by data flow, directly or through other such
+   kernels and through data movement (``bitcast``, ``copy``, ``get-tuple-element``,
+   ...); split evenly too. An event is left out for a marker when an enclosing
+   ``while``/``conditional``/``call`` of the same marker has events of its own
+   (XLA:CPU times a loop thunk and, inside it, each body thunk). A marker whose kernels
+   cannot be told apart from other work has a device time of 0.0.
 
-Limits of the count: calls of the same op with the same arguments that feed each other
-directly (``f(f(x))``), or that XLA fused into one kernel, count as one call. On GPU an
-op built on a loop counts once per loop trip, since the ``while`` launches nothing.
-A profile without the HLO (no metadata plane) cannot be read: events carry instruction
-names, never frontend attributes.
+Limits: the count of a site can miss calls when XLA fuses the results of several calls
+into one kernel (at least one call per site is counted), and overcounts an op whose
+implementation itself computes several results from one line in a Python loop. An op
+called from another op's implementation has the outer call's site. An op that XLA
+unrolls into a caller's loop counts per trip. A program compiled without stack
+metadata counts each marker once per computation. A marker that XLA removed from every
+instruction cannot be found (XLA:CPU's expansion of ``jax.lax.ragged_dot`` drops the
+frontend attributes of the instructions it creates). A profile without the HLO (no
+metadata plane) cannot be read: events carry instruction names, never frontend
+attributes.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 import dataclasses
+import functools
 import os
 import pathlib
 import re
@@ -73,12 +99,19 @@ _METADATA_PLANE = "/host:metadata"
 _DEVICE_PLANE_PREFIX = "/device:"
 _HLO_PROTO_STAT = "hlo proto"  # compared lowercased: XLA writes "Hlo Proto"
 _CONTROL_FLOW = frozenset({"while", "conditional"})
+# Instructions whose called computations run as sequences of thunks or kernels.
+_SEQUENCE_CALLERS = _CONTROL_FLOW | {"call"}
 # Instructions that only move or relabel data: never a call of their own.
 _DATA_MOVEMENT = frozenset({
     "bitcast", "bitcast-convert", "copy", "copy-done", "copy-start",
     "get-tuple-element", "optimization-barrier", "reshape", "transpose", "tuple",
 })
+# Instructions that compute no result of their own, so never tell one call from another.
+_NOT_KERNELS = _DATA_MOVEMENT | _SEQUENCE_CALLERS | {"parameter", "constant"}
 _MODULE_WITH_ID = re.compile(r"^(?P<name>.*)\((?P<id>\d+)\)$")
+_TRIP_COUNT = re.compile(rb'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+# This library's package directory: frames of its modules are cut from call sites.
+_PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +141,8 @@ def read_op_calls(path: str | os.PathLike[str]) -> list[OpCall]:
       newest ``*.xplane.pb`` under it is read, with every other host's file beside it.
 
   Returns:
-    One `OpCall` per marker that ran, by device time, longest first.
+    One `OpCall` per marker in the HLO of a program that ran (module doc, 4), by
+    device time, longest first.
 
   Raises:
     ProfileError: the path is missing or holds no profile; a file is not a profile, is
@@ -187,10 +221,16 @@ def _load(path: pathlib.Path) -> tuple[list[_Event], list[_Program]]:
 #   XEventMetadata: name=2, stats=5. XStatMetadata: id=1, name=2.
 #   XStat: metadata_id=1, uint64_value=3, int64_value=4, str_value=5, bytes_value=6.
 #   HloProto (xla/service/hlo.proto): hlo_module=1.
-#   HloModuleProto: name=1, computations=3.
+#   HloModuleProto: name=1, computations=3, entry_computation_id=6,
+#     stack_frame_index=17.
 #   HloComputationProto: instructions=2, id=5.
-#   HloInstructionProto: name=1, opcode=2, id=35, operand_ids=36,
-#     called_computation_ids=38, frontend_attributes=68.
+#   HloInstructionProto: name=1, opcode=2, metadata=7, id=35, operand_ids=36,
+#     called_computation_ids=38 (a while's body first, then its condition),
+#     backend_config=43, frontend_attributes=68.
+#   StackFrameIndexProto: file_names=1, function_names=2, file_locations=3,
+#     stack_frames=4; FileLocation: file_name_id=1, function_name_id=2, line=3;
+#     StackFrame: file_location_id=1, parent_frame_id=2. Ids are 1-based, 0 is none.
+#   OpMetadata (xla/xla_data.proto): stack_frame_id=15.
 #   FrontendAttributes (xla/xla_data.proto): map=1 (map<string, string>).
 
 
@@ -322,9 +362,31 @@ class _Instruction:
   operand_ids: tuple[int, ...]
   called_ids: tuple[int, ...]
   marker: str | None
+  frame: int  # the stack frame it was traced from; 0 when unknown
+  trip_count: int | None  # of a while loop, when XLA knows it
 
 
 _Computations = Mapping[int, Sequence[_Instruction]]
+# A call site: the frames of the Python stack that are not this library's, as
+# (file, function, line) from the outermost on; and whether the innermost frame is
+# this library's (the instruction is work of an op).
+_Site = tuple[tuple[tuple[str, str, int], ...], bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sequence:
+  """A computation that runs as a sequence of thunks or kernels (module doc, 4).
+
+  Attributes:
+    parent: the computation whose loop, conditional or call runs this one; None for
+      the entry computation.
+    trip_count: the loop's known trip count, for the body of a while loop.
+    calls: marker -> the number of its calls in this computation.
+  """
+
+  parent: int | None
+  trip_count: int | None
+  calls: Mapping[str, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,16 +396,23 @@ class _Program:
   Attributes:
     program_id: XLA's id of the program in its process.
     name: the HLO module name (``hlo_module`` in events).
+    entry: the id of the entry computation.
     markers: instruction name -> markers of the work it runs (empty when unmarked).
+    shares: unmarked instruction name -> the markers its time goes to (module doc, 5).
     enclosing: instruction name -> the loops, conditionals and calls it runs inside.
-    calls: marker -> one set of instruction names per call of the op.
+    home: instruction name -> the id of its computation.
+    sequences: computation id -> its runs and calls, for the computations that run as
+      sequences (the entry, and bodies of loops, conditionals and calls).
   """
 
   program_id: int
   name: str
+  entry: int
   markers: Mapping[str, frozenset[str]]
+  shares: Mapping[str, frozenset[str]]
   enclosing: Mapping[str, frozenset[str]]
-  calls: Mapping[str, tuple[frozenset[str], ...]]
+  home: Mapping[str, int]
+  sequences: Mapping[int, _Sequence]
 
 
 def _programs(plane: memoryview) -> list[_Program]:
@@ -384,55 +453,142 @@ def _event_metadata(
 def _program(entry_name: str, stats: Mapping[str | None, object]) -> _Program:
   """Parses one program's HLO; its id comes from its stat, else from its name."""
   module = next((v for n, _, v in _fields(stats[_HLO_PROTO_STAT]) if n == 1), b"")
-  name, computations = "", {}
+  name, computations, roots, entry, stack_index = "", {}, {}, None, b""
   for number, _, value in _fields(module):
     if number == 1:
       name = _text(value)
     elif number == 3:
-      cid, instructions = _computation(value)
+      cid, roots[cid], instructions = _computation(value)
       computations[cid] = instructions
+    elif number == 6:
+      entry = value
+    elif number == 17:
+      stack_index = value
   program_id = stats.get("program_id")
   if not isinstance(program_id, int):
     match = _MODULE_WITH_ID.match(entry_name)
     program_id = int(match["id"]) if match else -1
+  if entry not in computations:  # callees come before callers, so the entry is last
+    entry = next(reversed(computations), -1)
   computations = _restore_lost_markers(computations)
   markers = _markers_by_instruction(computations)
-  return _Program(program_id, name, markers, _enclosing(computations),
-                  _calls(computations, markers))
+  site = _sites(stack_index)
+  work = _work(computations, site)
+  kernel = _kernels(computations, roots, site)
+  sequences = _sequences(computations, entry, markers, work, kernel)
+  shares = {}
+  for cid in sequences:
+    shares.update(_shares(computations, computations[cid], work))
+  home = {inst.name: cid for cid, insts in computations.items() for inst in insts}
+  return _Program(program_id, name, entry, markers, shares, _enclosing(computations),
+                  home, sequences)
 
 
-def _computation(buf: memoryview) -> tuple[int, list[_Instruction]]:
-  """(id, instructions) of one HloComputationProto."""
-  cid, instructions = 0, []
+def _computation(buf: memoryview) -> tuple[int, int | None, list[_Instruction]]:
+  """(id, root instruction id, instructions) of one HloComputationProto."""
+  cid, root, instructions = 0, None, []
   for number, _, value in _fields(buf):
     if number == 5:
       cid = value
+    elif number == 6:
+      root = value
     elif number == 2:
       instructions.append(_instruction(value))
-  return cid, instructions
+  return cid, root, instructions
 
 
 def _instruction(buf: memoryview) -> _Instruction:
   """The fields of one HloInstructionProto that are read here."""
   name = opcode = ""
-  iid, operands, called, marker = 0, [], [], None
+  iid, frame, operands, called, marker, config = 0, 0, [], [], None, b""
   for number, wire_type, value in _fields(buf):
     if number == 1:
       name = _text(value)
     elif number == 2:
       opcode = _text(value)
+    elif number == 7:
+      frame = next((v for n, w, v in _fields(value) if n == 15 and w == 0), 0)
     elif number == 35:
       iid = value
     elif number == 36:
       operands += _ints(wire_type, value)
     elif number == 38:
       called += _ints(wire_type, value)
+    elif number == 43:
+      config = value
     elif number == 68:
       for _, _, entry in _fields(value):
         key, text = _map_entry(entry)
         if key is not None and _text(key) == MARKER_KEY:
           marker = _text(text or b"")
-  return _Instruction(name, opcode, iid, tuple(operands), tuple(called), marker)
+  trips = _TRIP_COUNT.search(bytes(config)) if opcode == "while" else None
+  return _Instruction(name, opcode, iid, tuple(operands), tuple(called), marker, frame,
+                      int(trips[1]) if trips else None)
+
+
+def _sites(index: memoryview) -> Callable[[int], _Site]:
+  """Maps a stack frame id of a module's stack frame index to its call site."""
+  files, functions, locations, frames = [], [], [], []
+  for number, _, value in _fields(index):
+    if number in (1, 2):
+      (files if number == 1 else functions).append(_text(value))
+    elif number in (3, 4):  # ints only: a malformed field reads as unset
+      fields = {n: v for n, w, v in _fields(value) if w == 0}
+      (locations if number == 3 else frames).append(fields)
+
+  def at(items: Sequence[object], one_based: int, default: object) -> object:
+    return items[one_based - 1] if 0 < one_based <= len(items) else default
+
+  @functools.cache
+  def site(frame_id: int) -> _Site:
+    stack, seen = [], set()  # innermost frame first
+    while frame_id and frame_id not in seen:  # a cyclic (malformed) index stops
+      seen.add(frame_id)
+      frame = at(frames, frame_id, {})
+      location = at(locations, frame.get(1, 0), {})
+      stack.append((at(files, location.get(1, 0), ""),
+                    at(functions, location.get(2, 0), ""), location.get(3, 0)))
+      frame_id = frame.get(2, 0)
+    user = [frame for frame in reversed(stack) if not _in_library(frame[0])]
+    return _without_repeats(user), bool(stack) and _in_library(stack[0][0])
+
+  return site
+
+
+def _without_repeats(frames: Sequence[tuple[str, str, int]]) -> tuple:
+  """`frames` with each run of a repeated sequence of frames kept once.
+
+  JAX builds the stack of an instruction traced under several transformations (a
+  custom VJP's backward pass) by repeating the caller's frames once per level, and
+  the number of levels differs between instructions of one call.
+  """
+  frames = list(frames)
+  size = 1
+  while 2 * size <= len(frames):
+    for start in range(len(frames) - 2 * size + 1):
+      if frames[start:start + size] == frames[start + size:start + 2 * size]:
+        del frames[start + size:start + 2 * size]
+        size = 1  # a removal may form new repeats; look again from the start
+        break
+    else:
+      size += 1
+  return tuple(frames)
+
+
+@functools.cache
+def _library_modules() -> frozenset[str]:
+  """The paths of this library's modules, relative to its package directory."""
+  return frozenset(p.relative_to(_PACKAGE_ROOT).as_posix()
+                   for p in _PACKAGE_ROOT.rglob("*.py"))
+
+
+@functools.cache
+def _in_library(file: str) -> bool:
+  """Whether a traced frame's file is a module of this library, wherever installed."""
+  file = file.replace("\\", "/")
+  marker = f"/{_PACKAGE_ROOT.name}/"
+  starts = [m.end() for m in re.finditer(re.escape(marker), file)]
+  return any(file[start:] in _library_modules() for start in starts)
 
 
 def _restore_lost_markers(computations: _Computations) -> _Computations:
@@ -490,6 +646,176 @@ def _markers_by_instruction(computations: _Computations) -> dict[str, frozenset[
   }
 
 
+@dataclasses.dataclass(frozen=True)
+class _Work:
+  """The call sites of what one instruction runs (its HLO and what it calls).
+
+  Attributes:
+    marked: marker -> the sites of the instructions that carry it.
+    library: the sites of the instructions traced from inside this library.
+  """
+
+  marked: Mapping[str, frozenset]
+  library: frozenset
+
+
+def _work(
+    computations: _Computations, site: Callable[[int], _Site],
+) -> Callable[[_Instruction], _Work]:
+  """Returns the function that finds an instruction's `_Work` (module doc, 3)."""
+  inside: dict[int, _Work] = {}
+
+  def union(parts: Iterable[_Work]) -> _Work:
+    marked, library = collections.defaultdict(set), set()
+    for part in parts:
+      for marker, sites in part.marked.items():
+        marked[marker] |= sites
+      library |= part.library
+    return _Work({m: frozenset(s) for m, s in marked.items()}, frozenset(library))
+
+  def of_computation(cid: int) -> _Work:
+    if cid not in inside:
+      inside[cid] = _Work({}, frozenset())  # a cyclic (malformed) module stops here
+      inside[cid] = union(map(of_instruction, computations.get(cid, ())))
+    return inside[cid]
+
+  def of_instruction(inst: _Instruction) -> _Work:
+    key, in_library = site(inst.frame)
+    own = _Work({inst.marker: frozenset([key])} if inst.marker else {},
+                frozenset([key] if in_library else []))
+    if inst.opcode in _CONTROL_FLOW:
+      return own
+    return union([own, *map(of_computation, inst.called_ids)])
+
+  return functools.cache(of_instruction)
+
+
+def _kernels(
+    computations: _Computations, roots: Mapping[int, int | None],
+    site: Callable[[int], _Site],
+) -> Callable[[_Instruction], tuple[str, object, int] | None]:
+  """Returns the function that tells which op call's result an instruction computes.
+
+  That is (marker, call site, stack frame) of the instruction that computes its result
+  (a fusion's root), when that one is marked and does more than move data (module
+  doc, 4); else None.
+  """
+  by_id = {(cid, inst.id): inst for cid, insts in computations.items() for inst in insts}
+
+  def kernel(inst: _Instruction) -> tuple[str, object, int] | None:
+    seen = set()
+    while inst.opcode == "fusion" and inst.called_ids and inst.name not in seen:
+      seen.add(inst.name)  # a cyclic (malformed) module stops here
+      body = inst.called_ids[0]
+      inst = by_id.get((body, roots.get(body)), inst)
+    if inst.marker is None or inst.opcode in _NOT_KERNELS:
+      return None
+    return inst.marker, site(inst.frame)[0], inst.frame
+
+  return kernel
+
+
+def _sequences(
+    computations: _Computations, entry: int, markers: Mapping[str, frozenset[str]],
+    work: Callable[[_Instruction], _Work],
+    kernel: Callable[[_Instruction], tuple[str, object, int] | None],
+) -> dict[int, _Sequence]:
+  """The computations that run as sequences, with the calls of each (module doc, 4)."""
+  # computation -> (parent, trip count, markers of the loops and calls around it)
+  found: dict[int, tuple[int | None, int | None, frozenset[str]]] = {
+      entry: (None, None, frozenset())}
+  pending = [entry]
+  while pending:
+    cid = pending.pop()
+    around = found[cid][2]
+    for inst in computations.get(cid, ()):
+      if inst.opcode not in _SEQUENCE_CALLERS:
+        continue
+      for i, called in enumerate(inst.called_ids):
+        if called not in found:
+          trips = inst.trip_count if inst.opcode == "while" and i == 0 else None
+          found[called] = (cid, trips, around | markers[inst.name])
+          pending.append(called)
+  return {
+      cid: _Sequence(
+          parent, trips, _calls(computations.get(cid, ()), around, work, kernel))
+      for cid, (parent, trips, around) in found.items()
+  }
+
+
+def _calls(
+    instructions: Sequence[_Instruction], around: frozenset[str],
+    work: Callable[[_Instruction], _Work],
+    kernel: Callable[[_Instruction], tuple[str, object, int] | None],
+) -> dict[str, int]:
+  """Marker -> the number of its calls in one computation (module doc, 4)."""
+  sites: dict[str, set] = collections.defaultdict(set)
+  for inst in instructions:
+    for marker, found in work(inst).marked.items():
+      if marker not in around:
+        sites[marker] |= found
+  # (marker, site) -> stack frame -> how many kernels compute a result traced there
+  results: dict[tuple, collections.Counter[int]] = collections.defaultdict(
+      collections.Counter)
+  for inst in instructions:
+    if (found := kernel(inst)) is not None:
+      results[found[:2]][found[2]] += 1
+  return {
+      marker: sum(max([1, *results[marker, key].values()]) for key in found - {()}) or 1
+      for marker, found in sites.items()
+  }
+
+
+def _shares(
+    computations: _Computations, instructions: Sequence[_Instruction],
+    work: Callable[[_Instruction], _Work],
+) -> dict[str, frozenset[str]]:
+  """Unmarked instruction -> markers of its call site joined to it (module doc, 5)."""
+  by_id = {inst.id: inst for inst in instructions}
+  movement = {inst.id for inst in instructions if _moves_data(inst, computations)}
+  # (marker, site) -> its marked instructions; site -> unmarked work traced from it.
+  members: dict[tuple[str, object], list[_Instruction]] = collections.defaultdict(list)
+  helpers: dict[object, list[_Instruction]] = collections.defaultdict(list)
+  for inst in instructions:
+    if inst.id not in movement:
+      found = work(inst)
+      for marker, keys in found.marked.items():
+        for key in keys - {()}:
+          members[marker, key].append(inst)
+      for key in found.library if not found.marked else ():
+        helpers[key].append(inst)
+  shares: dict[str, set[str]] = collections.defaultdict(set)
+  for (marker, key), marked in members.items():
+    names = {inst.name for inst in marked}
+    for group in _joined([*marked, *helpers[key]], by_id, movement):
+      if group & names:
+        for name in group - names:
+          shares[name].add(marker)
+  return {name: frozenset(markers) for name, markers in shares.items()}
+
+
+def _joined(
+    nodes: Sequence[_Instruction], by_id: Mapping[int, _Instruction], movement: set[int],
+) -> list[set[str]]:
+  """Groups `nodes` that produce for one another, directly or through data movement."""
+  parent = {inst.name: inst.name for inst in nodes}
+
+  def root(name: str) -> str:
+    while parent[name] != name:
+      parent[name] = parent[parent[name]]
+      name = parent[name]
+    return name
+
+  for inst in nodes:
+    for source in _producers(inst, by_id, movement):
+      if source.name in parent:
+        parent[root(source.name)] = root(inst.name)
+  groups: dict[str, set[str]] = collections.defaultdict(set)
+  for name in parent:
+    groups[root(name)].add(name)
+  return list(groups.values())
+
+
 def _enclosing(computations: _Computations) -> dict[str, frozenset[str]]:
   """Instruction name -> the non-fusion instructions whose computations it runs in."""
   callers: dict[int, list[_Instruction]] = collections.defaultdict(list)
@@ -510,37 +836,6 @@ def _enclosing(computations: _Computations) -> dict[str, frozenset[str]]:
     return around[cid]
 
   return {name: of_computation(cid) for name, cid in home.items()}
-
-
-def _calls(
-    computations: _Computations, markers: Mapping[str, frozenset[str]],
-) -> dict[str, tuple[frozenset[str], ...]]:
-  """Marker -> instruction names of each of its calls (module doc, 4)."""
-  parent: dict[tuple[str, str], tuple[str, str]] = {}
-
-  def root(key: tuple[str, str]) -> tuple[str, str]:
-    while parent[key] != key:
-      parent[key] = parent[parent[key]]
-      key = parent[key]
-    return key
-
-  for instructions in computations.values():
-    by_id = {inst.id: inst for inst in instructions}
-    movement = {inst.id for inst in instructions if _moves_data(inst, computations)}
-    for inst in instructions:
-      for marker in markers[inst.name]:
-        key = parent.setdefault((inst.name, marker), (inst.name, marker))
-        for source in _producers(inst, by_id, movement):
-          if source.marker == marker:
-            other = parent.setdefault((source.name, marker), (source.name, marker))
-            parent[root(other)] = root(key)
-  groups: dict[tuple[str, str], set[str]] = collections.defaultdict(set)
-  for key in parent:
-    groups[root(key)].add(key[0])
-  calls: dict[str, list[frozenset[str]]] = collections.defaultdict(list)
-  for (_, marker), names in groups.items():
-    calls[marker].append(frozenset(names))
-  return {marker: tuple(group) for marker, group in calls.items()}
 
 
 def _moves_data(inst: _Instruction, computations: _Computations) -> bool:
@@ -568,8 +863,6 @@ def _producers(
     else:
       found.append(by_id[iid])
   return found
-
-
 # -- events --------------------------------------------------------------------------
 
 
@@ -580,6 +873,7 @@ class _Event:
   hlo_op: str
   program_id: int | None
   module: str | None
+  run: tuple[str, object, int] | None  # (plane, device_ordinal, run_id), if known
 
 
 def _op_events(space: profiler.ProfileData) -> list[_Event]:
@@ -594,21 +888,23 @@ def _op_events(space: profiler.ProfileData) -> list[_Event]:
         continue
       target = device if plane.name.startswith(_DEVICE_PLANE_PREFIX) else other
       for line in plane.lines:
-        target.extend(e for e in map(_event, line.events) if e is not None)
+        target.extend(e for e in (_event(plane.name, e) for e in line.events) if e)
   return device or other
 
 
-def _event(event: profiler.ProfileEvent) -> _Event | None:
+def _event(plane: str, event: profiler.ProfileEvent) -> _Event | None:
   stats = dict(event.stats)
   hlo_op = stats.get("hlo_op")
   if not isinstance(hlo_op, str):
     return None
-  program_id = stats.get("program_id")
-  module = stats.get("hlo_module")
+  program_id, module, run_id = (
+      stats.get("program_id"), stats.get("hlo_module"), stats.get("run_id"))
   return _Event(
       name=event.name, duration_ns=event.duration_ns, hlo_op=hlo_op,
       program_id=program_id if isinstance(program_id, int) else None,
-      module=module if isinstance(module, str) else None)
+      module=module if isinstance(module, str) else None,
+      run=((plane, stats.get("device_ordinal"), run_id)
+           if isinstance(run_id, int) else None))
 
 
 class _ProgramIndex:
@@ -635,12 +931,13 @@ class _ProgramIndex:
 
 
 class _Tally:
-  """Adds up the events of one file per marker (module doc, 3 and 4)."""
+  """Adds up the events of one file per marker (module doc, 4 and 5)."""
 
   def __init__(self, index: _ProgramIndex):
     self.index = index
-    # (program_id, instruction) -> its events
-    self.events: dict[tuple[int, str], list[_Event]] = collections.defaultdict(list)
+    # program_id -> instruction -> its events
+    self.events: dict[int, dict[str, list[_Event]]] = collections.defaultdict(
+        lambda: collections.defaultdict(list))
     self.ran: collections.Counter[str] = collections.Counter()
     self.ambiguous = 0
 
@@ -655,33 +952,18 @@ class _Tally:
     if any(p.markers[event.hlo_op] != program.markers[event.hlo_op] for p in candidates):
       self.ambiguous += 1
     else:
-      self.events[program.program_id, event.hlo_op].append(event)
+      self.events[program.program_id][event.hlo_op].append(event)
 
   def result(self) -> dict[str, tuple[int, float]]:
-    """Marker -> (count, time in ns) of the ops that ran."""
-    time_ns: dict[str, float] = collections.defaultdict(float)
-    executions: dict[tuple[int, str, str], int] = {}
-    for (program_id, name), events in self.events.items():
-      program = self.index.by_id[program_id]
-      markers = program.markers[name]
-      runs = min(collections.Counter(e.name for e in events).values())
-      for marker in markers:
-        if not self._counted_outside(program, name, marker):
-          time_ns[marker] += sum(e.duration_ns for e in events) / len(markers)
-          executions[program_id, name, marker] = runs
+    """Marker -> (count, time in ns) of the ops of every program that ran."""
     counts: collections.Counter[str] = collections.Counter()
-    for program in self.index.by_id.values():
-      for marker, calls in program.calls.items():
-        for names in calls:
-          counts[marker] += max(
-              executions.get((program.program_id, name, marker), 0) for name in names)
-    return {m: (counts[m], t) for m, t in time_ns.items() if counts[m]}
-
-  def _counted_outside(self, program: _Program, name: str, marker: str) -> bool:
-    """Whether an enclosing instruction of `marker` ran and so holds this time."""
-    return any(
-        marker in program.markers[outer] and (program.program_id, outer) in self.events
-        for outer in program.enclosing[name])
+    time_ns: dict[str, float] = collections.defaultdict(float)
+    for program_id, events in self.events.items():
+      program = self.index.by_id[program_id]
+      counts.update(_Runs(program, events).counts())
+      for marker, duration in _times(program, events).items():
+        time_ns[marker] += duration
+    return {m: (n, time_ns[m]) for m, n in counts.items() if n}
 
   def describe_no_ops(self) -> str:
     """Why no op was found: what ran, and which programs hold markers."""
@@ -690,9 +972,11 @@ class _Tally:
               "were the programs run inside jax.profiler.trace?")
     ran = ", ".join(f"{name} ({n} events)" for name, n in sorted(self.ran.items()))
     marked = sorted(
-        f"{p.name}({p.program_id})" for p in self.index.by_id.values() if p.calls)
-    message = (f"the profile contains no stellarax ops: no instruction that ran carries "
-               f"the frontend attribute {MARKER_KEY!r}. Programs that ran: {ran}.")
+        f"{p.name}({p.program_id})" for p in self.index.by_id.values()
+        if any(s.calls for s in p.sequences.values()))
+    message = (f"the profile contains no stellarax ops: no program that ran holds an "
+               f"instruction with the frontend attribute {MARKER_KEY!r}. Programs that "
+               f"ran: {ran}.")
     if marked:
       message += f" Programs whose stellarax ops did not run: {', '.join(marked)}."
     if self.ambiguous:
@@ -704,3 +988,62 @@ class _Tally:
     return (f"{self.ambiguous} events were left out: they carry no program_id, and "
             "several programs of their module name hold an instruction of their name "
             "with different markers (one function compiled for several inputs).")
+
+
+class _Runs:
+  """How often each computation of a program ran in one file (module doc, 4)."""
+
+  def __init__(self, program: _Program, events: Mapping[str, Sequence[_Event]]):
+    self.program = program
+    self.executions = len({e.run for found in events.values() for e in found if e.run})
+    # computation id -> (instruction, event name) -> number of events
+    self.kernels: dict[int, collections.Counter[tuple[str, str]]] = {}
+    for name, found in events.items():
+      kernels = self.kernels.setdefault(program.home[name], collections.Counter())
+      kernels.update((name, e.name) for e in found)
+    self.memo: dict[int, int] = {}
+
+  def counts(self) -> dict[str, int]:
+    """Marker -> runs x calls, summed over the program's computations."""
+    counts: collections.Counter[str] = collections.Counter()
+    for cid, sequence in self.program.sequences.items():
+      runs = self.of(cid)
+      for marker, calls in sequence.calls.items():
+        counts[marker] += runs * calls
+    return dict(counts)
+
+  def of(self, cid: int) -> int:
+    """How often computation `cid` ran."""
+    if cid not in self.memo:
+      self.memo[cid] = 0  # a cyclic (malformed) module stops here
+      self.memo[cid] = self._find(cid)
+    return self.memo[cid]
+
+  def _find(self, cid: int) -> int:
+    sequence = self.program.sequences[cid]
+    if sequence.parent is None:
+      # Without run_id: the entry's events tell the runs, else any computation's.
+      return (self.executions or self._fewest_events(cid)
+              or min(min(kernels.values()) for kernels in self.kernels.values()))
+    parent = self.of(sequence.parent)
+    if sequence.trip_count is not None:
+      return parent * sequence.trip_count
+    return self._fewest_events(cid) or parent
+
+  def _fewest_events(self, cid: int) -> int:
+    """The fewest events of one (instruction, event name) of computation `cid`."""
+    return min(self.kernels.get(cid, {}).values(), default=0)
+
+
+def _times(program: _Program, events: Mapping[str, Sequence[_Event]]) -> dict[str, float]:
+  """Marker -> the time (ns) of the program's events that goes to it (module doc, 5)."""
+  time_ns: dict[str, float] = collections.defaultdict(float)
+  for name, found in events.items():
+    markers = program.markers[name] or program.shares.get(name, frozenset())
+    for marker in markers:
+      counted_outside = any(
+          marker in program.markers[outer] and outer in events
+          for outer in program.enclosing[name])
+      if not counted_outside:
+        time_ns[marker] += sum(e.duration_ns for e in found) / len(markers)
+  return dict(time_ns)

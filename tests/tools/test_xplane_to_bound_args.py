@@ -1,0 +1,81 @@
+"""xplane_to_bound_args: profile a model on CPU, extract, tune, run."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import stellarax
+from stellarax import autotuning
+from stellarax.autotuning.measure import MeasureOptions
+from stellarax.tools import xplane_to_bound_args
+
+
+def _model(lhs, rhs, gs, x):
+  y = stellarax.ragged_dot(lhs, rhs, gs)
+  return (stellarax.rms_norm(y, None) ** 2).sum() + stellarax.gated_linear_unit(x, rhs[:, :, :4].transpose(1, 0, 2)[:, :2]).sum()
+
+
+def _args():
+  k = jax.random.split(jax.random.key(5), 3)
+  return (jax.random.normal(k[0], (64, 32)), jax.random.normal(k[1], (4, 32, 16)),
+          jnp.array([10, 30, 0, 20], jnp.int32), jax.random.normal(k[2], (8, 32)))
+
+
+@pytest.fixture(scope="module")
+def profile_dir(tmp_path_factory):
+  folder = tmp_path_factory.mktemp("trace")
+  args = _args()
+  step = jax.jit(jax.value_and_grad(_model, argnums=(0, 1, 3)))
+  jax.block_until_ready(step(*args))
+  with jax.profiler.trace(str(folder)):
+    for _ in range(3):
+      jax.block_until_ready(step(*args))
+  return folder
+
+
+def test_extracts_the_same_calls_as_get_bound_args(profile_dir, tmp_path):
+  out = tmp_path / "ba.json"
+  assert xplane_to_bound_args.main([f"--xplane_file={profile_dir}", f"--output_file={out}"]) == 0
+  data = json.loads(out.read_text())
+  times = [c["device_time_s"] for c in data["calls"]]
+  assert times == sorted(times, reverse=True) and all(t > 0 for t in times)
+  assert all(c["count"] == 3 for c in data["calls"])
+  expected = autotuning.get_bound_args(jax.value_and_grad(_model, argnums=(0, 1, 3)), *_args())
+  assert set(autotuning.bound_args_from_json(str(out))) == set(expected)
+
+
+def test_tune_from_the_profile_and_run_inside_the_result(profile_dir, tmp_path):
+  out = tmp_path / "ba.json"
+  xplane_to_bound_args.main([f"--xplane_file={profile_dir}", f"--output_file={out}"])
+  fast = MeasureOptions(rounds=2, leader_rounds=0, warmup_s=0.0, max_total_s=0.3, min_batch_s=2e-4)
+  result = stellarax.Autotuner(progress=False, measure_options=fast).autotune(str(out))
+  assert len(result) == len(json.loads(out.read_text())["calls"])
+  args = _args()
+  with result:
+    tuned = jax.jit(_model)(*args)
+  np.testing.assert_allclose(tuned, _model(*args), rtol=1e-4)
+
+
+@pytest.mark.parametrize("content", [b"not a profile at all", b""])
+def test_bad_files_exit_2_without_traceback(tmp_path, content):
+  bad = tmp_path / "x.xplane.pb"
+  bad.write_bytes(content)
+  proc = subprocess.run([sys.executable, "-m", "stellarax.tools.xplane_to_bound_args",
+                         f"--xplane_file={bad}", f"--output_file={tmp_path / 'o.json'}"],
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2
+  assert "x.xplane.pb" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_profile_without_ops_is_a_clear_error(tmp_path):
+  folder = tmp_path / "plain"
+  f = jax.jit(lambda x: jnp.sin(x) * 2)
+  with jax.profiler.trace(str(folder)):
+    jax.block_until_ready(f(jnp.ones(8)))
+  code = xplane_to_bound_args.main([f"--xplane_file={folder}", f"--output_file={tmp_path / 'o.json'}"])
+  assert code == 2
