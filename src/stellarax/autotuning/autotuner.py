@@ -64,6 +64,14 @@ class Autotuner:
     cache: write the result into the user cache when done.
     measure_options: how each config is measured.
     seed: seed of the random inputs.
+    distribute: when the program runs several JAX processes or this process
+      has several local devices of its kind, split the calls among all those
+      devices and give every process the same result (see
+      `distributed.py`); False tunes every call here, on the default device.
+    distributed_timeout_s: when distributing, how long to wait for another
+      process's plan, or for its next tuned call while some of its share is
+      missing, before reporting it as failed; it must exceed the longest
+      tuning of one call.
   """
 
   strategy: str | Callable[..., Any] = "auto"
@@ -74,6 +82,8 @@ class Autotuner:
   cache: bool = False
   measure_options: measure_lib.MeasureOptions = dataclasses.field(default_factory=measure_lib.MeasureOptions)
   seed: int = 0
+  distribute: bool = True
+  distributed_timeout_s: float = 1800.0
 
   def __post_init__(self):
     if isinstance(self.strategy, str) and self.strategy not in STRATEGIES:
@@ -82,6 +92,9 @@ class Autotuner:
       raise ValueError(f"implementations={self.implementations!r} must be 'resolved' or 'all'.")
     if self.budget_s is not None and self.budget_s <= 0:
       raise ValueError(f"budget_s={self.budget_s!r} must be positive or None.")
+    if not self.distributed_timeout_s > 0:
+      raise ValueError(f"distributed_timeout_s={self.distributed_timeout_s!r} must be a positive "
+                       "number of seconds.")
 
   # ---- inputs -----------------------------------------------------------
 
@@ -117,8 +130,21 @@ class Autotuner:
 
     Raises:
       ValueError: when every config of some call failed (listing why).
+      distributed.DistributedTuningError: when distributing, if a process
+        stalled or some call failed; it carries what was tuned.
     """
     calls = self.collect(f, *args, **kwargs)
+    from stellarax.autotuning import distributed  # It imports this module.
+    if self.distribute and distributed.should_distribute():
+      result = distributed.tune_distributed(self, calls, timeout_s=self.distributed_timeout_s)
+    else:
+      result = self._tune_here(calls)
+    if self.cache and len(result):
+      USER_CACHE.write(result)
+    return result
+
+  def _tune_here(self, calls: Sequence[BoundArguments]) -> AutotuningResult:
+    """Tunes every call in this process, on the default device."""
     device_kind = current_device_kind()
     result = AutotuningResult(device_kind)
     todo = []
@@ -136,12 +162,17 @@ class Autotuner:
       progress.close()
     if self.progress and todo:
       print(result.summary(), file=sys.stderr)
-    if self.cache and len(result):
-      USER_CACHE.write(result)
     return result
 
-  def tune_one(self, ba: BoundArguments, *, progress: Progress | None = None) -> Entry:
+  def tune_one(self, ba: BoundArguments, *, progress: Progress | None = None,
+               device: jax.Device | None = None) -> Entry:
     """Measures the config space of one call and returns its entry.
+
+    Args:
+      ba: the call.
+      progress: counts the configs measured.
+      device: where to measure; the inputs are placed there, and compilation
+        and runs follow committed inputs. None: the default device.
 
     Raises:
       ValueError: when every measured config failed.
@@ -150,6 +181,8 @@ class Autotuner:
     heuristic = ba.heuristics_config
     space = _ordered_space(ba)
     arrays = ba.example_arrays(self.seed)
+    if device is not None:
+      arrays = jax.device_put(arrays, device)
     reference = jax.jit(ba.runner(reference=True))(*arrays)
     label = ba.op.name
     compiled: dict[Any, Any] = {}  # racing re-measures configs: compile each once

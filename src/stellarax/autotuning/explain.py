@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from stellarax.autotuning.cache import current_device_kind
+from stellarax.autotuning.transfer import TransferResolution
 from stellarax.core import resolution
 from stellarax.core.bound_args import BoundArguments
 from stellarax.core.config import config_to_json
@@ -20,20 +21,28 @@ class Explanation:
     op: the op's registered name.
     config: the config the call resolves to.
     source: where it comes from ("explicit", "result", "user_cache",
-      "library_cache", "heuristics", ...).
+      "library_cache", "transfer:<distance>", "heuristics", ...).
     nearest: on a miss, the nearest tuned key of the same op: where it is
       and the differences, as (where, ["path: ours != theirs", ...]); None
-      when nothing of this op was tuned.
+      when nothing of this op was tuned. For a transferred config, the key
+      it was transferred from.
+    confidence: for a transferred config, the transfer's confidence in
+      (0, 1] (see `stellarax.autotuning.transfer`); else None.
   """
 
   op: str
   config: Any
   source: str
   nearest: tuple[str, tuple[str, ...]] | None
+  confidence: float | None = None
 
   def __str__(self) -> str:
     lines = [f"{self.op}: {json.dumps(config_to_json(self.config))} from {self.source}"]
-    if self.nearest is not None:
+    if self.confidence is not None:
+      where, diffs = self.nearest
+      lines.append(f"  transferred with confidence {self.confidence:.2f} from the nearest tuned "
+                   f"call ({where}), which differs in: " + "; ".join(diffs))
+    elif self.nearest is not None:
       where, diffs = self.nearest
       lines.append(f"  nearest tuned call ({where}) differs in: " + "; ".join(diffs))
     elif self.source.startswith("heuristics"):
@@ -50,9 +59,14 @@ def explain(bound_args: BoundArguments) -> Explanation:
 
   Returns:
     An `Explanation` (printable); on a miss it names the nearest tuned call
-    of the same op and how its key differs.
+    of the same op and how its key differs; for a transferred config, the
+    call it came from and the confidence.
   """
   resolved = resolution.resolve_config(bound_args)
+  if isinstance(resolved, TransferResolution):
+    diffs = _diff(bound_args.autotuning_cache_key, resolved.neighbour.autotuning_cache_key)
+    return Explanation(bound_args.op.name, resolved.config, resolved.source,
+                       (resolved.where, tuple(diffs)), resolved.confidence)
   nearest = None
   if resolved.source not in ("explicit", "result") and not resolved.source.endswith("cache"):
     nearest = _nearest(bound_args)

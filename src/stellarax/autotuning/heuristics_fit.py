@@ -1,0 +1,361 @@
+"""`fit_heuristics`: a small readable rule learned from measured sweeps, with its regret.
+
+Input: the entries of one op in a result or cache whose measurements cover the call's
+whole search space (full sweeps, e.g. from `Autotuner(strategy="exhaustive")`). Each such
+key gives, for every config, its slowdown against the fastest measured there; a config
+that failed there counts as the slowest one measured there.
+
+The rule is a decision tree over the shape features of `transfer.features_of` (log2 of the
+array dimensions unless the op defines `_transfer_features`), grown greedily to
+`max_depth`. Each node keeps the configs ranked by their total log slowdown over its keys
+(the log of the geometric mean slowdown, the quantity reported), and a node is split at
+the feature threshold that lowers that total most, if it lowers it by at least `min_gain`
+(geometric mean over the node's keys) and leaves `min_leaf` keys on each side. A leaf
+answers with the first config of its ranking that is in the call's search space; a leaf
+lists only the configs its training keys needed. Thresholds are midpoints between the
+values seen, so on a grid of powers of two they fall between grid points.
+
+Regret is measured on held-out keys, leave-one-out: every key is left out once, the rule
+and the transfer neighbours come from the other keys, and the config each picks for the
+left-out key is looked up in that key's measurements. Three ways of choosing are compared:
+the op's fixed heuristic (the config recorded as its heuristic), nearest-key transfer
+(`transfer.nearest_config`; the heuristic where nothing transfers), and the fitted rule.
+Each gets the geometric mean and the worst slowdown against the measured best. The
+measured best is the smallest median of a noisy measurement, so a config that is as fast
+within noise shows a slowdown of a few percent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Container, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from stellarax.autotuning import transfer
+from stellarax.autotuning.cache import current_device_kind
+from stellarax.autotuning.result import AutotuningResult, Entry
+from stellarax.core.bound_args import BoundArguments
+from stellarax.core.config import config_to_json
+from stellarax.core.op import Op, op_to_json
+from stellarax.core.specs import canonical_json
+
+# Fewer full sweeps than this leave nothing to hold out and learn from.
+MIN_KEYS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Regret:
+  """Slowdown of a way of choosing configs against the measured best, on held-out keys.
+
+  Attributes:
+    geomean: geometric mean of t(chosen config) / t(fastest config); 1.0 is always the best.
+    worst: the largest such ratio.
+    num_keys: the keys it was measured on.
+  """
+
+  geomean: float
+  worst: float
+  num_keys: int
+
+  def __str__(self) -> str:
+    return f"{self.geomean:.3f}x geometric mean, {self.worst:.2f}x worst ({self.num_keys} keys)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """A decision tree over shape features that picks a config.
+
+  A leaf (`feature` None) holds configs ranked best first; it answers with the first one in
+  the call's search space. An inner node sends a call to `below` when its feature is <=
+  `threshold`, else to `above`.
+
+  Attributes:
+    ranking: the configs, best first (at inner nodes: for the node's keys together).
+    feature: the feature an inner node tests; None at a leaf.
+    threshold: the value it is compared with.
+    below: the subtree for feature <= threshold.
+    above: the subtree for feature > threshold.
+  """
+
+  ranking: tuple[Any, ...]
+  feature: str | None = None
+  threshold: float = 0.0
+  below: Rule | None = None
+  above: Rule | None = None
+
+  def choose(self, features: Mapping[str, float], space: Container[Any]) -> Any | None:
+    """The config for a call with `features` and search space `space`, or None.
+
+    Args:
+      features: the call's features (`transfer.features_of`).
+      space: its valid configs.
+
+    Returns:
+      The first config of the leaf's ranking in `space`; None when none is.
+
+    Raises:
+      KeyError: when `features` lacks a feature the rule tests.
+    """
+    node = self
+    while node.feature is not None:
+      node = node.below if features[node.feature] <= node.threshold else node.above
+    return next((c for c in node.ranking if c in space), None)
+
+  def predict(self, ba: BoundArguments) -> Any:
+    """The config the rule picks for a call (its heuristic when no leaf config is valid).
+
+    Args:
+      ba: the call.
+
+    Returns:
+      A config in `ba.autotuning_configs`.
+
+    Raises:
+      KeyError: when the call lacks a feature the rule tests (another structure).
+    """
+    chosen = self.choose(transfer.features_of(ba), ba.autotuning_configs)
+    return ba.heuristics_config if chosen is None else chosen
+
+  @property
+  def num_leaves(self) -> int:
+    """How many leaves the tree has."""
+    return 1 if self.feature is None else self.below.num_leaves + self.above.num_leaves
+
+  def text(self, indent: str = "") -> str:
+    """The rule as if/else text.
+
+    Args:
+      indent: prefix of every line (nested tests add two spaces).
+
+    Returns:
+      One test or config per line; thresholds are in the features' units (for
+      "log2 X" features, in X itself).
+    """
+    if self.feature is None:
+      configs = [_config_text(c) for c in self.ranking]
+      alternatives = f"  (where not valid: {'; then '.join(configs[1:])})" if configs[1:] else ""
+      return f"{indent}{configs[0]}{alternatives}"
+    return "\n".join([f"{indent}if {_test_text(self.feature, self.threshold)}:",
+                      self.below.text(indent + "  "), f"{indent}else:", self.above.text(indent + "  ")])
+
+  def __str__(self) -> str:
+    return self.text()
+
+
+@dataclasses.dataclass(frozen=True)
+class FittedHeuristics:
+  """What `fit_heuristics` found.
+
+  Attributes:
+    op: the op's registered name.
+    rule: the rule fitted on all keys.
+    num_keys: the full sweeps it was fitted and evaluated on.
+    rule_regret: the rule's regret on held-out keys.
+    heuristic_regret: the op's fixed heuristic's regret on the same keys.
+    transfer_regret: nearest-key transfer's regret on the same keys.
+  """
+
+  op: str
+  rule: Rule
+  num_keys: int
+  rule_regret: Regret
+  heuristic_regret: Regret
+  transfer_regret: Regret
+
+  def __str__(self) -> str:
+    return "\n".join([
+        f"{self.op}: rule fitted on {self.num_keys} keys", self.rule.text("  "),
+        "regret on held-out keys (leave-one-out), slowdown against the measured best:",
+        f"  fixed heuristic: {self.heuristic_regret}",
+        f"  nearest-key transfer: {self.transfer_regret}",
+        f"  fitted rule: {self.rule_regret}"])
+
+
+def fit_heuristics(result_or_cache: Any, op: str | Op | type[Op], *, max_depth: int = 2,
+                   min_leaf: int = 2, min_gain: float = 0.01,
+                   device_kind: str | None = None) -> FittedHeuristics:
+  """Fits a decision-tree rule to measured sweeps of `op` and reports regrets.
+
+  Args:
+    result_or_cache: an `AutotuningResult`, or a cache (`USER_CACHE`, `LIBRARY_CACHE`: its
+      file for `device_kind` and the op is read).
+    op: the op: its registered name, its class, or an instance (then only entries of
+      that op identity, fields included, are used).
+    max_depth: the deepest split (0: one config for every call).
+    min_leaf: the fewest training keys on each side of a split.
+    min_gain: the least relative lowering of the geometric mean slowdown over a node's
+      keys that a split must bring.
+    device_kind: the cache's device kind (default: the current one); ignored for results.
+
+  Returns:
+    A `FittedHeuristics`: the rule fitted on every key, and the three regrets on
+    held-out keys (see the module docstring).
+
+  Raises:
+    TypeError: for a `result_or_cache` that is neither a result nor a cache.
+    ValueError: for bad options, fewer than `MIN_KEYS` full sweeps, or entries of several
+      op identities under one name when `op` is a name or class.
+  """
+  _check_options(max_depth, min_leaf, min_gain)
+  name = op if isinstance(op, str) else op.name
+  entries = _entries(result_or_cache, op, name, device_kind)
+  sweeps = [s for s in map(_Sweep.of, entries) if s is not None]
+  if len(sweeps) < MIN_KEYS:
+    raise ValueError(
+        f"fit_heuristics needs at least {MIN_KEYS} full sweeps of {name} (entries that measured"
+        f" every config of their search space); found {len(sweeps)} among {len(entries)} "
+        "entries. Record some with stellarax.Autotuner(strategy='exhaustive').")
+  fitter = _Fitter(sweeps, max_depth, min_leaf, min_gain)
+  chosen: dict[str, list[float]] = {"rule": [], "heuristic": [], "transfer": []}
+  for i, held_out in enumerate(sweeps):
+    train = [j for j in range(len(sweeps)) if j != i]
+    rule = fitter.fit(train)
+    ba = held_out.entry.bound_args
+    heuristic = held_out.entry.heuristic_config
+    picked = rule.choose(held_out.features, held_out.space)
+    chosen["rule"].append(held_out.slowdown(heuristic if picked is None else picked))
+    chosen["heuristic"].append(held_out.slowdown(heuristic))
+    moved = transfer.nearest_config(ba, [("sweeps", sweeps[j].entry) for j in train])
+    chosen["transfer"].append(held_out.slowdown(heuristic if moved is None else moved.config))
+  return FittedHeuristics(
+      op=name, rule=fitter.fit(list(range(len(sweeps)))), num_keys=len(sweeps),
+      rule_regret=_regret(chosen["rule"]), heuristic_regret=_regret(chosen["heuristic"]),
+      transfer_regret=_regret(chosen["transfer"]))
+
+
+def _check_options(max_depth: int, min_leaf: int, min_gain: float) -> None:
+  if not isinstance(max_depth, int) or max_depth < 0:
+    raise ValueError(f"{max_depth=} must be an int >= 0.")
+  if not isinstance(min_leaf, int) or min_leaf < 1:
+    raise ValueError(f"{min_leaf=} must be an int >= 1.")
+  if not (math.isfinite(min_gain) and min_gain >= 0):
+    raise ValueError(f"{min_gain=} must be a number >= 0 (0.01: a split must gain 1%).")
+
+
+def _entries(result_or_cache: Any, op: Any, name: str, device_kind: str | None) -> list[Entry]:
+  """The entries of `op` in a result or cache, of one op identity."""
+  if isinstance(result_or_cache, AutotuningResult):
+    result = result_or_cache
+  elif callable(getattr(result_or_cache, "result_for", None)):
+    result = result_or_cache.result_for(device_kind or current_device_kind(), name)
+  else:
+    raise TypeError(f"fit_heuristics takes an AutotuningResult or a cache (USER_CACHE, "
+                    f"LIBRARY_CACHE), got {type(result_or_cache).__name__}.")
+  entries = [e for e in result or () if e.bound_args.op.name == name]
+  if isinstance(op, Op):
+    wanted = canonical_json(op_to_json(op.replace(config=None)))
+    entries = [e for e in entries if e.bound_args.op_json() == wanted]
+  identities = {e.bound_args.op_json() for e in entries}
+  if len(identities) > 1:
+    raise ValueError(f"The entries of {name} belong to {len(identities)} op identities (fields "
+                     f"differ: {sorted(identities)}); pass the op instance to pick one.")
+  return entries
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sweep:
+  """One key's full sweep: features, valid configs, and times of the ok configs."""
+
+  entry: Entry
+  features: dict[str, float]
+  space: frozenset[Any]
+  times: dict[Any, float]
+  best: float
+  worst: float
+
+  @classmethod
+  def of(cls, entry: Entry) -> _Sweep | None:
+    """The sweep of an entry, or None when it did not measure its whole space."""
+    space = entry.bound_args.autotuning_configs
+    if not space <= {c for c, _ in entry.measurements}:
+      return None
+    times = {c: m.median_s for c, m in entry.measurements if m.ok}
+    if not times or min(times.values()) <= 0:
+      return None
+    return cls(entry, transfer.features_of(entry.bound_args), space, times,
+               min(times.values()), max(times.values()))
+
+  def slowdown(self, config: Any) -> float:
+    """t(config) / t(best); a failed or unmeasured config counts as the slowest."""
+    return self.times.get(config, self.worst) / self.best
+
+
+class _Fitter:
+  """Grows trees over a fixed set of sweeps (a cost matrix keys x configs)."""
+
+  def __init__(self, sweeps: Sequence[_Sweep], max_depth: int, min_leaf: int, min_gain: float):
+    names = set.intersection(*(set(s.features) for s in sweeps))
+    self.names = sorted(names)
+    all_configs = {c for s in sweeps for c in s.space}
+    self.configs = sorted(all_configs, key=lambda c: canonical_json(config_to_json(c)))
+    self.x = np.array([[s.features[n] for n in self.names] for s in sweeps], dtype=np.float64)
+    self.cost = np.log([[s.slowdown(c) for c in self.configs] for s in sweeps])
+    self.valid = np.array([[c in s.space for c in self.configs] for s in sweeps])
+    self.max_depth, self.min_leaf = max_depth, min_leaf
+    self.min_gain = math.log1p(min_gain)
+
+  def fit(self, keys: Sequence[int]) -> Rule:
+    """The tree fitted on the sweeps at positions `keys`."""
+    return self._grow(np.asarray(keys), self.max_depth)
+
+  def _grow(self, keys: np.ndarray, depth: int) -> Rule:
+    leaf = Rule(self._ranking(keys))
+    split = self._best_split(keys) if depth > 0 and len(keys) >= 2 * self.min_leaf else None
+    if split is None:
+      return leaf
+    f, threshold = split
+    below = keys[self.x[keys, f] <= threshold]
+    above = keys[self.x[keys, f] > threshold]
+    return Rule(leaf.ranking, self.names[f], threshold,
+                self._grow(below, depth - 1), self._grow(above, depth - 1))
+
+  def _ranking(self, keys: np.ndarray) -> tuple[Any, ...]:
+    """Configs by total log slowdown, cut after the first one valid for every key."""
+    order = np.argsort(self.cost[keys].sum(axis=0), kind="stable")
+    ranking, covered = [], np.zeros(len(keys), dtype=bool)
+    for j in order:
+      if not (self.valid[keys, j] & ~covered).any():
+        continue
+      ranking.append(self.configs[j])
+      covered |= self.valid[keys, j]
+      if covered.all():
+        break
+    return tuple(ranking)
+
+  def _best_split(self, keys: np.ndarray) -> tuple[int, float] | None:
+    """(feature, threshold) lowering the node's total log slowdown most, or None."""
+    cost = self.cost[keys]
+    total = cost.sum(axis=0)
+    best_loss = total.min() - self.min_gain * len(keys)
+    best = None
+    for f in range(len(self.names)):
+      order = np.argsort(self.x[keys, f], kind="stable")
+      values = self.x[keys, f][order]
+      below = np.cumsum(cost[order], axis=0)
+      for p in range(self.min_leaf, len(keys) - self.min_leaf + 1):
+        if values[p - 1] == values[p]:
+          continue
+        loss = below[p - 1].min() + (total - below[p - 1]).min()
+        if loss < best_loss - 1e-12:
+          best_loss, best = loss, (f, float((values[p - 1] + values[p]) / 2))
+    return best
+
+
+def _regret(slowdowns: Sequence[float]) -> Regret:
+  logs = np.log(np.asarray(slowdowns, dtype=np.float64))
+  return Regret(float(np.exp(logs.mean())), float(max(slowdowns)), len(slowdowns))
+
+
+def _config_text(config: Any) -> str:
+  return ", ".join(f"{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config)) or "-"
+
+
+def _test_text(feature: str, threshold: float) -> str:
+  # Features named "log2 X" hold log2 of an integer X: test X itself, whose values
+  # <= 2 ** threshold are exactly those <= floor(2 ** threshold).
+  if feature.startswith("log2 "):
+    return f"{feature[5:]} <= {math.floor(2.0 ** threshold + 1e-9)}"
+  return f"{feature} <= {threshold:.4g}"

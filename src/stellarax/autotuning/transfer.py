@@ -1,0 +1,321 @@
+"""Transfer: a config for an untuned call, from the nearest tuned calls of the same op.
+
+Exact keys miss on every new sequence length or batch size. On such a miss (no active
+result and no cache holds the call's key), `resolve_config` asks the fallback registered
+here before it falls back to the op's heuristic. The fallback looks through the active
+results (innermost first), then the caches (user, then library), for entries
+
+- of the same op: equal `op_json()` (registered name and identity fields);
+- recorded on the current device kind;
+- of the same structure: the same array arguments with the same ranks and dtypes, and the
+  same vmap levels with the same batched arguments.
+
+It orders them by a distance over shape features and returns the best config of the
+nearest one, provided that config is in the new call's search space (`autotuning_configs`:
+a tile larger than the new shape allows is never transferred); otherwise the next nearest,
+and so on. When nothing qualifies, the heuristic answers as before.
+
+Features. An op class may define `_transfer_features(self, ba) -> dict[str, float]`; the
+default, `default_features`, is log2 of every array dimension and of every vmap size.
+Distance: the Euclidean norm of the feature differences (calls whose feature names differ
+are not comparable), with one more unit squared for every non-array argument that differs
+(`is_causal`, `precision`, ...). With the default features a distance of 1 is one
+dimension doubled.
+
+Confidence: 2 ** -distance, so 1 for a call that differs in nothing the features see, 0.5
+for one dimension doubled. `explain()` reports it with the neighbour's key.
+
+The switch: `STELLARAX_TRANSFER=0` turns transfer off, `with transfer_scope(False):` (or
+True) overrides the variable inside a block. Transfer also steps aside unless the miss
+policy is "heuristics": "error" asks for measured configs only, "autotune" for measuring.
+Like the miss policy, these settings act when a call is traced; a function jitted earlier
+is not traced again when they change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import math
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from stellarax.autotuning.cache import current_device_kind
+from stellarax.autotuning.result import AutotuningResult, Entry
+from stellarax.core import resolution
+from stellarax.core import specs
+from stellarax.core.bound_args import BoundArguments
+
+_ENV = "STELLARAX_TRANSFER"
+_ON = ("1", "true", "on", "yes")
+_OFF = ("0", "false", "off", "no")
+
+_scoped: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+    "stellarax_transfer", default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferResolution(resolution.Resolution):
+  """A config transferred from the nearest tuned call of the same op.
+
+  Attributes:
+    config: the neighbour's best config (valid for the new call).
+    source: "transfer:<distance>", the distance with two decimals.
+    distance: the distance to the neighbour (see the module docstring).
+    confidence: 2 ** -distance, in (0, 1].
+    where: where the neighbour was found ("active result", "user_cache", ...).
+    neighbour: the neighbour's bound arguments.
+  """
+
+  distance: float = 0.0
+  confidence: float = 1.0
+  where: str = ""
+  neighbour: BoundArguments | None = None
+
+
+# ---- the switch ------------------------------------------------------------------------
+
+
+def transfer_enabled() -> bool:
+  """Whether transfer is on: `transfer_scope`, else `STELLARAX_TRANSFER`, else on.
+
+  Raises:
+    ValueError: when `STELLARAX_TRANSFER` is set to something other than 0/1 (or
+      false/true, off/on, no/yes).
+  """
+  scoped = _scoped.get()
+  if scoped is not None:
+    return scoped
+  value = os.environ.get(_ENV, "1").strip().lower()
+  if value in _ON:
+    return True
+  if value in _OFF:
+    return False
+  raise ValueError(f"{_ENV}={os.environ[_ENV]!r} must be 1 (transfer on) or 0 (off); "
+                   "unset it for the default (on).")
+
+
+@contextlib.contextmanager
+def transfer_scope(enabled: bool) -> Iterator[None]:
+  """Turns transfer on or off inside a `with` block (overrides `STELLARAX_TRANSFER`).
+
+  Args:
+    enabled: True to transfer configs to untuned calls, False to use the heuristic.
+
+  Raises:
+    TypeError: when `enabled` is not a bool.
+  """
+  if not isinstance(enabled, bool):
+    raise TypeError(f"transfer_scope(enabled={enabled!r}) takes True or False.")
+  token = _scoped.set(enabled)
+  try:
+    yield
+  finally:
+    _scoped.reset(token)
+
+
+# ---- features and distance ---------------------------------------------------------------
+
+
+def default_features(ba: BoundArguments) -> dict[str, float]:
+  """The default shape features of a call: log2 of every array dimension and vmap size.
+
+  Args:
+    ba: the call.
+
+  Returns:
+    "log2 <argument path>.shape[i]" and "log2 vmap[level]" -> value (a zero-size
+    dimension counts as 1).
+  """
+  features = {}
+  for path, leaf in _leaves(ba.arguments):
+    if isinstance(leaf, specs.ArraySpec):
+      for i, dim in enumerate(leaf.shape):
+        features[f"log2 {path}.shape[{i}]"] = math.log2(max(dim, 1))
+  for level, (size, _) in enumerate(ba.vmap_axes):
+    features[f"log2 vmap[{level}]"] = math.log2(max(size, 1))
+  return features
+
+
+def features_of(ba: BoundArguments) -> dict[str, float]:
+  """The shape features transfer and `fit_heuristics` use for a call.
+
+  Args:
+    ba: the call.
+
+  Returns:
+    The op's `_transfer_features(ba)` when its class defines one, else
+    `default_features(ba)`.
+
+  Raises:
+    TypeError: when the op's hook returns something other than str -> finite number.
+  """
+  return dict(_profile(ba).features)
+
+
+def transfer_distance(a: BoundArguments, b: BoundArguments) -> float | None:
+  """The distance between two calls (see the module docstring).
+
+  Args:
+    a, b: two calls.
+
+  Returns:
+    The distance, or None when they are not comparable (another op identity, other
+    arguments, ranks, dtypes, vmap levels or feature names).
+  """
+  return _distance(_profile(a), _profile(b))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Profile:
+  """What transfer compares of a call: identity, structure, features, other arguments."""
+
+  op_json: str
+  structure: tuple[Any, ...]
+  features: tuple[tuple[str, float], ...]
+  statics: tuple[tuple[str, str], ...]
+
+
+@functools.lru_cache(maxsize=4096)
+def _profile(ba: BoundArguments) -> _Profile:
+  arrays, statics = [], []
+  for path, leaf in _leaves(ba.arguments):
+    if isinstance(leaf, specs.ArraySpec):
+      arrays.append((path, leaf.dtype, leaf.ndim))
+    else:
+      statics.append((path, specs.canonical_json(specs.encode(leaf))))
+  hook = getattr(ba.op, "_transfer_features", None)
+  features = hook(ba) if callable(hook) else default_features(ba)
+  _check_features(ba, features)
+  structure = (tuple(arrays), tuple(batched for _, batched in ba.vmap_axes))
+  return _Profile(ba.op_json(), structure, tuple(sorted(features.items())), tuple(statics))
+
+
+def _check_features(ba: BoundArguments, features: Any) -> None:
+  ok = isinstance(features, Mapping) and all(
+      isinstance(k, str) and isinstance(v, (int, float)) and math.isfinite(v)
+      for k, v in features.items())
+  if not ok:
+    raise TypeError(f"{type(ba.op).__name__}._transfer_features returned {features!r}; it must "
+                    "return a dict of feature name (str) -> finite number.")
+
+
+def _distance(a: _Profile, b: _Profile) -> float | None:
+  if a.op_json != b.op_json or a.structure != b.structure:
+    return None
+  fa, fb = dict(a.features), dict(b.features)
+  if fa.keys() != fb.keys():
+    return None
+  squares = sum((fa[k] - fb[k]) ** 2 for k in fa)
+  sa, sb = dict(a.statics), dict(b.statics)
+  squares += sum(sa.get(k) != sb.get(k) for k in sa.keys() | sb.keys())
+  return math.sqrt(squares)
+
+
+def _leaves(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+  """(path, leaf) of nested argument values; arrays are ArraySpec leaves."""
+  if isinstance(value, Mapping):
+    for key in value:
+      yield from _leaves(value[key], f"{path}.{key}" if path else str(key))
+  elif isinstance(value, (tuple, list)):
+    for i, item in enumerate(value):
+      yield from _leaves(item, f"{path}[{i}]")
+  else:
+    yield path, value
+
+
+# ---- choosing ------------------------------------------------------------------------------
+
+
+def nearest_config(ba: BoundArguments, candidates: Iterable[tuple[str, Entry]]
+                   ) -> TransferResolution | None:
+  """The best config of the nearest comparable candidate that is valid for `ba`.
+
+  Candidates at equal distance are taken in the order given. The device kind is not
+  checked here: give candidates of one device kind.
+
+  Args:
+    ba: the untuned call.
+    candidates: (where, entry) pairs, e.g. ("user_cache", entry).
+
+  Returns:
+    A `TransferResolution`, or None when no comparable candidate has a best config in
+    `ba.autotuning_configs`.
+  """
+  ours = _profile(ba.with_config(None))
+  ranked = []
+  for order, (where, entry) in enumerate(candidates):
+    distance = _distance(ours, _profile(entry.bound_args))
+    if distance is not None:
+      ranked.append((distance, order, where, entry))
+  ranked.sort(key=lambda r: r[:2])
+  space = ba.autotuning_configs
+  for distance, _, where, entry in ranked:
+    if entry.best_config in space:
+      return TransferResolution(entry.best_config, f"transfer:{distance:.2f}", distance=distance,
+                                confidence=2.0 ** -distance, where=where, neighbour=entry.bound_args)
+  return None
+
+
+def transfer_config(ba: BoundArguments) -> TransferResolution | None:
+  """What transfer gives a call now, whatever the switch and the miss policy.
+
+  Args:
+    ba: the call.
+
+  Returns:
+    A `TransferResolution` from the active results and caches (see the module
+    docstring), or None when nothing comparable and valid was tuned, or when the call
+    has only one config.
+  """
+  if len(ba.autotuning_configs) <= 1:
+    return None
+  op_json = ba.op_json()
+  candidates = ((where, entry) for where, result in _sources(ba.op.name)
+                for entry in _entries_of(result, op_json))
+  return nearest_config(ba, candidates)
+
+
+def _sources(op_name: str) -> Iterator[tuple[str, AutotuningResult]]:
+  """The results to look in, in resolution order, of the current device kind."""
+  kind = current_device_kind()
+  for result in reversed(resolution.active_results()):
+    if isinstance(result, AutotuningResult) and result.device_kind == kind:
+      yield "active result", result
+  for cache in resolution.cache_sources():
+    result_for = getattr(cache, "result_for", None)
+    result = result_for(kind, op_name) if result_for is not None else None
+    if result is not None:
+      yield cache.source_name, result
+
+
+# Calls are resolved while tracing, once per op call, so the entries of one op in a
+# result are indexed once. A result's trace digest covers its device kind, keys and best
+# configs: two results with the same digest have the same entries as far as transfer goes.
+_INDEX: dict[tuple[str, str], tuple[Entry, ...]] = {}
+_INDEX_LIMIT = 256
+
+
+def _entries_of(result: AutotuningResult, op_json: str) -> tuple[Entry, ...]:
+  key = (result.trace_digest, op_json)
+  found = _INDEX.get(key)
+  if found is None:
+    found = tuple(e for e in result if _profile(e.bound_args).op_json == op_json)
+    if len(_INDEX) >= _INDEX_LIMIT:
+      _INDEX.clear()
+    _INDEX[key] = found
+  return found
+
+
+def _fallback(ba: BoundArguments, heuristic_config: Any) -> TransferResolution | None:
+  """The resolution step: transfer when on and the miss policy is "heuristics"."""
+  del heuristic_config
+  if not transfer_enabled() or resolution.miss_policy() != "heuristics":
+    return None
+  return transfer_config(ba)
+
+
+resolution.register_fallback(_fallback)

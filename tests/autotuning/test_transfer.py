@@ -1,0 +1,300 @@
+"""Transfer of tuned configs to untuned shapes, and heuristics fitted to recorded sweeps.
+
+Most tests build results by hand (made-up times, nothing measured), so they are fast and
+say exactly which neighbour should win. The recorded-sweep tests read the CPU sweeps of
+`bench/record_sweeps.py` in tests/data/sweeps/cpu/.
+"""
+
+import dataclasses
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import stellarax
+from stellarax import autotuning
+from stellarax.autotuning import cache as cache_lib
+from stellarax.autotuning import transfer
+from stellarax.autotuning.measure import Measurement
+from stellarax.core import resolution
+from stellarax.core.config import check_power_of_two, config_dataclass
+from stellarax.core.op import Op
+from stellarax.ops.ragged_dot.base import XlaRaggedDotConfig
+from stellarax.ops.ragged_dot.reference import ragged_dot_reference
+
+SWEEPS = Path(__file__).resolve().parent.parent / "data" / "sweeps" / "cpu"
+F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
+
+
+@config_dataclass
+class ToyConfig:
+  """Config of the toy op: a block size no larger than the array allows."""
+
+  block: int = 16
+
+  def __post_init__(self):
+    check_power_of_two("block", self.block, minimum=16)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ToyOp(Op, name="test_transfer.toy"):
+  """A toy op with an identity field, for op-identity and feature-hook tests."""
+
+  config_cls = ToyConfig
+  mode: str = "a"
+
+  def _fwd(self, x, *, config):
+    return x * 2, None
+
+  def _get_heuristics_config(self, ba):
+    return ToyConfig(block=16)
+
+  def _get_autotuning_configs(self, ba):
+    n = ba.arguments["x"].shape[0]
+    return {ToyConfig(block=b) for b in (16, 32, 64, 128, 256, 512) if b <= max(16, n)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ToyOpByColumns(ToyOp, name="test_transfer.toy_by_columns"):
+  """The toy op with a transfer hook that looks at columns only."""
+
+  def _transfer_features(self, ba):
+    return {"columns": float(ba.arguments["x"].shape[1])}
+
+
+def _spec(*shape, dtype=F32):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _ragged(m, g=4, k=64, n=32, dtype=F32):
+  return stellarax.XlaRaggedDot.bind(_spec(m, k, dtype=dtype), _spec(g, k, n, dtype=dtype),
+                                     _spec(g, dtype=I32))
+
+
+def _tiled(t):
+  return XlaRaggedDotConfig(strategy="tiled", tile_m=t)
+
+
+def _entry(ba, best, slower=2.0):
+  """An entry in which `best` took 1 ms and every other config `slower` ms."""
+  ms = lambda t: Measurement(status="ok", median_s=t * 1e-3, ci_low_s=t * 1e-3, ci_high_s=t * 1e-3,
+                             num_samples=3)
+  measurements = tuple((c, ms(1.0 if c == best else slower)) for c in ba.autotuning_configs)
+  return autotuning.Entry(bound_args=ba, best_config=best, heuristic_config=ba.heuristics_config,
+                          measurements=measurements)
+
+
+def _result(*entries, device_kind=None):
+  result = autotuning.AutotuningResult(device_kind or cache_lib.current_device_kind())
+  for e in entries:
+    result = result.with_entry(e)
+  return result
+
+
+@pytest.fixture(autouse=True)
+def _empty_user_cache(user_cache_dir):
+  """Every test sees an empty user cache (transfer reads caches)."""
+  return user_cache_dir
+
+
+def test_the_nearest_key_wins():
+  result = _result(_entry(_ragged(256), _tiled(32)), _entry(_ragged(4096), _tiled(256)))
+  with result:
+    near_small = resolution.resolve_config(_ragged(512))
+    near_large = resolution.resolve_config(_ragged(2048))
+  assert near_small.config == _tiled(32) and near_large.config == _tiled(256)
+  assert near_small.source == "transfer:1.00"
+  assert near_small.distance == 1.0 and near_small.confidence == 0.5
+  assert near_small.where == "active result" and near_small.neighbour == _ragged(256)
+
+
+def test_distance_counts_doublings_and_differing_options():
+  assert transfer.transfer_distance(_ragged(256), _ragged(1024)) == pytest.approx(2.0)
+  # K is a dimension of lhs and rhs: doubling it moves two features.
+  assert transfer.transfer_distance(_ragged(256, k=64), _ragged(256, k=128)) == pytest.approx(math.sqrt(2))
+  other_precision = stellarax.XlaRaggedDot.bind(_spec(256, 64), _spec(4, 64, 32), _spec(4, dtype=I32),
+                                                preferred_element_type=jnp.float32)
+  assert transfer.transfer_distance(_ragged(256), other_precision) == pytest.approx(1.0)
+  assert transfer.transfer_distance(_ragged(256), _ragged(256, dtype=BF16)) is None
+
+
+def test_transfer_never_returns_a_config_invalid_for_the_shape():
+  # Large tiles are best on the large shapes; the small calls cannot take them.
+  rng = np.random.default_rng(0)
+  entries = [_entry(_ragged(m), _tiled(512)) for m in (1024, 2048, 4096)]
+  entries.append(_entry(_ragged(8192, g=64), _tiled(16)))
+  result = _result(*entries)
+  with result:
+    for m in [1, 3, 17, 40, 64, 100, 200, 255] + rng.integers(1, 9000, size=12).tolist():
+      ba = _ragged(int(m))
+      resolved = resolution.resolve_config(ba)
+      assert resolved.config in ba.autotuning_configs, (m, resolved)
+      if resolved.config == _tiled(512):
+        assert 2 * m >= 512 and resolved.source.startswith("transfer:")
+  # 512 rows allow tile 512 only from M = 256 on; below, the next nearest (M=8192, G=64).
+  with result:
+    assert resolution.resolve_config(_ragged(200)).config == _tiled(16)
+
+
+def test_nothing_valid_falls_back_to_the_heuristic():
+  ba = _ragged(20)
+  with _result(_entry(_ragged(4096), _tiled(512))):
+    resolved = resolution.resolve_config(ba)
+  assert resolved == resolution.Resolution(ba.heuristics_config, "heuristics")
+
+
+@pytest.mark.parametrize("mismatch", ["dtype", "device_kind", "op_fields", "op_name", "structure"])
+def test_mismatches_never_transfer(mismatch):
+  x = _spec(256, 8)
+  tuned, query, device_kind = ToyOp.bind(x), ToyOp.bind(_spec(512, 8)), None
+  if mismatch == "dtype":
+    query = ToyOp.bind(_spec(512, 8, dtype=BF16))
+  elif mismatch == "device_kind":
+    device_kind = "NVIDIA H200"
+  elif mismatch == "op_fields":
+    query = ToyOp(mode="b").bind(_spec(512, 8))
+  elif mismatch == "op_name":
+    tuned = ToyOpByColumns.bind(x)
+  else:
+    query = ToyOp.bind(_spec(512, 8, 2))
+  with _result(_entry(tuned, ToyConfig(block=128)), device_kind=device_kind):
+    resolved = resolution.resolve_config(query)
+  assert resolved.source == "heuristics" and resolved.config == ToyConfig(block=16)
+
+
+def test_an_op_hook_chooses_the_features():
+  # By columns, (16, 9) is nearer to (512, 8) than to (16, 64); by the default, not.
+  result = _result(_entry(ToyOpByColumns.bind(_spec(512, 8)), ToyConfig(block=16)),
+                   _entry(ToyOpByColumns.bind(_spec(16, 64)), ToyConfig(block=32)))
+  with result:
+    resolved = resolution.resolve_config(ToyOpByColumns.bind(_spec(32, 9)))
+  assert resolved.config == ToyConfig(block=16)
+  assert resolved.distance == pytest.approx(1.0)  # the hook's feature: 9 columns against 8
+  assert transfer.features_of(ToyOp.bind(_spec(32, 9))) == {"log2 x.shape[0]": 5.0,
+                                                            "log2 x.shape[1]": math.log2(9)}
+
+
+def test_the_user_cache_is_searched(user_cache_dir):
+  cache_lib.USER_CACHE.write(_result(_entry(_ragged(256), _tiled(32))))
+  resolved = transfer.transfer_config(_ragged(300))
+  assert resolved.config == _tiled(32) and resolved.where == "user_cache"
+  assert resolution.resolve_config(_ragged(300)).source.startswith("transfer:")
+
+
+def test_the_off_switch(monkeypatch):
+  result = _result(_entry(_ragged(256), _tiled(32)))
+  ba = _ragged(512)
+  with result:
+    assert resolution.resolve_config(ba).config == _tiled(32)
+    with autotuning.transfer_scope(False):
+      assert resolution.resolve_config(ba).source == "heuristics"
+    monkeypatch.setenv("STELLARAX_TRANSFER", "0")
+    assert resolution.resolve_config(ba).source == "heuristics"
+    with autotuning.transfer_scope(True):
+      assert resolution.resolve_config(ba).config == _tiled(32)
+    monkeypatch.setenv("STELLARAX_TRANSFER", "maybe")
+    with pytest.raises(ValueError, match="STELLARAX_TRANSFER='maybe' must be 1"):
+      resolution.resolve_config(ba)
+  with pytest.raises(TypeError, match="True or False"):
+    with autotuning.transfer_scope("no"):
+      pass
+
+
+def test_other_miss_policies_are_not_preempted():
+  with _result(_entry(_ragged(256), _tiled(32))):
+    with autotuning.miss_policy_scope("error"):
+      with pytest.raises(autotuning.ConfigMissError):
+        resolution.resolve_config(_ragged(512))
+
+
+def test_explain_reports_the_transfer():
+  with _result(_entry(_ragged(256), _tiled(32))):
+    explanation = autotuning.explain(_ragged(512))
+    plain = autotuning.explain(_ragged(512, dtype=BF16))
+  assert explanation.source == "transfer:1.00" and explanation.confidence == 0.5
+  assert explanation.config == _tiled(32)
+  text = str(explanation)
+  assert "transferred with confidence 0.50 from the nearest tuned call (active result)" in text
+  assert "lhs: float32[512, 64] != float32[256, 64]" in text
+  assert plain.source == "heuristics" and plain.confidence is None
+
+
+def test_a_transferred_config_runs_and_is_right():
+  k = jax.random.split(jax.random.key(5), 2)
+  lhs = jax.random.normal(k[0], (200, 64), F32)
+  rhs = jax.random.normal(k[1], (4, 64, 32), F32)
+  gs = jnp.array([70, 0, 100, 17], I32)  # empty group, sum < M
+  with _result(_entry(_ragged(256), _tiled(32))):
+    assert autotuning.explain(stellarax.XlaRaggedDot.bind(lhs, rhs, gs)).config == _tiled(32)
+    out = jax.jit(stellarax.ragged_dot)(lhs, rhs, gs)
+  np.testing.assert_allclose(out, ragged_dot_reference(lhs, rhs, gs), rtol=2e-5, atol=2e-5)
+
+
+# ---- fit_heuristics -----------------------------------------------------------------------
+
+
+def _synthetic_sweeps():
+  """Best tile 16 up to 256 rows, 128 above; the heuristic (tile 64 below 1024 rows with
+  8 groups, else 128) is wrong up to 512 rows."""
+  entries = [_entry(_ragged(m, g=8), _tiled(16 if m <= 256 else 128), slower=1.5)
+             for m in (32, 64, 128, 256, 512, 1024, 2048, 4096)]
+  return _result(*entries)
+
+
+def test_fit_heuristics_learns_a_threshold_rule():
+  fit = autotuning.fit_heuristics(_synthetic_sweeps(), "ragged_dot.xla")
+  assert fit.num_keys == 8 and fit.rule.num_leaves == 2
+  assert fit.rule.predict(_ragged(100, g=8)) == _tiled(16)
+  assert fit.rule.predict(_ragged(3000, g=8)) == _tiled(128)
+  assert "if lhs.shape[0] <= 362:" in fit.rule.text()  # between 256 and 512
+  # Held out, 512 rows falls below the threshold fitted between 256 and 1024 rows.
+  assert fit.rule_regret.geomean == pytest.approx(1.5 ** (1 / 8))
+  assert fit.heuristic_regret.geomean == pytest.approx(1.5 ** (5 / 8))
+  assert fit.heuristic_regret.worst == pytest.approx(1.5)
+  assert "fixed heuristic" in str(fit) and fit.transfer_regret.num_keys == 8
+
+
+def test_fit_heuristics_rejects_too_little_data():
+  few = _result(*[_entry(_ragged(m), _tiled(16)) for m in (64, 128)])
+  with pytest.raises(ValueError, match="at least 3 full sweeps of ragged_dot.xla"):
+    autotuning.fit_heuristics(few, stellarax.XlaRaggedDot)
+  partial = _entry(_ragged(512), _tiled(16))
+  partial = dataclasses.replace(partial, measurements=partial.measurements[:2])
+  with pytest.raises(ValueError, match="found 2 among 3 entries"):
+    autotuning.fit_heuristics(few.with_entry(partial), "ragged_dot.xla")
+  with pytest.raises(TypeError, match="AutotuningResult or a cache"):
+    autotuning.fit_heuristics([few], "ragged_dot.xla")
+
+
+# ---- the recorded sweeps ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["ragged_dot.xla", "attention.xla_chunked"])
+def recorded(request):
+  result = autotuning.AutotuningResult.load(SWEEPS / f"{request.param}.json")
+  return request.param, result, autotuning.fit_heuristics(result, request.param)
+
+
+def test_recorded_sweeps_are_full_sweeps(recorded):
+  name, result, fit = recorded
+  assert fit.num_keys == len(result) >= 12
+  for entry in result:
+    assert {c for c, _ in entry.measurements} >= entry.bound_args.autotuning_configs
+
+
+def test_transfer_beats_the_fixed_heuristic_on_recorded_sweeps(recorded):
+  name, _, fit = recorded
+  assert fit.transfer_regret.geomean < fit.heuristic_regret.geomean, str(fit)
+
+
+def test_fitted_rule_on_recorded_sweeps(recorded):
+  name, result, fit = recorded
+  for regret in (fit.rule_regret, fit.heuristic_regret, fit.transfer_regret):
+    assert 1.0 <= regret.geomean <= regret.worst and regret.num_keys == fit.num_keys
+  assert fit.rule.text()
+  for entry in result:
+    ba = entry.bound_args
+    assert fit.rule.predict(ba) in ba.autotuning_configs
