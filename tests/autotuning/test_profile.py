@@ -10,10 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import stellarax
+from stellarax import autotuning
 from stellarax.autotuning.profile import OpCall
 from stellarax.autotuning.profile import ProfileError
 from stellarax.autotuning.profile import read_op_calls
 from stellarax.autotuning.profile import _without_repeats
+from stellarax.core.markers import markers_in_op_name
+from stellarax.ops.ragged_dot.base import XlaRaggedDotConfig
 
 MATMUL = '{"op":"matmul"}'
 TANH = '{"op":"tanh"}'
@@ -344,3 +348,65 @@ def test_op_call_is_a_frozen_value():
   assert call == OpCall(MATMUL, 2, 1e-3)
   with pytest.raises(AttributeError):
     call.count = 3  # type: ignore[misc]
+
+
+# -- ops whose frontend attribute XLA dropped everywhere --------------------------------
+
+# XLA:CPU's expansion of lax.ragged_dot keeps no frontend attribute, so this op is
+# found only by the named scope in op_name. Its VJP op, with its own (heuristic)
+# config, keeps the attribute on some instructions.
+LAX_RAGGED_DOT = stellarax.XlaRaggedDot(config=XlaRaggedDotConfig(strategy="lax"))
+SCALES = (1.0, -0.5)  # one call per scale, from one line
+
+
+def lax_loss(lhs, rhs, group_sizes):
+  total = jnp.float32(0)
+  for scale in SCALES:
+    out = stellarax.ragged_dot(
+        lhs * scale, rhs, group_sizes, implementation=LAX_RAGGED_DOT)
+    total += jnp.sum(jnp.sin(out))
+  return total
+
+
+@pytest.fixture(scope="module")
+def lax_traced(tmp_path_factory):
+  """A CPU trace of the forward pass and of the gradient of `lax_loss`, with the
+  compiled gradient program's text and the bound arguments of its op calls."""
+  keys = jax.random.split(jax.random.key(2), 2)
+  # Awkward sizes: rows past the last group, and an empty group.
+  args = (jax.random.normal(keys[0], (37, 24)), jax.random.normal(keys[1], (3, 24, 20)),
+          jnp.array([11, 0, 19], jnp.int32))
+  forward = jax.jit(lax_loss).lower(*args).compile()
+  step = jax.jit(jax.grad(lax_loss, argnums=(0, 1))).lower(*args).compile()
+  jax.block_until_ready((forward(*args), step(*args)))
+  trace_dir = tmp_path_factory.mktemp("lax")
+  with jax.profiler.trace(trace_dir):
+    for _ in range(RUNS):
+      jax.block_until_ready((forward(*args), step(*args)))
+  bound = autotuning.get_bound_args(jax.grad(lax_loss, argnums=(0, 1)), *args)
+  return trace_dir, step.as_text(), {ba.op.name: ba.to_marker() for ba in bound}
+
+
+def test_an_op_without_attributes_is_found_by_its_named_scope(lax_traced):
+  trace_dir, step_text, markers = lax_traced
+  forward, vjp = markers["ragged_dot.xla"], markers["ragged_dot.xla_vjp"]
+  # What this test is about: no instruction of the forward kept its attribute.
+  assert f"stellarax_op={forward}" not in step_text
+  assert f"stellarax_op={vjp}" in step_text
+  calls = {call.marker: call for call in read_op_calls(trace_dir)}
+  # The forward runs in both programs, the VJP op in the gradient's only; each is
+  # called once per scale, from one line.
+  assert {m: c.count for m, c in calls.items()} == {
+      forward: 2 * len(SCALES) * RUNS, vjp: len(SCALES) * RUNS}
+  assert calls[forward].device_time_s > 0 and calls[vjp].device_time_s > 0
+
+
+def test_markers_in_op_name():
+  inner = '{"op":"a/b(c)","s":"stellarax_op={\\"x\\"}"}'
+  outer = '{"op":"outer","n":[1,{"k":null}]}'
+  assert markers_in_op_name(
+      f"jit(f)/transpose(jvp(stellarax_op={outer}))/xla_metadata_call/"
+      f"stellarax_op={inner}/dot_general") == [outer, inner]
+  assert markers_in_op_name("jit(f)/jvp()/sin") == []
+  # A name cut inside its JSON, and a scope that is not a JSON object, are skipped.
+  assert markers_in_op_name(f"stellarax_op={outer[:-3]}/stellarax_op=3/sin") == []

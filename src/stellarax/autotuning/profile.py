@@ -8,10 +8,11 @@ What a profile holds (jax 0.11.2):
 - ``/host:metadata``: no lines. Its event metadata holds one entry per compiled program,
   named ``"<module>(<program_id>)"``, with the stats ``program_id`` and ``Hlo Proto`` (the
   serialized ``xla.HloProto`` of the optimized, scheduled module). The HLO instructions
-  carry ``frontend_attributes``, and so our markers, and ``metadata.stack_frame_id``: the
-  Python stack that JAX traced the instruction from, kept in the module's stack frame
-  index. `jax.profiler.ProfileData` does not expose event metadata, so this plane is read
-  here with a small protobuf reader.
+  carry ``frontend_attributes``, and so our markers, ``metadata.op_name``, which holds
+  them too (`stellarax.core.markers`: ``stellarax_op=<marker>`` named scopes), and
+  ``metadata.stack_frame_id``: the Python stack that JAX traced the instruction from,
+  kept in the module's stack frame index. `jax.profiler.ProfileData` does not expose
+  event metadata, so this plane is read here with a small protobuf reader.
 - CPU: ``/host:CPU``. Line ``python`` has PjRt host work and Python frames; lines
   ``tf_XLAPjRtCpuClient/<tid>`` and ``tf_XLAEigen/<tid>`` are XLA:CPU worker threads, where
   each executed thunk is one event named after its top-level HLO instruction, with stats
@@ -36,7 +37,14 @@ How events become op calls:
    instruction may drop it), hence three rules: a fusion counts when any instruction
    inside it is marked; an unmarked instruction whose result a marked
    ``get-tuple-element`` reads is the op's (XLA:CPU keeps the marker of an op built on a
-   loop only there); and a marked loop or conditional marks its bodies.
+   loop only there); and a marked loop or conditional marks its bodies. A marker that
+   no instruction of a program carries as an attribute, after these rules, is read
+   from op_name instead (XLA:CPU's expansion of ``jax.lax.ragged_dot`` drops the
+   attribute from every instruction it creates, and keeps op_name): each unmarked
+   instruction whose op_name names it in its innermost ``stellarax_op=`` scope is
+   marked with it, and then every rule here applies as to an attribute. A marker that
+   some instruction kept is left to the attribute alone, so op_name changes nothing
+   where XLA kept the attribute.
 3. Call sites. The call site of an instruction is its Python stack (HLO metadata)
    without the frames of this library's modules, each run of repeated frames kept
    once (JAX repeats the caller's frames once per transformation level in a custom
@@ -47,16 +55,20 @@ How events become op calls:
    conditional or call) add up over the distinct call sites of its marked instructions.
    A site counts one call, or more when several kernels compute their results with
    marked instructions traced at one and the same stack frame: then the most such
-   kernels of one frame (a Python loop that calls the op n times gives n). A marker that
-   a loop, conditional or call around the computation carries is counted there
-   instead. The runs of the entry computation are the program's executions: its
-   distinct (device, ``run_id``) pairs; without ``run_id`` (GPU profiles whose
-   annotations lack it), the fewest events of any one (instruction, event name) of the
-   entry computation, so an instruction that launches two kernels still runs once. A
-   loop body runs its parent's runs times the loop's ``known_trip_count`` (XLA's
-   annotation); any other such computation runs as often as its rarest (instruction,
-   event name) says, or else as often as its parent. So every marker in the HLO of a
-   program that ran is reported, even when no executed instruction kept it.
+   kernels of one frame (a Python loop that calls the op n times gives n). A marker
+   read from op_name marks all of an op's work, so of its kernels only the op's
+   outputs count here: those whose result leaves the computation or is read by other
+   work than the op's; its inner steps, which XLA:CPU's ragged_dot expansion traces at
+   one frame, would count each call several times. A marker that a loop, conditional
+   or call around the computation carries is counted there instead. The runs of the
+   entry computation are the program's executions: its distinct (device, ``run_id``)
+   pairs; without ``run_id`` (GPU profiles whose annotations lack it), the fewest
+   events of any one (instruction, event name) of the entry computation, so an
+   instruction that launches two kernels still runs once. A loop body runs its
+   parent's runs times the loop's ``known_trip_count`` (XLA's annotation); any other
+   such computation runs as often as its rarest (instruction, event name) says, or
+   else as often as its parent. So every marker in the HLO of a program that ran is
+   reported, even when no executed instruction kept it.
 5. Time: each event's duration goes to its instruction's markers, split evenly when a
    kernel holds parts of several ops (XLA fused them). An unmarked kernel traced from
    inside this library (an op's work whose attribute XLA dropped) goes to the markers
@@ -73,8 +85,11 @@ implementation itself computes several results from one line in a Python loop. A
 called from another op's implementation has the outer call's site. An op that XLA
 unrolls into a caller's loop counts per trip. A program compiled without stack
 metadata counts each marker once per computation. A marker that XLA removed from every
-instruction cannot be found (XLA:CPU's expansion of ``jax.lax.ragged_dot`` drops the
-frontend attributes of the instructions it creates). A profile without the HLO (no
+instruction's attributes and op_name cannot be found. Read from op_name, calls of one op
+chained from one line (each reading the last one's result) count as one, an
+instruction that XLA created without metadata goes to no op, and a backward pass that
+JAX derives from an op's body (an op without a VJP op) counts as that op, since it
+carries the forward's scope though not its attribute. A profile without the HLO (no
 metadata plane) cannot be read: events carry instruction names, never frontend
 attributes.
 """
@@ -92,8 +107,9 @@ import warnings
 
 from jax import profiler
 
-MARKER_KEY = "stellarax_op"
-"""The frontend attribute under which each op call leaves its marker."""
+from stellarax.core.markers import MARKER_KEY
+from stellarax.core.markers import SCOPE_PREFIX
+from stellarax.core.markers import markers_in_op_name
 
 _METADATA_PLANE = "/host:metadata"
 _DEVICE_PLANE_PREFIX = "/device:"
@@ -230,7 +246,7 @@ def _load(path: pathlib.Path) -> tuple[list[_Event], list[_Program]]:
 #   StackFrameIndexProto: file_names=1, function_names=2, file_locations=3,
 #     stack_frames=4; FileLocation: file_name_id=1, function_name_id=2, line=3;
 #     StackFrame: file_location_id=1, parent_frame_id=2. Ids are 1-based, 0 is none.
-#   OpMetadata (xla/xla_data.proto): stack_frame_id=15.
+#   OpMetadata (xla/xla_data.proto): op_name=2, stack_frame_id=15.
 #   FrontendAttributes (xla/xla_data.proto): map=1 (map<string, string>).
 
 
@@ -364,6 +380,7 @@ class _Instruction:
   marker: str | None
   frame: int  # the stack frame it was traced from; 0 when unknown
   trip_count: int | None  # of a while loop, when XLA knows it
+  scope: str | None = None  # the innermost marker named in its op_name
 
 
 _Computations = Mapping[int, Sequence[_Instruction]]
@@ -471,10 +488,11 @@ def _program(entry_name: str, stats: Mapping[str | None, object]) -> _Program:
   if entry not in computations:  # callees come before callers, so the entry is last
     entry = next(reversed(computations), -1)
   computations = _restore_lost_markers(computations)
+  computations, scoped = _mark_from_scopes(computations)
   markers = _markers_by_instruction(computations)
   site = _sites(stack_index)
   work = _work(computations, site)
-  kernel = _kernels(computations, roots, site)
+  kernel = _kernels(computations, roots, site, _interior(computations, roots, scoped))
   sequences = _sequences(computations, entry, markers, work, kernel)
   shares = {}
   for cid in sequences:
@@ -501,13 +519,14 @@ def _instruction(buf: memoryview) -> _Instruction:
   """The fields of one HloInstructionProto that are read here."""
   name = opcode = ""
   iid, frame, operands, called, marker, config = 0, 0, [], [], None, b""
+  scope = None
   for number, wire_type, value in _fields(buf):
     if number == 1:
       name = _text(value)
     elif number == 2:
       opcode = _text(value)
     elif number == 7:
-      frame = next((v for n, w, v in _fields(value) if n == 15 and w == 0), 0)
+      frame, scope = _op_metadata(value)
     elif number == 35:
       iid = value
     elif number == 36:
@@ -523,7 +542,21 @@ def _instruction(buf: memoryview) -> _Instruction:
           marker = _text(text or b"")
   trips = _TRIP_COUNT.search(bytes(config)) if opcode == "while" else None
   return _Instruction(name, opcode, iid, tuple(operands), tuple(called), marker, frame,
-                      int(trips[1]) if trips else None)
+                      int(trips[1]) if trips else None, scope)
+
+
+def _op_metadata(buf: memoryview) -> tuple[int, str | None]:
+  """(stack frame id, innermost marker of its op_name scopes) of an OpMetadata."""
+  frame, scope = 0, None
+  for number, wire_type, value in _fields(buf):
+    if number == 15 and wire_type == 0:
+      frame = value
+    elif number == 2 and wire_type == 2:
+      # Cheap test first: most instructions of a program are no op's.
+      op_name = _text(value)
+      if SCOPE_PREFIX in op_name:
+        scope = next(reversed(markers_in_op_name(op_name)), None)
+  return frame, scope
 
 
 def _sites(index: memoryview) -> Callable[[int], _Site]:
@@ -624,6 +657,97 @@ def _restore_lost_markers(computations: _Computations) -> _Computations:
   }
 
 
+def _mark_from_scopes(
+    computations: _Computations,
+) -> tuple[_Computations, frozenset[str]]:
+  """Marks by op_name the ops whose attribute no instruction kept (module doc, 2).
+
+  Returns:
+    The computations, each instruction of such an op marked with the marker of its
+    innermost scope; and the names of the instructions marked so.
+  """
+  # An op with its attribute on some instruction is left to the attribute rules,
+  # which were written for partly marked ops (a fully marked one counts otherwise).
+  attributed = {i.marker for insts in computations.values() for i in insts if i.marker}
+  scoped, result = set(), {}
+  for cid, instructions in computations.items():
+    result[cid] = []
+    for inst in instructions:
+      if inst.marker is None and inst.scope is not None and inst.scope not in attributed:
+        inst = dataclasses.replace(inst, marker=inst.scope)
+        scoped.add(inst.name)
+      result[cid].append(inst)
+  return result, frozenset(scoped)
+
+
+def _interior(
+    computations: _Computations, roots: Mapping[int, int | None],
+    scoped: frozenset[str],
+) -> dict[str, str]:
+  """Kernel -> the marker (from a scope) of the op whose work alone reads its result.
+
+  A reader is looked for through data movement, and continues an op when it, or the
+  instruction that computes its result, is marked with it: a reader that only holds
+  some of the op's work (XLA merged a common part of two ops) does not. A result that
+  reaches its computation's root is read by whatever runs the computation.
+  """
+  from_scopes = {i.marker for insts in computations.values() for i in insts
+                 if i.name in scoped}
+  found: dict[str, str] = {}
+  if not from_scopes:
+    return found
+  result = _results(computations, roots)
+  for cid, instructions in computations.items():
+    readers: dict[int, list[_Instruction]] = collections.defaultdict(list)
+    for inst in instructions:
+      for operand in inst.operand_ids:
+        readers[operand].append(inst)
+    for inst in instructions:
+      computed = result(inst)
+      if computed.marker not in from_scopes or computed.opcode in _NOT_KERNELS:
+        continue
+      read_by = _readers(inst, readers, roots.get(cid))
+      if read_by and all(computed.marker in (r.marker, result(r).marker)
+                         for r in read_by):
+        found[inst.name] = computed.marker
+  return found
+
+
+def _results(
+    computations: _Computations, roots: Mapping[int, int | None],
+) -> Callable[[_Instruction], _Instruction]:
+  """Returns the function that finds the instruction that computes an instruction's
+  result: itself, or a fusion's root, through nested fusions."""
+  by_id = {(cid, inst.id): inst for cid, insts in computations.items() for inst in insts}
+
+  def result(inst: _Instruction) -> _Instruction:
+    seen = set()
+    while inst.opcode == "fusion" and inst.called_ids and inst.name not in seen:
+      seen.add(inst.name)  # a cyclic (malformed) module stops here
+      cid = inst.called_ids[0]
+      inst = by_id.get((cid, roots.get(cid)), inst)
+    return inst
+
+  return result
+
+
+def _readers(
+    inst: _Instruction, readers: Mapping[int, Sequence[_Instruction]], root: int | None,
+) -> list[_Instruction] | None:
+  """The instructions that read `inst`'s result, looking through data movement; None
+  when the result reaches the computation's root."""
+  pending, seen, found = [inst], {inst.id}, []
+  while pending:
+    current = pending.pop()
+    if current.id == root:
+      return None
+    for reader in readers.get(current.id, ()):
+      if reader.id not in seen:
+        seen.add(reader.id)
+        (pending if reader.opcode in _DATA_MOVEMENT else found).append(reader)
+  return found
+
+
 def _markers_by_instruction(computations: _Computations) -> dict[str, frozenset[str]]:
   """Instruction name -> markers of its own HLO and of what it calls (module doc, 2)."""
   inside: dict[int, frozenset[str]] = {}
@@ -692,25 +816,24 @@ def _work(
 
 def _kernels(
     computations: _Computations, roots: Mapping[int, int | None],
-    site: Callable[[int], _Site],
+    site: Callable[[int], _Site], interior: Mapping[str, str],
 ) -> Callable[[_Instruction], tuple[str, object, int] | None]:
   """Returns the function that tells which op call's result an instruction computes.
 
   That is (marker, call site, stack frame) of the instruction that computes its result
-  (a fusion's root), when that one is marked and does more than move data (module
-  doc, 4); else None.
+  (a fusion's root), when that one is marked and does more than move data, and, for a
+  marker read from a scope, when not only the op's own work reads the result
+  (`interior`; module doc, 4); else None.
   """
-  by_id = {(cid, inst.id): inst for cid, insts in computations.items() for inst in insts}
+  result = _results(computations, roots)
 
   def kernel(inst: _Instruction) -> tuple[str, object, int] | None:
-    seen = set()
-    while inst.opcode == "fusion" and inst.called_ids and inst.name not in seen:
-      seen.add(inst.name)  # a cyclic (malformed) module stops here
-      body = inst.called_ids[0]
-      inst = by_id.get((body, roots.get(body)), inst)
-    if inst.marker is None or inst.opcode in _NOT_KERNELS:
+    found = result(inst)
+    if found.marker is None or found.opcode in _NOT_KERNELS:
       return None
-    return inst.marker, site(inst.frame)[0], inst.frame
+    if interior.get(inst.name) == found.marker:
+      return None
+    return found.marker, site(found.frame)[0], found.frame
 
   return kernel
 
@@ -975,8 +1098,8 @@ class _Tally:
         f"{p.name}({p.program_id})" for p in self.index.by_id.values()
         if any(s.calls for s in p.sequences.values()))
     message = (f"the profile contains no stellarax ops: no program that ran holds an "
-               f"instruction with the frontend attribute {MARKER_KEY!r}. Programs that "
-               f"ran: {ran}.")
+               f"instruction with the frontend attribute {MARKER_KEY!r} or a "
+               f"{SCOPE_PREFIX!r} scope in its op_name. Programs that ran: {ran}.")
     if marked:
       message += f" Programs whose stellarax ops did not run: {', '.join(marked)}."
     if self.ambiguous:
