@@ -30,5 +30,7 @@ from stellarax.ops.normalization.pallas_triton import PallasTritonLayerNormVjp a
 from stellarax.ops.ragged_dot.api import ragged_dot as ragged_dot
 from stellarax.ops.ragged_dot.base import XlaRaggedDot as XlaRaggedDot
 from stellarax.ops.ragged_dot.base import XlaRaggedDotVjp as XlaRaggedDotVjp
+from stellarax.ops.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot as PallasMosaicGpuRaggedDot
+from stellarax.ops.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDotVjp as PallasMosaicGpuRaggedDotVjp
 from stellarax.ops.ragged_dot.pallas_triton import PallasTritonRaggedDot as PallasTritonRaggedDot
 from stellarax.ops.ragged_dot.pallas_triton import PallasTritonRaggedDotVjp as PallasTritonRaggedDotVjp

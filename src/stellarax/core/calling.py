@@ -42,7 +42,7 @@ def _split(values: dict[str, Any]):
     it = iter(new_arrays)
     return jax.tree.unflatten(treedef, [next(it) if d else s for s, d in zip(statics, is_dyn)])
 
-  return arrays, rebuild, treedef, is_dyn
+  return arrays, rebuild
 
 
 def _batch_one_level(fn: Callable[..., Any], batched: tuple[bool, ...]) -> Callable[..., Any]:
@@ -97,7 +97,7 @@ def call_op(op, values: dict[str, Any]) -> Any:
   Returns:
     The op's output (forward ops: without residuals).
   """
-  arrays, rebuild, _, _ = _split(values)
+  arrays, rebuild = _split(values)
   ba = BoundArguments.from_values(op, values)
 
   def make_impl(config):

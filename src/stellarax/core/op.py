@@ -25,7 +25,7 @@ import abc
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import jax
@@ -270,11 +270,3 @@ def op_from_json(data: Mapping[str, Any]) -> Op:
   if config is not None:
     fields["config"] = config_from_json(cls.config_cls, config)
   return cls(**fields)
-
-
-def as_array_leaf(x: Any) -> bool:
-  """True for values that travel as arrays through jit (not static)."""
-  return isinstance(x, (jax.Array, np.ndarray)) or isinstance(x, jax.core.Tracer)
-
-
-Fn = Callable[..., Any]

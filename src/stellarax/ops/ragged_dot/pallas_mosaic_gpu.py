@@ -24,15 +24,18 @@ three products block_m x block_n is the output tile and block_k the contraction 
 Scheduling of the forward (and lhs-gradient) kernel
 ---------------------------------------------------
 The rows are cut into work items in jnp before the kernel: each group, and then the
-rows past the last group (which get zeros), is split into tiles of at most block_m
-rows that start at the group's first row. The items partition [0, M) and their
-number is bounded statically by cdiv(M, block_m) + G; the items past the real count
-have an empty row range and do nothing. A CTA loop step computes one (item, n-tile):
-a K loop over a block_m-row tile that starts at the item's first row (moved up to end
-at row M at most, so TMA never reads past the array; rows of the tile outside the
-item belong to a neighbouring group and are computed but not stored), then TMA
-stores of exactly the item's rows. A TMA box has a static size, so a ragged row
-count is stored as a ladder of power-of-two boxes (at most log2(block_m) + 1 stores).
+rows past the last group (which get zeros), is split into tiles of block_m rows, the
+first starting at the group's first row aligned down to a multiple of 8 (Mosaic
+moves 128-byte-swizzled tiles in 8-row units, so TMA row offsets must be multiples
+of 8; M is padded to a multiple of 8 when it is not). An item is one group's rows
+within one tile, so the items partition [0, M); their number is bounded statically
+by cdiv(M + 7 (G + 1), block_m) + G + 1, and the items past the real count have an
+empty row range and do nothing. A CTA loop step computes one (item, n-tile): a K
+loop over its block_m-row tile (moved up to end at row M at most, so TMA never reads
+past the array; tile rows outside the item belong to a neighbouring group and are
+computed but not stored), then TMA stores of exactly the item's rows. A TMA box has
+a static size, so a ragged row count is stored as a ladder of power-of-two boxes
+(its binary digits: at most log2(block_m) + 1 stores, one for a full tile).
 
 Why this is race-free on a GPU, where CTAs run in parallel in any order: the
 persistent loop hands every linear tile index to exactly one CTA (`nd_loop` strides
@@ -41,25 +44,35 @@ n-tile), so every (item, n-tile) is computed once; items partition the rows and 
 stores write only the item's rows, so no output element is written twice and none
 is read back. Within a CTA the two compute warpgroups store disjoint halves of the
 tile from their own shared-memory buffers, and each waits for its previous TMA
-stores to finish reading its buffer before overwriting it. Interpret mode runs the
-CTAs one after another and cannot show a race between them; the partition and the
-bijection are what make the kernel correct, and the tests check them directly.
+stores to finish reading its buffer before overwriting it; the memory warpgroup
+refills a pipeline stage only after both compute warpgroups released it (their
+wgmma on it completed). Interpret mode runs the CTAs one after another, which hides
+races between them, so the tests check the partition and the bijection directly
+and also run the interpreter's race detector (which gives each CTA fresh clocks,
+so conflicting writes of two CTAs are reported).
 
 Scheduling of the rhs-gradient kernel
 -------------------------------------
 One loop step computes one (group, K tile, N tile) of drhs: a loop of dynamic length
-over the group's rows in steps of block_k, starting at the group's first row (the
-last step moved up to end at row M at most). Rows of a step outside the group (only
-in the last step) are zeroed in shared memory before the wgmma; each compute
-warpgroup zeroes only the operand slice that it alone reads (its lhs columns with
-wg_split="m", its dout columns with wg_split="n"), so the two never write the same
-shared memory. An empty group runs no step and stores zeros. Output tiles are
-disjoint, so CTAs never write the same element.
+over the group's rows in steps of block_k, starting at the group's first row aligned
+down to 8 (the last step moved up to end at row M at most). Rows of a step outside
+the group, or already counted by the previous step, exist only in a group's first
+and last steps; there they are zeroed in shared memory before the wgmma. Each
+compute warpgroup zeroes only the operand slice that it alone reads (its lhs columns
+with wg_split="m", its dout columns with wg_split="n"), so the two never write the
+same shared memory. (Zeroing is exact for finite values. With wg_split="m" the
+zeroed operand is lhs, as in the reference, which masks lhs; with wg_split="n" it is
+dout, so an inf in a neighbouring group's lhs row gives NaN where the reference
+stays finite, and an inf in such a dout row does not give the reference's NaN.)
+An empty group runs no step and stores zeros. Output tiles are disjoint, so CTAs
+never write the same element.
 
-Limits: bfloat16 and float16 operands only (wgmma's 16-bit path; float32 operands are
-refused so that dispatch falls back); the output columns and the contraction size of
+Limits: bfloat16 and float16 operands only (wgmma's 16-bit path; the op refuses
+float32 so that dispatch falls back); the output columns and the contraction size of
 the forward and lhs-gradient kernels must be multiples of the tiles (K and N
-multiples of 64 at least), so TMA never reads or writes out of bounds.
+multiples of 64 at least, K of 128 for the backward), so TMA never reads or writes
+out of bounds. Interpret mode (any backend, for tests) runs two CTAs by default:
+CTAs run one after another there, so more only cost time.
 """
 
 from __future__ import annotations
@@ -105,8 +118,10 @@ _MAX_WG_ACC = 128 * 128
 _SMEM_BYTES = 227 * 1024 - 1024
 # SMs of the H200, the target; used when no GPU (and no abstract device) tells.
 _DEFAULT_NUM_SMS = 132
+_INTERPRET_PROGRAMS = 2
 # Row offsets of TMA copies into swizzled shared memory must be multiples of 8.
 _ROW_ALIGN = 8
+_MAX_SPACE = 60
 _TUNABLE_NAMES = ("block_m", "block_n", "block_k", "max_concurrent_steps", "wg_split",
                   "grid_minor_dim", "grid_tile_width")
 
@@ -119,7 +134,7 @@ def _check_int(name: str, value: Any) -> None:
     raise ValueError(f"{name}={value!r} must be an int.")
 
 
-def wg_tile(block_m: int, block_n: int, wg_split: str) -> tuple[int, int]:
+def _wg_tile(block_m: int, block_n: int, wg_split: str) -> tuple[int, int]:
   """Returns the (rows, cols) of the output tile one compute warpgroup owns."""
   if wg_split == "m":
     return block_m // _NUM_COMPUTE_WGS, block_n
@@ -161,7 +176,7 @@ def validate_tunables(*, block_m: int, block_n: int, block_k: int, max_concurren
   check_choice("wg_split", wg_split, WG_SPLITS)
   check_choice("grid_minor_dim", grid_minor_dim, GRID_MINOR_DIMS)
   check_power_of_two("grid_tile_width", grid_tile_width, maximum=MAX_GRID_TILE_WIDTH)
-  wm, wn = wg_tile(block_m, block_n, wg_split)
+  wm, wn = _wg_tile(block_m, block_n, wg_split)
   if wm % 64 or wn % 64:
     raise ValueError(
         f"block_m={block_m}, block_n={block_n} with wg_split={wg_split!r} gives each of the "
@@ -174,52 +189,224 @@ def validate_tunables(*, block_m: int, block_n: int, block_k: int, max_concurren
         "(128 x 128) fit in registers. Use smaller blocks.")
 
 
-def smem_bytes(*, block_m: int, block_n: int, block_k: int, max_concurrent_steps: int,
-               itemsize: int = 2, out_itemsize: int = 2) -> int:
-  """Shared memory of a CTA: the pipelined operand tiles and the epilogue tile."""
-  stages = max_concurrent_steps * (block_m + block_n) * block_k * itemsize
+def _smem_bytes(*, block_m: int, block_n: int, block_k: int, max_concurrent_steps: int,
+                out_itemsize: int = 2) -> int:
+  """Shared memory of a CTA: the pipelined 16-bit operand tiles and the epilogue tile."""
+  stages = max_concurrent_steps * (block_m + block_n) * block_k * 2
   return stages + block_m * block_n * out_itemsize
 
 
-def check_fits(*, rows_out: int, cols_out: int, contract: int | None, block_m: int,
-               block_n: int, block_k: int, max_concurrent_steps: int, out_itemsize: int,
-               what: str, **_) -> None:
-  """Checks that tiles divide a product's output and contraction and fit in shared memory.
+# The dimensions each product's blocks tile: (name, size index in (k, n)). Rows of the
+# forward and lhs-gradient outputs and of the rhs-gradient contraction are ragged and
+# need not divide.
+_TILED_DIMS = {
+    "forward": (("block_n", "output columns N", 1), ("block_k", "contraction K", 0)),
+    "dlhs": (("block_n", "output columns K", 0), ("block_k", "contraction N", 1)),
+    "drhs": (("block_m", "rows K of drhs[g]", 0), ("block_n", "columns N of drhs[g]", 1)),
+}
+PRODUCTS = ("forward", "backward")
+
+
+def check_tunables_fit(tunables: dict[str, Any], *, k: int, n: int, product: str,
+                       out_itemsize: int = 2) -> None:
+  """Checks that valid tunables also fit one problem's shapes and shared memory.
 
   Args:
-    rows_out: the output rows tiled by block_m (None-free; ragged rows pass 0).
-    cols_out: the output columns tiled by block_n.
-    contract: the contraction size stepped by block_k, or None when it is ragged.
-    what: the product's name for the message.
+    tunables: the keyword tunables (valid for `validate_tunables`).
+    k, n: the problem's K and N (lhs (M, K), rhs (G, K, N)).
+    product: "forward", "dlhs", "drhs", or "backward" (both gradients).
+    out_itemsize: bytes per output element (the epilogue's shared-memory tile).
 
   Raises:
-    ValueError: when a block does not divide its dimension or the tiles overflow
-      the H200's shared memory.
+    ValueError: for an unknown product, when a block does not divide the dimension
+      it tiles (TMA tiles must not run past the arrays), or when the tiles overflow
+      an H200 CTA's shared memory.
   """
-  checks = [("block_n", block_n, "output columns", cols_out)]
-  if rows_out:
-    checks.append(("block_m", block_m, "output rows", rows_out))
-  if contract is not None:
-    checks.append(("block_k", block_k, "contraction size", contract))
-  for name, block, label, dim in checks:
-    if dim % block:
-      raise ValueError(
-          f"{name}={block} must divide the {label} {dim} of the {what} (TMA tiles must not "
-          f"run past the array). Pick a {name} that divides {dim}.")
-  used = smem_bytes(block_m=block_m, block_n=block_n, block_k=block_k,
-                    max_concurrent_steps=max_concurrent_steps, out_itemsize=out_itemsize)
+  check_choice("product", product, (*_TILED_DIMS, "backward"))
+  products = ("dlhs", "drhs") if product == "backward" else (product,)
+  for name in products:
+    for block_name, label, axis in _TILED_DIMS[name]:
+      block, dim = tunables[block_name], (k, n)[axis]
+      if dim % block:
+        raise ValueError(
+            f"{block_name}={block} must divide the {label}={dim} of the {name} product (TMA "
+            f"tiles must not run past the arrays). Pick a {block_name} that divides {dim}.")
+  used = _smem_bytes(**{key: tunables[key] for key in ("block_m", "block_n", "block_k",
+                                                      "max_concurrent_steps")},
+                    out_itemsize=out_itemsize)
   if used > _SMEM_BYTES:
     raise ValueError(
-        f"block_m={block_m}, block_n={block_n}, block_k={block_k} with "
-        f"max_concurrent_steps={max_concurrent_steps} need {used} bytes of shared memory for "
-        f"the {what}; an H200 CTA has {_SMEM_BYTES}. Use fewer stages or smaller blocks.")
+        f"block_m={tunables['block_m']}, block_n={tunables['block_n']}, "
+        f"block_k={tunables['block_k']} with max_concurrent_steps="
+        f"{tunables['max_concurrent_steps']} need {used} bytes of shared memory; an H200 CTA "
+        f"has {_SMEM_BYTES}. Use fewer stages or smaller blocks.")
+
+
+def _check_sizes(m: int, k: int, n: int, g: int) -> None:
+  for name, value in (("m", m), ("k", k), ("n", n), ("g", g)):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"{name}={value!r} must be a positive int (a problem size).")
+
+
+def _check_dtype(what: str, dtype: Any,
+                 allowed: tuple[jnp.dtype, ...] = SUPPORTED_DTYPES) -> jnp.dtype:
+  dtype = jnp.dtype(dtype)
+  if dtype not in allowed:
+    raise ValueError(
+        f"{what}={dtype} is not supported by the Mosaic GPU ragged_dot kernels; expected one "
+        f"of {[str(d) for d in allowed]}. Cast the operands first (wgmma takes 16-bit "
+        "floating-point operands).")
+  return dtype
+
+
+def _largest_dividing(dim: int, choices: tuple[int, ...]) -> int | None:
+  return max((c for c in choices if dim % c == 0), default=None)
+
+
+def _deepest_pipeline(tiles: dict[str, Any], out_itemsize: int, cap: int) -> int | None:
+  """The most stages (<= cap, >= 2) whose shared memory fits, or None."""
+  for stages in range(cap, 1, -1):
+    if _smem_bytes(block_m=tiles["block_m"], block_n=tiles["block_n"], block_k=tiles["block_k"],
+                  max_concurrent_steps=stages, out_itemsize=out_itemsize) <= _SMEM_BYTES:
+      return stages
+  return None
+
+
+def _row_block_cap(m: int, g: int) -> int:
+  """The largest useful block over ragged rows: twice the average group (>= 128)."""
+  average = max(1, m // g)
+  return max(128, 2 * (1 << (average.bit_length() - 1)))
+
+
+def heuristic_tunables(m: int, k: int, n: int, g: int, dtype: Any, *, product: str = "forward",
+                       out_dtype: Any = None) -> dict[str, Any]:
+  """Returns tunables that are a reasonable guess on an H200, without measuring.
+
+  The CTA tile is 128 x 256 (two compute warpgroups of 128 x 128, the shape of fast
+  Hopper matmuls) with block_k = 64 and as many stages (up to 4) as shared memory
+  holds; block_m drops to 64 when groups average fewer than 128 rows (each group
+  wastes part of a tile), and block_n to the largest of 256, 128, 64 that divides
+  the output columns. Tiles run in bands of 8 m-tiles (L2 reuse of lhs rows and rhs
+  columns).
+
+  Args:
+    m, k, n, g: the problem (lhs (M, K), rhs (G, K, N)).
+    dtype: the operands' dtype (bfloat16 or float16).
+    product: "forward", or "backward" (one config for both gradients).
+    out_dtype: the forward's output dtype (default: dtype); sizes the epilogue.
+
+  Returns:
+    A dict of the tunables, valid for `validate_tunables` and `check_tunables_fit`.
+
+  Raises:
+    ValueError: for an unsupported dtype, non-positive sizes, an unknown product, or
+      shapes no tile fits (K or N not a multiple of 64; the backward also needs K a
+      multiple of 128).
+  """
+  _check_sizes(m, k, n, g)
+  _check_dtype("dtype", dtype)
+  check_choice("product", product, PRODUCTS)
+  out_itemsize = _out_itemsize(product, dtype, out_dtype)
+  cols = n if product == "forward" else math.gcd(k, n)
+  block_n = _largest_dividing(cols, (256, 128, 64))
+  if block_n is None or k % 64:
+    raise ValueError(f"k={k} and n={n} must be multiples of 64 for the Mosaic GPU ragged_dot "
+                     "kernels (whole TMA tiles).")
+  if product == "backward" and k % 128:
+    # drhs[g] is tiled by block_m x block_n over (K, N), and the two compute
+    # warpgroups need one side of at least 128 that divides it.
+    raise ValueError(f"k={k} must be a multiple of 128 for the Mosaic GPU ragged_dot backward "
+                     "(the two compute warpgroups need a 128-wide tile side).")
+  # A 64-wide block_n leaves only M to split between the warpgroups.
+  block_m = 128 if m // g >= 128 or block_n == 64 else 64
+  tiles = dict(block_m=block_m, block_n=block_n, block_k=64,
+               wg_split="n" if block_n >= 128 else "m", grid_minor_dim="m", grid_tile_width=8)
+  tiles["max_concurrent_steps"] = _deepest_pipeline(tiles, out_itemsize, cap=4)
+  return {name: tiles[name] for name in _TUNABLE_NAMES}
+
+
+def _out_itemsize(product: str, dtype: Any, out_dtype: Any) -> int:
+  if product == "forward" and out_dtype is not None:
+    return _check_dtype("out_dtype", out_dtype, OUT_DTYPES).itemsize
+  return jnp.dtype(dtype).itemsize
+
+
+def _tile_candidates(m: int, k: int, n: int, g: int, product: str) -> list[dict[str, Any]]:
+  """Every valid (block_m, block_n, block_k, wg_split) for the shape, before stages."""
+  row_cap = _row_block_cap(m, g)
+  found = []
+  for bm in BLOCK_CHOICES:
+    for bn in BLOCK_CHOICES:
+      for bk in BLOCK_K_CHOICES:
+        for split in WG_SPLITS:
+          tiles = dict(block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=2,
+                       wg_split=split, grid_minor_dim="m", grid_tile_width=8)
+          try:
+            validate_tunables(**tiles)
+            check_tunables_fit(tiles, k=k, n=n, product=product)
+          except ValueError:
+            continue
+          if bm <= row_cap:
+            found.append(tiles)
+  return found
+
+
+def tunable_space(m: int, k: int, n: int, g: int, dtype: Any, *, product: str = "forward",
+                  out_dtype: Any = None) -> list[dict[str, Any]]:
+  """Returns the autotuning search space for one ragged_dot shape (at most 60 configs).
+
+  Tiles: block_m and block_n of 64 to 256 (block_m, over ragged rows, at most twice
+  the average group and at least 128), block_k of 64 or 128, both warpgroup splits;
+  every one that divides the shape and fits the registers, with the deepest pipeline
+  (up to 6 stages) that fits shared memory, and for 64-wide block_k also one stage
+  less. The heuristic tile also runs with other tile orders (bands of 4 or 16 m-tiles,
+  or n-minor bands). The heuristic config comes first, then the tiles by CTA tile
+  size, largest first (the list is cut there when it grows past 60).
+
+  Args:
+    m, k, n, g: the problem (lhs (M, K), rhs (G, K, N)).
+    dtype: the operands' dtype.
+    product: "forward" or "backward".
+    out_dtype: the forward's output dtype (default: dtype).
+
+  Returns:
+    A list of distinct dicts of tunables, each valid for `validate_tunables` and
+    `check_tunables_fit`, the heuristic's first.
+
+  Raises:
+    ValueError: as `heuristic_tunables`.
+  """
+  heuristic = heuristic_tunables(m, k, n, g, dtype, product=product, out_dtype=out_dtype)
+  out_itemsize = _out_itemsize(product, dtype, out_dtype)
+  space = [heuristic]
+  for order in (("m", 4), ("m", 16), ("n", 4), ("n", 8)):
+    space.append(heuristic | dict(grid_minor_dim=order[0], grid_tile_width=order[1]))
+  candidates = sorted(_tile_candidates(m, k, n, g, product),
+                      key=lambda t: -t["block_m"] * t["block_n"])
+  for tiles in candidates:
+    deepest = _deepest_pipeline(tiles, out_itemsize, cap=6)
+    if deepest is None:
+      continue
+    space.append(tiles | dict(max_concurrent_steps=deepest))
+    if tiles["block_k"] == 64 and deepest > 2:
+      space.append(tiles | dict(max_concurrent_steps=deepest - 1))
+  keys = dict.fromkeys(tuple(t[name] for name in _TUNABLE_NAMES) for t in space)
+  return [dict(zip(_TUNABLE_NAMES, key)) for key in list(keys)[:_MAX_SPACE]]
 
 
 # --------------------------------------------------------------------------- metadata
 
 
 def group_offsets(group_sizes: jax.Array, num_rows: int) -> jax.Array:
-  """Returns (G + 1,) int32 offsets: group g owns rows [offsets[g], offsets[g + 1]), cut at M."""
+  """Returns the row offsets of the groups.
+
+  Args:
+    group_sizes: (G,) integer array; negative sizes count as 0.
+    num_rows: M; groups are cut at row M.
+
+  Returns:
+    (G + 1,) int32: group g owns rows [offsets[g], offsets[g + 1]).
+  """
   _, ends = group_bounds(group_sizes, num_rows)
   return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
 
@@ -231,6 +418,13 @@ def padded_rows(num_rows: int, block: int) -> int:
   needs every row offset to be a multiple of 8; with this padding (a copy only when M
   is not a multiple of 8 or below one tile) the last tile can end exactly at the
   last row and no copy reads past the array.
+
+  Args:
+    num_rows: M.
+    block: the rows of one tile (block_m, or block_k for the rhs gradient).
+
+  Returns:
+    The padded row count.
   """
   return max(-(-num_rows // _ROW_ALIGN) * _ROW_ALIGN, block)
 
@@ -242,6 +436,9 @@ def num_work_items(num_rows: int, num_groups: int, block_m: int) -> int:
     num_rows: the padded rows (`padded_rows`).
     num_groups: G.
     block_m: rows per tile.
+
+  Returns:
+    The number of columns of `work_items`' table.
   """
   # The G + 1 parts (groups and the tail) span num_rows rows; each starts up to 7
   # rows early (aligned down to 8) and rounds up by less than one tile.
@@ -287,7 +484,7 @@ def work_items(offsets: jax.Array, num_rows: int, block_m: int) -> jax.Array:
   return jnp.stack([part, row_start, row_end, tile_start]).astype(jnp.int32)
 
 
-def num_sms() -> int:
+def _num_sms() -> int:
   """The SMs the persistent grid fills: the abstract device's (when lowering for a
   simulated GPU), else the default GPU's, else the H200's 132."""
   abstract = jax.sharding.get_abstract_mesh().abstract_device
@@ -315,7 +512,7 @@ class _Tiles:
 
   @property
   def wg_shape(self) -> tuple[int, int]:
-    return wg_tile(self.block_m, self.block_n, self.wg_split)
+    return _wg_tile(self.block_m, self.block_n, self.wg_split)
 
   def tile_order(self, linear: jax.Array, grid_m: int, grid_n: int) -> tuple[jax.Array, jax.Array]:
     """Maps a linear tile index to (m-tile, n-tile), bijectively, in L2-friendly order."""
@@ -357,17 +554,15 @@ def _store_rows(tile: jax.Array, o_smem: Any, out_gmem: Any, *, first: jax.Array
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   o_smem[...] = tile.astype(o_smem.dtype)
   plgpu.commit_smem()
-  rows = o_smem.shape[0]
-  box = 1 << (rows.bit_length() - 1)
   start = first
-  while box:
-    # Boxes are bound in a closure per size, so each `pl.when` sees its own.
-    def store(box=box, start=start):
+  for bit in reversed(range(o_smem.shape[0].bit_length())):
+    box = 1 << bit
+
+    @pl.when((count & box) != 0)
+    def _store():
       plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(start, box)], out_gmem.at[pl.ds(start, box)])
 
-    pl.when((count & box) != 0)(store)
     start = start + (count & box)
-    box //= 2
 
 
 def _wgmma_step(acc_ref: Any, a: Any, b: Any) -> Any:
@@ -379,6 +574,7 @@ def _wgmma_step(acc_ref: Any, a: Any, b: Any) -> Any:
 
 
 def _warp_specialized(body, *, tiles: _Tiles, num_steps, in_specs, compute_context):
+  """A TMA -> wgmma pipeline: the last warpgroup loads, the other two compute."""
   return plgpu.emit_pipeline_warp_specialized(
       body,
       grid=(num_steps,),
@@ -392,15 +588,20 @@ def _warp_specialized(body, *, tiles: _Tiles, num_steps, in_specs, compute_conte
 
 
 def _ignore(*args, **kwargs):
+  """A pipeline body for `get_allocations`, which only needs the specs."""
   del args, kwargs
 
 
 def _launch(body, out_shape: jax.ShapeDtypeStruct, operands, *, num_tiles: int,
             num_programs: int | None, interpret: Any, name: str):
   """Runs `body` as a persistent kernel of min(SMs, tiles) CTAs of 3 warpgroups."""
-  grid = max(1, min(num_programs or num_sms(), num_tiles))
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
+  if num_programs is None:
+    # Interpret mode runs CTAs one after another, so extra CTAs only cost time (about
+    # 0.2 s each on a CPU); two still exercise the persistent loop's striding.
+    num_programs = _INTERPRET_PROGRAMS if interpret else _num_sms()
+  grid = max(1, min(num_programs, num_tiles))
   kernel = plgpu.kernel(
       body,
       out_type=out_shape,
@@ -418,44 +619,57 @@ def _launch(body, out_shape: jax.ShapeDtypeStruct, operands, *, num_tiles: int,
 # --------------------------------------------------------------------------- forward
 
 
-def _forward_kernel(items_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: _Tiles,
-                    transpose_rhs: bool):
-  """Persistent loop over (work item, n-tile); see the module docstring.
-
-  lhs is (M, C); rhs is (G, C, D), or (G, D, C) with transpose_rhs; out is (M, D).
-  """
+def _forward_specs(tiles: _Tiles, dtype: Any, transpose_rhs: bool) -> list[Any]:
+  """BlockSpecs of the forward's pipelined lhs and rhs tiles (128-byte swizzled)."""
   bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-  wm, wn = tiles.wg_shape
-  num_groups = rhs_gmem.shape[0]
-  contract = lhs_gmem.shape[1]
-  num_items, grid_n = items_gmem.shape[1], out_gmem.shape[1] // bn
-  dtype = lhs_gmem.dtype
   lhs_spec = plgpu.BlockSpec((bm, bk), lambda k: (0, k), transforms=_swizzled(bk, dtype))
   if transpose_rhs:
     rhs_spec = plgpu.BlockSpec((bn, bk), lambda k: (0, k), transforms=_swizzled(bk, dtype))
   else:
     rhs_spec = plgpu.BlockSpec((bk, bn), lambda k: (k, 0), transforms=_swizzled(bn, dtype))
+  return [lhs_spec, rhs_spec]
 
-  def pipeline(body, compute_context):
-    return _warp_specialized(body, tiles=tiles, num_steps=contract // bk,
-                             in_specs=[lhs_spec, rhs_spec], compute_context=compute_context)
 
-  def rhs_window(group, n0):
-    cols = pl.ds(n0, bn)
-    return rhs_gmem.at[group, cols, :] if transpose_rhs else rhs_gmem.at[group, :, cols]
+def _forward_mma(tiles: _Tiles, transpose_rhs: bool):
+  """The pipeline body: this warpgroup's slice of lhs (M split) or rhs (N split)."""
+  wm, wn = tiles.wg_shape
 
   def mma(_, lhs_smem, rhs_smem, acc_ref):
     wg_row, wg_col = tiles.wg_offsets(lax.axis_index("wg"))
     a = lhs_smem.at[pl.ds(wg_row, wm)] if tiles.wg_split == "m" else lhs_smem
-    if transpose_rhs:
+    if transpose_rhs:  # rhs tiles are (cols, contraction): wgmma reads them transposed.
       b = rhs_smem.at[pl.ds(wg_col, wn)] if tiles.wg_split == "n" else rhs_smem
       b = b.transpose((1, 0))
     else:
       b = rhs_smem.at[:, pl.ds(wg_col, wn)] if tiles.wg_split == "n" else rhs_smem
     return _wgmma_step(acc_ref, a, b)
 
+  return mma
+
+
+def _forward_kernel(items_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: _Tiles,
+                    transpose_rhs: bool):
+  """Persistent loop over (work item, n-tile); see the module docstring.
+
+  lhs is (M, C); rhs is (G, C, D), or (G, D, C) with transpose_rhs; out is (M, D).
+  """
+  bm, bn = tiles.block_m, tiles.block_n
+  wm, wn = tiles.wg_shape
+  num_groups = rhs_gmem.shape[0]
+  num_items, grid_n = items_gmem.shape[1], out_gmem.shape[1] // bn
+
+  def pipeline(body, compute_context):
+    return _warp_specialized(body, tiles=tiles, num_steps=lhs_gmem.shape[1] // tiles.block_k,
+                             in_specs=_forward_specs(tiles, lhs_gmem.dtype, transpose_rhs),
+                             compute_context=compute_context)
+
+  def rhs_window(group, n0):
+    cols = pl.ds(n0, bn)
+    return rhs_gmem.at[group, cols, :] if transpose_rhs else rhs_gmem.at[group, :, cols]
+
   @functools.partial(
       pl.run_scoped,
+      # One set of pipeline buffers and barriers serves every tile of the loop.
       allocs=pipeline(_ignore, _ignore).get_allocations(lhs_gmem, rhs_gmem.at[0]),
       o_smem=plgpu.SMEM((_NUM_COMPUTE_WGS * wm, wn), out_gmem.dtype),
       collective_axes="wg",
@@ -486,10 +700,11 @@ def _forward_kernel(items_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: _Tiles,
           run(acc_ref)
           store(acc_ref[...], *item)
 
+      # All three warpgroups take the same branch: they read the same item.
       @pl.when(has_rows & (group < num_groups))
       def _matmul():
         rows = pl.ds(pl.multiple_of(tile_start, _ROW_ALIGN), bm)
-        pipeline(mma, compute_context)(
+        pipeline(_forward_mma(tiles, transpose_rhs), compute_context)(
             lhs_gmem.at[rows], rhs_window(group, n0), allocations=allocs)
 
       # The rows past the last group: zeros, from the compute warpgroups only.
@@ -501,7 +716,8 @@ def _forward_kernel(items_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: _Tiles,
 
 
 def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
-  """Pads x with zero rows up to `rows` (small inputs only: M below one tile)."""
+  """Pads x with zero rows up to `rows` (see `padded_rows`: a copy only when M is not a
+  multiple of 8 or is below one tile)."""
   return x if x.shape[0] >= rows else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
 
 
@@ -510,7 +726,7 @@ def _forward_call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, tiles: _Ti
   """Launches the forward kernel; out is (M, D) with D = rhs.shape[1 if transpose_rhs else 2]."""
   num_rows = lhs.shape[0]
   cols_out = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-  # Groups are cut at the real M; rows added to reach one tile get zeros and are dropped.
+  # Groups are cut at the real M; the padding rows fall in the zero tail and are dropped.
   padded = _pad_rows(lhs, padded_rows(num_rows, tiles.block_m))
   items = work_items(group_offsets(group_sizes, num_rows), padded.shape[0], tiles.block_m)
   kernel = functools.partial(_forward_kernel, tiles=tiles, transpose_rhs=transpose_rhs)
@@ -538,24 +754,82 @@ def _zero_rows_outside(operand: Any, *, first_row: jax.Array, lo: jax.Array,
   plgpu.commit_smem()
 
 
+def _drhs_specs(tiles: _Tiles, dtype: Any, index_map) -> list[Any]:
+  """BlockSpecs of the rhs gradient's (block_k rows) x K and x N tiles. Rows are
+  addressed by element (`pl.Element`), so a step may start at any multiple of 8."""
+  bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+  return [plgpu.BlockSpec((pl.Element(bk), bm), index_map, transforms=_swizzled(bm, dtype)),
+          plgpu.BlockSpec((pl.Element(bk), bn), index_map, transforms=_swizzled(bn, dtype))]
+
+
+@dataclasses.dataclass(frozen=True)
+class _GroupSteps:
+  """The row steps of one group in the rhs-gradient kernel (traced values).
+
+  Steps start at the group's first row aligned down to 8 and advance by block_k; the
+  last may be moved up to end at the last row of the (padded) array.
+  """
+  lo: jax.Array
+  hi: jax.Array
+  aligned: jax.Array
+  num_steps: jax.Array
+  num_rows: int
+  block_k: int
+
+  @classmethod
+  def create(cls, lo, hi, *, num_rows: int, block_k: int) -> _GroupSteps:
+    aligned = lo - lax.rem(lo, _ROW_ALIGN)
+    num_steps = jnp.where(hi > lo, pl.cdiv(hi - aligned, block_k), 0)
+    return cls(lo, hi, aligned, num_steps, num_rows, block_k)
+
+  def first_row(self, step: jax.Array) -> jax.Array:
+    """The array row of the step's first tile row (a multiple of 8)."""
+    return jnp.minimum(self.aligned + step * self.block_k, self.num_rows - self.block_k)
+
+  def first_valid(self, step: jax.Array) -> jax.Array:
+    """The first row the step contributes: rows before it belong to another group or
+    to the previous step (when the step was moved up)."""
+    return jnp.maximum(self.lo, self.aligned + step * self.block_k)
+
+
+def _drhs_mma(tiles: _Tiles, rows: _GroupSteps):
+  """The pipeline body: acc (K x N part) += lhs_tile.T @ dout_tile, rows outside the
+  group zeroed first (only a group's edge steps have any)."""
+  wm, wn = tiles.wg_shape
+
+  def mma(idx, lhs_smem, dout_smem, acc_ref):
+    (step,) = idx
+    wg_row, wg_col = tiles.wg_offsets(lax.axis_index("wg"))
+    a = lhs_smem.at[:, pl.ds(wg_row, wm)] if tiles.wg_split == "m" else lhs_smem
+    b = dout_smem.at[:, pl.ds(wg_col, wn)] if tiles.wg_split == "n" else dout_smem
+    first, valid = rows.first_row(step), rows.first_valid(step)
+
+    # Each warpgroup zeroes only the slice that it alone reads (its lhs columns, or
+    # its dout columns), so the two never write the same shared memory.
+    @pl.when((first < valid) | (first + tiles.block_k > rows.hi))
+    def _mask():
+      _zero_rows_outside(a if tiles.wg_split == "m" else b, first_row=first, lo=valid,
+                         hi=rows.hi)
+
+    return _wgmma_step(acc_ref, a.transpose((1, 0)), b)
+
+  return mma
+
+
 def _drhs_kernel(offsets_gmem, lhs_gmem, dout_gmem, out_gmem, *, tiles: _Tiles):
   """Persistent loop over (group, K tile, N tile) of drhs; see the module docstring.
 
   lhs is (M, K) and dout (M, N), M padded to a multiple of 8 and at least block_k;
   out is (G, K, N).
   """
-  bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+  bm, bn = tiles.block_m, tiles.block_n
   wm, wn = tiles.wg_shape
-  num_rows = lhs_gmem.shape[0]
   num_groups, contract_k, cols_n = out_gmem.shape
   grid_m, grid_n = contract_k // bm, cols_n // bn
-  dtype = lhs_gmem.dtype
 
   def pipeline(body, compute_context, num_steps, index_map):
-    # Rows are addressed by element (pl.Element): steps start at any multiple of 8.
-    specs = [plgpu.BlockSpec((pl.Element(bk), bm), index_map, transforms=_swizzled(bm, dtype)),
-             plgpu.BlockSpec((pl.Element(bk), bn), index_map, transforms=_swizzled(bn, dtype))]
-    return _warp_specialized(body, tiles=tiles, num_steps=num_steps, in_specs=specs,
+    return _warp_specialized(body, tiles=tiles, num_steps=num_steps,
+                             in_specs=_drhs_specs(tiles, lhs_gmem.dtype, index_map),
                              compute_context=compute_context)
 
   @functools.partial(
@@ -576,41 +850,19 @@ def _drhs_kernel(offsets_gmem, lhs_gmem, dout_gmem, out_gmem, *, tiles: _Tiles):
       group, linear = info.index
       m_tile, n_tile = tiles.tile_order(linear, grid_m, grid_n)
       m0, n0 = pl.multiple_of(m_tile * bm, bm), pl.multiple_of(n_tile * bn, bn)
-      lo, hi = offsets_gmem[group], offsets_gmem[group + 1]
-      aligned = lo - lax.rem(lo, _ROW_ALIGN)
-      num_steps = jnp.where(hi > lo, pl.cdiv(hi - aligned, bk), 0)
-
-      def step_rows(step):
-        # Steps start at the group's first row aligned down to 8; the last may move
-        # up to end at the last row (its rows before the unmoved start are masked).
-        return jnp.minimum(aligned + step * bk, num_rows - bk)
-
-      def index_map(step):
-        return pl.multiple_of(step_rows(step), _ROW_ALIGN), 0
-
-      def mma(idx, lhs_smem, dout_smem, acc_ref):
-        (step,) = idx
-        a = lhs_smem.at[:, pl.ds(wg_row, wm)] if tiles.wg_split == "m" else lhs_smem
-        b = dout_smem.at[:, pl.ds(wg_col, wn)] if tiles.wg_split == "n" else dout_smem
-        edge = (step == 0) | (step == num_steps - 1)
-
-        # Only the first and the last step can hold rows of other groups; each
-        # warpgroup zeroes only the slice that it alone reads.
-        @pl.when(edge)
-        def _mask():
-          _zero_rows_outside(a if tiles.wg_split == "m" else b, first_row=step_rows(step),
-                             lo=jnp.maximum(lo, aligned + step * bk), hi=hi)
-
-        return _wgmma_step(acc_ref, a.transpose((1, 0)), b)
+      rows = _GroupSteps.create(offsets_gmem[group], offsets_gmem[group + 1],
+                                num_rows=lhs_gmem.shape[0], block_k=tiles.block_k)
 
       def compute_context(run):
+        # An empty group runs no step and stores the zero-initialized accumulator.
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), jnp.float32))
         def _acc_scope(acc_ref):
           run(acc_ref)
           window = out_gmem.at[group, pl.ds(m0 + wg_row, wm), pl.ds(n0 + wg_col, wn)]
           _store_rows(acc_ref[...], o_smem.at[pl.ds(wg * wm, wm)], window, first=0, count=wm)
 
-      pipeline(mma, compute_context, num_steps, index_map)(
+      index_map = lambda step: (pl.multiple_of(rows.first_row(step), _ROW_ALIGN), 0)
+      pipeline(_drhs_mma(tiles, rows), compute_context, rows.num_steps, index_map)(
           lhs_gmem.at[:, pl.ds(m0, bm)], dout_gmem.at[:, pl.ds(n0, bn)], allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0)
@@ -628,3 +880,297 @@ def _drhs_call(lhs, dout, group_sizes, num_groups, *, out_dtype, tiles: _Tiles, 
   return _launch(kernel, jax.ShapeDtypeStruct((num_groups, contract_k, cols_n), out_dtype),
                  (offsets, _pad_rows(lhs, rows), _pad_rows(dout, rows)), num_tiles=num_tiles,
                  num_programs=num_programs, interpret=interpret, name="ragged_dot_drhs")
+
+
+# --------------------------------------------------------------------------- public functions
+
+_STATIC = (*_TUNABLE_NAMES, "preferred_element_type", "interpret", "num_programs")
+
+
+def _prepare(tunables: dict[str, Any], *, k: int, n: int, product: str, operands, out_dtype):
+  """Validates tunables and operands; returns the static tiling of the launch."""
+  validate_tunables(**tunables)
+  (a_name, a), (b_name, b) = operands
+  _check_dtype(f"{a_name}.dtype", a.dtype)
+  if a.dtype != b.dtype:
+    raise ValueError(
+        f"{a_name}.dtype={a.dtype} and {b_name}.dtype={b.dtype} differ; wgmma needs one "
+        f"element type. Cast {b_name} to {a.dtype}.")
+  out_dtype = _check_dtype("preferred_element_type", out_dtype, OUT_DTYPES)
+  check_tunables_fit(tunables, k=k, n=n, product=product, out_itemsize=out_dtype.itemsize)
+  return _Tiles(**tunables), out_dtype
+
+
+def _out_dtype(preferred_element_type: Any, like: jax.Array) -> Any:
+  return like.dtype if preferred_element_type is None else preferred_element_type
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def ragged_dot_pallas_mosaic_gpu(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    max_concurrent_steps: int,
+    wg_split: str,
+    grid_minor_dim: str,
+    grid_tile_width: int,
+    preferred_element_type: Any = None,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+    num_programs: int | None = None,
+) -> jax.Array:
+  """Computes `jax.lax.ragged_dot(lhs, rhs, group_sizes)` with a Mosaic GPU kernel (Hopper).
+
+  Args:
+    lhs: (M, K) bfloat16 or float16; K a multiple of block_k.
+    rhs: (G, K, N), the same dtype; N a multiple of block_n.
+    group_sizes: (G,) integer array (a runtime value); group g is the next
+      group_sizes[g] rows of lhs.
+    block_m, block_n, block_k, max_concurrent_steps, wg_split, grid_minor_dim,
+      grid_tile_width: the tunables (see `validate_tunables`).
+    preferred_element_type: output dtype (bfloat16, float16 or float32); defaults
+      to lhs.dtype. Accumulation is always float32.
+    interpret: run in Mosaic GPU interpret mode on any backend (True, or
+      `plgpu.InterpretGPUParams` for its options such as race detection).
+    num_programs: CTAs of the persistent grid (default: one per SM, at most one
+      per output tile).
+
+  Returns:
+    (M, N) array: row m of group g is lhs[m] @ rhs[g]; rows in no group are zero.
+
+  Raises:
+    ValueError: for mismatched shapes or dtypes, invalid tunables, or tiles that do
+      not divide K and N or overflow shared memory.
+  """
+  tunables = dict(block_m=block_m, block_n=block_n, block_k=block_k,
+                  max_concurrent_steps=max_concurrent_steps, wg_split=wg_split,
+                  grid_minor_dim=grid_minor_dim, grid_tile_width=grid_tile_width)
+  check_ragged_dot_shapes(lhs, rhs, group_sizes)
+  tiles, out_dtype = _prepare(tunables, k=lhs.shape[1], n=rhs.shape[2], product="forward",
+                              operands=(("lhs", lhs), ("rhs", rhs)),
+                              out_dtype=_out_dtype(preferred_element_type, lhs))
+  return _forward_call(lhs, rhs, group_sizes, transpose_rhs=False, out_dtype=out_dtype,
+                       tiles=tiles, num_programs=num_programs, interpret=interpret,
+                       name="ragged_dot_fwd")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def ragged_dot_dlhs_pallas_mosaic_gpu(
+    dout: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    max_concurrent_steps: int,
+    wg_split: str,
+    grid_minor_dim: str,
+    grid_tile_width: int,
+    preferred_element_type: Any = None,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+    num_programs: int | None = None,
+) -> jax.Array:
+  """Computes the lhs gradient of ragged_dot: dlhs[m] = dout[m] @ rhs[g(m)].T.
+
+  The forward kernel runs with rhs tiles read transposed by wgmma, so no transposed
+  copy of rhs is made. The output columns are K (tiled by block_n) and the
+  contraction is over N (stepped by block_k).
+
+  Args:
+    dout: (M, N) cotangent of the forward output, the same dtype as rhs.
+    rhs: (G, K, N) forward rhs; K a multiple of block_n, N of block_k.
+    group_sizes: (G,) integer array, as in the forward call.
+    block_m, block_n, block_k, max_concurrent_steps, wg_split, grid_minor_dim,
+      grid_tile_width, interpret, num_programs: as in the forward call.
+    preferred_element_type: output dtype; defaults to dout.dtype.
+
+  Returns:
+    (M, K) array; rows in no group are zero.
+
+  Raises:
+    ValueError: for mismatched shapes or dtypes, or tunables that do not fit.
+  """
+  tunables = dict(block_m=block_m, block_n=block_n, block_k=block_k,
+                  max_concurrent_steps=max_concurrent_steps, wg_split=wg_split,
+                  grid_minor_dim=grid_minor_dim, grid_tile_width=grid_tile_width)
+  if dout.ndim != 2 or rhs.ndim != 3 or dout.shape[1] != rhs.shape[2]:
+    raise ValueError(
+        f"The lhs gradient needs dout (M, N) and rhs (G, K, N) with the same N; got "
+        f"dout.shape={dout.shape} and rhs.shape={rhs.shape}.")
+  check_group_sizes(group_sizes, rhs.shape[0])
+  tiles, out_dtype = _prepare(tunables, k=rhs.shape[1], n=rhs.shape[2], product="dlhs",
+                              operands=(("dout", dout), ("rhs", rhs)),
+                              out_dtype=_out_dtype(preferred_element_type, dout))
+  return _forward_call(dout, rhs, group_sizes, transpose_rhs=True, out_dtype=out_dtype,
+                       tiles=tiles, num_programs=num_programs, interpret=interpret,
+                       name="ragged_dot_dlhs")
+
+
+@functools.partial(jax.jit, static_argnames=("num_groups", *_STATIC))
+def ragged_dot_drhs_pallas_mosaic_gpu(
+    lhs: jax.Array,
+    dout: jax.Array,
+    group_sizes: jax.Array,
+    num_groups: int,
+    *,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    max_concurrent_steps: int,
+    wg_split: str,
+    grid_minor_dim: str,
+    grid_tile_width: int,
+    preferred_element_type: Any = None,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+    num_programs: int | None = None,
+) -> jax.Array:
+  """Computes the rhs gradient of ragged_dot: drhs[g] = lhs[rows of g].T @ dout[rows of g].
+
+  One loop step per (group, K tile, N tile) runs over the group's rows in steps of
+  block_k; an empty group stores zeros.
+
+  Args:
+    lhs: (M, K) forward lhs; K a multiple of block_m.
+    dout: (M, N) cotangent of the forward output, the same dtype as lhs; N a
+      multiple of block_n.
+    group_sizes: (num_groups,) integer array, as in the forward call.
+    num_groups: G (static).
+    block_m, block_n: the drhs[g] tile (K x N); block_k: rows per pipelined step;
+      max_concurrent_steps, wg_split, grid_minor_dim, grid_tile_width, interpret,
+      num_programs: as in the forward call.
+    preferred_element_type: output dtype; defaults to lhs.dtype.
+
+  Returns:
+    (G, K, N) array.
+
+  Raises:
+    ValueError: for mismatched shapes or dtypes, or tunables that do not fit.
+  """
+  tunables = dict(block_m=block_m, block_n=block_n, block_k=block_k,
+                  max_concurrent_steps=max_concurrent_steps, wg_split=wg_split,
+                  grid_minor_dim=grid_minor_dim, grid_tile_width=grid_tile_width)
+  if lhs.ndim != 2 or dout.ndim != 2 or lhs.shape[0] != dout.shape[0]:
+    raise ValueError(
+        f"The rhs gradient needs lhs (M, K) and dout (M, N) with the same M; got "
+        f"lhs.shape={lhs.shape} and dout.shape={dout.shape}.")
+  check_group_sizes(group_sizes, num_groups)
+  tiles, out_dtype = _prepare(tunables, k=lhs.shape[1], n=dout.shape[1], product="drhs",
+                              operands=(("lhs", lhs), ("dout", dout)),
+                              out_dtype=_out_dtype(preferred_element_type, lhs))
+  return _drhs_call(lhs, dout, group_sizes, num_groups, out_dtype=out_dtype, tiles=tiles,
+                    num_programs=num_programs, interpret=interpret)
+
+
+# ---------------------------------------------------------------------------
+# Op classes: ragged_dot.pallas_mosaic_gpu and its VJP.
+
+from stellarax.core.config import config_dataclass  # noqa: E402
+from stellarax.ops import pallas_common  # noqa: E402
+from stellarax.ops.ragged_dot import base as _base  # noqa: E402
+
+
+@config_dataclass
+class PallasMosaicGpuRaggedDotConfig:
+  """Tiles, pipelining and tile order of the Mosaic GPU ragged_dot kernels (see
+  `validate_tunables`). The backward uses one config for both products."""
+
+  block_m: int
+  block_n: int
+  block_k: int
+  max_concurrent_steps: int
+  wg_split: str
+  grid_minor_dim: str
+  grid_tile_width: int
+
+  def __post_init__(self):
+    validate_tunables(**pallas_common.tunables_of(self))
+
+
+def _problem(ba) -> tuple[int, int, int, int, Any]:
+  lhs, rhs = ba.arguments["lhs"], ba.arguments["rhs"]
+  return lhs.shape[0], lhs.shape[1], rhs.shape[2], rhs.shape[0], lhs.dtype
+
+
+def _check_supported(arguments, *, backward: bool) -> None:
+  """Raises NotImplementedError for input the kernels do not take, so dispatch falls back."""
+  lhs, rhs = arguments["lhs"], arguments["rhs"]
+  dtypes = {jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype)}
+  if len(dtypes) != 1 or not dtypes <= set(SUPPORTED_DTYPES):
+    raise NotImplementedError(
+        f"lhs and rhs dtypes {sorted(map(str, dtypes))}: the Mosaic GPU kernel needs both "
+        "bfloat16 or both float16 (wgmma's 16-bit path; float32 is not supported).")
+  out = arguments["preferred_element_type"]
+  if out is not None and jnp.dtype(out) not in OUT_DTYPES:
+    raise NotImplementedError(f"preferred_element_type={out}: the Mosaic GPU kernel writes "
+                              f"one of {[str(d) for d in OUT_DTYPES]}.")
+  k, n = lhs.shape[1], rhs.shape[2]
+  if k % 64 or n % 64 or backward and k % 128:
+    need = "K a multiple of 128 and N of 64" if backward else "K and N multiples of 64"
+    raise NotImplementedError(
+        f"K={k}, N={n}: the Mosaic GPU kernel needs {need} (whole TMA tiles).")
+
+
+class PallasMosaicGpuRaggedDotVjp(pallas_common.PallasMosaicGpuOp, _base.RaggedDotVjp,
+                                  name="ragged_dot.pallas_mosaic_gpu_vjp"):
+  """ragged_dot backward in Mosaic GPU: d lhs with the forward kernel reading rhs
+  transposed, d rhs with a per-group lhs^T @ dout kernel."""
+
+  config_cls = PallasMosaicGpuRaggedDotConfig
+
+  def _canonicalize(self, arguments):
+    arguments = _base.RaggedDotVjp._canonicalize(self, arguments)
+    _check_supported(arguments, backward=True)
+    return arguments
+
+  def _fwd(self, residuals, out, dout, lhs, rhs, group_sizes, *, precision=None,
+           preferred_element_type=None, config):
+    del residuals, out, precision, preferred_element_type
+    kw = dict(interpret=self.interpret, **pallas_common.tunables_of(config))
+    dout = dout.astype(rhs.dtype)  # one 16-bit operand dtype for wgmma
+    dlhs = ragged_dot_dlhs_pallas_mosaic_gpu(dout, rhs, group_sizes,
+                                             preferred_element_type=lhs.dtype, **kw)
+    drhs = ragged_dot_drhs_pallas_mosaic_gpu(lhs, dout, group_sizes, rhs.shape[0],
+                                             preferred_element_type=rhs.dtype, **kw)
+    return {"lhs": dlhs, "rhs": drhs}
+
+  def _get_heuristics_config(self, ba):
+    return PallasMosaicGpuRaggedDotConfig(**heuristic_tunables(*_problem(ba), product="backward"))
+
+  def _get_autotuning_configs(self, ba):
+    space = tunable_space(*_problem(ba), product="backward")
+    return pallas_common.configs_from_tunables(PallasMosaicGpuRaggedDotConfig, space)
+
+
+class PallasMosaicGpuRaggedDot(pallas_common.PallasMosaicGpuOp, _base.RaggedDot,
+                               name="ragged_dot.pallas_mosaic_gpu"):
+  """ragged_dot in Mosaic GPU for Hopper: group-aligned row tiles, warp-specialized
+  TMA/wgmma pipeline, float32 accumulation. bfloat16 and float16 inputs only
+  (float32 falls back); bfloat16 products are exact, so every `precision` is met."""
+
+  config_cls = PallasMosaicGpuRaggedDotConfig
+  vjp_cls = PallasMosaicGpuRaggedDotVjp
+
+  def _canonicalize(self, arguments):
+    arguments = _base.RaggedDot._canonicalize(self, arguments)
+    _check_supported(arguments, backward=False)
+    return arguments
+
+  def _fwd(self, lhs, rhs, group_sizes, *, precision=None, preferred_element_type=None, config):
+    del precision
+    out = ragged_dot_pallas_mosaic_gpu(lhs, rhs, group_sizes,
+                                       preferred_element_type=preferred_element_type,
+                                       interpret=self.interpret,
+                                       **pallas_common.tunables_of(config))
+    return out, None
+
+  def _get_heuristics_config(self, ba):
+    return PallasMosaicGpuRaggedDotConfig(**heuristic_tunables(
+        *_problem(ba), out_dtype=ba.arguments["preferred_element_type"]))
+
+  def _get_autotuning_configs(self, ba):
+    space = tunable_space(*_problem(ba), out_dtype=ba.arguments["preferred_element_type"])
+    return pallas_common.configs_from_tunables(PallasMosaicGpuRaggedDotConfig, space)
