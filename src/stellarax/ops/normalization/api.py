@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from stellarax.core import dispatch
 
-# Tried in this order when `implementation=None` and nothing was measured.
-PREFERENCE = ("pallas_triton", "xla")
+# Tried in this order when `implementation=None` and no implementation of the
+# call was measured (measurements in the active results or caches pick the
+# fastest instead). XLA comes first until the Pallas kernels, which pass the
+# interpret-mode and lowering tests, have been checked on a GPU
+# (bench/gpu_check.sh): a kernel never run on hardware is not a safe default.
+PREFERENCE = ("xla", "pallas_triton")
 
 
 def layer_norm(x, scale, offset, *, axis=-1, epsilon=1e-6, implementation=None):
