@@ -410,3 +410,39 @@ def test_markers_in_op_name():
   assert markers_in_op_name("jit(f)/jvp()/sin") == []
   # A name cut inside its JSON, and a scope that is not a JSON object, are skipped.
   assert markers_in_op_name(f"stellarax_op={outer[:-3]}/stellarax_op=3/sin") == []
+
+
+# -- calls whose instructions JAX traced for other calls ----------------------------
+
+
+def one_call(lhs, rhs, group_sizes):
+  return jnp.sum(jnp.cos(stellarax.ragged_dot(lhs, rhs, group_sizes)))
+
+
+def two_calls(lhs, rhs, group_sizes):
+  # Same arguments, two lines: the second call reuses what JAX traced for the first.
+  first = stellarax.ragged_dot(lhs, rhs, group_sizes)
+  second = stellarax.ragged_dot(jnp.sin(lhs), rhs, group_sizes)
+  return jnp.sum(first * second)
+
+
+def test_counts_do_not_depend_on_what_else_was_compiled(tmp_path):
+  keys = jax.random.split(jax.random.key(4), 2)
+  # Awkward sizes: rows past the last group, and an empty group.
+  args = (jax.random.normal(keys[0], (29, 24)), jax.random.normal(keys[1], (3, 24, 12)),
+          jnp.array([9, 0, 17], jnp.int32))
+  # Before the profiled program is traced, other programs with the very same markers
+  # are compiled and run; JAX caches what it traced inside their op calls.
+  for other in (one_call, jax.grad(one_call, argnums=(0, 1))):
+    jax.block_until_ready(jax.jit(other)(*args))
+  step = jax.jit(jax.grad(two_calls, argnums=(0, 1)))
+  jax.block_until_ready(step(*args))  # so that the trace holds no compilation
+  with jax.profiler.trace(tmp_path):
+    for _ in range(RUNS):
+      jax.block_until_ready(step(*args))
+  grad = jax.grad(two_calls, argnums=(0, 1))
+  markers = {ba.op.name: ba.to_marker() for ba in autotuning.get_bound_args(grad, *args)}
+  calls = {call.marker: call for call in read_op_calls(tmp_path)}
+  assert {m: c.count for m, c in calls.items()} == {
+      markers["ragged_dot.xla"]: 2 * RUNS, markers["ragged_dot.xla_vjp"]: 2 * RUNS}
+  assert all(call.device_time_s > 0 for call in calls.values())

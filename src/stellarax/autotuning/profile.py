@@ -45,11 +45,16 @@ How events become op calls:
    marked with it, and then every rule here applies as to an attribute. A marker that
    some instruction kept is left to the attribute alone, so op_name changes nothing
    where XLA kept the attribute.
-3. Call sites. The call site of an instruction is its Python stack (HLO metadata)
-   without the frames of this library's modules, each run of repeated frames kept
-   once (JAX repeats the caller's frames once per transformation level in a custom
-   VJP's backward pass). So every instruction of one op call has that call's site, the
-   user code that called the op, in the forward and in the backward pass.
+3. Call sites. The call site of an instruction is its Python stack (HLO metadata) up
+   to the op's outermost frame in this library's op modules (``core``, ``ops``),
+   without the frames of its other modules, each run of repeated frames kept once.
+   What lies inside the op's frames is left out because JAX fills it from its tracing
+   caches: it repeats the caller's frames once per transformation level (a custom
+   VJP's backward pass), and where it reuses what it traced for an earlier call with
+   the same arguments (from another line, or another program compiled in the
+   process) it repeats that call's caller instead, on some instructions of the call.
+   So every instruction of one op call has that call's site, the user code that
+   called the op, in the forward and in the backward pass.
 4. Count = runs x calls, summed over the computations of every program that ran, and
    over files. The calls of a marker in a computation (the entry, or a body of a loop,
    conditional or call) add up over the distinct call sites of its marked instructions.
@@ -82,16 +87,17 @@ How events become op calls:
 Limits: the count of a site can miss calls when XLA fuses the results of several calls
 into one kernel (at least one call per site is counted), and overcounts an op whose
 implementation itself computes several results from one line in a Python loop. An op
-called from another op's implementation has the outer call's site. An op that XLA
-unrolls into a caller's loop counts per trip. A program compiled without stack
-metadata counts each marker once per computation. A marker that XLA removed from every
-instruction's attributes and op_name cannot be found. Read from op_name, calls of one op
-chained from one line (each reading the last one's result) count as one, an
-instruction that XLA created without metadata goes to no op, and a backward pass that
-JAX derives from an op's body (an op without a VJP op) counts as that op, since it
-carries the forward's scope though not its attribute. A profile without the HLO (no
-metadata plane) cannot be read: events carry instruction names, never frontend
-attributes.
+called from another op's implementation has the outer call's site. A marker put on
+outside this library's op modules keeps its whole stack, so JAX's reuse of an earlier
+trace (3) can split one of its calls into two sites. An op that XLA unrolls into a
+caller's loop counts per trip. A program compiled without stack metadata counts each
+marker once per computation. A marker that XLA removed from every instruction's
+attributes and op_name cannot be found. Read from op_name, calls of one op chained from
+one line (each reading the last one's result) count as one, an instruction that XLA
+created without metadata goes to no op, and a backward pass that JAX derives from an
+op's body (an op without a VJP op) counts as that op, since it carries the forward's
+scope though not its attribute. A profile without the HLO (no metadata plane) cannot be
+read: events carry instruction names, never frontend attributes.
 """
 
 from __future__ import annotations
@@ -128,6 +134,8 @@ _MODULE_WITH_ID = re.compile(r"^(?P<name>.*)\((?P<id>\d+)\)$")
 _TRIP_COUNT = re.compile(rb'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 # This library's package directory: frames of its modules are cut from call sites.
 _PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Its modules that run op calls (relative to _PACKAGE_ROOT): a call site ends at them.
+_OP_MODULES = ("core/", "ops/")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -582,10 +590,30 @@ def _sites(index: memoryview) -> Callable[[int], _Site]:
       stack.append((at(files, location.get(1, 0), ""),
                     at(functions, location.get(2, 0), ""), location.get(3, 0)))
       frame_id = frame.get(2, 0)
-    user = [frame for frame in reversed(stack) if not _in_library(frame[0])]
-    return _without_repeats(user), bool(stack) and _in_library(stack[0][0])
+    return _call_site(stack[::-1]), bool(stack) and _in_library(stack[0][0])
 
   return site
+
+
+def _call_site(frames: Sequence[tuple[str, str, int]]) -> tuple:
+  """The user frames of a stack (outermost first) that lead to an op's call.
+
+  The stack ends at the op's outermost frame in this library's op modules: what JAX
+  records inside an op's call can come from another call. It caches what it traced
+  inside a call (the custom VJP, its backward pass) by function and input types, so
+  an instruction of one call can carry, after the op's frames, the caller's frames of
+  an earlier call with the same arguments: from another line, or another program.
+  Frames of this library's other modules (autotuning), which may call user code that
+  calls ops, are left out and the stack goes on.
+  """
+  user = []
+  for frame in frames:
+    module = _library_module(frame[0])
+    if module is None:
+      user.append(frame)
+    elif module.startswith(_OP_MODULES):
+      break
+  return _without_repeats(user)
 
 
 def _without_repeats(frames: Sequence[tuple[str, str, int]]) -> tuple:
@@ -616,12 +644,21 @@ def _library_modules() -> frozenset[str]:
 
 
 @functools.cache
-def _in_library(file: str) -> bool:
-  """Whether a traced frame's file is a module of this library, wherever installed."""
+def _library_module(file: str) -> str | None:
+  """The library module that a traced frame's file is, wherever installed.
+
+  Returns its path relative to the package directory, or None for any other file.
+  """
   file = file.replace("\\", "/")
   marker = f"/{_PACKAGE_ROOT.name}/"
   starts = [m.end() for m in re.finditer(re.escape(marker), file)]
-  return any(file[start:] in _library_modules() for start in starts)
+  return next((file[start:] for start in starts if file[start:] in _library_modules()),
+              None)
+
+
+def _in_library(file: str) -> bool:
+  """Whether a traced frame's file is a module of this library, wherever installed."""
+  return _library_module(file) is not None
 
 
 def _restore_lost_markers(computations: _Computations) -> _Computations:
