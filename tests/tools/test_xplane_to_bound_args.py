@@ -79,3 +79,16 @@ def test_profile_without_ops_is_a_clear_error(tmp_path):
     jax.block_until_ready(f(jnp.ones(8)))
   code = xplane_to_bound_args.main([f"--xplane_file={folder}", f"--output_file={tmp_path / 'o.json'}"])
   assert code == 2
+
+
+def test_profile_from_another_version_is_a_clear_error(tmp_path, capsys):
+  from jax.experimental.xla_metadata import xla_metadata_call2
+  marker = json.dumps({"op": {"name": "ragged_dot.removed_backend", "fields": {}}, "arguments": {}})
+  f = jax.jit(xla_metadata_call2(lambda x: jnp.tanh(x) * 3, {"stellarax_op": marker}))
+  folder = tmp_path / "old"
+  with jax.profiler.trace(str(folder)):
+    jax.block_until_ready(f(jnp.ones(16)))
+  code = xplane_to_bound_args.main([f"--xplane_file={folder}", f"--output_file={tmp_path / 'o.json'}"])
+  assert code == 2
+  err = capsys.readouterr().err
+  assert "another version" in err and "ragged_dot.removed_backend" in err
