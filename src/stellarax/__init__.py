@@ -16,6 +16,8 @@ from stellarax.ops.attention.api import dot_product_attention as dot_product_att
 from stellarax.ops.attention.base import XlaAttention as XlaAttention
 from stellarax.ops.attention.base import XlaAttentionVjp as XlaAttentionVjp
 from stellarax.ops.attention.base import XlaChunkedAttention as XlaChunkedAttention
+from stellarax.ops.attention.pallas_mosaic_gpu import PallasMosaicGpuAttention as PallasMosaicGpuAttention
+from stellarax.ops.attention.pallas_mosaic_gpu import PallasMosaicGpuAttentionVjp as PallasMosaicGpuAttentionVjp
 from stellarax.ops.attention.pallas_triton import PallasTritonAttention as PallasTritonAttention
 from stellarax.ops.attention.pallas_triton import PallasTritonAttentionVjp as PallasTritonAttentionVjp
 from stellarax.ops.gated_linear_unit.api import gated_linear_unit as gated_linear_unit

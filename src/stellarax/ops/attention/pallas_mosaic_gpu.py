@@ -1,0 +1,1175 @@
+"""Flash attention, forward and backward, as Pallas Mosaic GPU kernels for Hopper (sm_90).
+
+Semantics are those of `jax.nn.dot_product_attention` in the BTNH layout (see
+reference.py) for the inputs these kernels take: query (B, T, N, H), key and value
+(B, S, K, H) in bfloat16 or float16, H in (64, 128, 256), N a multiple of K (GQA/MQA:
+query head n reads kv head n // (N // K)), a scale and `is_causal` (key j <= query i,
+aligned at the top left as in jax). Bias, boolean masks, sequence lengths and local
+windows are not supported: the op classes raise NotImplementedError for them, so
+dispatch falls back to the next implementation (Pallas Triton, XLA).
+
+Forward (FlashAttention-3 layout). One CTA per (query tile, head, batch). Each of its
+`num_compute_wgs` compute warpgroups owns `block_q` query rows; one more warpgroup (the
+memory warpgroup) streams the K and V tiles of the kv head through a ring of
+`num_stages` shared-memory slots with TMA, guarded by "ready" and "free" mbarriers, so
+copies overlap the math. K/V are addressed per kv head, never repeated for GQA. A
+compute warpgroup computes S = Q K^T with wgmma (both operands in shared memory), keeps
+an online softmax in base 2 in float32 registers and accumulates O += P V with P taken
+from registers. With two compute warpgroups a shared "schedule" barrier makes them take
+turns (ping-pong), so one's softmax overlaps the other's matmuls. Causal masking visits
+only the key blocks up to the diagonal, and only the blocks that cross it are masked;
+the grid runs the longest query tiles first so the short ones fill the tail of the
+launch.
+
+Backward. delta = rowsum(O * dO) and the base-2 log-sum-exp are computed in XLA (they
+are cheap and memory bound); then two kernels, no atomics, so gradients are bit
+reproducible:
+- dK/dV: one CTA per (key tile, kv head, batch). Each compute warpgroup owns
+  `block_kv_dkv` keys and loops over every query head of its GQA group and every query
+  tile that sees those keys; the memory warpgroup streams Q, dO, lse and delta tiles.
+  dK and dV are summed over the group in registers. With `split_dkdv` two launches
+  compute dV and dK apart (one accumulator each), for head dim 256, whose two
+  accumulators do not fit in registers together.
+- dQ: one CTA per (query tile, head, batch), streaming K and V like the forward.
+
+Sequence lengths that are not multiples of the blocks are padded in the wrapper (only
+then): padded keys are masked in the forward and the dQ kernel; padded query rows get
+lse = +inf in the backward, so they give probability 0 and add nothing to dK/dV.
+
+Interpret mode. With `interpret=True` the kernels run in the Mosaic GPU interpreter
+(`plgpu.InterpretGPUParams`) on any backend, with simulated warpgroups, TMA copies and
+mbarriers: the barrier protocol, indexing and masking are the GPU code. The interpreter
+runs wgmma only with both operands in shared memory and only into a fresh accumulator
+(it cannot interpret `pl.run_state` nor a register left-hand operand). In interpret mode
+register operands (P, dS) are therefore first stored to a shared-memory tile and each
+product is added to the accumulator in registers (`_Mma(staged=True)`); on the GPU they
+go to wgmma directly and accumulate in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from stellarax.core.config import config_dataclass
+from stellarax.ops import pallas_common
+from stellarax.ops.attention import base as _base
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+# wgmma works on 64-row tiles per warpgroup; K/V tiles are TMA boxes of 64-row multiples.
+_BLOCK_Q_CHOICES = (64, 128)
+_BLOCK_KV_CHOICES = (64, 128, 192, 256)
+_BLOCK_KV_DKV_CHOICES = (64, 128)
+_NUM_COMPUTE_WGS_CHOICES = (1, 2)
+_NUM_STAGES_RANGE = (2, 4)
+
+# Largest dynamic shared memory one block may use on sm_90 (H100/H200): 227 KiB, less
+# what Mosaic GPU keeps for itself (cross-warp reduction scratch, barriers, alignment).
+_SMEM_LIMIT_BYTES = 232448 - 4096
+# Registers per thread given to the memory warpgroup and, out of the 64 Ki register
+# file, to each compute warpgroup (setmaxnreg takes multiples of 8, at most 240).
+_MEMORY_REGISTERS = 40
+_COMPUTE_REGISTERS = {1: 240, 2: 232}
+# Registers a compute thread needs besides its tiles (addresses, counters, row stats);
+# used only to prune search spaces.
+_REGISTER_OVERHEAD = 24
+
+
+# --------------------------------------------------------------------------------------
+# Tunables
+# --------------------------------------------------------------------------------------
+
+
+def _check_choice(name: str, value: Any, choices: Sequence[int], why: str) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or value not in choices:
+    raise ValueError(f"{name}={value!r} must be one of {tuple(choices)} ({why}).")
+
+
+def _check_common(num_compute_wgs: Any, num_stages: Any) -> None:
+  _check_choice("num_compute_wgs", num_compute_wgs, _NUM_COMPUTE_WGS_CHOICES,
+                "compute warpgroups per CTA besides the memory warpgroup")
+  lo, hi = _NUM_STAGES_RANGE
+  _check_choice("num_stages", num_stages, range(lo, hi + 1),
+                "shared-memory ring slots of the TMA pipeline; 2 or more overlap copies"
+                " with math")
+
+
+def _check_bool(name: str, value: Any) -> None:
+  if not isinstance(value, bool):
+    raise ValueError(f"{name}={value!r} must be a bool.")
+
+
+def check_fwd_tunables(*, block_q: int, block_kv: int, num_compute_wgs: int, num_stages: int,
+                       schedule_barrier: bool) -> None:
+  """Checks forward tunables, independent of the input shape.
+
+  Args:
+    block_q: query rows per compute warpgroup (64 or 128).
+    block_kv: keys per pipeline step (a multiple of 64 up to 256).
+    num_compute_wgs: compute warpgroups per CTA (1 or 2).
+    num_stages: shared-memory slots of the K/V ring (2 to 4).
+    schedule_barrier: make two compute warpgroups alternate (ping-pong).
+
+  Raises:
+    ValueError: naming the bad value and the accepted ones.
+  """
+  _check_choice("block_q", block_q, _BLOCK_Q_CHOICES,
+                "query rows per compute warpgroup, whole 64-row wgmma tiles")
+  _check_choice("block_kv", block_kv, _BLOCK_KV_CHOICES,
+                "keys per step, whole 64-row swizzled tiles, at most the 256 wgmma columns")
+  _check_common(num_compute_wgs, num_stages)
+  _check_bool("schedule_barrier", schedule_barrier)
+  if schedule_barrier and num_compute_wgs != 2:
+    raise ValueError(
+        f"schedule_barrier=True makes two compute warpgroups take turns, so it needs"
+        f" num_compute_wgs=2, got {num_compute_wgs=}; pass schedule_barrier=False.")
+
+
+def check_bwd_tunables(*, block_q_dkv: int, block_kv_dkv: int, block_q_dq: int,
+                       block_kv_dq: int, num_compute_wgs: int, num_stages: int,
+                       split_dkdv: bool) -> None:
+  """Checks backward tunables, independent of the input shape.
+
+  Args:
+    block_q_dkv: query rows per step of the dK/dV kernel (64 or 128).
+    block_kv_dkv: keys per compute warpgroup of the dK/dV kernel (64 or 128).
+    block_q_dq: query rows per compute warpgroup of the dQ kernel (64 or 128).
+    block_kv_dq: keys per step of the dQ kernel (a multiple of 64 up to 256).
+    num_compute_wgs: compute warpgroups per CTA of both kernels (1 or 2).
+    num_stages: shared-memory ring slots of both kernels (2 to 4).
+    split_dkdv: compute dV and dK in two launches with one accumulator each.
+
+  Raises:
+    ValueError: naming the bad value and the accepted ones.
+  """
+  _check_choice("block_q_dkv", block_q_dkv, _BLOCK_Q_CHOICES,
+                "query rows per step, whole 64-row swizzled tiles")
+  _check_choice("block_kv_dkv", block_kv_dkv, _BLOCK_KV_DKV_CHOICES,
+                "keys per compute warpgroup, whole 64-row wgmma tiles")
+  _check_choice("block_q_dq", block_q_dq, _BLOCK_Q_CHOICES,
+                "query rows per compute warpgroup, whole 64-row wgmma tiles")
+  _check_choice("block_kv_dq", block_kv_dq, _BLOCK_KV_CHOICES,
+                "keys per step, whole 64-row swizzled tiles, at most the 256 wgmma columns")
+  _check_common(num_compute_wgs, num_stages)
+  _check_bool("split_dkdv", split_dkdv)
+
+
+@config_dataclass
+class PallasMosaicGpuAttentionConfig:
+  """Tunables of the Mosaic GPU flash attention forward (see check_fwd_tunables)."""
+
+  block_q: int
+  block_kv: int
+  num_compute_wgs: int
+  num_stages: int
+  schedule_barrier: bool
+
+  def __post_init__(self):
+    check_fwd_tunables(**pallas_common.tunables_of(self))
+
+
+@config_dataclass
+class PallasMosaicGpuAttentionVjpConfig:
+  """Tunables of the Mosaic GPU flash attention backward (see check_bwd_tunables)."""
+
+  block_q_dkv: int
+  block_kv_dkv: int
+  block_q_dq: int
+  block_kv_dq: int
+  num_compute_wgs: int
+  num_stages: int
+  split_dkdv: bool
+
+  def __post_init__(self):
+    check_bwd_tunables(**pallas_common.tunables_of(self))
+
+
+# --------------------------------------------------------------------------------------
+# Static problem description and input checks
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Problem:
+  """Everything static about one call except the tunables (T and S unpadded)."""
+
+  t: int
+  s: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  dtype: jnp.dtype
+  scale: float
+  causal: bool
+
+  @property
+  def group(self) -> int:
+    return self.num_heads // self.num_kv_heads
+
+
+def _make_problem(query: Any, key: Any, value: Any, scale: float | None,
+                  is_causal: bool) -> _Problem:
+  """Validates query/key/value (arrays or ShapeDtypeStructs) and describes the call."""
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if len(x.shape) != 4:
+      raise ValueError(f"{name} has shape {tuple(x.shape)}; expected 4 dims (BTNH / BSKH).")
+  b, t, n, h = query.shape
+  _, s, k, _ = key.shape
+  if key.shape[0] != b or key.shape[3] != h or tuple(value.shape) != tuple(key.shape):
+    raise ValueError(f"Incompatible shapes query={tuple(query.shape)}, key={tuple(key.shape)},"
+                     f" value={tuple(value.shape)}: expected (B, T, N, H), (B, S, K, H),"
+                     f" (B, S, K, H).")
+  dtype = jnp.dtype(query.dtype)
+  if not dtype == jnp.dtype(key.dtype) == jnp.dtype(value.dtype) or dtype not in SUPPORTED_DTYPES:
+    raise ValueError(f"query/key/value dtypes {query.dtype}/{key.dtype}/{value.dtype} must be"
+                     f" equal and one of {[str(d) for d in SUPPORTED_DTYPES]} (wgmma"
+                     f" operands); cast them first.")
+  if h not in SUPPORTED_HEAD_DIMS:
+    raise ValueError(f"head dim H={h} is not supported; expected one of {SUPPORTED_HEAD_DIMS}."
+                     f" Pad the head dim or use another implementation.")
+  if n % k:
+    raise ValueError(f"The number of query heads N={n} must be a multiple of the number of"
+                     f" kv heads K={k}.")
+  if t < 1 or s < 1:
+    raise ValueError(f"Empty sequences are not supported: T={t}, S={s}.")
+  scale = 1.0 / math.sqrt(h) if scale is None else float(scale)
+  return _Problem(t=t, s=s, num_heads=n, num_kv_heads=k, head_dim=h, dtype=dtype,
+                  scale=scale, causal=bool(is_causal))
+
+
+# --------------------------------------------------------------------------------------
+# Kernel building blocks (traced inside kernels)
+# --------------------------------------------------------------------------------------
+
+
+def _tiled(dtype: Any, cols: int) -> tuple[Any, ...]:
+  """SMEM transforms of a (rows, cols) wgmma/TMA tile: 8-row tiles, widest swizzle."""
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = plgpu.find_swizzle(cols * itemsize * 8)
+  return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def _cdiv(x: Any, d: int) -> Any:
+  """Ceiling division of a non-negative traced or static int."""
+  return lax.div(x + (d - 1), d) if isinstance(x, jax.Array) else -(-x // d)
+
+
+def _round_up(x: int, multiple: int) -> int:
+  return -(-x // multiple) * multiple
+
+
+def _rows(x: jax.Array, shape: tuple[int, int]) -> jax.Array:
+  """Broadcasts a per-row vector over the columns of a tile."""
+  return lax.broadcast_in_dim(x, shape, [0])
+
+
+def _cols(x: jax.Array, shape: tuple[int, int]) -> jax.Array:
+  """Broadcasts a per-column vector over the rows of a tile."""
+  return lax.broadcast_in_dim(x, shape, [1])
+
+
+def _zeros(shape: tuple[int, ...]) -> jax.Array:
+  layout = plgpu.Layout.WGMMA if len(shape) == 2 else plgpu.Layout.WGMMA.reduce(1)
+  return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), layout)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mma:
+  """How tiles reach wgmma (see "Interpret mode" in the module docstring).
+
+  Attributes:
+    staged: store register left operands to shared memory and add every product to
+      the accumulator in registers (what the interpreter supports); otherwise feed
+      registers to wgmma directly and accumulate in place (the GPU path).
+  """
+
+  staged: bool
+
+  def product(self, a: Any, b: Any, shape: tuple[int, int],
+              while_running: Callable[[], None] | None = None) -> jax.Array:
+    """a @ b in float32 for shared-memory operands; `while_running` runs between
+    issuing the wgmma and waiting for it."""
+
+    def body(acc_ref):
+      plgpu.wgmma(acc_ref, a, b)
+      if while_running is not None:
+        while_running()
+      return acc_ref[...]
+
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+  def accumulate(self, acc: jax.Array, a: jax.Array, b: Any, stage: Any) -> jax.Array:
+    """acc + a @ b for a register tile `a`, a shared-memory `b` and a float32 `acc`.
+
+    `stage` is a shared-memory tile of a's shape and dtype, used only when staged.
+    """
+    if self.staged:
+      stage[...] = a
+      plgpu.commit_smem()  # Make the stores visible to wgmma (the async proxy).
+      return acc + self.product(stage, b, acc.shape)
+
+    def body(acc_ref):
+      plgpu.wgmma(acc_ref, a, b)
+
+    return pl.run_state(body)(plgpu.ACC.init(acc))
+
+
+class _PingPong:
+  """The schedule barrier of two compute warpgroups; a no-op without one.
+
+  Each `sync` (or `arrive` + `wait`) waits until both warpgroups reach it, so the two
+  alternate between matmuls and softmax. Both must pass the same number of phases.
+  """
+
+  def __init__(self, barrier: Any):
+    self._barrier = barrier
+
+  def arrive(self) -> None:
+    if self._barrier is not None:
+      plgpu.barrier_arrive(self._barrier)
+
+  def wait(self) -> None:
+    if self._barrier is not None:
+      plgpu.barrier_wait(self._barrier)
+
+  def sync(self) -> None:
+    self.arrive()
+    self.wait()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stream:
+  """Tiles the memory warpgroup copies together into one slot of their rings.
+
+  Attributes:
+    sources: step -> [(GMEM ref view, SMEM ring)] for the tiles of that step.
+    ready: (stages,) barriers, one arrival per copy: the slot's tiles landed.
+    free: (stages,) barriers, one arrival per compute warpgroup: the slot is reusable.
+  """
+
+  sources: Callable[[Any], list[tuple[Any, Any]]]
+  ready: Any
+  free: Any
+
+  def fill(self, step: Any, slot: Any) -> None:
+    for src, ring in self.sources(step):
+      plgpu.copy_gmem_to_smem(src, ring.at[slot], self.ready.at[slot])
+
+  def acquire(self, slot: Any) -> None:
+    plgpu.barrier_wait(self.ready.at[slot])
+
+  def release(self, slot: Any) -> None:
+    plgpu.barrier_arrive(self.free.at[slot])
+
+
+def _produce(streams: Sequence[_Stream], num_steps: Any, stages: int) -> None:
+  """The memory warpgroup: fills slot step % stages for every step of every stream."""
+
+  static = isinstance(num_steps, int)
+  minimum = min if static else jnp.minimum
+  maximum = max if static else jnp.maximum
+
+  @pl.loop(0, minimum(num_steps, stages))
+  def _prologue(step):
+    for stream in streams:
+      stream.fill(step, step)
+
+  @pl.loop(stages, num_steps)
+  def _steady(step):
+    slot = lax.rem(step, stages)
+    for stream in streams:
+      plgpu.barrier_wait(stream.free.at[slot])
+      stream.fill(step, slot)
+
+  # Wait for the last frees as well: every thread that waits on a barrier must observe
+  # all its phases (the interpreter checks this; on the GPU it only delays the exit).
+  @pl.loop(maximum(num_steps - stages, 0), num_steps)
+  def _drain(step):
+    for stream in streams:
+      plgpu.barrier_wait(stream.free.at[lax.rem(step, stages)])
+
+
+def _key_blocks(p: _Problem, q0: Any, rows: int, bk: int) -> tuple[Any, Any]:
+  """Key blocks for query rows [q0, q0 + rows): (full, end).
+
+  Blocks [0, full) are kept whole; blocks [full, end) need the mask (causal diagonal,
+  or keys past S in the last block); later blocks hold no kept key.
+  """
+  if not p.causal:
+    return p.s // bk, _cdiv(p.s, bk)
+  end = _cdiv(jnp.minimum(q0 + rows, p.s), bk)
+  full = jnp.minimum(lax.div(q0 + 1, bk), p.s // bk)
+  return full, end
+
+
+def _query_blocks(p: _Problem, k0: Any, keys: int, bq: int, num_q_blocks: int):
+  """Query blocks that see keys [k0, k0 + keys): (first, first_full).
+
+  Blocks [first, first_full) see them through the causal mask, blocks
+  [first_full, num_q_blocks) see all of them.
+  """
+  if not p.causal:
+    return 0, 0
+  first = jnp.minimum(lax.div(k0, bq), num_q_blocks)
+  first_full = jnp.minimum(_cdiv(k0 + keys - 1, bq), num_q_blocks)
+  return first, first_full
+
+
+def _keep(shape: tuple[int, int], row0: Any, col0: Any, *, rows_are_queries: bool,
+          causal: bool, num_keys: int | None) -> jax.Array:
+  """Kept (query, key) pairs of a tile whose rows start at row0 and columns at col0.
+
+  Args:
+    num_keys: keys at or past it are dropped (None: no limit).
+  """
+  rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
+  cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + col0
+  q_pos, k_pos = (rows, cols) if rows_are_queries else (cols, rows)
+  keep = jnp.ones(shape, jnp.bool_)
+  if causal:
+    keep = keep & (k_pos <= q_pos)
+  if num_keys is not None:
+    keep = keep & (k_pos < num_keys)
+  return keep
+
+
+def _store_tiles(copies: Sequence[tuple[Any, jax.Array, Any]]) -> None:
+  """Writes register tiles to GMEM through their SMEM tiles: [(smem, value, gmem)]."""
+  for smem, value, _ in copies:
+    smem[...] = value
+  plgpu.commit_smem()
+  for smem, _, gmem in copies:
+    plgpu.copy_smem_to_gmem(smem, gmem)
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _pad_seq(x: jax.Array, length: int, value: float = 0.0, axis: int = 1) -> jax.Array:
+  """Pads axis `axis` of x to `length` with `value` (no copy when already there)."""
+  if x.shape[axis] == length:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, length - x.shape[axis])
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _interpret_params(interpret: bool) -> Any:
+  return plgpu.InterpretGPUParams() if interpret else None
+
+
+# --------------------------------------------------------------------------------------
+# Forward kernel
+# --------------------------------------------------------------------------------------
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, q_smem, k_ring, v_ring, stage,
+                lse_smem, q_ready, k_ready, v_ready, k_free, v_free, sched,
+                p: _Problem, c: PallasMosaicGpuAttentionConfig, mma: _Mma):
+  num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q, c.block_kv, c.num_stages
+  b, h, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+  rows = num_wgs * bq
+  num_q_tiles = q_ref.shape[1] // rows
+  tile = lax.axis_index("q_tiles")
+  # Causal rows further down see more keys: run those first.
+  cta_q0 = ((num_q_tiles - 1 - tile) if p.causal else tile) * rows
+  _, cta_end = _key_blocks(p, cta_q0, rows, bk)
+  kv_head = lax.div(h, p.group)
+  kv_rows = lambda step: (b, pl.ds(step * bk, bk), kv_head)
+  k_stream = _Stream(lambda step: [(k_ref.at[kv_rows(step)], k_ring)], k_ready, k_free)
+  v_stream = _Stream(lambda step: [(v_ref.at[kv_rows(step)], v_ring)], v_ready, v_free)
+  pingpong = _PingPong(sched)
+
+  @pl.when(wg < num_wgs)
+  def _compute():
+    plgpu.set_max_registers(_COMPUTE_REGISTERS[num_wgs], action="increase")
+    q0 = cta_q0 + wg * bq
+    q_tile = q_smem.at[wg]
+    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_tile, q_ready.at[wg])
+    plgpu.barrier_wait(q_ready.at[wg])
+
+    def step(kb, carry, masked):
+      acc, m, l = carry
+      slot = lax.rem(kb, stages)
+      k_stream.acquire(slot)
+      s = mma.product(q_tile, k_ring.at[slot].T, (bq, bk), while_running=pingpong.sync)
+      k_stream.release(slot)
+      s = s * (p.scale * _LOG2E)  # base-2 logits: exp2 is the native instruction.
+      if masked:
+        keep = _keep((bq, bk), q0, kb * bk, rows_are_queries=True, causal=p.causal,
+                     num_keys=p.s)
+        s = jnp.where(keep, s, -jnp.inf)
+      m_new = jnp.maximum(m, s.max(axis=1))
+      # Block 0 holds key 0, kept for every row, so m_new is finite from the first step.
+      alpha = jnp.exp2(m - m_new)
+      probs = jnp.exp2(s - _rows(m_new, s.shape))
+      l = l * alpha + probs.sum(axis=1)
+      acc = acc * _rows(alpha, acc.shape)
+      pingpong.arrive()  # Softmax done: the other warpgroup may use the tensor cores.
+      v_stream.acquire(slot)
+      pingpong.wait()
+      acc = mma.accumulate(acc, probs.astype(p.dtype), v_ring.at[slot], _stage(stage, wg))
+      v_stream.release(slot)
+      return acc, m_new, l
+
+    def skip(kb, _):
+      # Blocks the CTA loads for its other warpgroup: free them, keep the turns.
+      slot = lax.rem(kb, stages)
+      k_stream.acquire(slot)
+      k_stream.release(slot)
+      pingpong.sync()
+      pingpong.arrive()
+      v_stream.acquire(slot)
+      pingpong.wait()
+      v_stream.release(slot)
+
+    full, end = _key_blocks(p, q0, bq, bk)
+    carry = (_zeros((bq, p.head_dim)),
+             plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
+                               plgpu.Layout.WGMMA.reduce(1)),
+             _zeros((bq,)))
+    pl.when(wg == 1)(pingpong.sync)  # Warpgroup 1 starts one turn behind.
+    carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
+    acc, m, l = lax.fori_loop(full, end, functools.partial(step, masked=True), carry)
+    lax.fori_loop(end, cta_end, skip, None)
+    pl.when(wg == 0)(pingpong.sync)
+
+    out = (acc / _rows(l, acc.shape)).astype(p.dtype)
+    lse = (m + jnp.log2(l)) * _LN2
+    _store_tiles([(q_tile, out, o_ref.at[b, pl.ds(q0, bq), h]),
+                  (lse_smem.at[wg], lse, lse_ref.at[b, h, pl.ds(q0, bq)])])
+
+  @pl.when(wg == num_wgs)
+  def _memory():
+    plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+    _produce([k_stream, v_stream], cta_end, stages)
+
+
+def _stage(stage: Any, wg: Any) -> Any:
+  return None if stage is None else stage.at[wg]
+
+
+def _barrier(num_barriers: int, num_arrivals: int = 1) -> Any:
+  return plgpu.Barrier(num_arrivals=num_arrivals, num_barriers=num_barriers)
+
+
+@functools.partial(jax.jit, static_argnames=("p", "c", "interpret"))
+def _fwd(query, key, value, *, p: _Problem, c: PallasMosaicGpuAttentionConfig,
+         interpret: bool):
+  b, _, n, h = query.shape
+  num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q, c.block_kv, c.num_stages
+  t_pad, s_pad = _round_up(p.t, num_wgs * bq), _round_up(p.s, bk)
+  q, k, v = _pad_seq(query, t_pad), _pad_seq(key, s_pad), _pad_seq(value, s_pad)
+  scratch = dict(
+      q_smem=plgpu.SMEM((num_wgs, bq, h), p.dtype, transforms=_tiled(p.dtype, h)),
+      k_ring=plgpu.SMEM((stages, bk, h), p.dtype, transforms=_tiled(p.dtype, h)),
+      v_ring=plgpu.SMEM((stages, bk, h), p.dtype, transforms=_tiled(p.dtype, h)),
+      stage=(plgpu.SMEM((num_wgs, bq, bk), p.dtype, transforms=_tiled(p.dtype, bk))
+             if interpret else None),
+      lse_smem=plgpu.SMEM((num_wgs, bq), jnp.float32),
+      q_ready=_barrier(num_wgs),
+      k_ready=_barrier(stages), v_ready=_barrier(stages),
+      k_free=_barrier(stages, num_wgs), v_free=_barrier(stages, num_wgs),
+      sched=_barrier(1, 2) if c.schedule_barrier else None,
+  )
+  kernel = functools.partial(_fwd_kernel, p=p, c=c, mma=_Mma(staged=interpret))
+  out, lse = plgpu.kernel(
+      lambda *refs, **smem: kernel(*refs, **smem),
+      out_type=(jax.ShapeDtypeStruct(q.shape, p.dtype),
+                jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32)),
+      scratch_types=scratch,
+      grid=(n, b, t_pad // (num_wgs * bq)),
+      grid_names=("heads", "batch", "q_tiles"),
+      num_threads=num_wgs + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=_interpret_params(interpret),
+      kernel_name="stellarax_attention_fwd",
+  )(q, k, v)
+  return out[:, :p.t], lse[:, :, :p.t]
+
+
+def attention_fwd_pallas_mosaic_gpu(query, key, value, *, scale: float | None = None,
+                                    is_causal: bool = False, block_q: int, block_kv: int,
+                                    num_compute_wgs: int, num_stages: int,
+                                    schedule_barrier: bool, interpret: bool = False):
+  """Flash attention forward with the semantics of jax.nn.dot_product_attention.
+
+  Args:
+    query: (B, T, N, H) bfloat16 or float16; H in (64, 128, 256).
+    key: (B, S, K, H), same dtype; N must be a multiple of K.
+    value: (B, S, K, H), same dtype.
+    scale: logit scale; default 1 / sqrt(H).
+    is_causal: keep only keys j <= query position i.
+    block_q, block_kv, num_compute_wgs, num_stages, schedule_barrier: tunables, see
+      check_fwd_tunables.
+    interpret: run in the Mosaic GPU interpreter (any backend; for tests).
+
+  Returns:
+    (out, lse): out (B, T, N, H) in query's dtype; lse (B, N, T) float32, the
+    natural-log log-sum-exp of each row's scaled, masked logits.
+
+  Raises:
+    ValueError: for unsupported shapes, dtypes or tunables.
+  """
+  c = PallasMosaicGpuAttentionConfig(block_q=block_q, block_kv=block_kv,
+                                     num_compute_wgs=num_compute_wgs, num_stages=num_stages,
+                                     schedule_barrier=schedule_barrier)
+  p = _make_problem(query, key, value, scale, is_causal)
+  return _fwd(query, key, value, p=p, c=c, interpret=bool(interpret))
+
+
+# --------------------------------------------------------------------------------------
+# Backward kernels
+# --------------------------------------------------------------------------------------
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref, *, q_smem, do_smem,
+               lse_smem, delta_smem, k_ring, v_ring, stage, rows_ready, k_ready, v_ready,
+               k_free, v_free, p: _Problem, c: PallasMosaicGpuAttentionVjpConfig, mma: _Mma):
+  num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q_dq, c.block_kv_dq, c.num_stages
+  b, h, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+  rows = num_wgs * bq
+  num_q_tiles = q_ref.shape[1] // rows
+  tile = lax.axis_index("q_tiles")
+  cta_q0 = ((num_q_tiles - 1 - tile) if p.causal else tile) * rows
+  _, cta_end = _key_blocks(p, cta_q0, rows, bk)
+  kv_head = lax.div(h, p.group)
+  kv_rows = lambda step: (b, pl.ds(step * bk, bk), kv_head)
+  k_stream = _Stream(lambda step: [(k_ref.at[kv_rows(step)], k_ring)], k_ready, k_free)
+  v_stream = _Stream(lambda step: [(v_ref.at[kv_rows(step)], v_ring)], v_ready, v_free)
+
+  @pl.when(wg < num_wgs)
+  def _compute():
+    plgpu.set_max_registers(_COMPUTE_REGISTERS[num_wgs], action="increase")
+    q0 = cta_q0 + wg * bq
+    q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
+    row_slice = (b, pl.ds(q0, bq), h)
+    for src, dst in ((q_ref.at[row_slice], q_tile), (do_ref.at[row_slice], do_tile),
+                     (lse2_ref.at[b, h, pl.ds(q0, bq)], lse_smem.at[wg]),
+                     (delta_ref.at[b, h, pl.ds(q0, bq)], delta_smem.at[wg])):
+      plgpu.copy_gmem_to_smem(src, dst, rows_ready.at[wg])
+    plgpu.barrier_wait(rows_ready.at[wg])
+    lse2 = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+    delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+
+    def step(kb, dq, masked):
+      slot = lax.rem(kb, stages)
+      k_stream.acquire(slot)
+      s = mma.product(q_tile, k_ring.at[slot].T, (bq, bk))
+      v_stream.acquire(slot)
+      dp = mma.product(do_tile, v_ring.at[slot].T, (bq, bk))
+      v_stream.release(slot)
+      probs = jnp.exp2(s * (p.scale * _LOG2E) - _rows(lse2, s.shape))
+      if masked:
+        keep = _keep((bq, bk), q0, kb * bk, rows_are_queries=True, causal=p.causal,
+                     num_keys=p.s)
+        probs = jnp.where(keep, probs, 0.0)
+      ds = probs * (dp - _rows(delta, dp.shape))
+      dq = mma.accumulate(dq, ds.astype(p.dtype), k_ring.at[slot], _stage(stage, wg))
+      k_stream.release(slot)
+      return dq
+
+    def skip(kb, _):
+      slot = lax.rem(kb, stages)
+      for stream in (k_stream, v_stream):
+        stream.acquire(slot)
+        stream.release(slot)
+
+    full, end = _key_blocks(p, q0, bq, bk)
+    dq = lax.fori_loop(0, full, functools.partial(step, masked=False), _zeros((bq, p.head_dim)))
+    dq = lax.fori_loop(full, end, functools.partial(step, masked=True), dq)
+    lax.fori_loop(end, cta_end, skip, None)
+    _store_tiles([(q_tile, (dq * p.scale).astype(p.dtype), dq_ref.at[row_slice])])
+
+  @pl.when(wg == num_wgs)
+  def _memory():
+    plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+    _produce([k_stream, v_stream], cta_end, stages)
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *out_refs, k_smem, v_smem,
+                 q_ring, do_ring, lse_ring, delta_ring, stage, kv_ready, ready, free,
+                 p: _Problem, c: PallasMosaicGpuAttentionVjpConfig, mma: _Mma,
+                 grads: tuple[str, ...]):
+  """dK and/or dV (`grads`) of one key tile per compute warpgroup, summed over the group."""
+  num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q_dkv, c.block_kv_dkv, c.num_stages
+  b, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+  want_dk = "dk" in grads
+  num_q_blocks = q_ref.shape[1] // bq
+  cta_k0 = lax.axis_index("kv_tiles") * (num_wgs * bk)
+  cta_first, _ = _query_blocks(p, cta_k0, num_wgs * bk, bq, num_q_blocks)
+  # The CTA's steps run over (query head of the group, query block >= cta_first).
+  per_head = num_q_blocks - cta_first
+
+  def sources(step):
+    g = lax.div(step, per_head)
+    q0 = (cta_first + step - g * per_head) * bq
+    head = kv_head * p.group + g
+    rows, vec = (b, pl.ds(q0, bq), head), (b, head, pl.ds(q0, bq))
+    tiles = [(q_ref.at[rows], q_ring), (do_ref.at[rows], do_ring), (lse2_ref.at[vec], lse_ring)]
+    return tiles + ([(delta_ref.at[vec], delta_ring)] if want_dk else [])
+
+  stream = _Stream(sources, ready, free)
+
+  @pl.when(wg < num_wgs)
+  def _compute():
+    plgpu.set_max_registers(_COMPUTE_REGISTERS[num_wgs], action="increase")
+    k0 = cta_k0 + wg * bk
+    k_tile, v_tile = k_smem.at[wg], None if v_smem is None else v_smem.at[wg]
+    keys = (b, pl.ds(k0, bk), kv_head)
+    plgpu.copy_gmem_to_smem(k_ref.at[keys], k_tile, kv_ready.at[wg])
+    if want_dk:
+      plgpu.copy_gmem_to_smem(v_ref.at[keys], v_tile, kv_ready.at[wg])
+    plgpu.barrier_wait(kv_ready.at[wg])
+
+    def step(i, carry, base, masked):
+      dk, dv = carry
+      slot = lax.rem(i, stages)
+      stream.acquire(slot)
+      s_t = mma.product(k_tile, q_ring.at[slot].T, (bk, bq))
+      lse2 = plgpu.load(lse_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+      p_t = jnp.exp2(s_t * (p.scale * _LOG2E) - _cols(lse2, s_t.shape))
+      if masked:
+        keep = _keep((bk, bq), k0, (i - base) * bq, rows_are_queries=False, causal=p.causal,
+                     num_keys=None)
+        p_t = jnp.where(keep, p_t, 0.0)
+      if dv is not None:
+        dv = mma.accumulate(dv, p_t.astype(p.dtype), do_ring.at[slot], _stage(stage, wg))
+      if dk is not None:
+        dp_t = mma.product(v_tile, do_ring.at[slot].T, (bk, bq))
+        delta = plgpu.load(delta_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+        ds_t = p_t * (dp_t - _cols(delta, dp_t.shape))
+        dk = mma.accumulate(dk, ds_t.astype(p.dtype), q_ring.at[slot], _stage(stage, wg))
+      stream.release(slot)
+      return dk, dv
+
+    def skip(i, _):
+      slot = lax.rem(i, stages)
+      stream.acquire(slot)
+      stream.release(slot)
+
+    first, first_full = _query_blocks(p, k0, bk, bq, num_q_blocks)
+
+    def head(g, carry):
+      base = g * per_head - cta_first  # Step of query block j of this head: base + j.
+      lax.fori_loop(base + cta_first, base + first, skip, None)
+      carry = lax.fori_loop(base + first, base + first_full,
+                            functools.partial(step, base=base, masked=True), carry)
+      return lax.fori_loop(base + first_full, base + num_q_blocks,
+                           functools.partial(step, base=base, masked=False), carry)
+
+    zeros = _zeros((bk, p.head_dim))
+    dk, dv = lax.fori_loop(0, p.group, head,
+                           (zeros if want_dk else None, zeros if "dv" in grads else None))
+    # dK and dV reuse the K and V tiles' shared memory (dV-only runs keep V out of it).
+    finals = {"dk": lambda: (k_tile, (dk * p.scale).astype(p.dtype)),
+              "dv": lambda: (k_tile if v_tile is None else v_tile, dv.astype(p.dtype))}
+    _store_tiles([(*finals[g](), ref.at[keys]) for g, ref in zip(grads, out_refs)])
+
+  @pl.when(wg == num_wgs)
+  def _memory():
+    plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+    _produce([stream], p.group * per_head, stages)
+
+
+def _dq_call(q, k, v, do, lse2, delta, *, p: _Problem, c: PallasMosaicGpuAttentionVjpConfig,
+             interpret: bool):
+  b, t_pad, n, h = q.shape
+  num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q_dq, c.block_kv_dq, c.num_stages
+  rows_tile = plgpu.SMEM((num_wgs, bq, h), p.dtype, transforms=_tiled(p.dtype, h))
+  ring = plgpu.SMEM((stages, bk, h), p.dtype, transforms=_tiled(p.dtype, h))
+  scratch = dict(
+      q_smem=rows_tile, do_smem=rows_tile,
+      lse_smem=plgpu.SMEM((num_wgs, bq), jnp.float32),
+      delta_smem=plgpu.SMEM((num_wgs, bq), jnp.float32),
+      k_ring=ring, v_ring=ring,
+      stage=(plgpu.SMEM((num_wgs, bq, bk), p.dtype, transforms=_tiled(p.dtype, bk))
+             if interpret else None),
+      rows_ready=_barrier(num_wgs, 4),
+      k_ready=_barrier(stages), v_ready=_barrier(stages),
+      k_free=_barrier(stages, num_wgs), v_free=_barrier(stages, num_wgs),
+  )
+  kernel = functools.partial(_dq_kernel, p=p, c=c, mma=_Mma(staged=interpret))
+  return plgpu.kernel(
+      lambda *refs, **smem: kernel(*refs, **smem),
+      out_type=jax.ShapeDtypeStruct(q.shape, p.dtype),
+      scratch_types=scratch,
+      grid=(n, b, t_pad // (num_wgs * bq)),
+      grid_names=("heads", "batch", "q_tiles"),
+      num_threads=num_wgs + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=_interpret_params(interpret),
+      kernel_name="stellarax_attention_bwd_dq",
+  )(q, k, v, do, lse2, delta)
+
+
+def _dkdv_call(q, k, v, do, lse2, delta, *, grads: tuple[str, ...], p: _Problem,
+               c: PallasMosaicGpuAttentionVjpConfig, interpret: bool):
+  b, t_pad, _, h = q.shape
+  s_pad, kh = k.shape[1], k.shape[2]
+  num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q_dkv, c.block_kv_dkv, c.num_stages
+  keys_tile = plgpu.SMEM((num_wgs, bk, h), p.dtype, transforms=_tiled(p.dtype, h))
+  ring = plgpu.SMEM((stages, bq, h), p.dtype, transforms=_tiled(p.dtype, h))
+  vec_ring = plgpu.SMEM((stages, bq), jnp.float32)
+  want_dk = "dk" in grads
+  scratch = dict(
+      k_smem=keys_tile, v_smem=keys_tile if want_dk else None,
+      q_ring=ring, do_ring=ring, lse_ring=vec_ring, delta_ring=vec_ring if want_dk else None,
+      stage=(plgpu.SMEM((num_wgs, bk, bq), p.dtype, transforms=_tiled(p.dtype, bq))
+             if interpret else None),
+      kv_ready=_barrier(num_wgs, 2 if want_dk else 1),
+      ready=_barrier(stages, 4 if want_dk else 3),
+      free=_barrier(stages, num_wgs),
+  )
+  kernel = functools.partial(_dkdv_kernel, p=p, c=c, mma=_Mma(staged=interpret), grads=grads)
+  out_type = {"dk": jax.ShapeDtypeStruct(k.shape, p.dtype),
+              "dv": jax.ShapeDtypeStruct(v.shape, p.dtype)}
+  outs = plgpu.kernel(
+      lambda *refs, **smem: kernel(*refs, **smem),
+      out_type=[out_type[g] for g in grads],
+      scratch_types=scratch,
+      grid=(kh, b, s_pad // (num_wgs * bk)),
+      grid_names=("heads", "batch", "kv_tiles"),
+      num_threads=num_wgs + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=_interpret_params(interpret),
+      kernel_name="stellarax_attention_bwd_" + "".join(grads),
+  )(q, k, v, do, lse2, delta)
+  return dict(zip(grads, outs))
+
+
+@functools.partial(jax.jit, static_argnames=("p", "c", "interpret"))
+def _bwd(query, key, value, out, lse, dout, *, p: _Problem,
+         c: PallasMosaicGpuAttentionVjpConfig, interpret: bool):
+  delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), dout.astype(jnp.float32))
+  t_pad = _round_up(p.t, math.lcm(c.num_compute_wgs * c.block_q_dq, c.block_q_dkv))
+  s_pad = _round_up(p.s, math.lcm(c.num_compute_wgs * c.block_kv_dkv, c.block_kv_dq))
+  # Padded rows get lse = +inf: probability 0 for every key, so no dK/dV contribution.
+  lse2 = _pad_seq(lse * _LOG2E, t_pad, jnp.inf, axis=2)
+  delta = _pad_seq(delta, t_pad, axis=2)
+  q, do = _pad_seq(query, t_pad), _pad_seq(dout, t_pad)
+  k, v = _pad_seq(key, s_pad), _pad_seq(value, s_pad)
+  args = (q, k, v, do, lse2, delta)
+  dq = _dq_call(*args, p=p, c=c, interpret=interpret)
+  grads = {}
+  for part in ((("dv",), ("dk",)) if c.split_dkdv else (("dk", "dv"),)):
+    grads.update(_dkdv_call(*args, grads=part, p=p, c=c, interpret=interpret))
+  return dq[:, :p.t], grads["dk"][:, :p.s], grads["dv"][:, :p.s]
+
+
+def _check_residuals(query, out, lse, dout) -> None:
+  b, t, n, _ = query.shape
+  for name, x in (("out", out), ("dout", dout)):
+    if tuple(x.shape) != tuple(query.shape) or x.dtype != query.dtype:
+      raise ValueError(f"{name} has shape {tuple(x.shape)} and dtype {x.dtype}; expected"
+                       f" query's {tuple(query.shape)} {query.dtype}.")
+  if tuple(lse.shape) != (b, n, t) or lse.dtype != jnp.float32:
+    raise ValueError(f"lse has shape {tuple(lse.shape)} and dtype {lse.dtype}; expected"
+                     f" ({b}, {n}, {t}) float32 as returned by"
+                     f" attention_fwd_pallas_mosaic_gpu.")
+
+
+def attention_bwd_pallas_mosaic_gpu(query, key, value, out, lse, dout, *,
+                                    scale: float | None = None, is_causal: bool = False,
+                                    block_q_dkv: int, block_kv_dkv: int, block_q_dq: int,
+                                    block_kv_dq: int, num_compute_wgs: int, num_stages: int,
+                                    split_dkdv: bool, interpret: bool = False):
+  """Flash attention backward for attention_fwd_pallas_mosaic_gpu.
+
+  Args:
+    query, key, value: the forward's inputs.
+    out, lse: the forward's outputs.
+    dout: cotangent of out, (B, T, N, H) in query's dtype.
+    scale, is_causal: the forward's options.
+    block_q_dkv, block_kv_dkv, block_q_dq, block_kv_dq, num_compute_wgs, num_stages,
+      split_dkdv: tunables, see check_bwd_tunables.
+    interpret: run in the Mosaic GPU interpreter (any backend; for tests).
+
+  Returns:
+    (dquery, dkey, dvalue) in the dtypes and shapes of query, key and value.
+
+  Raises:
+    ValueError: for unsupported shapes, dtypes or tunables.
+  """
+  c = PallasMosaicGpuAttentionVjpConfig(
+      block_q_dkv=block_q_dkv, block_kv_dkv=block_kv_dkv, block_q_dq=block_q_dq,
+      block_kv_dq=block_kv_dq, num_compute_wgs=num_compute_wgs, num_stages=num_stages,
+      split_dkdv=split_dkdv)
+  p = _make_problem(query, key, value, scale, is_causal)
+  _check_residuals(query, out, lse, dout)
+  return _bwd(query, key, value, out, lse, dout, p=p, c=c, interpret=bool(interpret))
+
+
+# --------------------------------------------------------------------------------------
+# Resource estimates, heuristics and search spaces (sm_90: H100/H200)
+# --------------------------------------------------------------------------------------
+
+
+def _tile_regs(rows: int, cols: int, itemsize: int = 4) -> int:
+  """Registers per thread of a (rows, cols) tile spread over one warpgroup."""
+  return rows * cols * itemsize // (4 * 128)
+
+
+def _fits(smem: int, regs: int, num_wgs: int) -> bool:
+  return smem <= _SMEM_LIMIT_BYTES and regs + _REGISTER_OVERHEAD <= _COMPUTE_REGISTERS[num_wgs]
+
+
+def _fwd_fits(h: int, e: int, c: dict[str, Any]) -> bool:
+  bq, bk, wgs = c["block_q"], c["block_kv"], c["num_compute_wgs"]
+  smem = wgs * bq * (h * e + 4) + c["num_stages"] * 2 * bk * h * e
+  # Accumulator, logits and the 16-bit probabilities are live together.
+  regs = _tile_regs(bq, h) + _tile_regs(bq, bk) + _tile_regs(bq, bk, e)
+  return _fits(smem, regs, wgs)
+
+
+def _bwd_fits(h: int, e: int, c: dict[str, Any]) -> bool:
+  wgs, stages = c["num_compute_wgs"], c["num_stages"]
+  bq, bk = c["block_q_dkv"], c["block_kv_dkv"]
+  dkdv_smem = wgs * 2 * bk * h * e + stages * bq * (2 * h * e + 8)
+  accumulators = 1 if c["split_dkdv"] else 2
+  # Peak live tiles: the accumulators with P^T and dP^T (dS^T and the 16-bit operands
+  # replace them), in the dQ kernel the accumulator with P and dP.
+  dkdv_regs = accumulators * _tile_regs(bk, h) + 2 * _tile_regs(bk, bq)
+  bq2, bk2 = c["block_q_dq"], c["block_kv_dq"]
+  dq_smem = wgs * bq2 * (2 * h * e + 8) + stages * 2 * bk2 * h * e
+  dq_regs = _tile_regs(bq2, h) + 2 * _tile_regs(bq2, bk2)
+  return _fits(dkdv_smem, dkdv_regs, wgs) and _fits(dq_smem, dq_regs, wgs)
+
+
+def _problem_of(query: Any, key: Any) -> tuple[int, int, int, int]:
+  """(T, S, H, bytes per element) of query/key arrays or ShapeDtypeStructs."""
+  _, t, _, h = query.shape
+  if h not in SUPPORTED_HEAD_DIMS or jnp.dtype(query.dtype) not in SUPPORTED_DTYPES:
+    raise ValueError(f"head dim {h} / dtype {query.dtype} unsupported; expected H in"
+                     f" {SUPPORTED_HEAD_DIMS} and dtype in {[str(d) for d in SUPPORTED_DTYPES]}.")
+  return t, key.shape[1], h, jnp.dtype(query.dtype).itemsize
+
+
+def _fit_rows(block: int, wgs: int, length: int) -> tuple[int, int]:
+  """Shrinks (rows per warpgroup, warpgroups) so a CTA is not much longer than `length`."""
+  cap = _round_up(length, 64)
+  block = min(block, cap)
+  return (block, wgs) if block * wgs <= cap else (block, 1)
+
+
+def _clamp_fwd(c: dict[str, Any], t: int, s: int) -> dict[str, Any]:
+  bq, wgs = _fit_rows(c["block_q"], c["num_compute_wgs"], t)
+  return {**c, "block_q": bq, "num_compute_wgs": wgs,
+          "schedule_barrier": c["schedule_barrier"] and wgs == 2,
+          "block_kv": min(c["block_kv"], _round_up(s, 64))}
+
+
+def _clamp_bwd(c: dict[str, Any], t: int, s: int) -> dict[str, Any]:
+  bq_dq, wgs_q = _fit_rows(c["block_q_dq"], c["num_compute_wgs"], t)
+  bk_dkv, wgs_k = _fit_rows(c["block_kv_dkv"], c["num_compute_wgs"], s)
+  return {**c, "block_q_dq": bq_dq, "block_kv_dkv": bk_dkv,
+          "num_compute_wgs": min(wgs_q, wgs_k),
+          "block_q_dkv": min(c["block_q_dkv"], _round_up(t, 64)),
+          "block_kv_dq": min(c["block_kv_dq"], _round_up(s, 64))}
+
+
+def _fwd_heuristic(t: int, s: int, h: int) -> dict[str, Any]:
+  # Two ping-ponging warpgroups of 64 rows; the key block is the largest whose
+  # logits, probabilities and accumulator stay in registers, with K/V double-buffered.
+  bk, stages = {64: (128, 3), 128: (128, 2), 256: (64, 2)}[h]
+  c = dict(block_q=64, block_kv=bk, num_compute_wgs=2, num_stages=stages,
+           schedule_barrier=True)
+  return _clamp_fwd(c, t, s)
+
+
+def _bwd_heuristic(t: int, s: int, h: int) -> dict[str, Any]:
+  if h == 256:
+    # Two 64x256 float32 accumulators need 256 registers a thread: split dK from dV,
+    # and one compute warpgroup so that the 256-wide tiles fit in shared memory.
+    c = dict(block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64,
+             num_compute_wgs=1, num_stages=2, split_dkdv=True)
+  else:
+    c = dict(block_q_dkv=64, block_kv_dkv=64, block_q_dq=64,
+             block_kv_dq=128 if h == 64 else 64, num_compute_wgs=2, num_stages=2,
+             split_dkdv=False)
+  return _clamp_bwd(c, t, s)
+
+
+def heuristic_tunables(query: Any, key: Any, *, backward: bool = False) -> dict[str, Any]:
+  """Returns a good config for attention_{fwd,bwd}_pallas_mosaic_gpu without measuring.
+
+  Args:
+    query: (B, T, N, H) array or jax.ShapeDtypeStruct.
+    key: (B, S, K, H) array or jax.ShapeDtypeStruct.
+    backward: config for the backward.
+
+  Returns:
+    Keyword arguments for the matching wrapper; they pass check_{fwd,bwd}_tunables.
+
+  Raises:
+    ValueError: if the head dim or dtype is unsupported.
+  """
+  t, s, h, _ = _problem_of(query, key)
+  return _bwd_heuristic(t, s, h) if backward else _fwd_heuristic(t, s, h)
+
+
+def _unique(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  seen, out = set(), []
+  for c in configs:
+    key = tuple(sorted(c.items()))
+    if key not in seen:
+      seen.add(key)
+      out.append(c)
+  return out
+
+
+def _fwd_space(t: int, s: int, h: int, e: int) -> list[dict[str, Any]]:
+  configs = [_fwd_heuristic(t, s, h)]
+  for bq, bk, wgs, stages in itertools.product(_BLOCK_Q_CHOICES, _BLOCK_KV_CHOICES,
+                                               _NUM_COMPUTE_WGS_CHOICES, (2, 3, 4)):
+    for sched in ((False, True) if wgs == 2 else (False,)):
+      c = dict(block_q=bq, block_kv=bk, num_compute_wgs=wgs, num_stages=stages,
+               schedule_barrier=sched)
+      if _fwd_fits(h, e, c):
+        configs.append(_clamp_fwd(c, t, s))
+  return _unique(configs)
+
+
+def _bwd_space(t: int, s: int, h: int, e: int) -> list[dict[str, Any]]:
+  configs = [_bwd_heuristic(t, s, h)]
+  dkdv_tiles = ((64, 64), (128, 64), (64, 128))  # (block_q_dkv, block_kv_dkv)
+  dq_tiles = ((64, 64), (64, 128), (128, 64))  # (block_q_dq, block_kv_dq)
+  for (bq, bk), (bq2, bk2), wgs, stages in itertools.product(
+      dkdv_tiles, dq_tiles, _NUM_COMPUTE_WGS_CHOICES, (2, 3)):
+    c = dict(block_q_dkv=bq, block_kv_dkv=bk, block_q_dq=bq2, block_kv_dq=bk2,
+             num_compute_wgs=wgs, num_stages=stages, split_dkdv=False)
+    # Splitting dK from dV recomputes S^T; it pays only where the two accumulators do
+    # not fit in registers together.
+    for c in (c, {**c, "split_dkdv": True}):
+      if _bwd_fits(h, e, c):
+        configs.append(_clamp_bwd(c, t, s))
+        break
+  return _unique(configs)
+
+
+def tunable_space(query: Any, key: Any, *, backward: bool = False) -> list[dict[str, Any]]:
+  """Returns the configs worth measuring for this shape, the heuristic one first.
+
+  Configs whose estimated shared memory or registers exceed an sm_90 SM are left out;
+  blocks and warpgroups are shrunk for sequences shorter than a CTA.
+
+  Args:
+    query: (B, T, N, H) array or jax.ShapeDtypeStruct.
+    key: (B, S, K, H) array or jax.ShapeDtypeStruct.
+    backward: configs for the backward.
+
+  Returns:
+    A list of distinct configs (dicts of keyword arguments), about 10 to 40 for long
+    sequences; each passes check_{fwd,bwd}_tunables.
+
+  Raises:
+    ValueError: if the head dim or dtype is unsupported.
+  """
+  problem = _problem_of(query, key)
+  return _bwd_space(*problem) if backward else _fwd_space(*problem)
+
+
+# --------------------------------------------------------------------------------------
+# Op classes: attention.pallas_mosaic_gpu and its VJP.
+# --------------------------------------------------------------------------------------
+
+
+def _check_supported(arguments: dict[str, Any]) -> None:
+  """Raises NotImplementedError for inputs the kernels do not handle (dispatch falls back)."""
+  for name in ("bias", "mask", "query_seq_lengths", "key_value_seq_lengths",
+               "local_window_size"):
+    if arguments.get(name) is not None:
+      raise NotImplementedError(f"the Mosaic GPU attention kernels do not support {name} yet;"
+                                f" use another implementation (pallas_triton, xla).")
+  q, k = arguments["query"], arguments["key"]
+  if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+    raise NotImplementedError(f"head dim {q.shape[-1]} is not one of the kernel's"
+                              f" {SUPPORTED_HEAD_DIMS}.")
+  if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+    raise NotImplementedError(f"dtype {q.dtype} is not one of the kernel's"
+                              f" {[str(d) for d in SUPPORTED_DTYPES]}.")
+  if q.shape[1] == 0 or k.shape[1] == 0:
+    raise NotImplementedError(f"empty sequences (T={q.shape[1]}, S={k.shape[1]}) are not"
+                              f" supported.")
+
+
+def _structs(ba: Any) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+  return ba.arguments["query"].to_shape_dtype_struct(), ba.arguments["key"].to_shape_dtype_struct()
+
+
+def _static_options(static: dict[str, Any]) -> dict[str, Any]:
+  """The options the kernels take; the rest are None (checked in _canonicalize)."""
+  return {"scale": static["scale"], "is_causal": static["is_causal"]}
+
+
+class PallasMosaicGpuAttentionVjp(pallas_common.PallasMosaicGpuOp, _base.AttentionVjp,
+                                  name="attention.pallas_mosaic_gpu_vjp"):
+  """Flash attention backward in Pallas Mosaic GPU (dQ, dK, dV) from the forward's
+  log-sum-exp; bias is not supported, so there is no bias gradient."""
+
+  config_cls = PallasMosaicGpuAttentionVjpConfig
+
+  def _canonicalize(self, arguments):
+    arguments = _base.AttentionVjp._canonicalize(self, arguments)
+    _check_supported(arguments)
+    return arguments
+
+  def _fwd(self, residuals, out, dout, query, key, value, bias=None, mask=None, *, config,
+           **static):
+    del bias, mask  # None: _canonicalize rejects them.
+    (lse,) = residuals
+    dq, dk, dv = attention_bwd_pallas_mosaic_gpu(
+        query, key, value, out, lse, dout.astype(query.dtype), **_static_options(static),
+        interpret=self.interpret, **pallas_common.tunables_of(config))
+    return {"query": dq, "key": dk, "value": dv}
+
+  def _get_heuristics_config(self, ba):
+    return PallasMosaicGpuAttentionVjpConfig(**heuristic_tunables(*_structs(ba), backward=True))
+
+  def _get_autotuning_configs(self, ba):
+    return pallas_common.configs_from_tunables(PallasMosaicGpuAttentionVjpConfig,
+                                               tunable_space(*_structs(ba), backward=True))
+
+
+class PallasMosaicGpuAttention(pallas_common.PallasMosaicGpuOp, _base.Attention,
+                               name="attention.pallas_mosaic_gpu"):
+  """Flash attention forward in Pallas Mosaic GPU for Hopper (TMA, wgmma, a memory
+  warpgroup, ping-pong compute warpgroups, causal block skipping, GQA by index)."""
+
+  config_cls = PallasMosaicGpuAttentionConfig
+  vjp_cls = PallasMosaicGpuAttentionVjp
+
+  def _canonicalize(self, arguments):
+    arguments = _base.Attention._canonicalize(self, arguments)
+    _check_supported(arguments)
+    return arguments
+
+  def _fwd(self, query, key, value, bias=None, mask=None, *, config, **static):
+    del bias, mask  # None: _canonicalize rejects them.
+    out, lse = attention_fwd_pallas_mosaic_gpu(
+        query, key, value, **_static_options(static), interpret=self.interpret,
+        **pallas_common.tunables_of(config))
+    return out, (lse,)
+
+  def _get_heuristics_config(self, ba):
+    return PallasMosaicGpuAttentionConfig(**heuristic_tunables(*_structs(ba)))
+
+  def _get_autotuning_configs(self, ba):
+    return pallas_common.configs_from_tunables(PallasMosaicGpuAttentionConfig,
+                                               tunable_space(*_structs(ba)))

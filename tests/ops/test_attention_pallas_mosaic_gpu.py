@@ -1,0 +1,307 @@
+"""Pallas Mosaic GPU flash attention against jax.nn.dot_product_attention.
+
+The kernels run in the Mosaic GPU interpreter (simulated warpgroups, TMA and barriers)
+on small, awkward shapes with 64-row blocks; a last test lowers them for a simulated
+H200 without a GPU.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import stellarax
+from stellarax import autotuning
+from stellarax.ops.attention import pallas_mosaic_gpu as pm
+from stellarax.ops.attention.pallas_mosaic_gpu import (
+    PallasMosaicGpuAttention, PallasMosaicGpuAttentionConfig, PallasMosaicGpuAttentionVjp,
+    PallasMosaicGpuAttentionVjpConfig)
+
+# (atol, rtol) against a float32 reference, per input dtype; atol scales with the
+# reference's largest magnitude.
+_FWD_TOL = {jnp.bfloat16: (1.5e-2, 1e-2), jnp.float16: (3e-3, 3e-3)}
+_BWD_TOL = {jnp.bfloat16: (3e-2, 3e-2), jnp.float16: (6e-3, 6e-3)}
+
+# The interpreter runs each simulated warpgroup as its own XLA program on a CPU thread.
+# Called eagerly, a warpgroup's program now and then never started on a 2-core machine
+# (XLA's CPU thread pool was full of warpgroups blocked at barriers), so tests run the
+# kernels inside one compiled program with XLA's concurrency-optimised scheduler off
+# (no hang in 16 tries, against about 6 in 14 eagerly) and the cheapest optimisation.
+_COMPILE_OPTIONS = {"xla_cpu_enable_concurrency_optimized_scheduler": False,
+                    "xla_backend_optimization_level": 0,
+                    "xla_llvm_disable_expensive_passes": True}
+
+
+def _run(fn, *args):
+  return jax.jit(fn).lower(*args).compile(_COMPILE_OPTIONS)(*args)
+
+
+_FWD_64 = dict(block_q=64, block_kv=64, num_compute_wgs=2, num_stages=2, schedule_barrier=True)
+_BWD_64 = dict(block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64,
+               num_compute_wgs=2, num_stages=2, split_dkdv=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  name: str
+  b: int
+  t: int
+  s: int
+  n: int
+  k: int
+  h: int
+  dtype: type
+  causal: bool
+  fwd: dict
+  bwd: dict
+
+
+CASES = [
+    # GQA, causal, T < S and neither a multiple of the blocks: two ping-ponging
+    # warpgroups with different key ranges, masked diagonal and tail blocks, padding.
+    Case("causal_gqa_bf16", b=2, t=100, s=150, n=4, k=2, h=64, dtype=jnp.bfloat16,
+         causal=True, fwd=_FWD_64, bwd=_BWD_64),
+    # MQA, not causal, head dim 128, one compute warpgroup, 128-wide blocks, three
+    # stages, dK and dV in separate launches.
+    Case("full_mqa_fp16_h128_split", b=1, t=130, s=200, n=2, k=1, h=128,
+         dtype=jnp.float16, causal=False,
+         fwd=dict(block_q=128, block_kv=128, num_compute_wgs=1, num_stages=3,
+                  schedule_barrier=False),
+         bwd=dict(block_q_dkv=128, block_kv_dkv=64, block_q_dq=64, block_kv_dq=128,
+                  num_compute_wgs=1, num_stages=3, split_dkdv=True)),
+    # Causal with T > S: the last rows see every key, padded keys must stay masked.
+    Case("causal_t_gt_s_h256", b=1, t=96, s=70, n=2, k=1, h=256, dtype=jnp.bfloat16,
+         causal=True, fwd=_FWD_64, bwd=dict(_BWD_64, num_compute_wgs=1, split_dkdv=True)),
+]
+
+
+def _inputs(case: Case, seed: int = 0):
+  """Fresh normal q, k, v and dout in the case's dtype."""
+  keys = jax.random.split(jax.random.key(seed), 4)
+  shapes = [(case.b, case.t, case.n, case.h), (case.b, case.s, case.k, case.h),
+            (case.b, case.s, case.k, case.h), (case.b, case.t, case.n, case.h)]
+  return [jax.random.normal(key, shape, jnp.float32).astype(case.dtype)
+          for key, shape in zip(keys, shapes)]
+
+
+def _reference(q, k, v, do, causal):
+  """float32 jax.nn.dot_product_attention: out, lse (B, N, T) and (dq, dk, dv)."""
+  q, k, v, do = (x.astype(jnp.float32) for x in (q, k, v, do))
+  attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+  with jax.default_matmul_precision("highest"):
+    out, vjp = jax.vjp(attend, q, k, v)
+    _, lse = jax.nn.dot_product_attention(q, k, v, is_causal=causal, return_residual=True)
+    return out, lse.transpose(0, 2, 1), vjp(do)
+
+
+def _close(name, actual, expected, tol):
+  atol, rtol = tol
+  atol = atol * max(1.0, float(jnp.max(jnp.abs(expected))))
+  np.testing.assert_allclose(np.asarray(actual, np.float32), np.asarray(expected),
+                             atol=atol, rtol=rtol, err_msg=name)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_forward_and_backward_match_reference(case):
+  q, k, v, do = _inputs(case)
+
+  def run(q, k, v, do):
+    options = dict(is_causal=case.causal, interpret=True)
+    out, lse = pm.attention_fwd_pallas_mosaic_gpu(q, k, v, **options, **case.fwd)
+    grads = pm.attention_bwd_pallas_mosaic_gpu(q, k, v, out, lse, do, **options, **case.bwd)
+    return out, lse, grads
+
+  out, lse, grads = _run(run, q, k, v, do)
+  ref_out, ref_lse, ref_grads = _reference(q, k, v, do, case.causal)
+
+  assert out.dtype == case.dtype and lse.dtype == jnp.float32
+  assert lse.shape == (case.b, case.n, case.t)
+  assert [(g.shape, g.dtype) for g in grads] == [(x.shape, x.dtype) for x in (q, k, v)]
+  _close("out", out, ref_out, _FWD_TOL[case.dtype])
+  np.testing.assert_allclose(lse, ref_lse, atol=1e-3, rtol=1e-5, err_msg="lse")
+  for name, g, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
+    _close(name, g, ref, _BWD_TOL[case.dtype])
+
+
+def test_scale_and_keys_no_query_sees():
+  """A custom scale; causal with S > T leaves the last keys unseen: zero dK and dV."""
+  case = Case("unseen", b=1, t=64, s=192, n=1, k=1, h=64, dtype=jnp.bfloat16, causal=True,
+              fwd=_FWD_64, bwd=_BWD_64)
+  q, k, v, do = _inputs(case, seed=1)
+
+  def run(q, k, v, do):
+    options = dict(scale=0.3, is_causal=True, interpret=True)
+    fwd_cfg = _FWD_64 | dict(num_compute_wgs=1, schedule_barrier=False)
+    out, lse = pm.attention_fwd_pallas_mosaic_gpu(q, k, v, **options, **fwd_cfg)
+    bwd_cfg = _BWD_64 | dict(num_compute_wgs=1)
+    return out, pm.attention_bwd_pallas_mosaic_gpu(q, k, v, out, lse, do, **options, **bwd_cfg)
+
+  out, (dq, dk, dv) = _run(run, q, k, v, do)
+  attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=0.3, is_causal=True)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+  with jax.default_matmul_precision("highest"):
+    ref_out, vjp = jax.vjp(attend, *f32[:3])
+    ref_grads = vjp(f32[3])
+  _close("out", out, ref_out, _FWD_TOL[jnp.bfloat16])
+  for name, g, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads):
+    _close(name, g, ref, _BWD_TOL[jnp.bfloat16])
+  assert not np.any(np.asarray(dk[:, 64:], np.float32))
+  assert not np.any(np.asarray(dv[:, 64:], np.float32))
+
+
+def test_gradients_through_dot_product_attention():
+  """jax.grad through the public function: forward op with a pinned config, its VJP
+  op with the heuristic one, both visible to capture."""
+  case = Case("grad", b=1, t=128, s=128, n=2, k=1, h=64, dtype=jnp.bfloat16, causal=True,
+              fwd=_FWD_64, bwd=_BWD_64)
+  q, k, v, do = _inputs(case, seed=2)
+  op = PallasMosaicGpuAttention(interpret=True, config=PallasMosaicGpuAttentionConfig(**_FWD_64))
+
+  def loss(attend):
+    def f(q, k, v):
+      out = attend(q, k, v, is_causal=True)
+      return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
+    return f
+
+  ours = lambda *a, **kw: stellarax.dot_product_attention(*a, **kw, implementation=op)
+  grads = _run(jax.grad(loss(ours), argnums=(0, 1, 2)), q, k, v)
+  _, _, ref_grads = _reference(q, k, v, do, True)
+  for name, g, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
+    assert g.dtype == jnp.bfloat16
+    _close(name, g, ref, _BWD_TOL[jnp.bfloat16])
+  names = [b.op.name for b in autotuning.get_bound_args(jax.grad(loss(ours)), q, k, v)]
+  assert names == ["attention.pallas_mosaic_gpu", "attention.pallas_mosaic_gpu_vjp"]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(bias=jnp.zeros((1, 1, 8, 16))), "bias"),
+    (dict(mask=jnp.ones((1, 1, 8, 16), bool)), "mask"),
+    (dict(local_window_size=4), "local_window_size"),
+    (dict(key_value_seq_lengths=jnp.array([3], jnp.int32)), "key_value_seq_lengths"),
+    (dict(query=jnp.ones((1, 8, 2, 64), jnp.float32),
+          key=jnp.ones((1, 16, 1, 64), jnp.float32)), "dtype float32"),
+    (dict(query=jnp.ones((1, 8, 2, 96), jnp.bfloat16),
+          key=jnp.ones((1, 16, 1, 96), jnp.bfloat16)), "head dim 96"),
+])
+@pytest.mark.parametrize("op_cls", [PallasMosaicGpuAttention, PallasMosaicGpuAttentionVjp])
+def test_unsupported_inputs_raise_not_implemented(op_cls, kwargs, match):
+  args = dict(query=jnp.ones((1, 8, 2, 64), jnp.bfloat16),
+              key=jnp.ones((1, 16, 1, 64), jnp.bfloat16)) | kwargs
+  args.setdefault("value", args["key"])
+  if op_cls is PallasMosaicGpuAttentionVjp:
+    args.update(residuals=None, out=args["query"], dout=args["query"])
+  with pytest.raises(NotImplementedError, match=match):
+    op_cls(interpret=True).bind(**args)
+
+
+def test_dispatch_falls_back_for_what_it_lacks():
+  keys = jax.random.split(jax.random.key(3), 3)
+  q = jax.random.normal(keys[0], (1, 8, 2, 64))
+  kv = jax.random.normal(keys[1], (1, 8, 1, 64))
+  bias = jax.random.normal(keys[2], (1, 2, 8, 8))
+  out = stellarax.dot_product_attention(
+      q, kv, kv, bias, implementation=[PallasMosaicGpuAttention(interpret=True), "xla"])
+  np.testing.assert_allclose(out, jax.nn.dot_product_attention(q, kv, kv, bias),
+                             atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cls,changes,match", [
+    (PallasMosaicGpuAttentionConfig, dict(block_q=32), "block_q=32"),
+    (PallasMosaicGpuAttentionConfig, dict(block_kv=96), "block_kv=96"),
+    (PallasMosaicGpuAttentionConfig, dict(num_compute_wgs=3), "num_compute_wgs=3"),
+    (PallasMosaicGpuAttentionConfig, dict(num_stages=1), "num_stages=1"),
+    (PallasMosaicGpuAttentionConfig, dict(num_compute_wgs=1), "needs num_compute_wgs=2"),
+    (PallasMosaicGpuAttentionConfig, dict(schedule_barrier=1), "schedule_barrier=1"),
+    (PallasMosaicGpuAttentionConfig, dict(block_q=True), "block_q=True"),
+    (PallasMosaicGpuAttentionVjpConfig, dict(block_kv_dkv=256), "block_kv_dkv=256"),
+    (PallasMosaicGpuAttentionVjpConfig, dict(block_q_dq=192), "block_q_dq=192"),
+    (PallasMosaicGpuAttentionVjpConfig, dict(num_stages=5), "num_stages=5"),
+    (PallasMosaicGpuAttentionVjpConfig, dict(split_dkdv="no"), "split_dkdv='no'"),
+])
+def test_invalid_configs_raise_clear_errors(cls, changes, match):
+  base = _FWD_64 if cls is PallasMosaicGpuAttentionConfig else _BWD_64
+  with pytest.raises(ValueError, match=match):
+    cls(**(base | changes))
+  with pytest.raises(TypeError):
+    cls(*base.values())  # Keyword-only.
+
+
+def test_invalid_inputs_raise_clear_errors():
+  x = jnp.ones((1, 8, 3, 64), jnp.bfloat16)
+  kv = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="multiple of the number of kv heads"):
+    pm.attention_fwd_pallas_mosaic_gpu(x, kv, kv, **_FWD_64)
+  f32 = jnp.ones((1, 8, 1, 64), jnp.float32)
+  with pytest.raises(ValueError, match="dtypes float32"):
+    pm.attention_fwd_pallas_mosaic_gpu(f32, f32, f32, **_FWD_64)
+  q = jnp.ones((1, 8, 1, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="lse has shape"):
+    pm.attention_bwd_pallas_mosaic_gpu(q, q, q, q, jnp.ones((1, 8, 1)), q, **_BWD_64)
+  with pytest.raises(ValueError, match="block_q=48"):
+    pm.attention_fwd_pallas_mosaic_gpu(q, q, q, **(_FWD_64 | dict(block_q=48)))
+
+
+_TARGET = (jax.ShapeDtypeStruct((2, 8192, 16, 128), jnp.bfloat16),
+           jax.ShapeDtypeStruct((2, 8192, 16, 128), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("h,t", [(128, 8192), (64, 1000), (256, 4096), (128, 40)])
+@pytest.mark.parametrize("backward", [False, True])
+def test_tunable_spaces_are_valid_and_fit_an_sm90(h, t, backward):
+  q = jax.ShapeDtypeStruct((2, t, 16, h), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((2, t, 4, h), jnp.bfloat16)
+  cls = PallasMosaicGpuAttentionVjpConfig if backward else PallasMosaicGpuAttentionConfig
+  fits = pm._bwd_fits if backward else pm._fwd_fits
+  configs = pm.tunable_space(q, k, backward=backward)
+  assert configs[0] == pm.heuristic_tunables(q, k, backward=backward)
+  assert len({tuple(sorted(c.items())) for c in configs}) == len(configs)
+  for c in configs:
+    cls(**c)
+    assert fits(h, 2, c), c
+    if t <= 64:  # Short sequences: one warpgroup of 64 rows, no wasted padding.
+      assert all(v == 64 for name, v in c.items() if name.startswith("block")), c
+      assert c["num_compute_wgs"] == 1, c
+  if (h, t) == (128, 8192):
+    assert 10 <= len(configs) <= 40, len(configs)
+
+
+def test_tunables_of_the_target_shape():
+  """B=2, T=8192, 16 heads of 128, bf16: the shape the H200 targets are set for."""
+  q, k = _TARGET
+  assert pm.heuristic_tunables(q, k) == dict(
+      block_q=64, block_kv=128, num_compute_wgs=2, num_stages=2, schedule_barrier=True)
+  assert pm.heuristic_tunables(q, k, backward=True) == _BWD_64
+  with pytest.raises(ValueError, match="head dim 96"):
+    pm.tunable_space(jax.ShapeDtypeStruct((1, 8, 1, 96), jnp.bfloat16), k)
+
+
+def test_lowers_for_simulated_h200():
+  """The GPU path (register operands, in-place accumulation) of the forward and both
+  backward variants lowers to Mosaic GPU custom calls for an H200, without a GPU."""
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+      device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+  q, k = _TARGET
+  lse = jax.ShapeDtypeStruct((2, 16, 8192), jnp.float32)
+  fwd_cfg = pm.heuristic_tunables(q, k)
+
+  def fwd(q, k, v):
+    return pm.attention_fwd_pallas_mosaic_gpu(q, k, v, is_causal=True, **fwd_cfg)
+
+  def bwd(split):
+    config = _BWD_64 | dict(split_dkdv=split)
+    return lambda q, k, v, out, lse, dout: pm.attention_bwd_pallas_mosaic_gpu(
+        q, k, v, out, lse, dout, is_causal=True, **config)
+
+  def lower(f, *args):
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+  with jax.sharding.use_abstract_mesh(mesh):
+    fwd_text = lower(fwd, q, k, k)
+    bwd_text = lower(bwd(False), q, k, k, q, lse, q)
+    split_text = lower(bwd(True), q, k, k, q, lse, q)
+  target = "@mosaic_gpu_v2"
+  assert fwd_text.count(target) == 1
+  assert bwd_text.count(target) == 2  # dQ, dK/dV
+  assert split_text.count(target) == 3  # dQ, dV, dK
