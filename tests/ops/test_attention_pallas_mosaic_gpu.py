@@ -104,6 +104,7 @@ def _close(name, actual, expected, tol):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.mosaic_interpret
 def test_forward_and_backward_match_reference(case):
   q, k, v, do = _inputs(case)
 
@@ -125,6 +126,7 @@ def test_forward_and_backward_match_reference(case):
     _close(name, g, ref, _BWD_TOL[case.dtype])
 
 
+@pytest.mark.mosaic_interpret
 def test_scale_and_keys_no_query_sees():
   """A custom scale; causal with S > T leaves the last keys unseen: zero dK and dV."""
   case = Case("unseen", b=1, t=64, s=192, n=1, k=1, h=64, dtype=jnp.bfloat16, causal=True,
@@ -151,6 +153,7 @@ def test_scale_and_keys_no_query_sees():
   assert not np.any(np.asarray(dv[:, 64:], np.float32))
 
 
+@pytest.mark.mosaic_interpret
 def test_gradients_through_dot_product_attention():
   """jax.grad through the public function: forward op with a pinned config, its VJP
   op with the heuristic one, both visible to capture."""

@@ -111,6 +111,7 @@ def _no_races():
 
 
 @pytest.mark.parametrize("name", ["ragged", "overflowing", "all_empty"])
+@pytest.mark.mosaic_interpret
 def test_forward_matches_reference(name):
   w = WORKLOADS[name]
   lhs, rhs, _, sizes = _inputs(w, jnp.bfloat16)
@@ -124,6 +125,7 @@ def test_forward_matches_reference(name):
   assert np.all(np.abs(np.asarray(out[:total], np.float32)).max(axis=1) > 0.0)
 
 
+@pytest.mark.mosaic_interpret
 def test_forward_float16_to_float32_with_split_n():
   w = WORKLOADS["small"]
   lhs, rhs, _, sizes = _inputs(w, jnp.float16, seed=1)
@@ -135,6 +137,7 @@ def test_forward_float16_to_float32_with_split_n():
 
 
 @pytest.mark.parametrize("name", ["ragged", "overflowing"])
+@pytest.mark.mosaic_interpret
 def test_dlhs_matches_reference(name):
   w = WORKLOADS[name]
   lhs, rhs, dout, sizes = _inputs(w, jnp.bfloat16, seed=2)
@@ -152,6 +155,7 @@ def test_dlhs_matches_reference(name):
     ("all_empty", CONFIG_A, jnp.bfloat16),
     ("small", CONFIG_B, jnp.float16),         # wg_split="n": each masks its dout columns
 ])
+@pytest.mark.mosaic_interpret
 def test_drhs_matches_reference(name, config, dtype):
   w = WORKLOADS[name]
   lhs, _, dout, sizes = _inputs(w, dtype, seed=3)
@@ -168,6 +172,7 @@ def test_drhs_matches_reference(name, config, dtype):
     start = end
 
 
+@pytest.mark.mosaic_interpret
 def test_group_sizes_are_runtime_values():
   """One compiled kernel serves different group sizes (they are traced, not static)."""
   w = WORKLOADS["ragged"]
@@ -181,6 +186,7 @@ def test_group_sizes_are_runtime_values():
   _assert_close(out, ragged_dot_reference(_f32(lhs), _f32(rhs), sizes), jnp.bfloat16)
 
 
+@pytest.mark.mosaic_interpret
 def test_op_forward_and_gradients_match_lax_ragged_dot():
   """Through `stellarax.ragged_dot` and `jax.grad`, against jax.lax.ragged_dot and its VJP."""
   w = WORKLOADS["ragged"]
