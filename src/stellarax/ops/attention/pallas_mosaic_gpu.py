@@ -431,21 +431,24 @@ def _query_blocks(p: _Problem, k0: Any, keys: int, bq: int, num_q_blocks: int):
 
 
 def _keep(shape: tuple[int, int], row0: Any, col0: Any, *, rows_are_queries: bool,
-          causal: bool, num_keys: int | None) -> jax.Array:
+          causal: bool, num_keys: int | None) -> jax.Array | None:
   """Kept (query, key) pairs of a tile whose rows start at row0 and columns at col0.
 
   Args:
+    rows_are_queries: whether rows index queries (else keys, for transposed tiles).
+    causal: drop keys after their query.
     num_keys: keys at or past it are dropped (None: no limit).
+
+  Returns:
+    A bool tile in the wgmma accumulator layout, or None when every pair is kept (a
+    loop over masked blocks that never runs is still traced).
   """
   rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
   cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + col0
   q_pos, k_pos = (rows, cols) if rows_are_queries else (cols, rows)
-  keep = jnp.ones(shape, jnp.bool_)
-  if causal:
-    keep = keep & (k_pos <= q_pos)
-  if num_keys is not None:
-    keep = keep & (k_pos < num_keys)
-  return keep
+  conditions = ([k_pos <= q_pos] if causal else []) + (
+      [k_pos < num_keys] if num_keys is not None else [])
+  return functools.reduce(jnp.logical_and, conditions) if conditions else None
 
 
 def _store_tiles(copies: Sequence[tuple[Any, jax.Array, Any]]) -> None:
@@ -467,6 +470,15 @@ def _pad_seq(x: jax.Array, length: int, value: float = 0.0, axis: int = 1) -> ja
   return jnp.pad(x, widths, constant_values=value)
 
 
+def _stage(stage: Any, wg: Any) -> Any:
+  """Warpgroup wg's staging tile for register operands (None on the GPU path)."""
+  return None if stage is None else stage.at[wg]
+
+
+def _barrier(num_barriers: int, num_arrivals: int = 1) -> Any:
+  return plgpu.Barrier(num_arrivals=num_arrivals, num_barriers=num_barriers)
+
+
 def _interpret_params(interpret: bool) -> Any:
   return plgpu.InterpretGPUParams() if interpret else None
 
@@ -479,6 +491,7 @@ def _interpret_params(interpret: bool) -> Any:
 def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, q_smem, k_ring, v_ring, stage,
                 lse_smem, q_ready, k_ready, v_ready, k_free, v_free, sched,
                 p: _Problem, c: PallasMosaicGpuAttentionConfig, mma: _Mma):
+  """Output rows and lse of one query tile of one head (see the module docstring)."""
   num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q, c.block_kv, c.num_stages
   b, h, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   rows = num_wgs * bq
@@ -510,8 +523,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, q_smem, k_ring, v_ring, 
       s = s * (p.scale * _LOG2E)  # base-2 logits: exp2 is the native instruction.
       if masked:
         keep = _keep((bq, bk), q0, kb * bk, rows_are_queries=True, causal=p.causal,
-                     num_keys=p.s)
-        s = jnp.where(keep, s, -jnp.inf)
+                     num_keys=p.s if p.s % bk else None)
+        s = s if keep is None else jnp.where(keep, s, -jnp.inf)
       m_new = jnp.maximum(m, s.max(axis=1))
       # Block 0 holds key 0, kept for every row, so m_new is finite from the first step.
       alpha = jnp.exp2(m - m_new)
@@ -558,14 +571,6 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, q_smem, k_ring, v_ring, 
     _produce([k_stream, v_stream], cta_end, stages)
 
 
-def _stage(stage: Any, wg: Any) -> Any:
-  return None if stage is None else stage.at[wg]
-
-
-def _barrier(num_barriers: int, num_arrivals: int = 1) -> Any:
-  return plgpu.Barrier(num_arrivals=num_arrivals, num_barriers=num_barriers)
-
-
 @functools.partial(jax.jit, static_argnames=("p", "c", "interpret"))
 def _fwd(query, key, value, *, p: _Problem, c: PallasMosaicGpuAttentionConfig,
          interpret: bool):
@@ -587,7 +592,7 @@ def _fwd(query, key, value, *, p: _Problem, c: PallasMosaicGpuAttentionConfig,
   )
   kernel = functools.partial(_fwd_kernel, p=p, c=c, mma=_Mma(staged=interpret))
   out, lse = plgpu.kernel(
-      lambda *refs, **smem: kernel(*refs, **smem),
+      kernel,
       out_type=(jax.ShapeDtypeStruct(q.shape, p.dtype),
                 jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32)),
       scratch_types=scratch,
@@ -640,6 +645,7 @@ def attention_fwd_pallas_mosaic_gpu(query, key, value, *, scale: float | None = 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref, *, q_smem, do_smem,
                lse_smem, delta_smem, k_ring, v_ring, stage, rows_ready, k_ready, v_ready,
                k_free, v_free, p: _Problem, c: PallasMosaicGpuAttentionVjpConfig, mma: _Mma):
+  """dQ of one query tile of one head: the forward's loop with dS = P (dP - delta)."""
   num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q_dq, c.block_kv_dq, c.num_stages
   b, h, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   rows = num_wgs * bq
@@ -676,8 +682,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref, *, q_sm
       probs = jnp.exp2(s * (p.scale * _LOG2E) - _rows(lse2, s.shape))
       if masked:
         keep = _keep((bq, bk), q0, kb * bk, rows_are_queries=True, causal=p.causal,
-                     num_keys=p.s)
-        probs = jnp.where(keep, probs, 0.0)
+                     num_keys=p.s if p.s % bk else None)
+        probs = probs if keep is None else jnp.where(keep, probs, 0.0)
       ds = probs * (dp - _rows(delta, dp.shape))
       dq = mma.accumulate(dq, ds.astype(p.dtype), k_ring.at[slot], _stage(stage, wg))
       k_stream.release(slot)
@@ -746,7 +752,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *out_refs, k_
       if masked:
         keep = _keep((bk, bq), k0, (i - base) * bq, rows_are_queries=False, causal=p.causal,
                      num_keys=None)
-        p_t = jnp.where(keep, p_t, 0.0)
+        p_t = p_t if keep is None else jnp.where(keep, p_t, 0.0)
       if dv is not None:
         dv = mma.accumulate(dv, p_t.astype(p.dtype), do_ring.at[slot], _stage(stage, wg))
       if dk is not None:
@@ -805,7 +811,7 @@ def _dq_call(q, k, v, do, lse2, delta, *, p: _Problem, c: PallasMosaicGpuAttenti
   )
   kernel = functools.partial(_dq_kernel, p=p, c=c, mma=_Mma(staged=interpret))
   return plgpu.kernel(
-      lambda *refs, **smem: kernel(*refs, **smem),
+      kernel,
       out_type=jax.ShapeDtypeStruct(q.shape, p.dtype),
       scratch_types=scratch,
       grid=(n, b, t_pad // (num_wgs * bq)),
@@ -840,7 +846,7 @@ def _dkdv_call(q, k, v, do, lse2, delta, *, grads: tuple[str, ...], p: _Problem,
   out_type = {"dk": jax.ShapeDtypeStruct(k.shape, p.dtype),
               "dv": jax.ShapeDtypeStruct(v.shape, p.dtype)}
   outs = plgpu.kernel(
-      lambda *refs, **smem: kernel(*refs, **smem),
+      kernel,
       out_type=[out_type[g] for g in grads],
       scratch_types=scratch,
       grid=(kh, b, s_pad // (num_wgs * bk)),
@@ -857,7 +863,9 @@ def _dkdv_call(q, k, v, do, lse2, delta, *, grads: tuple[str, ...], p: _Problem,
 @functools.partial(jax.jit, static_argnames=("p", "c", "interpret"))
 def _bwd(query, key, value, out, lse, dout, *, p: _Problem,
          c: PallasMosaicGpuAttentionVjpConfig, interpret: bool):
-  delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), dout.astype(jnp.float32))
+  # An elementwise product and sum, not a dot: exact float32 (no TF32) on every backend.
+  delta = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)
+  delta = delta.transpose(0, 2, 1)
   t_pad = _round_up(p.t, math.lcm(c.num_compute_wgs * c.block_q_dq, c.block_q_dkv))
   s_pad = _round_up(p.s, math.lcm(c.num_compute_wgs * c.block_kv_dkv, c.block_kv_dq))
   # Padded rows get lse = +inf: probability 0 for every key, so no dK/dV contribution.
