@@ -23,3 +23,7 @@ def test_autotune_report_and_cache_commands(tmp_path, user_cache_dir, capsys):
   assert "ragged_dot.xla.json: 1 entries" in capsys.readouterr().out
   assert cli.main(["cache", "path"]) == 0
   assert str(user_cache_dir) in capsys.readouterr().out
+  library = tmp_path / "library"
+  assert cli.main(["cache", "ship", str(out), "--root", str(library)]) == 0
+  (shipped,) = library.glob("*/ragged_dot.xla.json")
+  assert stellarax.AutotuningResult.load(shipped) == stellarax.AutotuningResult.load(out)

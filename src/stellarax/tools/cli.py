@@ -3,6 +3,7 @@
     stellarax autotune BOUND_ARGS_JSON [--output result.json] [--cache] [--budget-s S]
     stellarax xplane_to_bound_args --xplane_file=X --output_file=Y
     stellarax cache list | path | clear
+    stellarax cache ship RESULT_JSON [--root DIR]   (developers: into the library cache)
     stellarax report RESULT_JSON
     stellarax demo [--output DIR]
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _autotune(args) -> int:
@@ -37,6 +39,16 @@ def _cache(args) -> int:
     for path in files:
       from stellarax.autotuning.result import AutotuningResult
       print(f"{path.relative_to(root)}: {len(AutotuningResult.load(path))} entries")
+  elif args.action == "ship":
+    # For developers: merge a measured result into the shipped library cache
+    # (src/stellarax/data/autotuning/<device kind>/<op>.json), one file per op.
+    if not args.result:
+      raise SystemExit("stellarax cache ship needs a result file: stellarax cache ship tuned.json")
+    from stellarax.autotuning.result import AutotuningResult
+    root = Path(args.root) if args.root else cache.LIBRARY_ROOT
+    library = cache.FileCache(root, "library_cache", writable=True)
+    for path in library.write(AutotuningResult.load(args.result)):
+      print(f"wrote {path}")
   elif args.action == "clear":
     import shutil
     shutil.rmtree(root, ignore_errors=True)
@@ -72,7 +84,9 @@ def main(argv=None) -> int:
   p.set_defaults(run=lambda a: _xplane(a))
 
   p = sub.add_parser("cache", help="inspect or clear the user cache")
-  p.add_argument("action", choices=("list", "path", "clear"))
+  p.add_argument("action", choices=("list", "path", "clear", "ship"))
+  p.add_argument("result", nargs="?", help="with ship: the result JSON to add to the library cache")
+  p.add_argument("--root", help="with ship: the library cache folder (default: the package's)")
   p.set_defaults(run=_cache)
 
   p = sub.add_parser("report", help="print the summary table of a result file")
