@@ -92,8 +92,9 @@ def main(argv=None) -> int:
   tuner = stellarax.Autotuner(budget_s=args.budget_s, progress=not args.no_progress)
   result = tuner.autotune(step, params, x)
   tuning_s = time.monotonic() - start
-  print()
-  print(result.summary())
+  if args.no_progress:  # with progress on, the tuner has printed the table already
+    print()
+    print(result.summary())
   out_dir = Path(args.output)
   out_dir.mkdir(parents=True, exist_ok=True)
   result.dump(out_dir / "result.json")
