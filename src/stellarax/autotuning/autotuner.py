@@ -33,7 +33,7 @@ import jax
 from stellarax.autotuning import capture
 from stellarax.autotuning import measure as measure_lib
 from stellarax.autotuning import search
-from stellarax.autotuning.cache import USER_CACHE, current_device_kind
+from stellarax.autotuning.cache import USER_CACHE, cached_results, current_device_kind
 from stellarax.autotuning.progress import Progress
 from stellarax.autotuning.result import AutotuningResult, Entry
 from stellarax.core import registry
@@ -258,12 +258,8 @@ def _method(measurements) -> str:
 
 
 def _cached_entry(ba: BoundArguments) -> Entry | None:
-  for cache in resolution.cache_sources():
-    result_for = getattr(cache, "result_for", None)
-    if result_for is None:
-      continue
-    result = result_for(current_device_kind(), ba.op.name)
-    entry = None if result is None else result.entry(ba)
+  for _, result in cached_results(ba.op.name):
+    entry = result.entry(ba)
     if entry is not None:
       return entry
   return None

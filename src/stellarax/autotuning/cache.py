@@ -156,6 +156,24 @@ def _exclusive_lock(lock_path: Path):
       fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
+def cached_results(op_name: str, device_kind: str | None = None):
+  """The cached results of one op, in resolution order.
+
+  Args:
+    op_name: the op's registered name.
+    device_kind: default: the current device's kind.
+
+  Yields:
+    (source name, AutotuningResult) for every registered cache holding the op.
+  """
+  kind = device_kind or current_device_kind()
+  for cache in resolution.cache_sources():
+    result_for = getattr(cache, "result_for", None)
+    result = result_for(kind, op_name) if result_for is not None else None
+    if result is not None:
+      yield cache.source_name, result
+
+
 USER_CACHE = FileCache(None, "user_cache", writable=True)
 LIBRARY_CACHE = FileCache(LIBRARY_ROOT, "library_cache", writable=False)
 

@@ -6,7 +6,7 @@ import dataclasses
 import json
 from typing import Any
 
-from stellarax.autotuning.cache import current_device_kind
+from stellarax.autotuning.cache import cached_results
 from stellarax.autotuning.transfer import TransferResolution
 from stellarax.core import resolution
 from stellarax.core.bound_args import BoundArguments
@@ -77,11 +77,9 @@ def _candidates(bound_args: BoundArguments):
   for result in reversed(resolution.active_results()):
     for entry in result:
       yield "active result", entry
-  for cache in resolution.cache_sources():
-    result_for = getattr(cache, "result_for", None)
-    result = result_for(current_device_kind(), bound_args.op.name) if result_for else None
-    for entry in result or ():
-      yield cache.source_name, entry
+  for where, result in cached_results(bound_args.op.name):
+    for entry in result:
+      yield where, entry
 
 
 def _nearest(bound_args: BoundArguments):

@@ -43,7 +43,7 @@ import os
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from stellarax.autotuning.cache import current_device_kind
+from stellarax.autotuning.cache import cached_results, current_device_kind
 from stellarax.autotuning.result import AutotuningResult, Entry
 from stellarax.core import resolution
 from stellarax.core import specs
@@ -285,11 +285,7 @@ def _sources(op_name: str) -> Iterator[tuple[str, AutotuningResult]]:
   for result in reversed(resolution.active_results()):
     if isinstance(result, AutotuningResult) and result.device_kind == kind:
       yield "active result", result
-  for cache in resolution.cache_sources():
-    result_for = getattr(cache, "result_for", None)
-    result = result_for(kind, op_name) if result_for is not None else None
-    if result is not None:
-      yield cache.source_name, result
+  yield from cached_results(op_name, kind)
 
 
 # Calls are resolved while tracing, once per op call, so the entries of one op in a

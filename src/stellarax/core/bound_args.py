@@ -111,7 +111,7 @@ class BoundArguments:
   def example_arrays(self, seed: int = 0) -> list[jax.Array]:
     """Random array leaves for the (batched) call, as `runner()` takes them."""
     values = self.example_values(seed)
-    leaves = [x for x in jax.tree.leaves(values) if _is_array(x)]
+    leaves = [x for x in jax.tree.leaves(values) if specs.is_array_value(x)]
     for size, batched in self.vmap_axes:
       leaves = [jnp.broadcast_to(x, (size,) + x.shape) + 0 if b else x for x, b in zip(leaves, batched)]
     return leaves
@@ -218,10 +218,6 @@ def _vmap_level(fn, batched, reference):
 
 def _is_spec(x: Any) -> bool:
   return isinstance(x, specs.ArraySpec)
-
-
-def _is_array(x: Any) -> bool:
-  return isinstance(x, (jax.Array, jax.core.Tracer))
 
 
 def _thaw(value: Any) -> Any:

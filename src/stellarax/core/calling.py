@@ -19,22 +19,17 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
 from stellarax.core import markers
+from stellarax.core import specs
 from stellarax.core.bound_args import BoundArguments
 from stellarax.core.resolution import resolve_config
-
-
-def _is_dynamic(x: Any) -> bool:
-  """Array leaves travel through jit/vmap/grad; everything else is static."""
-  return isinstance(x, (jax.Array, jax.core.Tracer, np.ndarray))
 
 
 def _split(values: dict[str, Any]):
   """Splits argument values into array leaves and a rebuild function."""
   leaves, treedef = jax.tree.flatten(values)
-  is_dyn = [_is_dynamic(x) for x in leaves]
+  is_dyn = [specs.is_array_value(x) for x in leaves]
   arrays = [x for x, d in zip(leaves, is_dyn) if d]
   statics = [None if d else x for x, d in zip(leaves, is_dyn)]
 
@@ -136,6 +131,6 @@ def _grads_for_leaves(values: dict[str, Any], grads: dict[str, Any]) -> tuple[An
     if g is not None and len(g_leaves) != len(leaves):
       raise ValueError(f"VJP op returned {len(g_leaves)} gradient leaves for {name!r}, expected {len(leaves)}.")
     for x, gx in zip(leaves, g_leaves):
-      if _is_dynamic(x):
+      if specs.is_array_value(x):
         out.append(gx)
   return tuple(out)

@@ -30,7 +30,6 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from stellarax.core import registry
 from stellarax.core import specs
@@ -151,7 +150,7 @@ class Op(abc.ABC):
     fwd = self.fwd_cls(**{k: v for k, v in self.identity_fields().items() if k in shared})
     primal = {k: values[k] for k in fwd._signature().parameters}
     config = BoundArguments.from_values(fwd, primal).heuristics_config
-    arrays = {k: v for k, v in primal.items() if isinstance(v, jax.Array)}
+    arrays = {k: v for k, v in primal.items() if specs.is_array_value(v)}
     statics = {k: v for k, v in primal.items() if k not in arrays}
     out, residuals = jax.jit(lambda a: fwd._fwd(**a, **statics, config=config))(arrays)
     return {**values, "out": out.astype(values["out"].dtype), "residuals": residuals}

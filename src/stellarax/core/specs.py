@@ -104,6 +104,12 @@ def is_array(x: Any) -> bool:
       hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, (type, np.dtype)))
 
 
+def is_array_value(x: Any) -> bool:
+  """True for values that travel through jit/vmap/grad as arrays (JAX and
+  NumPy arrays, tracers); every other argument value is static."""
+  return isinstance(x, (jax.Array, jax.core.Tracer, np.ndarray))
+
+
 def to_spec(value: Any, *, what: str = "argument") -> Any:
   """Replaces arrays in `value` by `ArraySpec`s and checks the rest is plain.
 
