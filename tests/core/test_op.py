@@ -204,7 +204,7 @@ def test_result_applies_to_a_function_traced_before_the_context():
         f(lhs, rhs)
         plain(1.0)
   assert seen[0] == ba.heuristics_config and seen[-1] == tuned
-  assert len(traces) == 2  # once outside, once for this result; reused when re-entered
+  assert len(traces) == 1  # no op inside: entering a result does not retrace it
 
 
 def test_implementation_none_picks_the_measured_fastest():

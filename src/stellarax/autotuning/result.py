@@ -87,8 +87,8 @@ class AutotuningResult:
   source_name = "result"
 
   @functools.cached_property
-  def trace_digest(self) -> str:
-    """A digest of the configs this result selects (keys JAX's trace cache)."""
+  def content_digest(self) -> str:
+    """A digest of the keys and best configs of this result (transfer indexes by it)."""
     h = hashlib.sha256(self.device_kind.encode())
     for key in sorted(self._entries):
       h.update(repr(key).encode())

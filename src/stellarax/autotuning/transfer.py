@@ -271,18 +271,22 @@ def transfer_config(ba: BoundArguments) -> TransferResolution | None:
     docstring), or None when nothing comparable and valid was tuned, or when the call
     has only one config.
   """
+  return _transfer_from(resolution.active_results(), ba)
+
+
+def _transfer_from(active: tuple[Any, ...], ba: BoundArguments) -> TransferResolution | None:
   if len(ba.autotuning_configs) <= 1:
     return None
   op_json = ba.op_json()
-  candidates = ((where, entry) for where, result in _sources(ba.op.name)
+  candidates = ((where, entry) for where, result in _sources(active, ba.op.name)
                 for entry in _entries_of(result, op_json))
   return nearest_config(ba, candidates)
 
 
-def _sources(op_name: str) -> Iterator[tuple[str, AutotuningResult]]:
+def _sources(active: tuple[Any, ...], op_name: str) -> Iterator[tuple[str, AutotuningResult]]:
   """The results to look in, in resolution order, of the current device kind."""
   kind = current_device_kind()
-  for result in reversed(resolution.active_results()):
+  for result in reversed(active):
     if isinstance(result, AutotuningResult) and result.device_kind == kind:
       yield "active result", result
   yield from cached_results(op_name, kind)
@@ -296,7 +300,7 @@ _INDEX_LIMIT = 256
 
 
 def _entries_of(result: AutotuningResult, op_json: str) -> tuple[Entry, ...]:
-  key = (result.trace_digest, op_json)
+  key = (result.content_digest, op_json)
   found = _INDEX.get(key)
   if found is None:
     found = tuple(e for e in result if _profile(e.bound_args).op_json == op_json)
@@ -311,7 +315,8 @@ def _fallback(ba: BoundArguments, heuristic_config: Any) -> TransferResolution |
   del heuristic_config
   if not transfer_enabled() or resolution.miss_policy() != "heuristics":
     return None
-  return transfer_config(ba)
+  # Asked through the resolution so that JAX's caches learn the trace used it.
+  return resolution.ask_active_results(_transfer_from, ba)
 
 
 resolution.register_fallback(_fallback)

@@ -41,14 +41,19 @@ def _as_op(family: str, implementation: str | Op) -> Op:
                      f"choose one of {known} (or None for the best available).") from None
 
 
+def _times_in(sources: Sequence[Any], ba: BoundArguments) -> list[float]:
+  lookups = (getattr(source, "lookup_time", None) for source in sources)
+  return [t for t in (lookup(ba) for lookup in lookups if lookup is not None) if t is not None]
+
+
+def _fastest_in_results(results: tuple[Any, ...], ba: BoundArguments) -> float | None:
+  return min(_times_in(results, ba), default=None)
+
+
 def _measured_time(ba: BoundArguments) -> float | None:
-  times = []
-  for source in (*reversed(resolution.active_results()), *resolution.cache_sources()):
-    lookup = getattr(source, "lookup_time", None)
-    t = lookup(ba) if lookup is not None else None
-    if t is not None:
-      times.append(t)
-  return min(times) if times else None
+  times = _times_in(resolution.cache_sources(), ba)
+  in_results = resolution.ask_active_results(_fastest_in_results, ba)
+  return min([*times, *([] if in_results is None else [in_results])], default=None)
 
 
 def call_family(family: str, preference: Sequence[str], implementation: Any, args: tuple, kwargs: dict) -> Any:

@@ -26,7 +26,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from jax._src import config as _jax_config
+from stellarax.core import trace_keys
 
 MISS_POLICIES = ("heuristics", "error", "autotune")
 _MISS_POLICY_ENV = "STELLARAX_MISS_POLICY"
@@ -64,40 +64,59 @@ _active_results: contextvars.ContextVar[tuple[ConfigSource, ...]] = contextvars.
 _miss_policy: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "stellarax_miss_policy", default=None)
 _cache_sources: list[ConfigSource] = []
+# Traces record what they asked of the active results (core/trace_keys.py).
+trace_keys.set_stack_getter(_active_results.get)
 
-# Configs are resolved while tracing, so a function jitted and traced before
-# `with result:` must be traced again inside it. The digests of the active
-# results are therefore part of JAX's trace context (thread-local, like all
-# JAX config state): `jax.jit` retraces once per distinct set of active
-# results, and reuses its traces when the same results are active again.
-_trace_state = _jax_config.string_or_object_state(
-    name="stellarax_active_results", default=(), include_in_trace_context=True, include_in_jit_key=True,
-    help="Digests of the active stellarax AutotuningResults (set by `with result:`).")
 _fallbacks: list[Callable[[Any, Any], Resolution | None]] = []
 _autotune_on_miss: Callable[[Any], Any] | None = None
-
-
-def _digest(result: ConfigSource) -> Any:
-  return getattr(result, "trace_digest", None) or id(result)
 
 
 def push_result(result: ConfigSource) -> tuple[contextvars.Token, Any]:
   """Makes `result` the innermost active result; returns the token to pop it."""
   stack = _active_results.get() + (result,)
-  previous = _trace_state.swap_local(tuple(_digest(r) for r in stack))
-  return _active_results.set(stack), previous
+  return _active_results.set(stack), trace_keys.enter(stack)
 
 
 def pop_result(token: tuple[contextvars.Token, Any]) -> None:
   """Undoes the matching `push_result`."""
-  ctx_token, previous = token
+  ctx_token, key_token = token
+  trace_keys.leave(key_token)
   _active_results.reset(ctx_token)
-  _trace_state.set_local(previous)
 
 
 def active_results() -> tuple[ConfigSource, ...]:
-  """The active results, outermost first."""
+  """The active results, outermost first.
+
+  Code that traces a computation from what it reads here must go through
+  `ask_active_results` instead, so that JAX's caches learn of it.
+  """
   return _active_results.get()
+
+
+def ask_active_results(question: Callable[[tuple[ConfigSource, ...], Any], Any], bound_args: Any) -> Any:
+  """Answers `question(active_results, bound_args)` and records the answer
+  for the computation being traced, so that JAX reuses that trace only
+  where the same question gets the same answer (see `core/trace_keys.py`).
+
+  Args:
+    question: a module-level function (it is kept as part of a cache key)
+      of the active results (outermost first) and `bound_args`.
+    bound_args: a hashable `BoundArguments`.
+
+  Returns:
+    The answer.
+  """
+  answer = question(_active_results.get(), bound_args)
+  trace_keys.record(question, bound_args, answer)
+  return answer
+
+
+def _innermost_config(results: tuple[ConfigSource, ...], bound_args: Any) -> Any | None:
+  for result in reversed(results):
+    config = result.lookup_config(bound_args)
+    if config is not None:
+      return config
+  return None
 
 
 def register_cache_source(source: ConfigSource) -> None:
@@ -192,10 +211,9 @@ def resolve_config(bound_args: Any) -> Resolution:
   op = bound_args.op
   if op.config is not None:
     return Resolution(op.config, "explicit")
-  for result in reversed(_active_results.get()):
-    config = result.lookup_config(bound_args)
-    if config is not None:
-      return Resolution(config, "result")
+  config = ask_active_results(_innermost_config, bound_args)
+  if config is not None:
+    return Resolution(config, "result")
   for cache in _cache_sources:
     config = cache.lookup_config(bound_args)
     if config is not None:

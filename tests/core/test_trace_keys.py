@@ -1,0 +1,261 @@
+"""Entering a result retraces exactly the jitted functions whose configs it changes."""
+
+import asyncio
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import stellarax
+from stellarax import autotuning
+from stellarax.autotuning.measure import Measurement
+from stellarax.core import trace_keys
+from stellarax.ops.ragged_dot.base import XlaRaggedDotConfig
+
+TUNED = XlaRaggedDotConfig(strategy="tiled", tile_m=16)
+OTHER = XlaRaggedDotConfig(strategy="masked")
+
+
+def _inputs(m=48, k=16, n=8, sizes=(10, 0, 30, 5)):
+  keys = jax.random.split(jax.random.key(3), 2)
+  lhs = jax.random.normal(keys[0], (m, k), jnp.float32)
+  rhs = jax.random.normal(keys[1], (len(sizes), k, n), jnp.float32)
+  return lhs, rhs, jnp.asarray(sizes, jnp.int32)
+
+
+def _result(*pairs):
+  entries = {}
+  for ba, config in pairs:
+    m = Measurement(status="ok", median_s=1e-3, ci_low_s=9e-4, ci_high_s=1.1e-3, num_samples=5,
+                    compile_time_s=0.1, error=None, method="test")
+    entry = autotuning.Entry(bound_args=ba, best_config=config, heuristic_config=ba.heuristics_config,
+                             measurements=((config, m),))
+    entries[entry.key] = entry
+  return autotuning.AutotuningResult("cpu", entries)
+
+
+@pytest.fixture
+def traced(monkeypatch):
+  """Records (function name, config) each time XlaRaggedDot is traced."""
+  seen = []
+  original = stellarax.XlaRaggedDot._fwd
+
+  def spy(self, *a, config, **k):
+    seen.append(config)
+    return original(self, *a, config=config, **k)
+
+  monkeypatch.setattr(stellarax.XlaRaggedDot, "_fwd", spy)
+  return seen
+
+
+def _counting(fn):
+  """`jax.jit(fn)` with a list counting its traces."""
+  count = []
+
+  def wrapped(*args):
+    count.append(1)
+    return fn(*args)
+
+  return jax.jit(wrapped), count
+
+
+def test_only_functions_whose_configs_change_are_traced_again(traced, monkeypatch):
+  monkeypatch.setenv("STELLARAX_TRANSFER", "0")  # keep the 40-row call out of the result's reach
+  lhs, rhs, gs = _inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  uses_op, op_traces = _counting(lambda l, r: stellarax.ragged_dot(l, r, gs))
+  plain, plain_traces = _counting(lambda x: jnp.sin(x) * 2)
+  pinned, pinned_traces = _counting(
+      lambda l, r: stellarax.ragged_dot(l, r, gs, implementation=stellarax.XlaRaggedDot(config=OTHER)))
+  other_shape, other_traces = _counting(lambda l, r: stellarax.ragged_dot(l[:40], r, gs))
+  everything = (uses_op, plain, pinned, other_shape)
+  for f in everything:
+    f(lhs, rhs) if f is not plain else f(lhs)
+  assert traced == [ba.heuristics_config, OTHER, ba.heuristics_config]
+  result = _result((ba, TUNED))
+  for _ in range(3):  # entering again reuses the traces made the first time
+    with result:
+      for f in everything:
+        f(lhs, rhs) if f is not plain else f(lhs)
+    for f in everything:  # and leaving goes back to the first traces
+      f(lhs, rhs) if f is not plain else f(lhs)
+  assert traced[3:] == [TUNED]
+  assert (len(op_traces), len(plain_traces), len(pinned_traces), len(other_traces)) == (2, 1, 1, 1)
+
+
+def test_a_call_whose_config_transfers_from_the_result_is_traced_again(traced):
+  lhs, rhs, gs = _inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  f, count = _counting(lambda l, r: stellarax.ragged_dot(l[:40], r, gs))
+  f(lhs, rhs)
+  with _result((ba, TUNED)):  # the nearest tuned call is the 48-row one
+    f(lhs, rhs)
+  assert len(count) == 2 and traced == [ba.heuristics_config, TUNED]
+
+
+def test_a_result_with_the_same_configs_reuses_the_trace(traced):
+  lhs, rhs, gs = _inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  f, count = _counting(lambda l, r: stellarax.ragged_dot(l, r, gs))
+  with _result((ba, TUNED)):
+    f(lhs, rhs)
+  with _result((ba, TUNED)):  # another object, same answer
+    f(lhs, rhs)
+  with _result((ba, OTHER)):
+    f(lhs, rhs)
+  assert len(count) == 2 and traced == [TUNED, OTHER]
+
+
+def test_outer_function_reusing_a_cached_inner_jit_is_traced_again(traced):
+  lhs, rhs, gs = _inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  inner = jax.jit(lambda l, r: stellarax.ragged_dot(l, r, gs))
+  inner(lhs, rhs)  # cached before the outer function is traced
+  outer, count = _counting(lambda l, r: inner(l, r) * 2)
+  outer(lhs, rhs)
+  with _result((ba, TUNED)):
+    np.testing.assert_allclose(outer(lhs, rhs), 2 * jax.lax.ragged_dot(lhs, rhs, gs), rtol=1e-5, atol=1e-5)
+  assert len(count) == 2 and traced[-1] == TUNED
+
+
+def test_outer_function_reusing_a_cached_scan_body_is_traced_again(traced):
+  lhs, rhs, gs = _inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+
+  def body(carry, _):
+    return carry, stellarax.ragged_dot(carry, rhs, gs)
+
+  first, _ = _counting(lambda l: jax.lax.scan(body, l, length=2)[1])
+  second, count = _counting(lambda l: jax.lax.scan(body, l, length=2)[1] + 1)
+  first(lhs)
+  second(lhs)
+  with _result((ba, TUNED)):
+    second(lhs)
+  assert len(count) == 2 and traced[-1] == TUNED
+
+
+def test_result_entered_inside_a_traced_function(traced):
+  lhs, rhs, gs = _inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  inside = _result((ba, TUNED))
+
+  def fn(l, r):
+    with inside:
+      return stellarax.ragged_dot(l, r, gs)
+
+  f, count = _counting(fn)
+  for _ in range(3):
+    f(lhs, rhs)
+  with _result((ba, OTHER)):  # the inner result still wins: same answer, same trace
+    f(lhs, rhs)
+  assert len(count) == 1 and traced == [TUNED]
+
+
+def test_gradient_traced_before_the_result(traced):
+  lhs, rhs, gs = _inputs()
+  vjp_ba = stellarax.XlaRaggedDotVjp.bind  # noqa: F841 (the class exists)
+  grad, count = _counting(jax.grad(lambda l, r: stellarax.ragged_dot(l, r, gs).sum(), argnums=(0, 1)))
+  grad(lhs, rhs)
+  (fwd_ba,) = [b for b in autotuning.get_bound_args(lambda l, r: stellarax.ragged_dot(l, r, gs), lhs, rhs)]
+  with _result((fwd_ba, TUNED)):
+    grad(lhs, rhs)
+  with _result():  # an empty result changes nothing
+    grad(lhs, rhs)
+  assert len(count) == 2 and TUNED in traced
+
+
+def test_threads_see_their_own_results(traced):
+  lhs, rhs, gs = _inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  f = jax.jit(lambda l, r: stellarax.ragged_dot(l, r, gs))
+  result = _result((ba, TUNED))
+  order = [threading.Event() for _ in range(3)]
+  seen = {}
+
+  def tuned_thread():
+    with result:
+      order[0].wait()
+      f(lhs, rhs)
+      seen["tuned"] = list(traced)
+      order[1].set()
+      order[2].wait()
+
+  def plain_thread():
+    f(lhs, rhs)
+    order[0].set()
+    order[1].wait()
+    count = len(traced)
+    f(lhs, rhs)  # the tuned thread's trace must not be reused here
+    seen["plain_again"] = len(traced) - count
+    order[2].set()
+
+  threads = [threading.Thread(target=tuned_thread), threading.Thread(target=plain_thread)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=120)
+  assert seen["tuned"][-1] == TUNED and traced[0] == ba.heuristics_config
+  assert seen["plain_again"] == 0  # reused its own heuristic trace
+
+
+def test_async_tasks_see_their_own_results(traced):
+  lhs, rhs, gs = _inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  f = jax.jit(lambda l, r: stellarax.ragged_dot(l, r, gs))
+  result = _result((ba, TUNED))
+  configs = {}
+
+  async def tuned():
+    with result:
+      await asyncio.sleep(0.01)  # the plain task runs here, inside our `with`
+      f(lhs, rhs)
+      configs["tuned"] = traced[-1]
+
+  async def plain():
+    f(lhs, rhs)
+    configs["plain"] = traced[-1]
+
+  async def main():
+    await asyncio.gather(tuned(), plain())
+
+  asyncio.run(main())
+  assert configs == {"tuned": TUNED, "plain": ba.heuristics_config}
+
+
+def test_trace_key_equality_follows_recorded_answers():
+  def question(stack, subject):
+    return stack[-1] if stack else None
+
+  key = trace_keys.TraceKey()
+  assert key == trace_keys.TraceKey() and hash(key) == hash(trace_keys.TraceKey())
+  key._merge({(question, "x", ()): None}, ())
+  assert len(key) == 1 and key.holds()
+  a = _result()
+  with a:
+    assert not key.holds() and key != trace_keys.current()
+  key._merge({(question, "x", ()): "other"}, ())  # two answers to one question
+  assert not key.holds()
+
+
+def test_implementation_choice_follows_the_result_under_jit(monkeypatch):
+  from stellarax.core.config import NoConfig
+  q = jnp.ones((1, 16, 2, 8))
+  chunked, full = stellarax.XlaChunkedAttention.bind(q, q, q), stellarax.XlaAttention.bind(q, q, q)
+
+  def entry(ba, config, t):
+    m = Measurement(status="ok", median_s=t, ci_low_s=t, ci_high_s=t, num_samples=3, compile_time_s=0.1, method="t")
+    return autotuning.Entry(ba, config, config, ((config, m),))
+
+  seen = []
+  original = stellarax.XlaAttention._fwd
+  monkeypatch.setattr(stellarax.XlaAttention, "_fwd", lambda self, *a, **k: (seen.append(1), original(self, *a, **k))[1])
+  f, count = _counting(lambda x: stellarax.dot_product_attention(x, x, x))
+  f(q)
+  fast_full = autotuning.AutotuningResult(
+      "cpu", {e.key: e for e in (entry(chunked, chunked.heuristics_config, 2e-3), entry(full, NoConfig(), 1e-3))})
+  with fast_full:
+    f(q)
+  f(q)
+  assert len(count) == 2 and seen == [1]
