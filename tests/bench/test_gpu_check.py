@@ -21,4 +21,29 @@ def test_gpu_check_smoke_run(tmp_path):
   checked = [r for r in rows if r["max_rel_err"] is not None]
   assert checked and all(r["max_rel_err"] < 1e-3 for r in checked), [r for r in checked if r["max_rel_err"] >= 1e-3]
   assert (tmp_path / "tuned.json").exists()
-  assert proc.stdout.strip().splitlines()[-1].startswith("rms_norm")  # the table is printed last
+  assert proc.stdout.strip().splitlines()[-1].startswith("layer_norm")  # the table is printed last
+
+
+def _gpu_check():
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules["gpu_check"] = module  # dataclasses look their module up while it loads
+  spec.loader.exec_module(module)
+  return module
+
+
+def _rows(out):
+  return json.loads((out / "results.json").read_text())["rows"]
+
+
+def test_deadline_stops_tuning_then_skips_workloads(tmp_path):
+  gpu_check = _gpu_check()
+  args = ["--smoke", "--only", "rms_norm", "--tune-budget-s", "2"]
+  gpu_check.main([*args, "--out", str(tmp_path / "late"), "--deadline-s", "0"])
+  late = _rows(tmp_path / "late")
+  assert {r["workload"] for r in late} == {"rms_norm (64, 256) fwd", "rms_norm (64, 256) fwd+bwd"}
+  assert not any("tuned" in r["impl"] for r in late)  # past the deadline: untuned
+  assert all(r["median_ms"] for r in late if r["status"] == "ok")
+  gpu_check.main([*args, "--out", str(tmp_path / "over"), "--deadline-s", "-61"])
+  assert {r["status"] for r in _rows(tmp_path / "over")} == {"skipped: past the -61 s deadline"}
