@@ -15,6 +15,11 @@ that budget per op call. Baselines: XLA (`jax.lax.ragged_dot`,
 `jax.nn.dot_product_attention(implementation="xla")`), cuDNN attention,
 cuBLAS dense matmuls of the same FLOPs, and an elementwise copy for bandwidth.
 
+First, it profiles a small model (forward and gradient, every op family) into
+`<out>/profile/` and reads it back with `read_op_calls`, printing the calls it
+found: a real device profile for the profile tests, and a check of the device
+event path of the profile reader.
+
 Writes `<out>/results.json` (every row, environment) and `<out>/tuned.json`
 (an AutotuningResult for the library cache) after every workload, so a run cut
 short keeps what it measured; prints each workload's rows as it ends and the
@@ -286,6 +291,33 @@ def _write(out: Path, rows: list[Row], tuned_all) -> None:
   (out / "results.json").write_text(json.dumps({"env": env, "rows": [dataclasses.asdict(r) for r in rows]}, indent=1))
 
 
+def record_profile(out: Path, smoke: bool) -> list[Any]:
+  """Profiles a few steps of a small model (ragged_dot, attention, rms_norm,
+  forward and gradient) into `out`, and returns what `read_op_calls` finds
+  there. Small shapes keep the profile small enough to keep as test data."""
+  from stellarax.autotuning.profile import read_op_calls
+  dtype = jnp.float32 if smoke else jnp.bfloat16
+  lhs, rhs, sizes = _ragged_inputs(4, 256, 64, 128, dtype)
+  x = _attention_inputs(1, 128, 2, 64, dtype)[0]
+
+  def loss(lhs, rhs, x):
+    y = stellarax.rms_norm(stellarax.ragged_dot(lhs, rhs, sizes), None)
+    a = stellarax.dot_product_attention(x, x, x, is_causal=True)
+    return jnp.sum(jnp.sin(y.astype(jnp.float32))) + jnp.sum(jnp.sin(a.astype(jnp.float32)))
+
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  jax.block_until_ready(step(lhs, rhs, x))  # compile outside the profile
+  out.mkdir(parents=True, exist_ok=True)
+  with jax.profiler.trace(str(out)):
+    for _ in range(3):
+      jax.block_until_ready(step(lhs, rhs, x))
+  calls = read_op_calls(out)
+  for call in calls:
+    name = json.loads(call.marker).get("op", {}).get("name", call.marker[:60])
+    print(f"profile: {name} x{call.count} {call.device_time_s * 1e6:.1f} us", flush=True)
+  return calls
+
+
 def _with_result(result, fn):
   def run(*a):
     with result:
@@ -309,9 +341,15 @@ def main(argv=None) -> int:
   parser.add_argument("--tune-budget-s", type=float, default=20.0, help="tuning budget per op call; 0 = no tuning")
   parser.add_argument("--deadline-s", type=float, default=540.0,
                       help="stop tuning after this many seconds, and skip what is left a minute later")
+  parser.add_argument("--no-profile", action="store_true", help="skip profiling the small model first")
   parser.add_argument("--only", default="", help="comma-separated parts of workload names to run (default: all)")
   args = parser.parse_args(argv)
   print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+  if not args.no_profile:
+    try:
+      record_profile(Path(args.out) / "profile", args.smoke)
+    except Exception as e:  # the timings below matter more than the profile
+      print(f"profile: failed: {type(e).__name__}: {e}", flush=True)
   rows = run(args)
   print("\n== all workloads ==")
   print_table(rows)

@@ -39,7 +39,7 @@ def _rows(out):
 
 def test_deadline_stops_tuning_then_skips_workloads(tmp_path):
   gpu_check = _gpu_check()
-  args = ["--smoke", "--only", "rms_norm", "--tune-budget-s", "2"]
+  args = ["--smoke", "--no-profile", "--only", "rms_norm", "--tune-budget-s", "2"]
   gpu_check.main([*args, "--out", str(tmp_path / "late"), "--deadline-s", "0"])
   late = _rows(tmp_path / "late")
   assert {r["workload"] for r in late} == {"rms_norm (64, 256) fwd", "rms_norm (64, 256) fwd+bwd"}
@@ -47,3 +47,12 @@ def test_deadline_stops_tuning_then_skips_workloads(tmp_path):
   assert all(r["median_ms"] for r in late if r["status"] == "ok")
   gpu_check.main([*args, "--out", str(tmp_path / "over"), "--deadline-s", "-61"])
   assert {r["status"] for r in _rows(tmp_path / "over")} == {"skipped: past the -61 s deadline"}
+
+
+def test_profile_step_finds_every_op_family(tmp_path, capsys):
+  calls = _gpu_check().record_profile(tmp_path / "profile", smoke=True)
+  names = {json.loads(c.marker)["op"]["name"].split(".")[0] for c in calls}
+  assert names == {"ragged_dot", "attention", "layer_norm"}
+  assert all(c.count >= 3 and c.device_time_s > 0 for c in calls)
+  assert list((tmp_path / "profile").rglob("*.xplane.pb"))
+  assert "profile: ragged_dot." in capsys.readouterr().out
