@@ -230,12 +230,12 @@ def test_trace_key_equality_follows_recorded_answers():
 
   key = trace_keys.TraceKey()
   assert key == trace_keys.TraceKey() and hash(key) == hash(trace_keys.TraceKey())
-  key._merge({(question, "x", ()): None}, ())
+  key._merge([(question, "x", (), None)], ())
   assert len(key) == 1 and key.holds()
   a = _result()
   with a:
     assert not key.holds() and key != trace_keys.current()
-  key._merge({(question, "x", ()): "other"}, ())  # two answers to one question
+  key._merge([(question, "x", (), "other")], ())  # two answers to one question
   assert not key.holds()
 
 
@@ -259,3 +259,17 @@ def test_implementation_choice_follows_the_result_under_jit(monkeypatch):
     f(q)
   f(q)
   assert len(count) == 2 and seen == [1]
+
+
+def test_vmapped_and_rematerialised_calls_under_jit(traced):
+  lhs, rhs, gs = _inputs()
+  batched = jnp.stack([lhs, 2 * lhs])
+  per_row = lambda l: stellarax.ragged_dot(l, rhs, gs)
+  (vmapped_ba,) = autotuning.get_bound_args(jax.vmap(per_row), batched)
+  f, count = _counting(jax.vmap(jax.checkpoint(per_row)))
+  expected = 2 * jax.lax.ragged_dot(lhs, rhs, gs)
+  f(batched)
+  with _result((vmapped_ba, TUNED)):
+    np.testing.assert_allclose(f(batched)[1], expected, rtol=1e-5, atol=1e-4)
+    text = f.lower(batched).as_text()  # lowering in the context reuses the new trace
+  assert len(count) == 2 and traced[-1] == TUNED and "stellarax_op" in text

@@ -22,6 +22,7 @@ import jax
 
 from stellarax.core import markers
 from stellarax.core import specs
+from stellarax.core import trace_keys
 from stellarax.core.bound_args import BoundArguments
 from stellarax.core.resolution import resolve_config
 
@@ -92,6 +93,13 @@ def call_op(op, values: dict[str, Any]) -> Any:
   Returns:
     The op's output (forward ops: without residuals).
   """
+  try:
+    return _call(op, values)
+  finally:
+    trace_keys.after_eager_call()
+
+
+def _call(op, values: dict[str, Any]) -> Any:
   arrays, rebuild = _split(values)
   ba = BoundArguments.from_values(op, values)
 

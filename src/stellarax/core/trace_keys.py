@@ -19,16 +19,22 @@ JAX compares the key of each cached trace with the current one, so:
 * a trace that asked is reused exactly where its answers still hold, and is
   traced again where they do not.
 
-Keeping records apart. A trace is cached under the key current when it
-started. The current key is replaced by a fresh one after every top-level
-trace (JAX's trace-duration event), after it takes a record, and on entering
-a result; so each top-level function gets a key of its own and a function
-with no op never shares a key with one that has ops. An answer given while
-traces are being built is recorded in the key of each of them (the chain of
-JAX traces from the current one outwards), and when JAX reuses a cached inner
-trace (a nested `jit`, a `scan` body) inside a trace being built, the
-equality check passes the inner key's records on to the outer trace's key,
-since the outer computation now depends on them too.
+Which keys an answer goes to. Every cache entry JAX makes is keyed by the
+key current when it looked the entry up, so an answer is recorded in the
+current key; inside a top-level `jit` trace also in that trace's key and in
+the keys of the results entered since it began (JAX reports top-level traces
+as they start and end; inner jaxprs, such as a `checkpoint` being batched,
+may be traced detached from the outer trace, so the trace stack alone would
+not do). The current key is never replaced while a top-level trace is being
+built; it is replaced by a fresh one when the trace ends, after an op ran
+eagerly and left records, and on entering a result. So each top-level
+function gets a key of its own, and a function with no op never shares a key
+with one that has ops. While a trace is being built, a key with records
+equals only itself: a cached inner trace that asked questions (a nested
+`jit`, a `scan` body) is traced again inside each new outer trace, so that
+its answers land in the outer trace's key too (JAX compares keys in many
+small caches, so equality cannot tell a reuse that matters from one that
+does not).
 
 Results entered inside a traced function: each key remembers the stack of
 active results it was created under, and a record made deeper in the stack
@@ -37,15 +43,12 @@ results on top of whatever is active then.
 
 Equality is memoised per stack of active results until the next record: JAX
 checks it on every call of a jitted function whose cached key is not the
-current one. The one known gap: an answer given under
-`jax.ensure_compile_time_eval()` inside a trace cannot reach the enclosing
-trace's key, because JAX hides the outer trace from such code.
+current one.
 """
 
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -55,13 +58,20 @@ from jax._src import core as _jax_core
 
 Stack = tuple[Any, ...]
 Question = Callable[[Stack, Any], Any]
-_Record = tuple[Question, Hashable, Stack]  # (question, subject, results pushed above the key's)
+# (question, subject, results pushed above the key's stack, answer). Results
+# need not be hashable: records are indexed by the identities of `above`.
+_Record = tuple[Question, Hashable, Stack, Any]
+
+
+def _index(question: Question, subject: Hashable, above: Stack) -> tuple:
+  return question, subject, tuple(map(id, above))
 
 _CONFLICT = object()  # one question, two answers in one trace: never equal
 _HASH = hash("stellarax.core.trace_keys.TraceKey")
 _MEMO_LIMIT = 64
-# Emitted by `jax.jit` when a top-level trace ends (jax/_src/dispatch.py).
-_TRACE_END_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+# Emitted by `jax.jit` when a top-level trace starts (a scalar: its start time)
+# and when it ends (its duration); see jax/_src/pjit.py and dispatch.py.
+_TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 
 
 def _empty_stack() -> Stack:
@@ -83,13 +93,15 @@ class TraceKey:
 
   Attributes:
     stack: the active results when this key became current.
+    parent: the key current when the result that made this one was entered.
   """
 
-  __slots__ = ("stack", "_records", "_memo", "__weakref__")
+  __slots__ = ("stack", "parent", "_records", "_memo", "__weakref__")
 
-  def __init__(self, stack: Stack = ()):
+  def __init__(self, stack: Stack = (), parent: TraceKey | None = None):
     self.stack = stack
-    self._records: dict[_Record, Any] = {}
+    self.parent = parent
+    self._records: dict[tuple, _Record] = {}
     self._memo: dict[int, tuple[Stack, bool]] = {}  # id(stack) -> (stack, holds); cleared on records
 
   def __hash__(self) -> int:
@@ -102,10 +114,12 @@ class TraceKey:
       return NotImplemented
     if not (self._records or other._records):
       return True
-    same = self.holds() and other.holds()
-    if same:
-      _pass_on(self, other)
-    return same
+    if _building():
+      # A cached trace reused inside a trace being built would hide its
+      # answers from the new trace's key: trace it again (once per outer
+      # trace; it is then cached under the current key, which has them).
+      return False
+    return self.holds() and other.holds()
 
   def __repr__(self) -> str:
     return f"TraceKey({len(self._records)} recorded answers)"
@@ -123,7 +137,7 @@ class TraceKey:
       return memo[1]
     try:
       holds = all(answer is not _CONFLICT and _same(question(now + above, subject), answer)
-                  for (question, subject, above), answer in tuple(self._records.items()))
+                  for question, subject, above, answer in tuple(self._records.values()))
     except Exception:  # a question that fails now must cost a retrace, not a crash
       holds = False
     if len(self._memo) >= _MEMO_LIMIT:
@@ -131,17 +145,20 @@ class TraceKey:
     self._memo[id(now)] = (now, holds)
     return holds
 
-  def _merge(self, records: dict[_Record, Any], now: Stack) -> None:
+  def _merge(self, records: list[_Record], now: Stack) -> None:
     """Adds `records` (their `above` relative to the stack `now`)."""
     depth = len(self.stack)
     under_us = len(now) >= depth and all(a is b for a, b in zip(self.stack, now))
-    for (question, subject, above), answer in records.items():
+    for question, subject, above, answer in records:
       if not under_us:  # the results changed under this key's trace: never reuse it
-        self._records[(question, subject, ())] = _CONFLICT
+        self._records[_index(question, subject, ())] = (question, subject, (), _CONFLICT)
         continue
-      record = (question, subject, now[depth:] + above)
-      known = self._records.get(record, answer)
-      self._records[record] = answer if known is not _CONFLICT and _same(known, answer) else _CONFLICT
+      above = now[depth:] + above
+      index = _index(question, subject, above)
+      known = self._records.get(index)
+      if known is not None and (known[3] is _CONFLICT or not _same(known[3], answer)):
+        answer = _CONFLICT
+      self._records[index] = (question, subject, above, answer)
     self._memo.clear()
 
 
@@ -158,9 +175,7 @@ _state = _jax_config.string_or_object_state(
     help="What stellarax traces asked of the active AutotuningResults (see "
          "stellarax/core/trace_keys.py).")
 
-# Trace -> the key it is cached under. Weak: an entry lives as long as its trace.
-_owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_lock = threading.Lock()
+_local = threading.local()
 
 
 def current() -> TraceKey:
@@ -169,13 +184,14 @@ def current() -> TraceKey:
 
 
 def _renew() -> None:
-  _state.set_local(TraceKey(current().stack))
+  key = current()
+  _state.set_local(TraceKey(key.stack, key.parent))
 
 
 def enter(stack: Stack) -> Any:
   """Makes a fresh key for a new stack of active results current; returns
   what `leave` needs to restore the previous one."""
-  return _state.swap_local(TraceKey(stack))
+  return _state.swap_local(TraceKey(stack, current()))
 
 
 def leave(token: Any) -> None:
@@ -183,38 +199,38 @@ def leave(token: Any) -> None:
   _state.set_local(token)
 
 
-def _traces_being_built() -> list[Any]:
-  """The chain of JAX traces from the current one outwards, without the
-  eager (eval) trace at its root."""
-  chain = []
+def _top_level() -> list[TraceKey]:
+  """Keys of the top-level `jit` traces in progress in this thread (at most
+  one: JAX reports only top-level traces)."""
+  keys = getattr(_local, "top_level", None)
+  if keys is None:
+    keys = _local.top_level = []
+  return keys
+
+
+def _building() -> bool:
+  """Whether a trace is being built in this thread."""
   trace = _jax_core.trace_ctx.trace
-  while trace is not None and not isinstance(trace, _jax_core.EvalTrace):
-    chain.append(trace)
-    trace = getattr(trace, "parent_trace", None)
-  return chain
+  return bool(_top_level()) or not (trace is None or isinstance(trace, _jax_core.EvalTrace))
 
 
-def _add(records: dict[_Record, Any]) -> None:
-  chain = _traces_being_built()
-  if not chain or not records:
-    return
-  key_now = current()
-  with _lock:
-    keys: list[TraceKey] = []
-    for trace in chain:
-      key = _owners.get(trace)
-      if key is None:
-        # The current key has not been replaced since this trace started:
-        # a replacement mid-trace only follows a record, which has given
-        # every trace of the chain its key first.
-        key = _owners[trace] = key_now
-      if all(key is not k for k in keys):
-        keys.append(key)
-  now = _active_stack()
-  for key in keys:
-    key._merge(records, now)
-  if any(key is key_now for key in keys):
-    _renew()
+def _targets() -> list[TraceKey]:
+  """The keys of every cache entry that may be being built now: the current
+  key, the keys current outside the results entered (up to the top-level
+  trace's key, if one is being built) and the top-level trace's key."""
+  key, top_level = current(), _top_level()
+  targets = [key]
+  while key.parent is not None and all(key is not k for k in top_level):
+    key = key.parent
+    targets.append(key)
+  return targets + [k for k in top_level if all(k is not t for t in targets)]
+
+
+def _add(records: list[_Record]) -> None:
+  if records:
+    now = _active_stack()
+    for key in _targets():
+      key._merge(records, now)
 
 
 def record(question: Question, subject: Hashable, answer: Any) -> None:
@@ -226,23 +242,30 @@ def record(question: Question, subject: Hashable, answer: Any) -> None:
     subject: what was asked about (e.g. a `BoundArguments`); hashable.
     answer: what it answered (compared with `==`).
   """
-  _add({(question, subject, ()): answer})
+  _add([(question, subject, (), answer)])
 
 
-def _pass_on(*keys: TraceKey) -> None:
-  """A cached trace keyed by one of `keys` is being reused: the traces being
-  built now depend on its answers too."""
-  if _traces_being_built():
-    merged: dict[_Record, Any] = {}
-    for key in keys:
-      merged.update(key._records)
-    _add(merged)
+def after_eager_call() -> None:
+  """Call after an op ran eagerly: gives later traces a key of their own,
+  without the records the op's internal traces left in the current one."""
+  if not _building() and len(current()):
+    _renew()
+
+
+def _on_trace_start(event: str, value: float, **kwargs: Any) -> None:
+  del value, kwargs
+  if event == _TRACE_EVENT:
+    _top_level().append(current())
 
 
 def _on_trace_end(event: str, duration: float, **kwargs: Any) -> None:
   del duration, kwargs
-  if event == _TRACE_END_EVENT:
+  if event == _TRACE_EVENT:
+    top_level = _top_level()
+    if top_level:
+      top_level.pop()
     _renew()
 
 
+jax.monitoring.register_scalar_listener(_on_trace_start)
 jax.monitoring.register_event_duration_secs_listener(_on_trace_end)
