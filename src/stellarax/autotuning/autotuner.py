@@ -31,6 +31,7 @@ from typing import Any
 import jax
 
 from stellarax.autotuning import capture
+from stellarax.autotuning import isolation
 from stellarax.autotuning import measure as measure_lib
 from stellarax.autotuning import search
 from stellarax.autotuning.cache import USER_CACHE, cached_results, current_device_kind
@@ -72,6 +73,9 @@ class Autotuner:
       process's plan, or for its next tuned call while some of its share is
       missing, before reporting it as failed; it must exceed the longest
       tuning of one call.
+    isolate: measure in worker processes, so that a config that hangs on the
+      device is recorded as a timeout and tuning goes on in a fresh process
+      (see `isolation.py`); costs a few seconds to start each worker.
   """
 
   strategy: str | Callable[..., Any] = "auto"
@@ -84,6 +88,7 @@ class Autotuner:
   seed: int = 0
   distribute: bool = True
   distributed_timeout_s: float = 1800.0
+  isolate: bool = False
 
   def __post_init__(self):
     if isinstance(self.strategy, str) and self.strategy not in STRATEGIES:
@@ -180,19 +185,13 @@ class Autotuner:
     ba = ba.with_config(None)
     heuristic = ba.heuristics_config
     space = _ordered_space(ba)
-    arrays = ba.example_arrays(self.seed)
-    if device is not None:
-      arrays = jax.device_put(arrays, device)
-    reference = jax.jit(ba.runner(reference=True))(*arrays)
     label = ba.op.name
-    compiled: dict[Any, Any] = {}  # racing re-measures configs: compile each once
+    measure_here = self._isolated_measure(ba, device) if self.isolate else self._local_measure(ba, device)
     seen: set[Any] = set()  # progress counts each config once, however often measured
 
     def measure(configs, *, effort=1.0):
       configs = list(configs)
-      out = measure_lib.measure_candidates(
-          {c: ba.runner(c) for c in configs}, tuple(arrays), reference=reference,
-          options=self.measure_options, order=configs, compile_cache=compiled, effort=effort)
+      out = measure_here(configs, effort)
       if progress is not None:
         progress.advance(len(set(configs) - seen), label)
       seen.update(configs)
@@ -208,6 +207,33 @@ class Autotuner:
         measurements=measurements,
         measured_at=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         method=f"{outcome.strategy}/{_method(measurements)}")
+
+  def _local_measure(self, ba: BoundArguments, device: jax.Device | None):
+    """`(configs, effort) -> {config: Measurement}`, measuring in this process."""
+    arrays = ba.example_arrays(self.seed)
+    if device is not None:
+      arrays = jax.device_put(arrays, device)
+    reference = jax.jit(ba.runner(reference=True))(*arrays)
+    compiled: dict[Any, Any] = {}  # racing re-measures configs: compile each once
+
+    def measure(configs, effort):
+      return measure_lib.measure_candidates(
+          {c: ba.runner(c) for c in configs}, tuple(arrays), reference=reference,
+          options=self.measure_options, order=configs, compile_cache=compiled, effort=effort)
+
+    return measure
+
+  def _isolated_measure(self, ba: BoundArguments, device: jax.Device | None):
+    """`(configs, effort) -> {config: Measurement}`, measuring in a worker process."""
+    # A worker is a JAX process of its own, not part of any distributed run: it
+    # sees this host's devices, so the device is named by its local index.
+    index = None if device is None else jax.local_devices().index(device)
+
+    def measure(configs, effort):
+      return isolation.measure_isolated(ba, configs, seed=self.seed, options=self.measure_options,
+                                        effort=effort, device_index=index)
+
+    return measure
 
 
 def autotune(f: Any, *args, **kwargs) -> AutotuningResult:

@@ -50,7 +50,9 @@ that the sync waits for all n calls on every backend; its memory is n outputs.
 Timeouts. Compilation, the check run and every timed batch run on daemon threads, and the
 caller waits at most `timeout_s` for each. A candidate that does not finish in time is
 recorded as `timeout` and its thread is abandoned. Nothing can cancel a running XLA
-computation, so the device may stay busy with it and slow or stall later candidates.
+computation, so the device may stay busy with it and slow or stall later candidates;
+`Autotuner(isolate=True)` measures in a worker process instead, which stops at the first
+such timeout and is replaced (`autotuning/isolation.py`).
 """
 
 from __future__ import annotations
@@ -200,6 +202,10 @@ class MeasureOptions:
     atol: absolute tolerance of the output check; None uses `default_tolerance`.
     seed: seed of the round shuffling.
     compile_threads: compilations at once; None uses min(#candidates, os.cpu_count()).
+    stop_after_run_timeout: after a check run or timed batch times out, measure
+      nothing more and return only the candidates already decided (failed ones):
+      the device may still be busy with the hung call. For measuring in a worker
+      process that is replaced afterwards (see `autotuning/isolation.py`).
   """
 
   warmup_s: float = 0.05
@@ -217,6 +223,7 @@ class MeasureOptions:
   atol: float | None = None
   seed: int = 0
   compile_threads: int | None = None
+  stop_after_run_timeout: bool = False
 
   def __post_init__(self):
     for name in ("warmup_s", "min_batch_s", "max_total_s", "timeout_s"):
@@ -565,13 +572,24 @@ def _apply_compiled(cand: _Candidate, entry: _Compiled):
     cand.fail(entry.status, entry.error)
 
 
+class _Stalled(Exception):
+  """A run timed out under `stop_after_run_timeout`: measure nothing more."""
+
+
+def _timed_out(cand: _Candidate, error: str, options: MeasureOptions) -> None:
+  cand.fail("timeout", error)
+  if options.stop_after_run_timeout:
+    raise _Stalled(error)
+
+
 def _check_output(cand: _Candidate, args: tuple, reference: Any,
                   check: Callable[[Any, Any], str | None] | None, options: MeasureOptions):
   """Runs the candidate once and records a runtime error, timeout or wrong result."""
   kind, value = _run_with_timeout(lambda: jax.device_get(cand.executable(*args)),
                                   options.timeout_s)
   if kind == "timeout":
-    cand.fail("timeout", f"the check run did not finish within timeout_s={options.timeout_s:g} s")
+    _timed_out(cand, f"the check run did not finish within timeout_s={options.timeout_s:g} s",
+               options)
   elif kind == "error":
     cand.fail("runtime_error", _short_error(value))
   elif check is not None:
@@ -618,8 +636,8 @@ def _run_batch(cand: _Candidate, input_sets: list[tuple], n: int,
   kind, value = _run_with_timeout(batch, options.timeout_s)
   cand.spent_s += time.perf_counter() - started
   if kind == "timeout":
-    cand.fail("timeout", f"a batch of {n} calls did not finish within"
-                         f" timeout_s={options.timeout_s:g} s")
+    _timed_out(cand, f"a batch of {n} calls did not finish within timeout_s={options.timeout_s:g} s",
+               options)
     return None
   if kind == "error":
     cand.fail("runtime_error", _short_error(value))
@@ -734,7 +752,8 @@ def measure_candidates(
       strategies pass it to measure cheaply first (see search.py).
 
   Returns:
-    key -> Measurement, in `order`.
+    key -> Measurement, in `order`; under `options.stop_after_run_timeout`, after a
+    run timed out, only the candidates that failed before it and the one that timed out.
 
   Raises:
     ValueError: if candidates is empty, order misses a candidate, or effort is not in (0, 1].
@@ -750,13 +769,16 @@ def measure_candidates(
   args = _on_device(tuple(args))
   cands = [_Candidate(key) for key in keys]
   _compile_all(cands, candidates, args, options, compile_cache)
-  if any(c.alive for c in cands):
-    expected = jax.device_get(reference() if callable(reference) else reference)
-    for cand in cands:
-      if cand.alive:
-        _check_output(cand, args, expected, check, options)
-  _time_all([c for c in cands if c.alive], args, options)
   method = _method_name(args, options)
+  try:
+    if any(c.alive for c in cands):
+      expected = jax.device_get(reference() if callable(reference) else reference)
+      for cand in cands:
+        if cand.alive:
+          _check_output(cand, args, expected, check, options)
+    _time_all([c for c in cands if c.alive], args, options)
+  except _Stalled:
+    return {c.key: _to_measurement(c, method) for c in cands if not c.alive}
   return {c.key: _to_measurement(c, method) for c in cands}
 
 

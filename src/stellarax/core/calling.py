@@ -110,7 +110,10 @@ def _call(op, values: dict[str, Any]) -> Any:
 
   vcall = _vmappable(ba, make_impl)
   if op.vjp_cls is None and getattr(op, "vjp", None) is None:
-    return vcall(*arrays)
+    out = vcall(*arrays)
+    # A VJP op returns its gradients; a forward op with no VJP op of its own
+    # (JAX differentiates its implementation) returns (out, residuals).
+    return out if op.fwd_cls is not None else out[0]
 
   @jax.custom_vjp
   def primal(*arrs):

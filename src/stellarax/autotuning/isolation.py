@@ -1,0 +1,277 @@
+"""Measuring configs in a worker process, so that a hung candidate cannot stall tuning.
+
+In-process measurement gives up on a call that runs past `MeasureOptions.timeout_s`
+but cannot stop it: on a GPU the hung kernel keeps the device, and every later
+candidate queues behind it. With `Autotuner(isolate=True)` each call's configs are
+measured by `measure_candidates` in a worker process, with `stop_after_run_timeout`: after the first
+timeout the worker reports what it decided and exits, taking the hung work with it,
+and a fresh worker measures the configs still undecided. A worker that dies (a crash,
+out of memory) or stays silent past a generous deadline is killed, and the configs it
+was measuring are recorded as `runtime_error` with what happened.
+
+The worker rebuilds the call from its `BoundArguments` (sent pickled; the op's module
+is imported by unpickling, so ops defined outside stellarax work when their module is
+importable from `sys.path`), makes the same random inputs from the same seed, and keeps
+compiled candidates while successive requests are for the same call. Workers are kept
+per device and reused across calls; on a GPU they do not preallocate memory
+(`XLA_PYTHON_CLIENT_PREALLOCATE=false`), so they fit beside the parent's arrays.
+
+A worker lost while measuring several configs does not say which one killed it: the
+configs are split in halves and measured again until the culprit is alone, so one bad
+config costs about log2(#configs) extra workers.
+
+Messages are length-prefixed pickles on the worker's stdin and on a duplicate of its
+original stdout (its own prints go to stderr). The worker's entry point is
+`stellarax/autotuning/isolation_worker.py`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import pickle
+import queue
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any, BinaryIO
+
+from stellarax.autotuning import measure as measure_lib
+
+_HEADER = struct.Struct("<Q")
+# Seconds a worker may take to start (import JAX, build the inputs) on top of the work.
+_STARTUP_S = 120.0
+
+
+def _send(stream: BinaryIO, message: Any) -> None:
+  data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+  stream.write(_HEADER.pack(len(data)) + data)
+  stream.flush()
+
+
+def _receive(stream: BinaryIO) -> Any:
+  header = stream.read(_HEADER.size)
+  if len(header) < _HEADER.size:
+    raise EOFError("the other side closed the stream")
+  (size,) = _HEADER.unpack(header)
+  data = stream.read(size)
+  if len(data) < size:
+    raise EOFError("the stream ended inside a message")
+  return pickle.loads(data)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+  bound_args: Any
+  seed: int
+  device_index: int | None
+  configs: tuple[Any, ...]
+  options: measure_lib.MeasureOptions
+  effort: float
+
+
+class _Worker:
+  """One worker process and a thread that reads its replies into a queue."""
+
+  def __init__(self):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    self.process = subprocess.Popen(
+        [sys.executable, "-m", "stellarax.autotuning.isolation_worker"], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, env=env)
+    self.replies: queue.Queue = queue.Queue()
+    threading.Thread(target=self._read, daemon=True).start()
+
+  def _read(self) -> None:
+    try:
+      while True:
+        self.replies.put(("reply", _receive(self.process.stdout)))
+    except Exception as e:  # EOF: the worker exited or died
+      self.replies.put(("gone", e))
+
+  def alive(self) -> bool:
+    return self.process.poll() is None
+
+  def ask(self, request: _Request, deadline_s: float) -> tuple[str, Any]:
+    """Sends a request; returns ("reply", measurements), ("gone", reason) or ("silent", None)."""
+    try:
+      _send(self.process.stdin, request)
+    except (BrokenPipeError, OSError) as e:
+      return "gone", e
+    try:
+      return self.replies.get(timeout=deadline_s)
+    except queue.Empty:
+      return "silent", None
+
+  def close(self) -> None:
+    """Asks the worker to exit (closing its stdin), kills it if it does not."""
+    try:
+      self.process.stdin.close()
+      self.process.wait(timeout=10)
+    except Exception:  # a stuck or already broken worker
+      self.process.kill()
+      self.process.wait()
+    self.process.stdout.close()
+
+
+_workers: dict[int | None, _Worker] = {}
+_workers_lock = threading.Lock()
+
+
+def _worker_for(device_index: int | None) -> _Worker:
+  with _workers_lock:
+    worker = _workers.get(device_index)
+    if worker is None or not worker.alive():
+      worker = _workers[device_index] = _Worker()
+    return worker
+
+
+def _retire(device_index: int | None, worker: _Worker) -> None:
+  with _workers_lock:
+    if _workers.get(device_index) is worker:
+      del _workers[device_index]
+  worker.close()
+
+
+@atexit.register
+def close_workers() -> None:
+  """Stops every worker process (run at exit; safe to call any time)."""
+  with _workers_lock:
+    workers = list(_workers.items())
+    _workers.clear()
+  for _, worker in workers:
+    worker.close()
+
+
+def _deadline_s(count: int, options: measure_lib.MeasureOptions) -> float:
+  """How long a worker may take for `count` configs before it is presumed stuck."""
+  per_config = 2 * options.timeout_s + options.max_total_s
+  return _STARTUP_S + options.timeout_s + count * per_config
+
+
+def _what_happened(kind: str, value: Any, worker: _Worker) -> str:
+  if kind == "silent":
+    return "sent nothing within the deadline and was killed"
+  if kind == "gone":
+    return f"exited with code {worker.process.returncode} ({value})"
+  return value.get("error", "returned no measurement")
+
+
+def _measure_in_workers(bound_args: Any, pending: list[Any], seed: int,
+                        options: measure_lib.MeasureOptions, effort: float,
+                        device_index: int | None) -> dict[Any, measure_lib.Measurement]:
+  """Measures `pending` until each is decided; a worker lost with several configs
+  in flight is blamed on none of them: they are split in halves and measured again,
+  so the config that kills its process ends up alone."""
+  results: dict[Any, measure_lib.Measurement] = {}
+  while pending:
+    worker = _worker_for(device_index)
+    request = _Request(bound_args, seed, device_index, tuple(pending), options, effort)
+    kind, value = worker.ask(request, _deadline_s(len(pending), options))
+    got = {}
+    if kind == "reply":
+      got = {pending[i]: m for i, m in value.get("measurements", {}).items()}
+      results.update(got)
+    if kind != "reply" or value.get("stalled") or not got:
+      _retire(device_index, worker)
+    if got:
+      pending = [c for c in pending if c not in results]
+      continue
+    if len(pending) > 1 and kind != "reply":
+      half = len(pending) // 2
+      for part in (pending[:half], pending[half:]):
+        results.update(_measure_in_workers(bound_args, part, seed, options, effort, device_index))
+      return results
+    failure = measure_lib.Measurement(
+        status="runtime_error", method="isolated",
+        error=f"the measuring worker process {_what_happened(kind, value, worker)} while"
+              f" measuring {', '.join(map(str, pending))}"[:600])
+    results.update({c: failure for c in pending})
+    return results
+  return results
+
+
+def measure_isolated(bound_args: Any, configs: Sequence[Any], *, seed: int,
+                     options: measure_lib.MeasureOptions, effort: float = 1.0,
+                     device_index: int | None = None) -> dict[Any, measure_lib.Measurement]:
+  """Measures `configs` of one call in worker processes (see the module docstring).
+
+  Args:
+    bound_args: the call (a `BoundArguments` without a pinned config).
+    configs: the configs to measure, in the order to measure them.
+    seed: seed of the random inputs (`BoundArguments.example_arrays`).
+    options: measurement options (`stop_after_run_timeout` is set for the worker).
+    effort: fraction of a full measurement, as in `measure_candidates`.
+    device_index: index in `jax.local_devices()` of the device to measure on;
+      None: the default device.
+
+  Returns:
+    config -> Measurement for every config, in `configs` order.
+
+  Raises:
+    ValueError: if configs is empty.
+  """
+  configs = list(dict.fromkeys(configs))
+  if not configs:
+    raise ValueError("No configs to measure.")
+  options = dataclasses.replace(options, stop_after_run_timeout=True)
+  results = _measure_in_workers(bound_args, configs, seed, options, effort, device_index)
+  return {c: results[c] for c in configs}
+
+
+# --- the worker --------------------------------------------------------------------------
+
+
+class _CallState:
+  """What a worker keeps between requests for the same call: inputs, reference, executables."""
+
+  def __init__(self, request: _Request):
+    import jax
+    self.key = (request.bound_args, request.seed, request.device_index)
+    ba = request.bound_args
+    arrays = ba.example_arrays(request.seed)
+    if request.device_index is not None:
+      arrays = jax.device_put(arrays, jax.devices()[request.device_index])
+    self.arrays = tuple(arrays)
+    self.reference = jax.jit(ba.runner(reference=True))(*self.arrays)
+    self.compiled: dict[Any, Any] = {}
+
+
+def _serve(request: _Request, state: _CallState | None) -> tuple[dict[str, Any], _CallState]:
+  if state is None or state.key != (request.bound_args, request.seed, request.device_index):
+    state = _CallState(request)
+  ba, configs = request.bound_args, list(request.configs)
+  out = measure_lib.measure_candidates(
+      {c: ba.runner(c) for c in configs}, state.arrays, reference=state.reference,
+      options=request.options, order=configs, compile_cache=state.compiled, effort=request.effort)
+  index = {c: i for i, c in enumerate(configs)}
+  # Any timeout leaves work behind (a hung run on the device, or a compilation on an
+  # abandoned thread): this worker stops after replying and a fresh one goes on.
+  stalled = any(m.status == "timeout" for m in out.values())
+  return {"measurements": {index[c]: m for c, m in out.items()}, "stalled": stalled}, state
+
+
+def serve_requests() -> None:
+  """The worker's loop: answers requests on stdin until it closes (or a timeout)."""
+  replies = os.fdopen(os.dup(1), "wb")
+  os.dup2(2, 1)  # prints from JAX or the op go to stderr, not into the message stream
+  requests = sys.stdin.buffer
+  import stellarax  # noqa: F401  (registers the ops before requests are unpickled)
+  state = None
+  while True:
+    try:
+      request = _receive(requests)
+    except EOFError:
+      return
+    try:
+      reply, state = _serve(request, state)
+    except Exception as e:  # the call itself cannot be set up: report, do not hang
+      reply = {"measurements": {}, "error": f"failed: {type(e).__name__}: {str(e)[:300]}"}
+    _send(replies, reply)
+    if reply.get("stalled"):
+      os._exit(0)  # abandoned threads may still hold the device: leave without joining them
+

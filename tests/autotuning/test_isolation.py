@@ -1,0 +1,148 @@
+"""Tuning an op whose configs fail in every way, in this process and in workers.
+
+`FaultyOp` computes 2 * x; its configs compute it fast or slowly, or fail to compile,
+raise at run time, return NaN, return wrong values, hang, or (only in worker
+processes) kill the process. The run must finish within its limits, record each
+failure with its status, and pick the fast config.
+"""
+
+import dataclasses
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import stellarax
+from stellarax.autotuning import isolation
+from stellarax.autotuning.measure import MeasureOptions
+from stellarax.core.config import check_choice, config_dataclass
+from stellarax.core.op import Op
+
+BEHAVIOURS = ("fast", "slow", "compile_error", "raise", "nan", "wrong", "hang", "crash")
+HANG_S = 60.0  # how long the hang config sleeps (a worker process is killed first)
+
+
+@config_dataclass
+class FaultyConfig:
+  """How FaultyOp computes (or fails to compute) 2 * x."""
+
+  behaviour: str = "slow"
+
+  def __post_init__(self):
+    check_choice("behaviour", self.behaviour, BEHAVIOURS)
+
+
+def _on_host(fn, x):
+  return jax.pure_callback(fn, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+
+def _hang(v):
+  time.sleep(HANG_S)  # read when called, so a test can shorten it
+  return v
+
+
+def _raise(v):
+  raise RuntimeError("boom from a faulty config")
+
+
+def _crash(v):
+  os._exit(3)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FaultyOp(Op, name="test_isolation.faulty"):
+  """2 * x with configs that misbehave; `crash` adds the config that kills its process."""
+
+  config_cls = FaultyConfig
+  crash: bool = False
+
+  def _fwd(self, x, *, config):
+    b = config.behaviour
+    if b == "compile_error":
+      raise TypeError("this config does not compile")
+    y = 2 * x
+    if b == "slow":
+      y = jax.lax.fori_loop(0, 300, lambda i, v: v + 0.0 * jnp.sin(v), y)
+    elif b == "raise":
+      y = _on_host(_raise, y)
+    elif b == "nan":
+      y = y.at[0].set(jnp.nan)
+    elif b == "wrong":
+      y = 3 * x
+    elif b == "hang":
+      y = _on_host(_hang, y)
+    elif b == "crash":
+      y = _on_host(_crash, y)
+    return y, None
+
+  def _reference(self, x):
+    return 2 * x
+
+  def _get_heuristics_config(self, ba):
+    return FaultyConfig(behaviour="slow")
+
+  def _get_autotuning_configs(self, ba):
+    return {FaultyConfig(behaviour=b) for b in BEHAVIOURS if self.crash or b != "crash"}
+
+
+OPTIONS = MeasureOptions(rounds=3, leader_rounds=1, warmup_s=0.0, max_total_s=0.3, min_batch_s=2e-4,
+                         timeout_s=3.0)
+EXPECTED = {"fast": "ok", "slow": "ok", "compile_error": "compile_error", "raise": "runtime_error",
+            "nan": "wrong_result", "wrong": "wrong_result", "hang": "timeout"}
+
+
+def _tune(op, isolate):
+  x = jax.random.normal(jax.random.key(0), (256, 64))
+  tuner = stellarax.Autotuner(progress=False, measure_options=OPTIONS, strategy="exhaustive",
+                              isolate=isolate)
+  started = time.perf_counter()
+  (entry,) = tuner.autotune(op.bind(x))
+  return entry, time.perf_counter() - started
+
+
+def _statuses(entry):
+  return {c.behaviour: m.status for c, m in entry.measurements}
+
+
+def test_every_failure_is_recorded_and_a_valid_config_wins(monkeypatch):
+  # In this process the hung call cannot be stopped, only abandoned: keep it short,
+  # and wait it out at the end so it does not share the machine with later tests.
+  monkeypatch.setattr(sys.modules[__name__], "HANG_S", 8.0)
+  entry, seconds = _tune(FaultyOp(), isolate=False)
+  assert _statuses(entry) == EXPECTED
+  hang = dict((c.behaviour, m) for c, m in entry.measurements)["hang"]
+  assert "did not finish within timeout_s=3 s" in hang.error
+  assert entry.best_config == FaultyConfig(behaviour="fast")
+  time.sleep(max(0.0, 8.0 - seconds))
+
+
+@pytest.fixture
+def fresh_workers():
+  isolation.close_workers()
+  yield
+  isolation.close_workers()
+
+
+def test_isolated_workers_survive_hangs_and_crashes(fresh_workers):
+  entry, seconds = _tune(FaultyOp(crash=True), isolate=True)
+  statuses = _statuses(entry)
+  assert {b: s for b, s in statuses.items() if b != "crash"} == EXPECTED
+  assert statuses["crash"] == "runtime_error"
+  crash = dict((c.behaviour, m) for c, m in entry.measurements)["crash"]
+  assert "exited with code 3" in crash.error
+  assert entry.best_config == FaultyConfig(behaviour="fast")
+  assert seconds < HANG_S
+
+
+def test_isolated_measurement_matches_in_process_statuses(fresh_workers):
+  x = jax.random.normal(jax.random.key(1), (128, 32))
+  ba = FaultyOp().bind(x)
+  configs = sorted(ba.autotuning_configs, key=lambda c: c.behaviour)
+  got = isolation.measure_isolated(ba, configs, seed=0, options=OPTIONS)
+  assert list(got) == configs  # every config, in the order asked
+  assert {c.behaviour: m.status for c, m in got.items()} == EXPECTED
+  with pytest.raises(ValueError, match="No configs"):
+    isolation.measure_isolated(ba, [], seed=0, options=OPTIONS)
