@@ -211,7 +211,10 @@ def _rate(seconds: float | None, flops, nbytes) -> str:
 def run(args) -> list[Row]:
   rows: list[Row] = []
   tuned_all = None
-  opts = measure.MeasureOptions(rounds=3 if args.smoke else 10, max_total_s=1.0 if args.smoke else 5.0)
+  # A hung kernel costs timeout_s, not the run: tuning measures in worker processes
+  # (isolate=True) outside smoke runs.
+  opts = measure.MeasureOptions(rounds=3 if args.smoke else 10, max_total_s=1.0 if args.smoke else 5.0,
+                                timeout_s=20.0)
   start = time.monotonic()
   only = [s.strip() for s in (args.only or "").split(",") if s.strip()]
   for w in _workloads(args.smoke):
@@ -222,7 +225,7 @@ def run(args) -> list[Row]:
       rows.append(Row(w.name, "-", status=f"skipped: past the {args.deadline_s:.0f} s deadline"))
       continue
     tune = args.tune_budget_s if elapsed < args.deadline_s else 0.0
-    new_rows, tuned = _run_workload(w, args.smoke, tune, opts)
+    new_rows, tuned = _run_workload(w, args.smoke, tune, opts, isolate=not args.smoke)
     rows += new_rows
     if tuned is not None:
       tuned_all = tuned if tuned_all is None else tuned_all | tuned
@@ -233,7 +236,8 @@ def run(args) -> list[Row]:
   return rows
 
 
-def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts) -> tuple[list[Row], Any]:
+def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
+                  isolate: bool) -> tuple[list[Row], Any]:
   """Checks, tunes (within the budget) and times every candidate of one workload."""
   rows: list[Row] = []
   tuned_all = None
@@ -246,7 +250,8 @@ def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts) -> tuple
     call = functools.partial(w.call, op)
     candidates[f"{impl_name} heuristic"] = call
     if tune_budget_s > 0:
-      tuner = stellarax.Autotuner(budget_s=tune_budget_s, progress=False, measure_options=opts)
+      tuner = stellarax.Autotuner(budget_s=tune_budget_s, progress=False, measure_options=opts,
+                                  isolate=isolate)
       try:
         result = tuner.autotune(call, *inputs)
       except Exception as e:  # a failed tuning is a row, not a crash

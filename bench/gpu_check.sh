@@ -13,6 +13,8 @@ cd "$(dirname "$0")/.."
 out="${OUT:-results}/gpu_check"
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+# Tuning measures in worker processes (Autotuner(isolate=True)); leave them room.
+export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.5}"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv || true
 python3 -c "import jax; print(jax.__version__, jax.devices())"
 python3 bench/gpu_check.py --out "$out" --tune-budget-s "${TUNE_BUDGET_S:-6}" \
