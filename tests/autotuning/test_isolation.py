@@ -8,6 +8,7 @@ failure with its status, and pick the fast config.
 
 import dataclasses
 import os
+import subprocess
 import sys
 import time
 
@@ -146,3 +147,25 @@ def test_isolated_measurement_matches_in_process_statuses(fresh_workers):
   assert {c.behaviour: m.status for c, m in got.items()} == EXPECTED
   with pytest.raises(ValueError, match="No configs"):
     isolation.measure_isolated(ba, [], seed=0, options=OPTIONS)
+
+
+def test_an_op_the_worker_cannot_import_is_reported(tmp_path):
+  script = tmp_path / "main_op.py"
+  script.write_text(
+      "import dataclasses\n"
+      "import jax.numpy as jnp\n"
+      "from stellarax.autotuning import isolation\n"
+      "from stellarax.autotuning.measure import MeasureOptions\n"
+      "from stellarax.core.config import NoConfig\n"
+      "from stellarax.core.op import Op\n"
+      "@dataclasses.dataclass(frozen=True, kw_only=True)\n"
+      "class MainOp(Op, name='main.toy'):\n"
+      "  def _fwd(self, x, *, config): return x * 2, None\n"
+      "  def _reference(self, x): return x * 2\n"
+      "  def _get_heuristics_config(self, ba): return NoConfig()\n"
+      "ba = MainOp.bind(jnp.ones(4))\n"
+      "(m,) = isolation.measure_isolated(ba, [NoConfig()], seed=0, options=MeasureOptions()).values()\n"
+      "print(m.status, m.error)\n")
+  proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.startswith("runtime_error") and "must be importable" in proc.stdout

@@ -15,7 +15,7 @@ def test_autotune_report_and_cache_commands(tmp_path, user_cache_dir, capsys):
   autotuning.bound_args_to_json([ba], calls)
   out = tmp_path / "result.json"
   assert cli.main(["autotune", str(calls), "--output", str(out), "--cache", "--budget-s", "5",
-                   "--no-progress"]) == 0
+                   "--no-progress", "--isolate"]) == 0
   assert len(stellarax.AutotuningResult.load(out)) == 1
   assert cli.main(["report", str(out)]) == 0
   assert "ragged_dot.xla" in capsys.readouterr().out

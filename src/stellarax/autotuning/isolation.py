@@ -267,6 +267,11 @@ def serve_requests() -> None:
       request = _receive(requests)
     except EOFError:
       return
+    except Exception as e:  # e.g. an op class this process cannot import
+      _send(replies, {"measurements": {}, "error": (
+          f"could not read the request ({type(e).__name__}: {str(e)[:200]}); ops measured in a"
+          " worker must be importable (not defined in __main__), or use isolate=False")})
+      continue
     try:
       reply, state = _serve(request, state)
     except Exception as e:  # the call itself cannot be set up: report, do not hang

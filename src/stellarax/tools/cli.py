@@ -18,7 +18,7 @@ from pathlib import Path
 def _autotune(args) -> int:
   import stellarax
   tuner = stellarax.Autotuner(budget_s=args.budget_s, cache=args.cache, progress=not args.no_progress,
-                              strategy=args.strategy)
+                              strategy=args.strategy, isolate=args.isolate)
   result = tuner.autotune(args.bound_args)
   print(result.summary())
   if args.output:
@@ -76,6 +76,8 @@ def main(argv=None) -> int:
   p.add_argument("--budget-s", type=float, default=None, help="tuning budget per op call")
   p.add_argument("--strategy", default="auto", choices=("auto", "exhaustive", "racing", "random"))
   p.add_argument("--no-progress", action="store_true")
+  p.add_argument("--isolate", action="store_true",
+                 help="measure in worker processes, so that a hung or crashing config cannot stop the run")
   p.set_defaults(run=_autotune)
 
   p = sub.add_parser("xplane_to_bound_args", help="extract stellarax op calls from an XProf profile")
