@@ -169,3 +169,10 @@ def test_an_op_the_worker_cannot_import_is_reported(tmp_path):
   proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert proc.stdout.startswith("runtime_error") and "must be importable" in proc.stdout
+
+
+def test_workers_start_with_this_process_jax_options():
+  env = isolation._worker_environment()
+  assert env["JAX_NUMPY_RANK_PROMOTION"] == jax.config.jax_numpy_rank_promotion == "raise"  # conftest
+  assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+  assert all(p in env["PYTHONPATH"].split(os.pathsep) for p in sys.path if p)

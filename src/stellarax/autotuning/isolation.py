@@ -73,13 +73,29 @@ class _Request:
   effort: float
 
 
+# JAX options that change what a traced call computes or where: a worker starts
+# with this process's values (set in the environment, which JAX reads at import).
+_INHERITED_JAX_OPTIONS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_platforms",
+                          "jax_numpy_rank_promotion", "jax_compilation_cache_dir")
+
+
+def _worker_environment() -> dict[str, str]:
+  import jax
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+  env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  for name in _INHERITED_JAX_OPTIONS:
+    value = getattr(jax.config, name, None)
+    if value is not None and value != "":
+      env[name.upper()] = str(value)
+  return env
+
+
 class _Worker:
   """One worker process and a thread that reads its replies into a queue."""
 
   def __init__(self):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    env = _worker_environment()
     self.process = subprocess.Popen(
         [sys.executable, "-m", "stellarax.autotuning.isolation_worker"], stdin=subprocess.PIPE,
         stdout=subprocess.PIPE, env=env)
