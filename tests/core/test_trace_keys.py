@@ -273,3 +273,16 @@ def test_vmapped_and_rematerialised_calls_under_jit(traced):
     np.testing.assert_allclose(f(batched)[1], expected, rtol=1e-5, atol=1e-4)
     text = f.lower(batched).as_text()  # lowering in the context reuses the new trace
   assert len(count) == 2 and traced[-1] == TUNED and "stellarax_op" in text
+
+
+def test_asking_outside_a_trace_records_nothing():
+  lhs, rhs, gs = _inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  before = len(trace_keys.current())
+  autotuning.explain(ba)
+  stellarax.ragged_dot(lhs, rhs, gs)  # an eager call leaves the current key fresh
+  outside = trace_keys.current()
+  with _result((ba, TUNED)):
+    stellarax.ragged_dot(lhs, rhs, gs)  # nor does it leave records outside the result
+  assert trace_keys.current() is outside
+  assert len(outside) == before == 0

@@ -93,10 +93,8 @@ def call_op(op, values: dict[str, Any]) -> Any:
   Returns:
     The op's output (forward ops: without residuals).
   """
-  try:
+  with trace_keys.op_call():
     return _call(op, values)
-  finally:
-    trace_keys.after_eager_call()
 
 
 def _call(op, values: dict[str, Any]) -> Any:

@@ -25,9 +25,10 @@ current key; inside a top-level `jit` trace also in that trace's key and in
 the keys of the results entered since it began (JAX reports top-level traces
 as they start and end; inner jaxprs, such as a `checkpoint` being batched,
 may be traced detached from the outer trace, so the trace stack alone would
-not do). The current key is never replaced while a top-level trace is being
-built; it is replaced by a fresh one when the trace ends, after an op ran
-eagerly and left records, and on entering a result. So each top-level
+not do). An op called eagerly counts as a top-level trace. The current key is
+never replaced while a top-level trace is being built; it is replaced by a
+fresh one when the trace ends, after an eager op call that left records, and
+on entering a result. So each top-level
 function gets a key of its own, and a function with no op never shares a key
 with one that has ops. While a trace is being built, a key with records
 equals only itself: a cached inner trace that asked questions (a nested
@@ -48,8 +49,9 @@ current one.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import jax
@@ -65,6 +67,7 @@ _Record = tuple[Question, Hashable, Stack, Any]
 
 def _index(question: Question, subject: Hashable, above: Stack) -> tuple:
   return question, subject, tuple(map(id, above))
+
 
 _CONFLICT = object()  # one question, two answers in one trace: never equal
 _HASH = hash("stellarax.core.trace_keys.TraceKey")
@@ -200,8 +203,9 @@ def leave(token: Any) -> None:
 
 
 def _top_level() -> list[TraceKey]:
-  """Keys of the top-level `jit` traces in progress in this thread (at most
-  one: JAX reports only top-level traces)."""
+  """Keys of the top-level `jit` traces and eager op calls in progress in this
+  thread (at most one: JAX reports only top-level traces, and an op call inside
+  a trace is not eager)."""
   keys = getattr(_local, "top_level", None)
   if keys is None:
     keys = _local.top_level = []
@@ -235,21 +239,34 @@ def _add(records: list[_Record]) -> None:
 
 def record(question: Question, subject: Hashable, answer: Any) -> None:
   """Records, for the traces being built, that `question(stack, subject)`
-  answered `answer` under the active stack.
+  answered `answer` under the active stack. Outside any trace (e.g. `explain()`)
+  nothing is cached from the answer, and nothing is recorded.
 
   Args:
     question: a module-level function of (active results, subject).
     subject: what was asked about (e.g. a `BoundArguments`); hashable.
     answer: what it answered (compared with `==`).
   """
-  _add([(question, subject, (), answer)])
+  if _building():
+    _add([(question, subject, (), answer)])
 
 
-def after_eager_call() -> None:
-  """Call after an op ran eagerly: gives later traces a key of their own,
-  without the records the op's internal traces left in the current one."""
-  if not _building() and len(current()):
-    _renew()
+@contextlib.contextmanager
+def op_call() -> Iterator[None]:
+  """Wraps one op call. Called eagerly, the call is treated like a top-level
+  trace (JAX traces the op's pieces inside it): answers go to the keys current
+  since it began, and afterwards a fresh key leaves its records behind."""
+  if _building():
+    yield
+    return
+  top_level = _top_level()
+  top_level.append(current())
+  try:
+    yield
+  finally:
+    top_level.pop()
+    if len(current()):
+      _renew()
 
 
 def _on_trace_start(event: str, value: float, **kwargs: Any) -> None:
