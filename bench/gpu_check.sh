@@ -13,6 +13,7 @@ cd "$(dirname "$0")/.."
 out="${OUT:-results}/gpu_check"
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1  # the log under $OUT keeps every line even if the call is cut short
 # Tuning measures in worker processes (Autotuner(isolate=True)); leave them room.
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.5}"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv || true
