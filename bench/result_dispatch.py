@@ -2,10 +2,11 @@
 
     python bench/result_dispatch.py [--calls 20000]
 
-Two jitted functions, one without stellarax ops and one with a ragged_dot, are
-called outside a result, inside one that tunes the ragged_dot, and after it.
-Prints, per phase, how many times each was traced and its mean time per call
-(dispatch of a tiny computation, so the time is mostly the jit fast path).
+Two jitted functions, one without stellarax ops and one with a ragged_dot, and
+the ragged_dot called eagerly, are called outside a result, inside one that
+tunes the ragged_dot, and after it. Prints, per phase, how many times each
+jitted function was traced and the mean time per call (dispatch of a tiny
+computation, so the time is mostly the jit fast path).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def main(argv=None) -> int:
     traces["ragged_dot"] += 1
     return stellarax.ragged_dot(l, r, sizes)
 
-  functions = {"no op": (jax.jit(plain), (jnp.ones(3),)), "ragged_dot": (jax.jit(with_op), (lhs, rhs))}
+  functions = {"no op": (jax.jit(plain), (jnp.ones(3),)), "ragged_dot": (jax.jit(with_op), (lhs, rhs)),
+               "ragged_dot, eager": (lambda l, r: stellarax.ragged_dot(l, r, sizes), (lhs, rhs))}
   ba = stellarax.XlaRaggedDot.bind(lhs, rhs, sizes)
   tuned = next(c for c in ba.autotuning_configs if c != ba.heuristics_config)
   result = _result_for(ba, tuned)
@@ -68,7 +70,8 @@ def main(argv=None) -> int:
     times = {name: _per_call_us(fn, a, args.calls) for name, (fn, a) in functions.items()}
     if phase == "inside":
       result.__exit__(None, None, None)
-    rows += [(phase, name, traces[name] - seen[name], times[name]) for name in functions]
+    rows += [(phase, name, traces[name] - seen[name] if name in traces else "-", times[name])
+             for name in functions]
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {args.calls} calls per phase")
   print("| phase | function | traces | us per call |\n|---|---|---:|---:|")
   for phase, name, n, us in rows:

@@ -286,3 +286,16 @@ def test_asking_outside_a_trace_records_nothing():
     stellarax.ragged_dot(lhs, rhs, gs)  # nor does it leave records outside the result
   assert trace_keys.current() is outside
   assert len(outside) == before == 0
+
+
+def test_eager_calls_compile_once_and_follow_results(traced):
+  lhs, rhs, gs = _inputs(m=40)
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  expected = jax.lax.ragged_dot(lhs, rhs, gs)
+  for _ in range(3):
+    np.testing.assert_allclose(stellarax.ragged_dot(lhs, rhs, gs), expected, rtol=1e-5, atol=1e-5)
+  with _result((ba, TUNED)):
+    for _ in range(2):
+      np.testing.assert_allclose(stellarax.ragged_dot(lhs, rhs, gs), expected, rtol=1e-5, atol=1e-5)
+  stellarax.ragged_dot(lhs, rhs, gs)
+  assert traced == [ba.heuristics_config, TUNED]  # one trace per distinct config

@@ -15,6 +15,7 @@ and runs the implementation under `jax.vmap`. The marker is attached with
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -93,13 +94,14 @@ def call_op(op, values: dict[str, Any]) -> Any:
   Returns:
     The op's output (forward ops: without residuals).
   """
-  with trace_keys.op_call():
-    return _call(op, values)
-
-
-def _call(op, values: dict[str, Any]) -> Any:
   arrays, rebuild = _split(values)
   ba = BoundArguments.from_values(op, values)
+  if not trace_keys.building() and not any(isinstance(x, jax.core.Tracer) for x in arrays):
+    # Called eagerly: the pieces below (custom_vjp, custom_vmap, the marker) are
+    # new functions on every call, so JAX would trace and compile them every
+    # time. One cached jit per call signature is compiled once, and its trace
+    # resolves the config like any traced call (re-traced where a result changes it).
+    return _eager_callable(ba)(*arrays)
 
   def make_impl(config):
     def impl(*arrs):
@@ -128,6 +130,11 @@ def _call(op, values: dict[str, Any]) -> Any:
 
   primal.defvjp(primal_fwd, primal_bwd)
   return primal(*arrays)
+
+
+@functools.lru_cache(maxsize=256)
+def _eager_callable(ba: BoundArguments) -> Callable[..., Any]:
+  return jax.jit(ba.runner())
 
 
 def _grads_for_leaves(values: dict[str, Any], grads: dict[str, Any]) -> tuple[Any, ...]:

@@ -25,10 +25,10 @@ current key; inside a top-level `jit` trace also in that trace's key and in
 the keys of the results entered since it began (JAX reports top-level traces
 as they start and end; inner jaxprs, such as a `checkpoint` being batched,
 may be traced detached from the outer trace, so the trace stack alone would
-not do). An op called eagerly counts as a top-level trace. The current key is
-never replaced while a top-level trace is being built; it is replaced by a
-fresh one when the trace ends, after an eager op call that left records, and
-on entering a result. So each top-level
+not do). An op called eagerly runs through a cached `jit` of its call
+(`core/calling.py`), so it is a top-level trace too. The current key is never
+replaced while a top-level trace is being built; it is replaced by a fresh
+one when the trace ends and on entering a result. So each top-level
 function gets a key of its own, and a function with no op never shares a key
 with one that has ops. While a trace is being built, a key with records
 equals only itself: a cached inner trace that asked questions (a nested
@@ -49,9 +49,8 @@ current one.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
@@ -117,7 +116,7 @@ class TraceKey:
       return NotImplemented
     if not (self._records or other._records):
       return True
-    if _building():
+    if building():
       # A cached trace reused inside a trace being built would hide its
       # answers from the new trace's key: trace it again (once per outer
       # trace; it is then cached under the current key, which has them).
@@ -203,16 +202,15 @@ def leave(token: Any) -> None:
 
 
 def _top_level() -> list[TraceKey]:
-  """Keys of the top-level `jit` traces and eager op calls in progress in this
-  thread (at most one: JAX reports only top-level traces, and an op call inside
-  a trace is not eager)."""
+  """Keys of the top-level `jit` traces in progress in this thread (at most
+  one: JAX reports only top-level traces)."""
   keys = getattr(_local, "top_level", None)
   if keys is None:
     keys = _local.top_level = []
   return keys
 
 
-def _building() -> bool:
+def building() -> bool:
   """Whether a trace is being built in this thread."""
   trace = _jax_core.trace_ctx.trace
   return bool(_top_level()) or not (trace is None or isinstance(trace, _jax_core.EvalTrace))
@@ -247,26 +245,8 @@ def record(question: Question, subject: Hashable, answer: Any) -> None:
     subject: what was asked about (e.g. a `BoundArguments`); hashable.
     answer: what it answered (compared with `==`).
   """
-  if _building():
+  if building():
     _add([(question, subject, (), answer)])
-
-
-@contextlib.contextmanager
-def op_call() -> Iterator[None]:
-  """Wraps one op call. Called eagerly, the call is treated like a top-level
-  trace (JAX traces the op's pieces inside it): answers go to the keys current
-  since it began, and afterwards a fresh key leaves its records behind."""
-  if _building():
-    yield
-    return
-  top_level = _top_level()
-  top_level.append(current())
-  try:
-    yield
-  finally:
-    top_level.pop()
-    if len(current()):
-      _renew()
 
 
 def _on_trace_start(event: str, value: float, **kwargs: Any) -> None:
