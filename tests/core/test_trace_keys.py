@@ -299,3 +299,18 @@ def test_eager_calls_compile_once_and_follow_results(traced):
       np.testing.assert_allclose(stellarax.ragged_dot(lhs, rhs, gs), expected, rtol=1e-5, atol=1e-5)
   stellarax.ragged_dot(lhs, rhs, gs)
   assert traced == [ba.heuristics_config, TUNED]  # one trace per distinct config
+
+
+def test_jax_reports_top_level_traces():
+  """The keys rely on JAX's trace-duration events (start and end of a top-level jit
+  trace): if a JAX upgrade stops sending them, this fails first."""
+  seen = []
+
+  def f(x):
+    seen.append((len(trace_keys._top_level()), trace_keys.building()))
+    return x + 1
+
+  before = trace_keys.current()
+  jax.jit(f)(1.0)
+  assert seen == [(1, True)] and not trace_keys._top_level() and not trace_keys.building()
+  assert trace_keys.current() is not before  # a fresh key after the trace
