@@ -4,7 +4,7 @@
 # a budget, times everything side by side, and prints the table last.
 #   bash bench/gpu_check.sh            (results under $OUT/gpu_check, else results/)
 # TUNE_BUDGET_S (default 6) is the tuning budget per op call and implementation:
-# about 40 tunings run. DEADLINE_S (default 450) stops tuning after that many
+# about 40 tunings run. DEADLINE_S (default 400) stops tuning after that many
 # seconds and skips what is left a minute later, so one call fits the device's
 # 10-minute command limit; results.json and tuned.json are rewritten after every
 # workload. ONLY="ragged_dot,attention" reruns just those workloads.
@@ -19,4 +19,4 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.5}"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv || true
 python3 -c "import jax; print(jax.__version__, jax.devices())"
 python3 bench/gpu_check.py --out "$out" --tune-budget-s "${TUNE_BUDGET_S:-6}" \
-  --deadline-s "${DEADLINE_S:-450}" --only "${ONLY:-}" 2>&1 | tee "$out.log"
+  --deadline-s "${DEADLINE_S:-400}" --only "${ONLY:-}" 2>&1 | tee "$out.log"
