@@ -134,7 +134,9 @@ def call_op(op, values: dict[str, Any]) -> Any:
 
 @functools.lru_cache(maxsize=256)
 def _eager_callable(ba: BoundArguments) -> Callable[..., Any]:
-  return jax.jit(ba.runner())
+  fn = ba.runner()
+  fn.__name__ = fn.__qualname__ = ba.op.name.replace(".", "_")  # the program's name in profiles
+  return jax.jit(fn)
 
 
 def _grads_for_leaves(values: dict[str, Any], grads: dict[str, Any]) -> tuple[Any, ...]:
