@@ -3,9 +3,9 @@
 In-process measurement gives up on a call that runs past `MeasureOptions.timeout_s`
 but cannot stop it: on a GPU the hung kernel keeps the device, and every later
 candidate queues behind it. With `Autotuner(isolate=True)` each call's configs are
-measured by `measure_candidates` in a worker process, with `stop_after_run_timeout`: after the first
-timeout the worker reports what it decided and exits, taking the hung work with it,
-and a fresh worker measures the configs still undecided. A worker that dies (a crash,
+measured by `measure_candidates` in a worker process, with `stop_after_run_timeout`:
+after the first timeout the worker reports what it decided and exits, taking the hung
+work with it, and a fresh worker measures the configs still undecided. A worker that dies (a crash,
 out of memory) or stays silent past a generous deadline is killed, and the configs it
 was measuring are recorded as `runtime_error` with what happened.
 
