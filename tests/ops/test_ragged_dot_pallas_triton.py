@@ -210,6 +210,24 @@ def test_drhs_matches_reference(name, dtype):
     assert (np.abs(np.asarray(drhs[group], np.float32)).max() == 0.0) == (start == end)
 
 
+@pytest.mark.parametrize("name,split_rows", [
+    ("ragged", 2), ("ragged", 4), ("tiny_groups", 4), ("overflowing", 2), ("all_empty", 2),
+    ("aligned", 8),
+])
+def test_drhs_split_over_rows_matches_reference(name, split_rows):
+  """Split-K: several programs sum shares of a group's row blocks (more shares than
+  blocks leaves some programs with nothing to add)."""
+  w = WORKLOADS[name]
+  lhs, _, dout, sizes = _inputs(w.problem, jnp.float32, seed=4)
+  g = len(w.group_sizes)
+  drhs = pt.ragged_dot_drhs_pallas_triton(lhs, dout, sizes, g, interpret=True, split_rows=split_rows,
+                                          **w.tunables())
+  assert drhs.shape == (g, w.k, w.n) and drhs.dtype == jnp.float32
+  _assert_close(drhs, _np_drhs(lhs, dout, w.group_sizes), jnp.float32)
+  with pytest.raises(ValueError, match="split_rows=3 must be a power of two"):
+    pt.ragged_dot_drhs_pallas_triton(lhs, dout, sizes, g, interpret=True, split_rows=3, **w.tunables())
+
+
 def test_group_sizes_are_runtime_values():
   """One compiled kernel serves different group sizes (they are traced, not static)."""
   w = WORKLOADS["tiny_groups"]
@@ -395,3 +413,36 @@ def test_kernels_lower_for_h200(kernel, m, k, n, g, dtype):
   assert f'name = "ragged_dot_{kernel}"' in text
   assert "num_stages = 4 : i32, num_warps = 8 : i32" in text
   assert f"grid_x = {programs} : i32" in text
+
+
+def test_split_rows_are_offered_where_the_weight_gradient_has_few_tiles():
+  tiling = dict(block_m=128, block_n=128, block_k=64)
+  assert pt.split_rows_choices(8192, 4096, 14336, 8, **tiling) == [1]  # 28672 tiles
+  assert pt.split_rows_choices(4096, 256, 256, 4, **tiling) == [4, 1, 2, 8]  # 32 tiles
+  assert pt.split_rows_choices(512, 256, 256, 4, **tiling) == [1]  # 128 rows a group: one block
+  configs = pt._vjp_configs(4096, 256, 256, 4, jnp.bfloat16)
+  assert configs[0].split_rows == 4 and len(set(configs)) == len(configs)
+  with pytest.raises(ValueError, match="split_rows=6 must be a power of two"):
+    pt.PallasTritonRaggedDotVjpConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3,
+                                      split_rows=6)
+
+
+def test_vjp_op_with_split_rows_matches_lax():
+  w = WORKLOADS["ragged"]
+  lhs, rhs, dout, sizes = _inputs(w.problem, jnp.float32, seed=5)
+  config = pt.PallasTritonRaggedDotVjpConfig(**w.tunables(), split_rows=2)
+  vjp = pt.PallasTritonRaggedDotVjp(interpret=True, config=config)
+  out = jax.lax.ragged_dot(lhs, rhs, sizes)
+  grads = vjp(residuals=None, out=out, dout=dout, lhs=lhs, rhs=rhs, group_sizes=sizes)
+  _assert_close(grads["rhs"], _np_drhs(lhs, dout, w.group_sizes), jnp.float32)
+  _assert_close(grads["lhs"], _np_forward(dout, jnp.swapaxes(rhs, 1, 2), w.group_sizes), jnp.float32)
+
+
+def test_split_weight_gradient_lowers_for_h200():
+  m, k, n, g, dtype = 4096, 256, 256, 4, jnp.bfloat16
+  tunables = pt.heuristic_tunables(m, k, n, g, dtype)
+  fn = functools.partial(pt.ragged_dot_drhs_pallas_triton, num_groups=g, split_rows=4, **tunables)
+  text = _lower_for_h200(fn, jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((m, n), dtype),
+                         jax.ShapeDtypeStruct((g,), jnp.int32))
+  tiles = g * pt.pl.cdiv(k, tunables["block_k"]) * pt.pl.cdiv(n, tunables["block_n"])
+  assert f"grid_x = {4 * tiles} : i32" in text and "tensor<4x4x256x256xf32>" in text

@@ -37,6 +37,12 @@ race-free, each program owning its tile), aligning tiles to group starts wastes 
 average half a tile per group instead of a whole tile per group boundary, and the K
 loop needs no row masks.
 
+The weight gradient (one program per (group, k-tile, n-tile), looping over the
+group's rows) can split those rows among `split_rows` programs per tile (split-K:
+its contraction runs over rows), each writing a float32 partial that XLA sums; the
+VJP op offers it where the gradient has fewer tiles than an H200 has cores
+(`split_rows_choices`).
+
 Programs are numbered in the grouped ("swizzled") order of Triton's matmul
 tutorial: `_L2_GROUP_M` consecutive items sweep the n-tiles together, so the rhs
 columns and lhs rows they share stay in L2; consecutive items mostly share a group.
@@ -67,6 +73,8 @@ MIN_BLOCK = 16
 MAX_BLOCK = 256
 NUM_WARPS_CHOICES = (1, 2, 4, 8, 16)
 MAX_NUM_STAGES = 8
+# Programs that may share one output tile of the weight gradient (split-K over rows).
+MAX_SPLIT_ROWS = 16
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 # Number of work items (m-tiles) that sweep the n-tiles together, for L2 reuse; 8 is
@@ -251,6 +259,40 @@ def tunable_space(m: int, k: int, n: int, g: int, dtype: Any) -> list[dict[str, 
         if _smem_bytes(bm, bn, bk, num_stages, itemsize) <= _SMEM_BYTES:
           keys.append((bm, bn, bk, num_warps, num_stages))
   return [dict(zip(_TUNABLE_NAMES, key)) for key in dict.fromkeys(keys)]
+
+
+# Streaming multiprocessors of an H200: an output with fewer tiles than this leaves
+# cores idle unless programs split the contraction.
+_H200_CORES = 132
+
+
+def split_rows_choices(m: int, k: int, n: int, g: int, *, block_m: int, block_n: int,
+                       block_k: int) -> list[int]:
+  """The weight gradient's `split_rows` worth trying for one tiling, the guess first.
+
+  Splitting pays where drhs has few tiles (g * K/block_k * N/block_n below the H200's
+  132 cores) and each share still gets row blocks of an average group (M/G rows). The
+  guess is the smallest split that gives about two programs per core, halved until
+  every share has two row blocks; also tried: no split, half and twice the guess
+  (while there are at most 4 programs per core and a row block per share).
+
+  Args:
+    m, k, n, g: the problem (lhs rows, contraction, output columns, groups).
+    block_m, block_n, block_k: the weight gradient's tiling.
+
+  Returns:
+    Distinct powers of two, each <= MAX_SPLIT_ROWS, the guess first.
+  """
+  tiles = g * pl.cdiv(k, block_k) * pl.cdiv(n, block_n)
+  rows_per_group = max(1, m // g)
+  guess = 1
+  if tiles < _H200_CORES:
+    guess = min(MAX_SPLIT_ROWS, _pow2_at_least(pl.cdiv(2 * _H200_CORES, tiles)))
+    while guess > 1 and rows_per_group // guess < 2 * block_m:
+      guess //= 2
+  useful = lambda s: s == 1 or (s <= MAX_SPLIT_ROWS and tiles * s <= 4 * _H200_CORES
+                                 and rows_per_group // s >= block_m)
+  return [s for s in dict.fromkeys([guess, 1, max(1, guess // 2), 2 * guess]) if useful(s)]
 
 
 # --------------------------------------------------------------------------- metadata
@@ -514,14 +556,17 @@ def ragged_dot_dlhs_pallas_triton(
 
 
 def _drhs_kernel(offsets_ref, lhs_ref, dout_ref, out_ref, *, block_m: int, block_n: int,
-                 block_k: int):
-  """One program: tile (k-tile, n-tile) of drhs[group], looping over the group's rows."""
-  _, contract_k, cols_n = out_ref.shape
+                 block_k: int, split_rows: int):
+  """One program: tile (k-tile, n-tile) of drhs[group] (of its partial sum over one
+  of `split_rows` shares of the group's row blocks), looping over those rows."""
+  contract_k, cols_n = out_ref.shape[-2:]
   num_rows = lhs_ref.shape[0]
   num_k_tiles, num_n_tiles = pl.cdiv(contract_k, block_k), pl.cdiv(cols_n, block_n)
   pid = pl.program_id(0)
   per_group = num_k_tiles * num_n_tiles
-  group = lax.div(pid, per_group)
+  num_groups = out_ref.shape[-3]
+  group = lax.rem(lax.div(pid, per_group), num_groups)
+  split = lax.div(pid, per_group * num_groups)
   # Group-major order keeps the programs in flight on one group's rows (L2 reuse).
   tile_k, tile_n = _swizzle(lax.rem(pid, per_group), num_k_tiles, num_n_tiles)
   k0, n0 = tile_k * block_k, tile_n * block_n
@@ -529,6 +574,13 @@ def _drhs_kernel(offsets_ref, lhs_ref, dout_ref, out_ref, *, block_m: int, block
   n_mask = (_span(n0, block_n) < cols_n)[None, :] if cols_n % block_n else None
   row_lo, row_hi = offsets_ref[group], offsets_ref[group + 1]
   size = row_hi - row_lo
+  # This program's share of the group's row blocks: [first, last) of the whole
+  # blocks, and the partial last block when the share reaches it.
+  num_full = lax.div(size, block_m)
+  per_split = jnp.maximum(lax.div(size + split_rows * block_m - 1, split_rows * block_m), 1)
+  first = jnp.minimum(split * per_split, num_full)
+  last = jnp.minimum(first + per_split, num_full)
+  has_tail = (lax.rem(size, block_m) > 0) & (split == lax.div(num_full, per_split))
 
   def step(r0, row_mask, acc):
     lhs = _load(lhs_ref.at[pl.ds(r0, block_m), pl.ds(k0, block_k)], _and(row_mask, k_mask))
@@ -539,7 +591,7 @@ def _drhs_kernel(offsets_ref, lhs_ref, dout_ref, out_ref, *, block_m: int, block
     return step(row_lo + i * block_m, None, acc)
 
   def tail_rows(_, acc):
-    r0 = row_lo + lax.div(size, block_m) * block_m
+    r0 = row_lo + num_full * block_m
     return step(r0, (_span(r0, block_m) < row_hi)[:, None], acc)
 
   acc = jnp.zeros((block_k, block_n), jnp.float32)
@@ -548,10 +600,11 @@ def _drhs_kernel(offsets_ref, lhs_ref, dout_ref, out_ref, *, block_m: int, block
   # M < block_m there is no whole block, and its loop is not even traced (interpret
   # mode cannot trace an unmasked block larger than the array).
   if num_rows >= block_m:
-    acc = lax.fori_loop(0, lax.div(size, block_m), full_rows, acc)
-  acc = lax.fori_loop(0, jnp.where(lax.rem(size, block_m) > 0, 1, 0), tail_rows, acc)
+    acc = lax.fori_loop(first, last, full_rows, acc)
+  acc = lax.fori_loop(0, jnp.where(has_tail, 1, 0), tail_rows, acc)
   out = acc.astype(out_ref.dtype)
-  out_tile = out_ref.at[group, pl.ds(k0, block_k), pl.ds(n0, block_n)]
+  index = (group,) if len(out_ref.shape) == 3 else (split, group)
+  out_tile = out_ref.at[(*index, pl.ds(k0, block_k), pl.ds(n0, block_n))]
   out_mask = _and(None if k_mask is None else k_mask.T, n_mask)
   if out_mask is None:
     out_tile[...] = out
@@ -562,7 +615,7 @@ def _drhs_kernel(offsets_ref, lhs_ref, dout_ref, out_ref, *, block_m: int, block
 @functools.partial(
     jax.jit,
     static_argnames=("num_groups", "block_m", "block_n", "block_k", "num_warps",
-                     "num_stages", "preferred_element_type", "interpret"))
+                     "num_stages", "split_rows", "preferred_element_type", "interpret"))
 def ragged_dot_drhs_pallas_triton(
     lhs: jax.Array,
     dout: jax.Array,
@@ -574,13 +627,17 @@ def ragged_dot_drhs_pallas_triton(
     block_k: int,
     num_warps: int,
     num_stages: int,
+    split_rows: int = 1,
     preferred_element_type: Any = None,
     interpret: bool = False,
 ) -> jax.Array:
   """Computes the rhs gradient of ragged_dot: drhs[g] = lhs[rows of g].T @ dout[rows of g].
 
   One program per (group, K tile, N tile) loops over the group's rows in steps of
-  block_m; an empty group's programs store zeros.
+  block_m; an empty group's programs store zeros. With `split_rows` = s > 1 (split-K:
+  the contraction here runs over rows), s programs per tile each sum an s-th of the
+  group's row blocks into a float32 partial, and the partials are added in XLA: s
+  times the programs, for outputs with fewer tiles than the GPU has cores.
 
   Args:
     lhs: (M, K) forward lhs.
@@ -589,6 +646,7 @@ def ragged_dot_drhs_pallas_triton(
     num_groups: G (static).
     block_m: rows per step; block_k x block_n: output tile of drhs[g].
     num_warps, num_stages: Triton launch parameters.
+    split_rows: programs sharing one output tile's rows (a power of two, 1 to 16).
     preferred_element_type: output dtype; defaults to lhs.dtype.
     interpret: run in Pallas interpret mode (CPU, for tests).
 
@@ -600,6 +658,7 @@ def ragged_dot_drhs_pallas_triton(
   """
   validate_tunables(block_m=block_m, block_n=block_n, block_k=block_k,
                     num_warps=num_warps, num_stages=num_stages)
+  check_power_of_two("split_rows", split_rows, minimum=1, maximum=MAX_SPLIT_ROWS)
   if lhs.ndim != 2 or dout.ndim != 2 or lhs.shape[0] != dout.shape[0]:
     raise ValueError(
         f"The rhs gradient needs lhs (M, K) and dout (M, N) with the same M; got "
@@ -609,18 +668,22 @@ def ragged_dot_drhs_pallas_triton(
   _check_int32_addressing(lhs=lhs.shape, dout=dout.shape,
                           drhs=(num_groups, lhs.shape[1], dout.shape[1]))
   (num_rows, contract_k), cols_n = lhs.shape, dout.shape[1]
+  out_dtype = _out_dtype(preferred_element_type, lhs)
   offsets = _group_offsets(group_sizes, num_rows)
-  num_programs = num_groups * pl.cdiv(contract_k, block_k) * pl.cdiv(cols_n, block_n)
-  kernel = functools.partial(_drhs_kernel, block_m=block_m, block_n=block_n, block_k=block_k)
-  return pl.pallas_call(
+  num_programs = split_rows * num_groups * pl.cdiv(contract_k, block_k) * pl.cdiv(cols_n, block_n)
+  kernel = functools.partial(_drhs_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
+                             split_rows=split_rows)
+  shape = (num_groups, contract_k, cols_n)
+  out = pl.pallas_call(
       kernel,
-      out_shape=jax.ShapeDtypeStruct((num_groups, contract_k, cols_n),
-                                     _out_dtype(preferred_element_type, lhs)),
+      out_shape=(jax.ShapeDtypeStruct(shape, out_dtype) if split_rows == 1
+                 else jax.ShapeDtypeStruct((split_rows, *shape), jnp.float32)),
       grid=(num_programs,),
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="ragged_dot_drhs",
   )(offsets, lhs, dout)
+  return out if split_rows == 1 else out.sum(axis=0).astype(out_dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -646,6 +709,32 @@ class PallasTritonRaggedDotConfig:
     validate_tunables(**pallas_common.tunables_of(self))
 
 
+@config_dataclass
+class PallasTritonRaggedDotVjpConfig:
+  """The backward's tiles and pipelining (as the forward's, for both products) and
+  `split_rows`: programs sharing one weight-gradient tile's rows (split-K)."""
+
+  block_m: int
+  block_n: int
+  block_k: int
+  num_warps: int
+  num_stages: int
+  split_rows: int = 1
+
+  def __post_init__(self):
+    tunables = pallas_common.tunables_of(self)
+    check_power_of_two("split_rows", tunables.pop("split_rows"), minimum=1, maximum=MAX_SPLIT_ROWS)
+    validate_tunables(**tunables)
+
+
+def _vjp_configs(m: int, k: int, n: int, g: int, dtype: Any) -> list[PallasTritonRaggedDotVjpConfig]:
+  """The forward's tilings, each with its `split_rows_choices`; the heuristic first."""
+  return [PallasTritonRaggedDotVjpConfig(**t, split_rows=split)
+          for t in tunable_space(m, k, n, g, dtype)
+          for split in split_rows_choices(m, k, n, g, block_m=t["block_m"], block_n=t["block_n"],
+                                          block_k=t["block_k"])]
+
+
 def _mkng(ba) -> tuple[int, int, int, int, str]:
   lhs, rhs = ba.arguments["lhs"], ba.arguments["rhs"]
   return lhs.shape[0], lhs.shape[1], rhs.shape[2], rhs.shape[0], lhs.dtype
@@ -660,9 +749,10 @@ def _check_supported(arguments):
 
 class PallasTritonRaggedDotVjp(pallas_common.PallasTritonOp, _base.RaggedDotVjp, name="ragged_dot.pallas_triton_vjp"):
   """ragged_dot backward in Pallas Triton: d lhs with the forward kernel
-  reading rhs transposed, d rhs with a per-group lhs^T @ dout kernel."""
+  reading rhs transposed, d rhs with a per-group lhs^T @ dout kernel (split over
+  rows where it has few tiles)."""
 
-  config_cls = PallasTritonRaggedDotConfig
+  config_cls = PallasTritonRaggedDotVjpConfig
 
   def _canonicalize(self, arguments):
     arguments = _base.RaggedDotVjp._canonicalize(self, arguments)
@@ -673,16 +763,18 @@ class PallasTritonRaggedDotVjp(pallas_common.PallasTritonOp, _base.RaggedDotVjp,
            config):
     del residuals, out, precision, preferred_element_type
     kw = dict(interpret=self.interpret, **pallas_common.tunables_of(config))
+    split_rows = kw.pop("split_rows")
     dout = dout.astype(rhs.dtype)  # one operand dtype for Triton's dot
     dlhs = ragged_dot_dlhs_pallas_triton(dout, rhs, group_sizes, preferred_element_type=lhs.dtype, **kw)
-    drhs = ragged_dot_drhs_pallas_triton(lhs, dout, group_sizes, rhs.shape[0], preferred_element_type=rhs.dtype, **kw)
+    drhs = ragged_dot_drhs_pallas_triton(lhs, dout, group_sizes, rhs.shape[0], split_rows=split_rows,
+                                         preferred_element_type=rhs.dtype, **kw)
     return {"lhs": dlhs, "rhs": drhs}
 
   def _get_heuristics_config(self, ba):
-    return PallasTritonRaggedDotConfig(**heuristic_tunables(*_mkng(ba)))
+    return _vjp_configs(*_mkng(ba))[0]
 
   def _get_autotuning_configs(self, ba):
-    return pallas_common.configs_from_tunables(PallasTritonRaggedDotConfig, tunable_space(*_mkng(ba)))
+    return set(_vjp_configs(*_mkng(ba)))
 
 
 class PallasTritonRaggedDot(pallas_common.PallasTritonOp, _base.RaggedDot, name="ragged_dot.pallas_triton"):
