@@ -415,8 +415,13 @@ def test_kernels_lower_for_h200(kernel, m, k, n, g, dtype):
   assert f"grid_x = {programs} : i32" in text
 
 
-def test_split_rows_are_offered_where_the_weight_gradient_has_few_tiles():
+def test_splits_are_offered_where_the_output_has_few_tiles():
   tiling = dict(block_m=128, block_n=128, block_k=64)
+  assert pt.split_k_choices(8192, 4096, 14336, 8, **tiling) == [1]
+  assert pt.split_k_choices(64, 4096, 1024, 8, **tiling) == [4, 1, 2]  # decode: 72 tiles (x8 > 4 per core)
+  assert pt.split_k_choices(64, 64, 1024, 8, **tiling) == [1]  # one K block: nothing to split
+  forward = pt._fwd_configs(64, 4096, 1024, 8, jnp.bfloat16)
+  assert forward[0].split_k == 4 and len(set(forward)) == len(forward)
   assert pt.split_rows_choices(8192, 4096, 14336, 8, **tiling) == [1]  # 28672 tiles
   assert pt.split_rows_choices(4096, 256, 256, 4, **tiling) == [4, 1, 2, 8]  # 32 tiles
   assert pt.split_rows_choices(512, 256, 256, 4, **tiling) == [1]  # 128 rows a group: one block
@@ -425,6 +430,9 @@ def test_split_rows_are_offered_where_the_weight_gradient_has_few_tiles():
   with pytest.raises(ValueError, match="split_rows=6 must be a power of two"):
     pt.PallasTritonRaggedDotVjpConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3,
                                       split_rows=6)
+  with pytest.raises(ValueError, match="split_k=32 must be a power of two"):
+    pt.PallasTritonRaggedDotConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3,
+                                   split_k=32)
 
 
 def test_vjp_op_with_split_rows_matches_lax():
@@ -438,7 +446,7 @@ def test_vjp_op_with_split_rows_matches_lax():
   _assert_close(grads["lhs"], _np_forward(dout, jnp.swapaxes(rhs, 1, 2), w.group_sizes), jnp.float32)
 
 
-def test_split_weight_gradient_lowers_for_h200():
+def test_split_kernels_lower_for_h200():
   m, k, n, g, dtype = 4096, 256, 256, 4, jnp.bfloat16
   tunables = pt.heuristic_tunables(m, k, n, g, dtype)
   fn = functools.partial(pt.ragged_dot_drhs_pallas_triton, num_groups=g, split_rows=4, **tunables)
@@ -446,3 +454,28 @@ def test_split_weight_gradient_lowers_for_h200():
                          jax.ShapeDtypeStruct((g,), jnp.int32))
   tiles = g * pt.pl.cdiv(k, tunables["block_k"]) * pt.pl.cdiv(n, tunables["block_n"])
   assert f"grid_x = {4 * tiles} : i32" in text and "tensor<4x4x256x256xf32>" in text
+  m, k, n = 64, 4096, 1024  # decode-sized forward
+  tunables = pt.heuristic_tunables(m, k, n, g, dtype)
+  fn = functools.partial(pt.ragged_dot_pallas_triton, split_k=4, **tunables)
+  text = _lower_for_h200(fn, jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((g, k, n), dtype),
+                         jax.ShapeDtypeStruct((g,), jnp.int32))
+  items = pt.pl.cdiv(m, tunables["block_m"]) + g
+  assert f"grid_x = {4 * items * pt.pl.cdiv(n, tunables['block_n'])} : i32" in text
+  assert "tensor<4x64x1024xf32>" in text
+
+
+@pytest.mark.parametrize("name,split_k", [
+    ("ragged", 2), ("ragged", 4), ("tiny_groups", 2), ("overflowing", 2), ("aligned", 2),
+    ("block_m_over_m", 2),
+])
+def test_forward_split_over_k_matches_reference(name, split_k):
+  """Split-K forward, K not a multiple of block_k included (more shares than K blocks
+  leaves some programs with only zeros to add)."""
+  w = WORKLOADS[name]
+  lhs, rhs, _, sizes = _inputs(w.problem, jnp.float32, seed=6)
+  out = pt.ragged_dot_pallas_triton(lhs, rhs, sizes, interpret=True, split_k=split_k, **w.tunables())
+  assert out.shape == (w.m, w.n) and out.dtype == jnp.float32
+  _assert_close(out, _np_forward(lhs, rhs, w.group_sizes), jnp.float32)
+  op = pt.PallasTritonRaggedDot(interpret=True, config=pt.PallasTritonRaggedDotConfig(
+      **w.tunables(), split_k=split_k))
+  _assert_close(op(lhs, rhs, sizes), _np_forward(lhs, rhs, w.group_sizes), jnp.float32)

@@ -37,11 +37,11 @@ race-free, each program owning its tile), aligning tiles to group starts wastes 
 average half a tile per group instead of a whole tile per group boundary, and the K
 loop needs no row masks.
 
-The weight gradient (one program per (group, k-tile, n-tile), looping over the
-group's rows) can split those rows among `split_rows` programs per tile (split-K:
-its contraction runs over rows), each writing a float32 partial that XLA sums; the
-VJP op offers it where the gradient has fewer tiles than an H200 has cores
-(`split_rows_choices`).
+Split-K. The forward can share each output tile's K blocks among `split_k`
+programs, and the weight gradient (one program per (group, k-tile, n-tile), looping
+over the group's rows) its rows among `split_rows` programs; each writes a float32
+partial that XLA sums. The op classes offer splits where the output has fewer tiles
+than an H200 has cores (`split_k_choices`, `split_rows_choices`).
 
 Programs are numbered in the grouped ("swizzled") order of Triton's matmul
 tutorial: `_L2_GROUP_M` consecutive items sweep the n-tiles together, so the rhs
@@ -73,8 +73,9 @@ MIN_BLOCK = 16
 MAX_BLOCK = 256
 NUM_WARPS_CHOICES = (1, 2, 4, 8, 16)
 MAX_NUM_STAGES = 8
-# Programs that may share one output tile of the weight gradient (split-K over rows).
-MAX_SPLIT_ROWS = 16
+# Programs that may share one output tile's contraction (split-K; over rows for the
+# weight gradient).
+MAX_SPLIT = 16
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 # Number of work items (m-tiles) that sweep the n-tiles together, for L2 reuse; 8 is
@@ -266,33 +267,54 @@ def tunable_space(m: int, k: int, n: int, g: int, dtype: Any) -> list[dict[str, 
 _H200_CORES = 132
 
 
+def _split_choices(tiles: int, steps: int) -> list[int]:
+  """Splits worth trying of a contraction of `steps` blocks per output tile, for an
+  output of `tiles` tiles, the guess first.
+
+  Splitting pays where the output has fewer tiles than the H200's 132 cores. The
+  guess is the smallest split giving about two programs per core, halved until every
+  share has two blocks; also tried: no split, half and twice the guess (while there
+  are at most 4 programs per core and a block per share).
+  """
+  guess = 1
+  if tiles < _H200_CORES:
+    guess = min(MAX_SPLIT, _pow2_at_least(pl.cdiv(2 * _H200_CORES, tiles)))
+    while guess > 1 and steps // guess < 2:
+      guess //= 2
+  useful = lambda s: s == 1 or (s <= MAX_SPLIT and tiles * s <= 4 * _H200_CORES and steps // s >= 1)
+  return [s for s in dict.fromkeys([guess, 1, max(1, guess // 2), 2 * guess]) if useful(s)]
+
+
+def split_k_choices(m: int, k: int, n: int, g: int, *, block_m: int, block_n: int,
+                    block_k: int) -> list[int]:
+  """The forward's `split_k` worth trying for one tiling, the guess first (see
+  `_split_choices`): its tiles are the work items (at most M/block_m + G) times
+  the n-tiles, its contraction K/block_k blocks.
+
+  Args:
+    m, k, n, g: the problem (lhs rows, contraction, output columns, groups).
+    block_m, block_n, block_k: the forward's tiling.
+
+  Returns:
+    Distinct powers of two, each <= MAX_SPLIT, the guess first.
+  """
+  return _split_choices((pl.cdiv(m, block_m) + g) * pl.cdiv(n, block_n), pl.cdiv(k, block_k))
+
+
 def split_rows_choices(m: int, k: int, n: int, g: int, *, block_m: int, block_n: int,
                        block_k: int) -> list[int]:
-  """The weight gradient's `split_rows` worth trying for one tiling, the guess first.
-
-  Splitting pays where drhs has few tiles (g * K/block_k * N/block_n below the H200's
-  132 cores) and each share still gets row blocks of an average group (M/G rows). The
-  guess is the smallest split that gives about two programs per core, halved until
-  every share has two row blocks; also tried: no split, half and twice the guess
-  (while there are at most 4 programs per core and a row block per share).
+  """The weight gradient's `split_rows` worth trying for one tiling, the guess first
+  (see `_split_choices`): its tiles are G x K/block_k x N/block_n, its contraction
+  an average group's M/G rows in blocks of block_m.
 
   Args:
     m, k, n, g: the problem (lhs rows, contraction, output columns, groups).
     block_m, block_n, block_k: the weight gradient's tiling.
 
   Returns:
-    Distinct powers of two, each <= MAX_SPLIT_ROWS, the guess first.
+    Distinct powers of two, each <= MAX_SPLIT, the guess first.
   """
-  tiles = g * pl.cdiv(k, block_k) * pl.cdiv(n, block_n)
-  rows_per_group = max(1, m // g)
-  guess = 1
-  if tiles < _H200_CORES:
-    guess = min(MAX_SPLIT_ROWS, _pow2_at_least(pl.cdiv(2 * _H200_CORES, tiles)))
-    while guess > 1 and rows_per_group // guess < 2 * block_m:
-      guess //= 2
-  useful = lambda s: s == 1 or (s <= MAX_SPLIT_ROWS and tiles * s <= 4 * _H200_CORES
-                                 and rows_per_group // s >= block_m)
-  return [s for s in dict.fromkeys([guess, 1, max(1, guess // 2), 2 * guess]) if useful(s)]
+  return _split_choices(g * pl.cdiv(k, block_k) * pl.cdiv(n, block_n), max(1, m // g) // block_m)
 
 
 # --------------------------------------------------------------------------- metadata
@@ -376,15 +398,19 @@ def _load(ref: Any, mask: jax.Array | None) -> jax.Array:
 
 
 def _ragged_dot_kernel(items_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, block_n: int,
-                       block_k: int, transpose_rhs: bool):
-  """One program: work item x n-tile; writes only the item's rows of the output.
+                       block_k: int, transpose_rhs: bool, split_k: int):
+  """One program: work item x n-tile (x one of `split_k` shares of the contraction);
+  writes only the item's rows of the output (of its partial sum, with split_k > 1).
 
-  lhs is (M, C); rhs is (G, C, D), or (G, D, C) with transpose_rhs; out is (M, D).
+  lhs is (M, C); rhs is (G, C, D), or (G, D, C) with transpose_rhs; out is (M, D), or
+  (split_k, M, D) float32 partial sums.
   """
   num_rows, contract = lhs_ref.shape
-  num_groups, cols_out = rhs_ref.shape[0], out_ref.shape[1]
+  num_groups, cols_out = rhs_ref.shape[0], out_ref.shape[-1]
   num_items, num_n_tiles = items_ref.shape[1], pl.cdiv(cols_out, block_n)
-  item, tile_n = _swizzle(pl.program_id(0), num_items, num_n_tiles)
+  per_split = num_items * num_n_tiles
+  split = lax.div(pl.program_id(0), per_split)
+  item, tile_n = _swizzle(lax.rem(pl.program_id(0), per_split), num_items, num_n_tiles)
   group, row_start, row_end = items_ref[0, item], items_ref[1, item], items_ref[2, item]
   # The tile is moved up to end at row M at most, so that its loads stay in bounds
   # without masks; rows outside [row_start, row_end) are computed but not stored.
@@ -394,6 +420,12 @@ def _ragged_dot_kernel(items_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, bl
   n0 = tile_n * block_n
   col_mask = (_span(n0, block_n) < cols_out)[None, :] if cols_out % block_n else None
   num_full_k = contract // block_k
+  # This program's share of the whole K blocks: [k_first, k_last); the ragged last
+  # K block (index num_full_k) goes to the share that holds that index.
+  k_per_split = pl.cdiv(pl.cdiv(contract, block_k), split_k)  # static
+  k_first = jnp.minimum(split * k_per_split, num_full_k)
+  k_last = jnp.minimum(k_first + k_per_split, num_full_k)
+  owns_ragged_k = (split == num_full_k // k_per_split).astype(jnp.int32)
   # The zero tail and empty items run no K step (rhs[G] does not exist).
   is_group = (group < num_groups).astype(jnp.int32)
 
@@ -419,41 +451,48 @@ def _ragged_dot_kernel(items_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, bl
   # Static guards: a loop body is traced even when it never runs, and interpret
   # mode cannot trace an unmasked block larger than the array.
   if num_full_k:
-    acc = lax.fori_loop(0, is_group * num_full_k, full_k, acc)
+    acc = lax.fori_loop(k_first, k_first + is_group * (k_last - k_first), full_k, acc)
   if contract % block_k:  # static: only a ragged K pays for the K mask, in one step.
     # A loop of at most one trip, so that the slice start is a traced value (a
     # static start past K would be rejected at trace time even though it is masked).
-    acc = lax.fori_loop(num_full_k, num_full_k + is_group, ragged_k, acc)
+    acc = lax.fori_loop(num_full_k, num_full_k + is_group * owns_ragged_k, ragged_k, acc)
   out = acc.astype(out_ref.dtype)
   # Items partition the rows, so the masked stores of different programs never
   # touch the same element: no race even though programs run in parallel.
   out_mask = _and((rows >= row_start) & (rows < row_end), col_mask)
-  pltriton.store(out_ref.at[pl.ds(tile_start, block_m), pl.ds(n0, block_n)], out,
+  index = () if len(out_ref.shape) == 2 else (split,)
+  pltriton.store(out_ref.at[(*index, pl.ds(tile_start, block_m), pl.ds(n0, block_n))], out,
                  mask=jnp.broadcast_to(out_mask, out.shape))
 
 
 def _ragged_dot_call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, block_m, block_n,
-                     block_k, num_warps, num_stages, interpret, name):
-  """Launches the forward kernel; out is (M, D) with D = rhs.shape[1 if transpose_rhs else 2]."""
+                     block_k, num_warps, num_stages, interpret, name, split_k=1):
+  """Launches the forward kernel; out is (M, D) with D = rhs.shape[1 if transpose_rhs else 2].
+
+  With split_k > 1 each (item, n-tile) gets split_k programs, each over a share of
+  the contraction's blocks, writing float32 partials that XLA sums.
+  """
   num_rows = lhs.shape[0]
   cols_out = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   items = _work_items(_group_offsets(group_sizes, num_rows), num_rows, block_m)
-  num_programs = items.shape[1] * pl.cdiv(cols_out, block_n)
+  num_programs = split_k * items.shape[1] * pl.cdiv(cols_out, block_n)
   kernel = functools.partial(_ragged_dot_kernel, block_m=block_m, block_n=block_n,
-                             block_k=block_k, transpose_rhs=transpose_rhs)
-  return pl.pallas_call(
+                             block_k=block_k, transpose_rhs=transpose_rhs, split_k=split_k)
+  out = pl.pallas_call(
       kernel,
-      out_shape=jax.ShapeDtypeStruct((num_rows, cols_out), out_dtype),
+      out_shape=(jax.ShapeDtypeStruct((num_rows, cols_out), out_dtype) if split_k == 1
+                 else jax.ShapeDtypeStruct((split_k, num_rows, cols_out), jnp.float32)),
       grid=(num_programs,),
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name=name,
   )(items, lhs, rhs)
+  return out if split_k == 1 else out.sum(axis=0).astype(out_dtype)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages",
+    static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k",
                      "preferred_element_type", "interpret"))
 def ragged_dot_pallas_triton(
     lhs: jax.Array,
@@ -465,6 +504,7 @@ def ragged_dot_pallas_triton(
     block_k: int,
     num_warps: int,
     num_stages: int,
+    split_k: int = 1,
     preferred_element_type: Any = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -477,6 +517,9 @@ def ragged_dot_pallas_triton(
       group_sizes[g] rows of lhs.
     block_m, block_n: output tile; block_k: contracted columns per pipelined step.
     num_warps, num_stages: Triton launch parameters.
+    split_k: programs sharing one output tile's K blocks (split-K, a power of two, 1
+      to 16), each writing a float32 partial that XLA sums; for outputs with fewer
+      tiles than the GPU has cores.
     preferred_element_type: output dtype; defaults to lhs.dtype. Accumulation is
       always float32.
     interpret: run in Pallas interpret mode (CPU, for tests).
@@ -489,6 +532,7 @@ def ragged_dot_pallas_triton(
   """
   validate_tunables(block_m=block_m, block_n=block_n, block_k=block_k,
                     num_warps=num_warps, num_stages=num_stages)
+  check_power_of_two("split_k", split_k, minimum=1, maximum=MAX_SPLIT)
   check_ragged_dot_shapes(lhs, rhs, group_sizes)
   _check_same_dtype("lhs", lhs, "rhs", rhs)
   _check_int32_addressing(lhs=lhs.shape, rhs=rhs.shape, out=(lhs.shape[0], rhs.shape[2]))
@@ -496,7 +540,7 @@ def ragged_dot_pallas_triton(
       lhs, rhs, group_sizes, transpose_rhs=False,
       out_dtype=_out_dtype(preferred_element_type, lhs), block_m=block_m,
       block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-      interpret=interpret, name="ragged_dot_fwd")
+      interpret=interpret, name="ragged_dot_fwd", split_k=split_k)
 
 
 @functools.partial(
@@ -658,7 +702,7 @@ def ragged_dot_drhs_pallas_triton(
   """
   validate_tunables(block_m=block_m, block_n=block_n, block_k=block_k,
                     num_warps=num_warps, num_stages=num_stages)
-  check_power_of_two("split_rows", split_rows, minimum=1, maximum=MAX_SPLIT_ROWS)
+  check_power_of_two("split_rows", split_rows, minimum=1, maximum=MAX_SPLIT)
   if lhs.ndim != 2 or dout.ndim != 2 or lhs.shape[0] != dout.shape[0]:
     raise ValueError(
         f"The rhs gradient needs lhs (M, K) and dout (M, N) with the same M; got "
@@ -694,19 +738,26 @@ from stellarax.ops import pallas_common  # noqa: E402
 from stellarax.ops.ragged_dot import base as _base  # noqa: E402
 
 
+def _validate_split_config(config: Any, split_name: str) -> None:
+  tunables = pallas_common.tunables_of(config)
+  check_power_of_two(split_name, tunables.pop(split_name), minimum=1, maximum=MAX_SPLIT)
+  validate_tunables(**tunables)
+
+
 @config_dataclass
 class PallasTritonRaggedDotConfig:
-  """Tiles and pipelining of the Pallas Triton ragged_dot kernels (see
-  `validate_tunables`). The backward uses one config for both products."""
+  """Tiles and pipelining of the Pallas Triton ragged_dot forward (see
+  `validate_tunables`) and `split_k`: programs sharing one output tile's K blocks."""
 
   block_m: int
   block_n: int
   block_k: int
   num_warps: int
   num_stages: int
+  split_k: int = 1
 
   def __post_init__(self):
-    validate_tunables(**pallas_common.tunables_of(self))
+    _validate_split_config(self, "split_k")
 
 
 @config_dataclass
@@ -722,17 +773,24 @@ class PallasTritonRaggedDotVjpConfig:
   split_rows: int = 1
 
   def __post_init__(self):
-    tunables = pallas_common.tunables_of(self)
-    check_power_of_two("split_rows", tunables.pop("split_rows"), minimum=1, maximum=MAX_SPLIT_ROWS)
-    validate_tunables(**tunables)
+    _validate_split_config(self, "split_rows")
 
 
-def _vjp_configs(m: int, k: int, n: int, g: int, dtype: Any) -> list[PallasTritonRaggedDotVjpConfig]:
-  """The forward's tilings, each with its `split_rows_choices`; the heuristic first."""
-  return [PallasTritonRaggedDotVjpConfig(**t, split_rows=split)
+def _split_configs(config_cls: type, split_name: str, choices: Any, m: int, k: int, n: int, g: int,
+                   dtype: Any) -> list[Any]:
+  """The tilings of `tunable_space`, each with its splits from `choices`; the heuristic first."""
+  return [config_cls(**t, **{split_name: split})
           for t in tunable_space(m, k, n, g, dtype)
-          for split in split_rows_choices(m, k, n, g, block_m=t["block_m"], block_n=t["block_n"],
-                                          block_k=t["block_k"])]
+          for split in choices(m, k, n, g, block_m=t["block_m"], block_n=t["block_n"],
+                               block_k=t["block_k"])]
+
+
+def _fwd_configs(*problem: Any) -> list[PallasTritonRaggedDotConfig]:
+  return _split_configs(PallasTritonRaggedDotConfig, "split_k", split_k_choices, *problem)
+
+
+def _vjp_configs(*problem: Any) -> list[PallasTritonRaggedDotVjpConfig]:
+  return _split_configs(PallasTritonRaggedDotVjpConfig, "split_rows", split_rows_choices, *problem)
 
 
 def _mkng(ba) -> tuple[int, int, int, int, str]:
@@ -797,7 +855,7 @@ class PallasTritonRaggedDot(pallas_common.PallasTritonOp, _base.RaggedDot, name=
     return out, None
 
   def _get_heuristics_config(self, ba):
-    return PallasTritonRaggedDotConfig(**heuristic_tunables(*_mkng(ba)))
+    return _fwd_configs(*_mkng(ba))[0]
 
   def _get_autotuning_configs(self, ba):
-    return pallas_common.configs_from_tunables(PallasTritonRaggedDotConfig, tunable_space(*_mkng(ba)))
+    return set(_fwd_configs(*_mkng(ba)))
