@@ -126,8 +126,9 @@ class Workload:
   unchecked: tuple[str, ...] = ()
 
 
-def _ragged_workloads(smoke, dtype):
-  shapes = [(8, 8192, 4096, 14336), (64, 16384, 2048, 1536)] if not smoke else [(4, 64, 32, 48)]
+def _ragged_workloads(smoke, dtype, shapes=None, backward=True):
+  if shapes is None:
+    shapes = [(8, 8192, 4096, 14336), (64, 16384, 2048, 1536)] if not smoke else [(4, 64, 32, 48)]
   out = []
   for g, m, k, n in shapes:
     inputs = functools.partial(_ragged_inputs, g, m, k, n, dtype)
@@ -140,6 +141,8 @@ def _ragged_workloads(smoke, dtype):
     out.append(Workload(f"{label} fwd", "ragged_dot", inputs, call, ref, flops=2 * m * k * n,
                         baselines={"xla jax.lax.ragged_dot": xla, "cuBLAS dense same FLOPs": dense},
                         unchecked=("cuBLAS dense same FLOPs",)))
+    if not backward:
+      continue
     out.append(Workload(
         f"{label} fwd+bwd", "ragged_dot", inputs,
         lambda op, l, r, gs, call=call: _grad_of(lambda a, b: call(op, a, b, gs), (0, 1))(l, r),
@@ -197,7 +200,11 @@ def _norm_workloads(smoke, dtype):
 def _workloads(smoke: bool) -> list[Workload]:
   """The speed targets of DESIGN.md (tiny shapes in smoke runs)."""
   dtype = jnp.float32 if smoke else jnp.bfloat16
-  return _ragged_workloads(smoke, dtype) + _attention_workloads(smoke, dtype) + _norm_workloads(smoke, dtype)
+  # Last, so the deadline cuts it first: a decode-sized MoE step (128 tokens), the
+  # case split-K is for.
+  decode = [] if smoke else _ragged_workloads(smoke, dtype, shapes=[(8, 128, 4096, 14336)], backward=False)
+  return (_ragged_workloads(smoke, dtype) + _attention_workloads(smoke, dtype)
+          + _norm_workloads(smoke, dtype) + decode)
 
 
 def _rate(seconds: float | None, flops, nbytes) -> str:
