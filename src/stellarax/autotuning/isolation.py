@@ -100,6 +100,7 @@ class _Worker:
         [sys.executable, "-m", "stellarax.autotuning.isolation_worker"], stdin=subprocess.PIPE,
         stdout=subprocess.PIPE, env=env)
     self.replies: queue.Queue = queue.Queue()
+    self._asking = threading.Lock()  # one request in flight: replies come in order
     threading.Thread(target=self._read, daemon=True).start()
 
   def _read(self) -> None:
@@ -114,14 +115,15 @@ class _Worker:
 
   def ask(self, request: _Request, deadline_s: float) -> tuple[str, Any]:
     """Sends a request; returns ("reply", measurements), ("gone", reason) or ("silent", None)."""
-    try:
-      _send(self.process.stdin, request)
-    except (BrokenPipeError, OSError) as e:
-      return "gone", e
-    try:
-      return self.replies.get(timeout=deadline_s)
-    except queue.Empty:
-      return "silent", None
+    with self._asking:
+      try:
+        _send(self.process.stdin, request)
+      except (BrokenPipeError, OSError) as e:
+        return "gone", e
+      try:
+        return self.replies.get(timeout=deadline_s)
+      except queue.Empty:
+        return "silent", None
 
   def close(self) -> None:
     """Asks the worker to exit (closing its stdin), kills it if it does not."""
