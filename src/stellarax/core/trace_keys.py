@@ -45,6 +45,12 @@ results on top of whatever is active then.
 Equality is memoised per stack of active results until the next record: JAX
 checks it on every call of a jitted function whose cached key is not the
 current one.
+
+Cost. Inner traces cached under a key with records (JAX's own jitted helpers,
+such as `jnp` functions, traced inside a function that uses our ops) are traced
+again by the next top-level trace instead of reused: tracing and lowering the
+`make demo` training step as a new function took about 400 ms instead of 300 ms
+(2026-11-30, 2-core CPU); the first trace of a program costs the same as before.
 """
 
 from __future__ import annotations
