@@ -22,8 +22,8 @@ event path of the profile reader.
 
 Writes `<out>/results.json` (every row, environment) and `<out>/tuned.json`
 (an AutotuningResult for the library cache) after every workload, so a run cut
-short keeps what it measured; prints each workload's rows as it ends and the
-whole table last. Past --deadline-s the remaining workloads are checked and
+short keeps what it measured; prints each workload's rows as it ends, then the
+whole table, then whether each speed target of the GPU-kernels issue was met. Past --deadline-s the remaining workloads are checked and
 timed untuned, and past the deadline plus a minute they are skipped. A
 candidate whose error exceeds the dtype's tolerance is marked WRONG (and still
 timed, so the table shows what it would cost).
@@ -346,6 +346,52 @@ def print_table(rows: list[Row]) -> None:
     print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
 
 
+def _best(rows: list[Row], workload: str, impl_part: str) -> Row | None:
+  """The fastest correct row of `workload` whose implementation contains `impl_part`."""
+  ok = [r for r in rows if r.workload.startswith(workload) and impl_part in r.impl and r.median_ms
+        and r.status == "ok"]
+  return min(ok, key=lambda r: r.median_ms, default=None)
+
+
+def target_lines(rows: list[Row]) -> list[str]:
+  """The speed targets of the GPU-kernels issue, each met, missed or not measured."""
+
+  def verdict(name, ours, base, describe):
+    if ours is None or base is None:
+      return f"{name}: not measured"
+    value = describe(ours, base)
+    return f"{name}: {'MET' if value[0] else 'missed'} ({value[1]}; ours: {ours.impl})"
+
+  def ratio(limit):
+    return lambda ours, base: (ours.median_ms <= limit * base.median_ms,
+                               f"{ours.median_ms:.3f} ms vs {base.impl} {base.median_ms:.3f} ms,"
+                               f" goal <= {limit:g}x")
+
+  def tflops(ours, base):
+    del base
+    value = float(ours.rate.split()[0])
+    return value >= 600, f"{value:.0f} TFLOP/s, goal >= 600"
+
+  def bandwidth(ours, copy):
+    value, limit = float(ours.rate.split()[0]), 0.85 * float(copy.rate.split()[0])
+    return value >= limit, f"{value:.2f} TB/s vs 85% of copy {limit:.2f} TB/s"
+
+  ragged8, ragged64 = "ragged_dot G=8 M=8192 K=4096 N=14336 fwd", "ragged_dot G=64 M=16384 K=2048 N=1536 fwd"
+  attention = "attention B=2 T=8192 H=16 D=128 causal"
+  norm = "rms_norm (8192, 8192)"
+  return [
+      verdict("ragged_dot G=8 forward", _best(rows, ragged8, "pallas"), _best(rows, ragged8, ""), tflops),
+      verdict("ragged_dot G=64 forward vs XLA", _best(rows, ragged64, "pallas"),
+              _best(rows, ragged64, "jax.lax.ragged_dot"), ratio(1.0)),
+      verdict("attention forward vs cuDNN", _best(rows, f"{attention} fwd", "pallas"),
+              _best(rows, f"{attention} fwd", "cuDNN"), ratio(1.0)),
+      verdict("attention fwd+bwd vs cuDNN", _best(rows, f"{attention} fwd+bwd", "pallas"),
+              _best(rows, f"{attention} fwd+bwd", "cuDNN"), ratio(1.2)),
+      verdict("rms_norm forward bandwidth", _best(rows, f"{norm} fwd", "pallas"),
+              _best(rows, f"{norm} fwd", "copy"), bandwidth),
+  ]
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True, help="results folder")
@@ -365,6 +411,9 @@ def main(argv=None) -> int:
   rows = run(args)
   print("\n== all workloads ==")
   print_table(rows)
+  print("\n== targets ==")
+  for line in target_lines(rows):
+    print(line)
   return 0
 
 

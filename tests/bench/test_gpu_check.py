@@ -21,7 +21,10 @@ def test_gpu_check_smoke_run(tmp_path):
   checked = [r for r in rows if r["max_rel_err"] is not None]
   assert checked and all(r["max_rel_err"] < 1e-3 for r in checked), [r for r in checked if r["max_rel_err"] >= 1e-3]
   assert (tmp_path / "tuned.json").exists()
-  assert proc.stdout.strip().splitlines()[-1].startswith("layer_norm")  # the table is printed last
+  lines = proc.stdout.strip().splitlines()
+  table = lines[lines.index("== all workloads ==") + 1:lines.index("== targets ==")]
+  assert table[-2].startswith("layer_norm")  # the whole table, then the targets
+  assert lines[-1] == "rms_norm forward bandwidth: not measured"  # interpret mode: no copy baseline row
 
 
 def _gpu_check():
@@ -56,3 +59,19 @@ def test_profile_step_finds_every_op_family(tmp_path, capsys):
   assert all(c.count >= 3 and c.device_time_s > 0 for c in calls)
   assert list((tmp_path / "profile").rglob("*.xplane.pb"))
   assert "profile: ragged_dot." in capsys.readouterr().out
+
+
+def test_target_lines_say_met_missed_or_not_measured():
+  gpu_check = _gpu_check()
+  Row = gpu_check.Row
+  ragged = "ragged_dot G=8 M=8192 K=4096 N=14336 fwd"
+  attention = "attention B=2 T=8192 H=16 D=128 causal fwd"
+  rows = [Row(ragged, "ragged_dot.pallas_triton tuned", 1.5, "642.0 TFLOP/s", status="ok"),
+          Row(ragged, "xla jax.lax.ragged_dot", 9.9, "97.0 TFLOP/s", status="ok"),
+          Row(attention, "attention.pallas_mosaic_gpu tuned", 1.1, "500.0 TFLOP/s", status="ok"),
+          Row(attention, "cuDNN jax.nn.dot_product_attention", 0.935, "588.0 TFLOP/s", status="ok")]
+  lines = gpu_check.target_lines(rows)
+  assert lines[0].startswith("ragged_dot G=8 forward: MET (642 TFLOP/s")
+  assert lines[1] == "ragged_dot G=64 forward vs XLA: not measured"
+  assert lines[2].startswith("attention forward vs cuDNN: missed (1.100 ms vs cuDNN")
+  assert len(lines) == 5
