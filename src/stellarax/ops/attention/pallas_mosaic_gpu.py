@@ -430,6 +430,29 @@ def _query_blocks(p: _Problem, k0: Any, keys: int, bq: int, num_q_blocks: int):
   return first, first_full
 
 
+def _query_tile_cta(p: _Problem, q_ref, k_ref, v_ref, *, num_wgs: int, bq: int, bk: int,
+                    k_ring, v_ring, k_ready, v_ready, k_free, v_free):
+  """Where a CTA of the forward or dQ kernel (one query tile of one head) works.
+
+  Returns:
+    (b, h, wg, cta_q0, cta_end, k_stream, v_stream): batch, head and warpgroup
+    indices; the tile's first query row; the key blocks it visits; the K and V
+    streams of its kv head.
+  """
+  b, h, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+  rows = num_wgs * bq
+  num_q_tiles = q_ref.shape[1] // rows
+  tile = lax.axis_index("q_tiles")
+  # Causal rows further down see more keys: run those first.
+  cta_q0 = ((num_q_tiles - 1 - tile) if p.causal else tile) * rows
+  _, cta_end = _key_blocks(p, cta_q0, rows, bk)
+  kv_head = lax.div(h, p.group)
+  kv_rows = lambda step: (b, pl.ds(step * bk, bk), kv_head)
+  k_stream = _Stream(lambda step: [(k_ref.at[kv_rows(step)], k_ring)], k_ready, k_free)
+  v_stream = _Stream(lambda step: [(v_ref.at[kv_rows(step)], v_ring)], v_ready, v_free)
+  return b, h, wg, cta_q0, cta_end, k_stream, v_stream
+
+
 def _keep(shape: tuple[int, int], row0: Any, col0: Any, *, rows_are_queries: bool,
           causal: bool, num_keys: int | None) -> jax.Array | None:
   """Kept (query, key) pairs of a tile whose rows start at row0 and columns at col0.
@@ -493,17 +516,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, q_smem, k_ring, v_ring, 
                 p: _Problem, c: PallasMosaicGpuAttentionConfig, mma: _Mma):
   """Output rows and lse of one query tile of one head (see the module docstring)."""
   num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q, c.block_kv, c.num_stages
-  b, h, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-  rows = num_wgs * bq
-  num_q_tiles = q_ref.shape[1] // rows
-  tile = lax.axis_index("q_tiles")
-  # Causal rows further down see more keys: run those first.
-  cta_q0 = ((num_q_tiles - 1 - tile) if p.causal else tile) * rows
-  _, cta_end = _key_blocks(p, cta_q0, rows, bk)
-  kv_head = lax.div(h, p.group)
-  kv_rows = lambda step: (b, pl.ds(step * bk, bk), kv_head)
-  k_stream = _Stream(lambda step: [(k_ref.at[kv_rows(step)], k_ring)], k_ready, k_free)
-  v_stream = _Stream(lambda step: [(v_ref.at[kv_rows(step)], v_ring)], v_ready, v_free)
+  b, h, wg, cta_q0, cta_end, k_stream, v_stream = _query_tile_cta(
+      p, q_ref, k_ref, v_ref, num_wgs=num_wgs, bq=bq, bk=bk, k_ring=k_ring, v_ring=v_ring,
+      k_ready=k_ready, v_ready=v_ready, k_free=k_free, v_free=v_free)
   pingpong = _PingPong(sched)
 
   @pl.when(wg < num_wgs)
@@ -647,16 +662,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref, *, q_sm
                k_free, v_free, p: _Problem, c: PallasMosaicGpuAttentionVjpConfig, mma: _Mma):
   """dQ of one query tile of one head: the forward's loop with dS = P (dP - delta)."""
   num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q_dq, c.block_kv_dq, c.num_stages
-  b, h, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-  rows = num_wgs * bq
-  num_q_tiles = q_ref.shape[1] // rows
-  tile = lax.axis_index("q_tiles")
-  cta_q0 = ((num_q_tiles - 1 - tile) if p.causal else tile) * rows
-  _, cta_end = _key_blocks(p, cta_q0, rows, bk)
-  kv_head = lax.div(h, p.group)
-  kv_rows = lambda step: (b, pl.ds(step * bk, bk), kv_head)
-  k_stream = _Stream(lambda step: [(k_ref.at[kv_rows(step)], k_ring)], k_ready, k_free)
-  v_stream = _Stream(lambda step: [(v_ref.at[kv_rows(step)], v_ring)], v_ready, v_free)
+  b, h, wg, cta_q0, cta_end, k_stream, v_stream = _query_tile_cta(
+      p, q_ref, k_ref, v_ref, num_wgs=num_wgs, bq=bq, bk=bk, k_ring=k_ring, v_ring=v_ring,
+      k_ready=k_ready, v_ready=v_ready, k_free=k_free, v_free=v_free)
 
   @pl.when(wg < num_wgs)
   def _compute():
