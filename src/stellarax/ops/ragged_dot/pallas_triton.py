@@ -387,6 +387,15 @@ def _and(*masks: jax.Array | None) -> jax.Array | None:
   return functools.reduce(jnp.logical_and, present) if present else None
 
 
+def _share_of_blocks(split: jax.Array, num_full: Any, per_split: Any) -> tuple[Any, Any, jax.Array]:
+  """Split-K: the blocks of a contraction that share `split` sums, `per_split` (>= 1)
+  blocks a share. Returns [first, last) of the `num_full` whole blocks, and whether
+  the partial block after them (index num_full), if any, is this share's."""
+  first = jnp.minimum(split * per_split, num_full)
+  last = jnp.minimum(first + per_split, num_full)
+  return first, last, split == lax.div(num_full, per_split)
+
+
 def _load(ref: Any, mask: jax.Array | None) -> jax.Array:
   """Loads a block; masked-off elements read as zero (never garbage: 0 * NaN is NaN)."""
   if mask is None:
@@ -420,12 +429,9 @@ def _ragged_dot_kernel(items_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, bl
   n0 = tile_n * block_n
   col_mask = (_span(n0, block_n) < cols_out)[None, :] if cols_out % block_n else None
   num_full_k = contract // block_k
-  # This program's share of the whole K blocks: [k_first, k_last); the ragged last
-  # K block (index num_full_k) goes to the share that holds that index.
-  k_per_split = pl.cdiv(pl.cdiv(contract, block_k), split_k)  # static
-  k_first = jnp.minimum(split * k_per_split, num_full_k)
-  k_last = jnp.minimum(k_first + k_per_split, num_full_k)
-  owns_ragged_k = (split == num_full_k // k_per_split).astype(jnp.int32)
+  k_first, k_last, owns_ragged_k = _share_of_blocks(
+      split, num_full_k, pl.cdiv(pl.cdiv(contract, block_k), split_k))
+  owns_ragged_k = owns_ragged_k.astype(jnp.int32)
   # The zero tail and empty items run no K step (rhs[G] does not exist).
   is_group = (group < num_groups).astype(jnp.int32)
 
@@ -618,13 +624,10 @@ def _drhs_kernel(offsets_ref, lhs_ref, dout_ref, out_ref, *, block_m: int, block
   n_mask = (_span(n0, block_n) < cols_n)[None, :] if cols_n % block_n else None
   row_lo, row_hi = offsets_ref[group], offsets_ref[group + 1]
   size = row_hi - row_lo
-  # This program's share of the group's row blocks: [first, last) of the whole
-  # blocks, and the partial last block when the share reaches it.
   num_full = lax.div(size, block_m)
   per_split = jnp.maximum(lax.div(size + split_rows * block_m - 1, split_rows * block_m), 1)
-  first = jnp.minimum(split * per_split, num_full)
-  last = jnp.minimum(first + per_split, num_full)
-  has_tail = (lax.rem(size, block_m) > 0) & (split == lax.div(num_full, per_split))
+  first, last, owns_tail = _share_of_blocks(split, num_full, per_split)
+  has_tail = (lax.rem(size, block_m) > 0) & owns_tail
 
   def step(r0, row_mask, acc):
     lhs = _load(lhs_ref.at[pl.ds(r0, block_m), pl.ds(k0, block_k)], _and(row_mask, k_mask))
