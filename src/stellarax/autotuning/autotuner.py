@@ -210,18 +210,8 @@ class Autotuner:
 
   def _local_measure(self, ba: BoundArguments, device: jax.Device | None):
     """`(configs, effort) -> {config: Measurement}`, measuring in this process."""
-    arrays = ba.example_arrays(self.seed)
-    if device is not None:
-      arrays = jax.device_put(arrays, device)
-    reference = jax.jit(ba.runner(reference=True))(*arrays)
-    compiled: dict[Any, Any] = {}  # racing re-measures configs: compile each once
-
-    def measure(configs, effort):
-      return measure_lib.measure_candidates(
-          {c: ba.runner(c) for c in configs}, tuple(arrays), reference=reference,
-          options=self.measure_options, order=configs, compile_cache=compiled, effort=effort)
-
-    return measure
+    measurer = isolation.CallMeasurer(ba, self.seed, device)
+    return lambda configs, effort: measurer(configs, effort, self.measure_options)
 
   def _isolated_measure(self, ba: BoundArguments, device: jax.Device | None):
     """`(configs, effort) -> {config: Measurement}`, measuring in a worker process."""
@@ -328,12 +318,8 @@ class _TuningBackend:
 
   @staticmethod
   def benchmark(ba: BoundArguments, config: Any, **measure_options) -> measure_lib.Measurement:
-    ba = ba.with_config(None)
-    arrays = ba.example_arrays()
-    reference = jax.jit(ba.runner(reference=True))(*arrays)
-    out = measure_lib.measure_candidates({"config": ba.runner(config)}, tuple(arrays), reference=reference,
-                                         options=measure_lib.MeasureOptions(**measure_options))
-    return out["config"]
+    measurer = isolation.CallMeasurer(ba.with_config(None), seed=0)
+    return measurer([config], 1.0, measure_lib.MeasureOptions(**measure_options))[config]
 
 
 resolution.set_autotune_on_miss(_autotune_on_miss)

@@ -244,33 +244,44 @@ def measure_isolated(bound_args: Any, configs: Sequence[Any], *, seed: int,
 # --- the worker --------------------------------------------------------------------------
 
 
-class _CallState:
-  """What a worker keeps between requests for the same call: inputs, reference, executables."""
+class CallMeasurer:
+  """Measures configs of one call in this process: the call's random inputs (from
+  `seed`, on `device`), its reference output and the executables compiled so far
+  are made once and kept between measurements. The autotuner uses it directly,
+  and a worker process per request."""
 
-  def __init__(self, request: _Request):
+  def __init__(self, bound_args: Any, seed: int, device: Any = None):
     import jax
-    self.key = (request.bound_args, request.seed, request.device_index)
-    ba = request.bound_args
-    arrays = ba.example_arrays(request.seed)
-    if request.device_index is not None:
-      arrays = jax.device_put(arrays, jax.devices()[request.device_index])
+    self.bound_args, self.seed, self.device = bound_args, seed, device
+    arrays = bound_args.example_arrays(seed)
+    if device is not None:
+      arrays = jax.device_put(arrays, device)
     self.arrays = tuple(arrays)
-    self.reference = jax.jit(ba.runner(reference=True))(*self.arrays)
-    self.compiled: dict[Any, Any] = {}
+    self.reference = jax.jit(bound_args.runner(reference=True))(*self.arrays)
+    self.compiled: dict[Any, Any] = {}  # racing re-measures configs: compile each once
+
+  def __call__(self, configs: Sequence[Any], effort: float,
+              options: measure_lib.MeasureOptions) -> dict[Any, measure_lib.Measurement]:
+    """`measure_candidates` over `configs`, in their order."""
+    configs = list(configs)
+    return measure_lib.measure_candidates(
+        {c: self.bound_args.runner(c) for c in configs}, self.arrays, reference=self.reference,
+        options=options, order=configs, compile_cache=self.compiled, effort=effort)
 
 
-def _serve(request: _Request, state: _CallState | None) -> tuple[dict[str, Any], _CallState]:
-  if state is None or state.key != (request.bound_args, request.seed, request.device_index):
-    state = _CallState(request)
-  ba, configs = request.bound_args, list(request.configs)
-  out = measure_lib.measure_candidates(
-      {c: ba.runner(c) for c in configs}, state.arrays, reference=state.reference,
-      options=request.options, order=configs, compile_cache=state.compiled, effort=request.effort)
+def _serve(request: _Request, measurer: CallMeasurer | None) -> tuple[dict[str, Any], CallMeasurer]:
+  import jax
+  device = None if request.device_index is None else jax.devices()[request.device_index]
+  if measurer is None or (measurer.bound_args, measurer.seed, measurer.device) != (
+      request.bound_args, request.seed, device):
+    measurer = CallMeasurer(request.bound_args, request.seed, device)
+  configs = list(request.configs)
+  out = measurer(configs, request.effort, request.options)
   index = {c: i for i, c in enumerate(configs)}
   # Any timeout leaves work behind (a hung run on the device, or a compilation on an
   # abandoned thread): this worker stops after replying and a fresh one goes on.
   stalled = any(m.status == "timeout" for m in out.values())
-  return {"measurements": {index[c]: m for c, m in out.items()}, "stalled": stalled}, state
+  return {"measurements": {index[c]: m for c, m in out.items()}, "stalled": stalled}, measurer
 
 
 def serve_requests() -> None:
@@ -279,7 +290,7 @@ def serve_requests() -> None:
   os.dup2(2, 1)  # prints from JAX or the op go to stderr, not into the message stream
   requests = sys.stdin.buffer
   import stellarax  # noqa: F401  (registers the ops before requests are unpickled)
-  state = None
+  measurer = None
   while True:
     try:
       request = _receive(requests)
@@ -291,7 +302,7 @@ def serve_requests() -> None:
           " worker must be importable (not defined in __main__), or use isolate=False")})
       continue
     try:
-      reply, state = _serve(request, state)
+      reply, measurer = _serve(request, measurer)
     except Exception as e:  # the call itself cannot be set up: report, do not hang
       reply = {"measurements": {}, "error": f"failed: {type(e).__name__}: {str(e)[:300]}"}
     _send(replies, reply)

@@ -53,7 +53,9 @@ def _fastest_in_results(results: tuple[Any, ...], ba: BoundArguments) -> float |
 def _measured_time(ba: BoundArguments) -> float | None:
   times = _times_in(resolution.cache_sources(), ba)
   in_results = resolution.ask_active_results(_fastest_in_results, ba)
-  return min([*times, *([] if in_results is None else [in_results])], default=None)
+  if in_results is not None:
+    times.append(in_results)
+  return min(times, default=None)
 
 
 def call_family(family: str, preference: Sequence[str], implementation: Any, args: tuple, kwargs: dict) -> Any:
