@@ -173,6 +173,31 @@ def _attention_workloads(smoke, dtype):
   ]
 
 
+def _local_attention_workloads(smoke, dtype):
+  """Causal sliding-window attention with per-batch key lengths (forward): the masking
+  the Triton and Mosaic GPU kernels skip blocks for."""
+  b, t, h, d = (2, 8192, 16, 128) if not smoke else (2, 128, 2, 64)
+  window, kv_len = ((1024, 0), (t, 3 * t // 4)) if not smoke else ((32, 0), (t, 100))
+  inputs = lambda: (*_attention_inputs(b, t, h, d, dtype), jnp.asarray(kv_len, jnp.int32))
+  rows = np.arange(t)
+  kept = sum(np.clip(np.minimum(rows + 1, length) - np.maximum(rows - window[0], 0), 0, None).sum()
+             for length in kv_len)
+  options = dict(is_causal=True, local_window_size=window)
+  f32 = lambda x: x.astype(jnp.float32)
+  ref = lambda q, k, v, lens: jax.nn.dot_product_attention(
+      f32(q), f32(k), f32(v), key_value_seq_lengths=lens, **options)
+  call = lambda op, q, k, v, lens: stellarax.dot_product_attention(
+      q, k, v, key_value_seq_lengths=lens, **options, implementation=op)
+  base = {"xla jax.nn.dot_product_attention": lambda q, k, v, lens: jax.nn.dot_product_attention(
+      q, k, v, key_value_seq_lengths=lens, **options, implementation="xla")}
+  if jax.devices()[0].platform == "gpu":
+    base["cuDNN jax.nn.dot_product_attention"] = lambda q, k, v, lens: jax.nn.dot_product_attention(
+        q, k, v, key_value_seq_lengths=lens, **options, implementation="cudnn")
+  label = f"attention B={b} T={t} H={h} D={d} causal window={window[0]} kv_len={kv_len}"
+  return [Workload(f"{label} fwd", "attention", inputs, call, ref, flops=4 * h * d * kept,
+                   baselines=base)]
+
+
 def _norm_workloads(smoke, dtype):
   rows, cols = (8192, 8192) if not smoke else (64, 256)
   inputs = lambda: (jax.random.normal(jax.random.key(2), (rows, cols), jnp.float32).astype(dtype),
@@ -204,7 +229,7 @@ def _workloads(smoke: bool) -> list[Workload]:
   # case split-K is for.
   decode = [] if smoke else _ragged_workloads(smoke, dtype, shapes=[(8, 128, 4096, 14336)], backward=False)
   return (_ragged_workloads(smoke, dtype) + _attention_workloads(smoke, dtype)
-          + _norm_workloads(smoke, dtype) + decode)
+          + _norm_workloads(smoke, dtype) + _local_attention_workloads(smoke, dtype) + decode)
 
 
 def _rate(seconds: float | None, flops, nbytes) -> str:

@@ -23,7 +23,10 @@ def test_gpu_check_smoke_run(tmp_path):
   assert (tmp_path / "tuned.json").exists()
   lines = proc.stdout.strip().splitlines()
   table = lines[lines.index("== all workloads ==") + 1:lines.index("== targets ==")]
-  assert table[-2].startswith("layer_norm")  # the whole table, then the targets
+  # The whole table (the sliding-window attention last in smoke runs), then the targets.
+  assert table[-2].startswith("attention") and "window=32" in table[-2]
+  local = [r for r in checked if "window" in r["workload"]]
+  assert any(r["impl"].startswith("attention.pallas_triton") for r in local), local
   assert lines[-1] == "rms_norm forward bandwidth: not measured"  # interpret mode: no copy baseline row
 
 

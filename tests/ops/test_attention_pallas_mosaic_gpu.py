@@ -15,6 +15,7 @@ import pytest
 import stellarax
 from stellarax import autotuning
 from stellarax.ops.attention import pallas_mosaic_gpu as pm
+from stellarax.ops.attention import reference
 from stellarax.ops.attention.pallas_mosaic_gpu import (
     PallasMosaicGpuAttention, PallasMosaicGpuAttentionConfig, PallasMosaicGpuAttentionVjp,
     PallasMosaicGpuAttentionVjpConfig)
@@ -24,13 +25,9 @@ from stellarax.ops.attention.pallas_mosaic_gpu import (
 _FWD_TOL = {jnp.bfloat16: (1.5e-2, 1e-2), jnp.float16: (3e-3, 3e-3)}
 _BWD_TOL = {jnp.bfloat16: (3e-2, 3e-2), jnp.float16: (6e-3, 6e-3)}
 
-# The interpreter runs each simulated warpgroup as its own XLA program on a CPU thread.
-# Called eagerly, a warpgroup's program now and then never started on a 2-core machine
-# (XLA's CPU thread pool was full of warpgroups blocked at barriers). Interpret tests
-# are therefore marked `mosaic_interpret` (see tests/conftest.py) and run the kernels
-# inside one compiled program with XLA's concurrency-optimised scheduler off, which
-# made hangs rarer there (the case that hung in 6 of 14 eager runs passed 16 times; the
-# whole file still hung once in 4 runs), at the cheapest optimisation level.
+# The interpreter runs each simulated warpgroup as its own XLA program on a CPU thread
+# (see tests/conftest.py for the thread pool this needs). The kernels run inside one
+# compiled program at the cheapest optimisation level, which keeps compiling them short.
 _COMPILE_OPTIONS = {"xla_cpu_enable_concurrency_optimized_scheduler": False,
                     "xla_backend_optimization_level": 0,
                     "xla_llvm_disable_expensive_passes": True}
@@ -180,12 +177,105 @@ def test_gradients_through_dot_product_attention():
   assert names == ["attention.pallas_mosaic_gpu", "attention.pallas_mosaic_gpu_vjp"]
 
 
+@dataclasses.dataclass(frozen=True)
+class MaskCase:
+  name: str
+  case: Case
+  options: dict
+
+
+# Local windows and sequence lengths, with rows that keep no key (mean(V) in jax), rows
+# past the query length (zero), key tiles wholly past the key length (a warpgroup whose
+# range lies outside its CTA's) and a batch element with no key at all.
+MASK_CASES = [
+    MaskCase("window_lengths_gqa",
+             Case("w", b=2, t=100, s=150, n=4, k=2, h=64, dtype=jnp.bfloat16, causal=False,
+                  fwd=_FWD_64, bwd=_BWD_64),
+             dict(local_window_size=(20, 5), query_seq_lengths=(90, 30),
+                  key_value_seq_lengths=(140, 20))),
+    MaskCase("causal_window_empty_batch_split",
+             Case("c", b=2, t=130, s=130, n=2, k=1, h=128, dtype=jnp.float16, causal=True,
+                  fwd=dict(_FWD_64, num_compute_wgs=1, schedule_barrier=False, num_stages=3),
+                  bwd=dict(_BWD_64, num_compute_wgs=1, split_dkdv=True, block_kv_dq=128)),
+             dict(local_window_size=(40, 0), key_value_seq_lengths=(0, 100))),
+    MaskCase("kv_lengths_only",
+             Case("k", b=2, t=64, s=200, n=2, k=2, h=64, dtype=jnp.bfloat16, causal=False,
+                  fwd=dict(_FWD_64, block_kv=128), bwd=_BWD_64),
+             dict(key_value_seq_lengths=(1, 129))),
+]
+
+
+def _mask_options(options: dict) -> dict:
+  """Sequence lengths as int32 arrays."""
+  return {name: jnp.asarray(value, jnp.int32) if name.endswith("lengths") else value
+          for name, value in options.items()}
+
+
+@pytest.mark.parametrize("mc", MASK_CASES, ids=lambda mc: mc.name)
+@pytest.mark.mosaic_interpret
+def test_windows_and_sequence_lengths_match_reference(mc):
+  case, options = mc.case, _mask_options(mc.options) | dict(is_causal=mc.case.causal)
+  q, k, v, do = _inputs(case, seed=4)
+
+  def run(q, k, v, do):
+    out, lse = pm.attention_fwd_pallas_mosaic_gpu(q, k, v, **options, **case.fwd,
+                                                  interpret=True)
+    grads = pm.attention_bwd_pallas_mosaic_gpu(q, k, v, out, lse, do, **options, **case.bwd,
+                                               interpret=True)
+    return out, lse, grads
+
+  out, lse, grads = _run(run, q, k, v, do)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+  with jax.default_matmul_precision("highest"):
+    ref_out, vjp = jax.vjp(lambda q, k, v: reference.attention_reference(q, k, v, **options),
+                           *f32[:3])
+    ref_grads = vjp(f32[3])
+    _, ref_lse = reference.attention_reference_with_lse(*f32[:3], **options)
+  _close("out", out, ref_out, _FWD_TOL[case.dtype])
+  for name, g, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
+    _close(name, g, ref, _BWD_TOL[case.dtype])
+  # lse agrees on rows that keep a key; the others are marked for the backward pass.
+  kept = ref_lse > 0.5 * reference.MASKED_LOGIT
+  np.testing.assert_allclose(np.where(kept, lse, 0.0), np.where(kept, ref_lse, 0.0),
+                             atol=1e-3, rtol=1e-5, err_msg="lse")
+  live = np.ones(kept.shape, bool)  # Rows before the query length (B, N, T).
+  for b, length in enumerate(np.asarray(options.get("query_seq_lengths", [case.t] * case.b))):
+    live[b, :, length:] = False
+    assert not np.any(np.asarray(out[b, length:], np.float32))
+  empty = live & ~np.asarray(kept)
+  assert np.all(np.asarray(lse)[empty] <= 0.5 * reference.MASKED_LOGIT)
+
+
+@pytest.mark.mosaic_interpret
+def test_window_and_lengths_through_dot_product_attention():
+  """The op takes windows and sequence lengths (int64 lengths cast), forward and grad."""
+  case = Case("op", b=2, t=64, s=64, n=2, k=1, h=64, dtype=jnp.bfloat16, causal=True,
+              fwd=_FWD_64, bwd=_BWD_64)
+  q, k, v, do = _inputs(case, seed=5)
+  options = dict(is_causal=True, local_window_size=16,
+                 key_value_seq_lengths=np.array([50, 64]), query_seq_lengths=np.array([64, 40]))
+  op = PallasMosaicGpuAttention(interpret=True, config=PallasMosaicGpuAttentionConfig(
+      **(_FWD_64 | dict(num_compute_wgs=1, schedule_barrier=False))))
+
+  def loss(attend):
+    def f(q, k, v):
+      out = attend(q, k, v, **options)
+      return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
+    return f
+
+  ours = lambda *a, **kw: stellarax.dot_product_attention(*a, **kw, implementation=op)
+  grads = _run(jax.grad(loss(ours), argnums=(0, 1, 2)), q, k, v)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  with jax.default_matmul_precision("highest"):
+    ref_grads = jax.grad(loss(reference.attention_reference), argnums=(0, 1, 2))(*f32)
+  for name, g, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
+    _close(name, g, ref, _BWD_TOL[jnp.bfloat16])
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(bias=jnp.zeros((1, 1, 8, 16))), "bias"),
     (dict(mask=jnp.ones((1, 1, 8, 16), bool)), "mask"),
-    (dict(local_window_size=4), "local_window_size"),
-    (dict(query_seq_lengths=jnp.array([3], jnp.int32)), "query_seq_lengths"),
-    (dict(key_value_seq_lengths=jnp.array([3], jnp.int32)), "key_value_seq_lengths"),
+    (dict(local_window_size=(4, -1)), "negative side"),
     (dict(query=jnp.ones((1, 8, 2, 64), jnp.float32),
           key=jnp.ones((1, 16, 1, 64), jnp.float32)), "dtype float32"),
     (dict(query=jnp.ones((1, 8, 2, 96), jnp.bfloat16),
@@ -283,30 +373,40 @@ def test_tunables_of_the_target_shape():
     pm.tunable_space(jax.ShapeDtypeStruct((1, 8, 1, 96), jnp.bfloat16), k)
 
 
-def test_lowers_for_simulated_h200():
+@pytest.mark.parametrize("masked", [False, True])
+def test_lowers_for_simulated_h200(masked):
   """The GPU path (register operands, in-place accumulation) of the forward and both
-  backward variants lowers to Mosaic GPU custom calls for an H200, without a GPU."""
+  backward variants lowers to Mosaic GPU custom calls for an H200, without a GPU; with
+  `masked`, under a local window and sequence lengths (scalar reads, block ranges, the
+  mean(V) and dV terms of rows that keep no key)."""
   mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
       device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
   q, k = _TARGET
   lse = jax.ShapeDtypeStruct((2, 16, 8192), jnp.float32)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
   fwd_cfg = pm.heuristic_tunables(q, k)
+  window = (1024, 0) if masked else None
 
-  def fwd(q, k, v):
-    return pm.attention_fwd_pallas_mosaic_gpu(q, k, v, is_causal=True, **fwd_cfg)
+  def fwd(q, k, v, q_len, kv_len):
+    return pm.attention_fwd_pallas_mosaic_gpu(
+        q, k, v, is_causal=True, local_window_size=window,
+        query_seq_lengths=q_len if masked else None,
+        key_value_seq_lengths=kv_len if masked else None, **fwd_cfg)
 
   def bwd(split):
     config = _BWD_64 | dict(split_dkdv=split)
-    return lambda q, k, v, out, lse, dout: pm.attention_bwd_pallas_mosaic_gpu(
-        q, k, v, out, lse, dout, is_causal=True, **config)
+    return lambda q, k, v, out, lse, dout, q_len, kv_len: pm.attention_bwd_pallas_mosaic_gpu(
+        q, k, v, out, lse, dout, is_causal=True, local_window_size=window,
+        query_seq_lengths=q_len if masked else None,
+        key_value_seq_lengths=kv_len if masked else None, **config)
 
   def lower(f, *args):
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
   with jax.sharding.use_abstract_mesh(mesh):
-    fwd_text = lower(fwd, q, k, k)
-    bwd_text = lower(bwd(False), q, k, k, q, lse, q)
-    split_text = lower(bwd(True), q, k, k, q, lse, q)
+    fwd_text = lower(fwd, q, k, k, lengths, lengths)
+    bwd_text = lower(bwd(False), q, k, k, q, lse, q, lengths, lengths)
+    split_text = lower(bwd(True), q, k, k, q, lse, q, lengths, lengths)
   target = "@mosaic_gpu_v2"
   assert fwd_text.count(target) == 1
   assert bwd_text.count(target) == 2  # dQ, dK/dV

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import triton as plgpu
 
+from stellarax.ops.attention import flash_blocks
 from stellarax.ops.attention import pallas_triton as pt
 
 # (atol, rtol) against a float32 reference, per input dtype.
@@ -195,8 +196,8 @@ def test_block_ranges_cover_kept_pairs_and_skip_masked_blocks(causal, window, kv
     keys = range(kb * bk, kb * bk + bk)
     kept, full = _brute_force_blocks(spec, rows, keys, t, s_eff)
     for lo, full_lo, full_hi, hi, block in (
-        (*map(int, pt._key_block_range(spec, qb * bq, bq, bk, t, s_eff)), kb),
-        (*map(int, pt._query_block_range(spec, kb * bk, bq, bk, t, s_eff)), qb)):
+        (*map(int, flash_blocks.key_block_range(spec, qb * bq, bq, bk, t, s_eff)), kb),
+        (*map(int, flash_blocks.query_block_range(spec, kb * bk, bq, bk, t, s_eff)), qb)):
       visited = lo <= block < hi
       assert visited or not kept, (qb, kb)  # Every kept pair is visited.
       if full_lo <= block < full_hi:

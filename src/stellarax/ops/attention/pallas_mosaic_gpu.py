@@ -4,8 +4,10 @@ Semantics are those of `jax.nn.dot_product_attention` in the BTNH layout (see
 reference.py) for the inputs these kernels take: query (B, T, N, H), key and value
 (B, S, K, H) in bfloat16 or float16, H in (64, 128, 256), N a multiple of K (GQA/MQA:
 query head n reads kv head n // (N // K)), a scale and `is_causal` (key j <= query i,
-aligned at the top left as in jax). Bias, boolean masks, sequence lengths and local
-windows are not supported: the op classes raise NotImplementedError for them, so
+aligned at the top left as in jax), local windows (key j kept for i - left <= j <=
+i + right) and per-batch sequence lengths (keys past the key length dropped, rows past
+the query length zero; a row that keeps no key is mean(V), as in jax). Bias and boolean
+masks are not supported yet: the op classes raise NotImplementedError for them, so
 dispatch falls back to the next implementation (Pallas Triton, XLA).
 
 Forward (FlashAttention-3 layout). One CTA per (query tile, head, batch). Each of its
@@ -19,7 +21,9 @@ from registers. With two compute warpgroups a shared "schedule" barrier makes th
 turns (ping-pong), so one's softmax overlaps the other's matmuls. Causal masking visits
 only the key blocks up to the diagonal, and only the blocks that cross it are masked;
 the grid runs the longest query tiles first so the short ones fill the tail of the
-launch.
+launch. Windows and key lengths skip blocks the same way (flash_blocks.py: the same block
+arithmetic as the Triton kernels); the memory warpgroup streams the union of its compute
+warpgroups' key blocks, and each warpgroup passes over the blocks it does not need.
 
 Backward. delta = rowsum(O * dO) and the base-2 log-sum-exp are computed in XLA (they
 are cheap and memory bound); then two kernels, no atomics, so gradients are bit
@@ -33,8 +37,10 @@ reproducible:
 - dQ: one CTA per (query tile, head, batch), streaming K and V like the forward.
 
 Sequence lengths that are not multiples of the blocks are padded in the wrapper (only
-then): padded keys are masked in the forward and the dQ kernel; padded query rows get
-lse = +inf in the backward, so they give probability 0 and add nothing to dK/dV.
+then): padded keys are masked like keys past the key length; padded query rows, rows
+past the query length and rows that keep no key get lse = +inf in the backward, so they
+give probability 0 everywhere; the dV term of rows that keep no key (dout / S on every
+key) is the dK/dV kernel's initial dV.
 
 Interpret mode. With `interpret=True` the kernels run in the Mosaic GPU interpreter
 (`plgpu.InterpretGPUParams`) on any backend, with simulated warpgroups, TMA copies and
@@ -64,6 +70,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from stellarax.core.config import config_dataclass
 from stellarax.ops import pallas_common
 from stellarax.ops.attention import base as _base
+from stellarax.ops.attention import flash_blocks
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -205,7 +212,7 @@ class PallasMosaicGpuAttentionVjpConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class _Problem:
+class _Problem(flash_blocks.BlockMasking):
   """Everything static about one call except the tunables (T and S unpadded)."""
 
   t: int
@@ -216,15 +223,23 @@ class _Problem:
   dtype: jnp.dtype
   scale: float
   causal: bool
+  window: tuple[int, int] | None = None
+  has_q_len: bool = False
+  has_kv_len: bool = False
 
   @property
   def group(self) -> int:
     return self.num_heads // self.num_kv_heads
 
+  @property
+  def has_mask(self) -> bool:
+    return False  # Boolean masks are not supported by these kernels yet.
 
-def _make_problem(query: Any, key: Any, value: Any, scale: float | None,
-                  is_causal: bool) -> _Problem:
-  """Validates query/key/value (arrays or ShapeDtypeStructs) and describes the call."""
+
+def _make_problem(query: Any, key: Any, value: Any, scale: float | None, is_causal: bool,
+                  local_window_size: Any = None, query_seq_lengths: Any = None,
+                  key_value_seq_lengths: Any = None) -> _Problem:
+  """Validates the operands (arrays or ShapeDtypeStructs) and describes the call."""
   for name, x in (("query", query), ("key", key), ("value", value)):
     if len(x.shape) != 4:
       raise ValueError(f"{name} has shape {tuple(x.shape)}; expected 4 dims (BTNH / BSKH).")
@@ -247,9 +262,14 @@ def _make_problem(query: Any, key: Any, value: Any, scale: float | None,
                      f" kv heads K={k}.")
   if t < 1 or s < 1:
     raise ValueError(f"Empty sequences are not supported: T={t}, S={s}.")
+  flash_blocks.check_seq_lengths("query_seq_lengths", query_seq_lengths, b)
+  flash_blocks.check_seq_lengths("key_value_seq_lengths", key_value_seq_lengths, b)
   scale = 1.0 / math.sqrt(h) if scale is None else float(scale)
   return _Problem(t=t, s=s, num_heads=n, num_kv_heads=k, head_dim=h, dtype=dtype,
-                  scale=scale, causal=bool(is_causal))
+                  scale=scale, causal=bool(is_causal),
+                  window=flash_blocks.normalize_window(local_window_size),
+                  has_q_len=query_seq_lengths is not None,
+                  has_kv_len=key_value_seq_lengths is not None)
 
 
 # --------------------------------------------------------------------------------------
@@ -404,74 +424,113 @@ def _produce(streams: Sequence[_Stream], num_steps: Any, stages: int) -> None:
       plgpu.barrier_wait(stream.free.at[lax.rem(step, stages)])
 
 
-def _key_blocks(p: _Problem, q0: Any, rows: int, bk: int) -> tuple[Any, Any]:
-  """Key blocks for query rows [q0, q0 + rows): (full, end).
+def _lengths(p: _Problem, q_len_ref: Any, kv_len_ref: Any, b: Any) -> tuple[Any, Any]:
+  """Batch b's query and key lengths after its sequence lengths, clipped to T and S."""
+  t_eff = p.t if q_len_ref is None else flash_blocks.clip(q_len_ref[b], 0, p.t)
+  s_eff = p.s if kv_len_ref is None else flash_blocks.clip(kv_len_ref[b], 0, p.s)
+  return t_eff, s_eff
 
-  Blocks [0, full) are kept whole; blocks [full, end) need the mask (causal diagonal,
-  or keys past S in the last block); later blocks hold no kept key.
+
+@dataclasses.dataclass(frozen=True)
+class _Cta:
+  """Where a CTA works, and the blocks its memory warpgroup streams.
+
+  Attributes:
+    b, head, wg: batch, head (query head, or kv head in the dK/dV kernel) and
+      warpgroup indices.
+    start: the CTA's first query row (forward, dQ) or key (dK/dV).
+    lo, hi: the blocks [lo, hi) the CTA streams, the union of its warpgroups' ranges.
+    t_eff, s_eff: the batch's query and key lengths.
   """
-  if not p.causal:
-    return p.s // bk, _cdiv(p.s, bk)
-  end = _cdiv(jnp.minimum(q0 + rows, p.s), bk)
-  full = jnp.minimum(lax.div(q0 + 1, bk), p.s // bk)
-  return full, end
+
+  b: Any
+  head: Any
+  wg: Any
+  start: Any
+  lo: Any
+  hi: Any
+  t_eff: Any
+  s_eff: Any
+
+  def slot(self, block: Any, stages: int) -> Any:
+    """The ring slot holding `block` (the memory warpgroup's step block - lo)."""
+    return lax.rem(block - self.lo, stages)
 
 
-def _query_blocks(p: _Problem, k0: Any, keys: int, bq: int, num_q_blocks: int):
-  """Query blocks that see keys [k0, k0 + keys): (first, first_full).
+def _walk(ranges: tuple[Any, Any, Any, Any], cta_lo: Any, cta_hi: Any, step, skip, carry, *,
+          masked_head: bool):
+  """Runs a warpgroup over its CTA's blocks [cta_lo, cta_hi).
 
-  Blocks [first, first_full) see them through the causal mask, blocks
-  [first_full, num_q_blocks) see all of them.
+  step(block, carry, masked) runs on the warpgroup's blocks [lo, hi) of `ranges` =
+  (lo, full_lo, full_hi, hi), with masked=False on [full_lo, full_hi); skip(block, None)
+  runs on the CTA's other blocks, so every warpgroup passes every slot of the rings (and
+  the same number of ping-pong turns).
   """
-  if not p.causal:
-    return 0, 0
-  first = jnp.minimum(lax.div(k0, bq), num_q_blocks)
-  first_full = jnp.minimum(_cdiv(k0 + keys - 1, bq), num_q_blocks)
-  return first, first_full
+  # A warpgroup's kept blocks lie in its CTA's, but an empty range may start past them.
+  lo, full_lo, full_hi, hi = (flash_blocks.clip(r, cta_lo, cta_hi) for r in ranges)
+  lax.fori_loop(cta_lo, lo, skip, None)
+  if masked_head:
+    carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
+  carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+  carry = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+  lax.fori_loop(hi, cta_hi, skip, None)
+  return carry
 
 
-def _query_tile_cta(p: _Problem, q_ref, k_ref, v_ref, *, num_wgs: int, bq: int, bk: int,
-                    k_ring, v_ring, k_ready, v_ready, k_free, v_free):
+def _query_tile_cta(p: _Problem, q_ref, k_ref, v_ref, lengths: tuple[Any, Any], *,
+                    num_wgs: int, bq: int, bk: int, k_ring, v_ring, k_ready, v_ready,
+                    k_free, v_free) -> tuple[_Cta, _Stream, _Stream]:
   """Where a CTA of the forward or dQ kernel (one query tile of one head) works.
 
   Returns:
-    (b, h, wg, cta_q0, cta_end, k_stream, v_stream): batch, head and warpgroup
-    indices; the tile's first query row; the key blocks it visits; the K and V
-    streams of its kv head.
+    (cta, k_stream, v_stream): the CTA (its key blocks) and the K and V streams of its
+    kv head, which start at block cta.lo.
   """
   b, h, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+  t_eff, s_eff = _lengths(p, *lengths, b)
   rows = num_wgs * bq
   num_q_tiles = q_ref.shape[1] // rows
   tile = lax.axis_index("q_tiles")
   # Causal rows further down see more keys: run those first.
   cta_q0 = ((num_q_tiles - 1 - tile) if p.causal else tile) * rows
-  _, cta_end = _key_blocks(p, cta_q0, rows, bk)
+  lo, _, _, hi = flash_blocks.key_block_range(p, cta_q0, rows, bk, t_eff, s_eff)
+  cta = _Cta(b=b, head=h, wg=wg, start=cta_q0, lo=lo, hi=hi, t_eff=t_eff, s_eff=s_eff)
   kv_head = lax.div(h, p.group)
-  kv_rows = lambda step: (b, pl.ds(step * bk, bk), kv_head)
+  kv_rows = lambda step: (b, pl.ds((lo + step) * bk, bk), kv_head)
   k_stream = _Stream(lambda step: [(k_ref.at[kv_rows(step)], k_ring)], k_ready, k_free)
   v_stream = _Stream(lambda step: [(v_ref.at[kv_rows(step)], v_ring)], v_ready, v_free)
-  return b, h, wg, cta_q0, cta_end, k_stream, v_stream
+  return cta, k_stream, v_stream
 
 
-def _keep(shape: tuple[int, int], row0: Any, col0: Any, *, rows_are_queries: bool,
-          causal: bool, num_keys: int | None) -> jax.Array | None:
+def _kept(p: _Problem, shape: tuple[int, int], row0: Any, col0: Any, s_eff: Any, *,
+          rows_are_queries: bool) -> jax.Array:
   """Kept (query, key) pairs of a tile whose rows start at row0 and columns at col0.
 
   Args:
     rows_are_queries: whether rows index queries (else keys, for transposed tiles).
-    causal: drop keys after their query.
-    num_keys: keys at or past it are dropped (None: no limit).
 
   Returns:
-    A bool tile in the wgmma accumulator layout, or None when every pair is kept (a
-    loop over masked blocks that never runs is still traced).
+    A bool tile in the wgmma accumulator layout: causality, the local window and the
+    key length (s_eff, which also drops padded keys) applied.
   """
   rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
   cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + col0
   q_pos, k_pos = (rows, cols) if rows_are_queries else (cols, rows)
-  conditions = ([k_pos <= q_pos] if causal else []) + (
-      [k_pos < num_keys] if num_keys is not None else [])
-  return functools.reduce(jnp.logical_and, conditions) if conditions else None
+  return flash_blocks.positional_ok(p, q_pos, k_pos, s_eff)
+
+
+def _live_rows(shape: tuple[int, int], row0: Any, t_eff: Any) -> jax.Array:
+  """Rows of a tile (rows from row0) before the query length, as a bool tile."""
+  rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
+  return rows < t_eff
+
+
+def _present(refs: Sequence[Any], flags: Sequence[bool]) -> list[Any]:
+  """Spreads the refs a kernel got over the slots of `flags`, None where one is absent."""
+  it = iter(refs)
+  out = [next(it) if flag else None for flag in flags]
+  assert next(it, None) is None
+  return out
 
 
 def _store_tiles(copies: Sequence[tuple[Any, jax.Array, Any]]) -> None:
@@ -511,37 +570,44 @@ def _interpret_params(interpret: bool) -> Any:
 # --------------------------------------------------------------------------------------
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, q_smem, k_ring, v_ring, stage,
-                lse_smem, q_ready, k_ready, v_ready, k_free, v_free, sched,
-                p: _Problem, c: PallasMosaicGpuAttentionConfig, mma: _Mma):
+def _fwd_kernel(*refs, q_smem, k_ring, v_ring, stage, lse_smem, v_mean_smem, q_ready,
+                k_ready, v_ready, k_free, v_free, sched, p: _Problem,
+                c: PallasMosaicGpuAttentionConfig, mma: _Mma):
   """Output rows and lse of one query tile of one head (see the module docstring)."""
+  q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, v_mean_ref, o_ref, lse_ref = _present(
+      refs, (True, True, True, p.has_q_len, p.has_kv_len, p.may_fully_mask, True, True))
   num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q, c.block_kv, c.num_stages
-  b, h, wg, cta_q0, cta_end, k_stream, v_stream = _query_tile_cta(
-      p, q_ref, k_ref, v_ref, num_wgs=num_wgs, bq=bq, bk=bk, k_ring=k_ring, v_ring=v_ring,
-      k_ready=k_ready, v_ready=v_ready, k_free=k_free, v_free=v_free)
+  cta, k_stream, v_stream = _query_tile_cta(
+      p, q_ref, k_ref, v_ref, (q_len_ref, kv_len_ref), num_wgs=num_wgs, bq=bq, bk=bk,
+      k_ring=k_ring, v_ring=v_ring, k_ready=k_ready, v_ready=v_ready, k_free=k_free,
+      v_free=v_free)
+  b, h, wg = cta.b, cta.head, cta.wg
   pingpong = _PingPong(sched)
 
   @pl.when(wg < num_wgs)
   def _compute():
     plgpu.set_max_registers(_COMPUTE_REGISTERS[num_wgs], action="increase")
-    q0 = cta_q0 + wg * bq
+    q0 = cta.start + wg * bq
     q_tile = q_smem.at[wg]
     plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_tile, q_ready.at[wg])
+    if v_mean_ref is not None:
+      plgpu.copy_gmem_to_smem(v_mean_ref.at[b, lax.div(h, p.group)], v_mean_smem.at[wg],
+                              q_ready.at[wg])
     plgpu.barrier_wait(q_ready.at[wg])
 
     def step(kb, carry, masked):
       acc, m, l = carry
-      slot = lax.rem(kb, stages)
+      slot = cta.slot(kb, stages)
       k_stream.acquire(slot)
       s = mma.product(q_tile, k_ring.at[slot].T, (bq, bk), while_running=pingpong.sync)
       k_stream.release(slot)
       s = s * (p.scale * _LOG2E)  # base-2 logits: exp2 is the native instruction.
       if masked:
-        keep = _keep((bq, bk), q0, kb * bk, rows_are_queries=True, causal=p.causal,
-                     num_keys=p.s if p.s % bk else None)
-        s = s if keep is None else jnp.where(keep, s, -jnp.inf)
+        keep = _kept(p, (bq, bk), q0, kb * bk, cta.s_eff, rows_are_queries=True)
+        s = jnp.where(keep, s, -jnp.inf)
+      # m starts at MASK_VALUE, finite: a block with every key of a row masked then
+      # gives that row probabilities exp2(-inf) = 0 and alpha = 1, not NaN.
       m_new = jnp.maximum(m, s.max(axis=1))
-      # Block 0 holds key 0, kept for every row, so m_new is finite from the first step.
       alpha = jnp.exp2(m - m_new)
       probs = jnp.exp2(s - _rows(m_new, s.shape))
       l = l * alpha + probs.sum(axis=1)
@@ -555,7 +621,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, q_smem, k_ring, v_ring, 
 
     def skip(kb, _):
       # Blocks the CTA loads for its other warpgroup: free them, keep the turns.
-      slot = lax.rem(kb, stages)
+      slot = cta.slot(kb, stages)
       k_stream.acquire(slot)
       k_stream.release(slot)
       pingpong.sync()
@@ -564,35 +630,53 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, q_smem, k_ring, v_ring, 
       pingpong.wait()
       v_stream.release(slot)
 
-    full, end = _key_blocks(p, q0, bq, bk)
+    ranges = flash_blocks.key_block_range(p, q0, bq, bk, cta.t_eff, cta.s_eff)
     carry = (_zeros((bq, p.head_dim)),
-             plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
+             plgpu.layout_cast(jnp.full((bq,), flash_blocks.MASK_VALUE, jnp.float32),
                                plgpu.Layout.WGMMA.reduce(1)),
              _zeros((bq,)))
     pl.when(wg == 1)(pingpong.sync)  # Warpgroup 1 starts one turn behind.
-    carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
-    acc, m, l = lax.fori_loop(full, end, functools.partial(step, masked=True), carry)
-    lax.fori_loop(end, cta_end, skip, None)
+    acc, m, l = _walk(ranges, cta.lo, cta.hi, step, skip, carry,
+                      masked_head=p.left_reach is not None)
     pl.when(wg == 0)(pingpong.sync)
 
-    out = (acc / _rows(l, acc.shape)).astype(p.dtype)
-    lse = (m + jnp.log2(l)) * _LN2
-    _store_tiles([(q_tile, out, o_ref.at[b, pl.ds(q0, bq), h]),
+    # A row that kept a key has l >= 1 (its largest logit adds exp2(0)); one that kept
+    # none has l = 0, acc = 0 and m = MASK_VALUE, so it gets out = 0 and an lse of
+    # MASK_VALUE * ln 2, which the backward pass recognises.
+    l_safe = jnp.maximum(l, 1.0)
+    out = acc / _rows(l_safe, acc.shape)
+    lse = (m + jnp.log2(l_safe)) * _LN2
+    if v_mean_ref is not None:
+      # jax gives a row with no kept key a uniform softmax over all S keys: mean(V).
+      empty = 1.0 - jnp.minimum(l, 1.0)
+      v_mean = plgpu.load(v_mean_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0))
+      out = out + _rows(empty, out.shape) * _cols(v_mean, out.shape)
+    if q_len_ref is not None:
+      out = jnp.where(_live_rows(out.shape, q0, cta.t_eff), out, 0.0)
+    _store_tiles([(q_tile, out.astype(p.dtype), o_ref.at[b, pl.ds(q0, bq), h]),
                   (lse_smem.at[wg], lse, lse_ref.at[b, h, pl.ds(q0, bq)])])
 
   @pl.when(wg == num_wgs)
   def _memory():
     plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
-    _produce([k_stream, v_stream], cta_end, stages)
+    _produce([k_stream, v_stream], cta.hi - cta.lo, stages)
+
+
+def _lengths_args(p: _Problem, q_len: Any, kv_len: Any) -> list[jax.Array]:
+  """The sequence-length operands the kernels take (only those given)."""
+  return ([q_len] if p.has_q_len else []) + ([kv_len] if p.has_kv_len else [])
 
 
 @functools.partial(jax.jit, static_argnames=("p", "c", "interpret"))
-def _fwd(query, key, value, *, p: _Problem, c: PallasMosaicGpuAttentionConfig,
+def _fwd(query, key, value, q_len, kv_len, *, p: _Problem, c: PallasMosaicGpuAttentionConfig,
          interpret: bool):
   b, _, n, h = query.shape
   num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q, c.block_kv, c.num_stages
   t_pad, s_pad = _round_up(p.t, num_wgs * bq), _round_up(p.s, bk)
   q, k, v = _pad_seq(query, t_pad), _pad_seq(key, s_pad), _pad_seq(value, s_pad)
+  args = [q, k, v, *_lengths_args(p, q_len, kv_len)]
+  if p.may_fully_mask:
+    args.append(jnp.mean(value.astype(jnp.float32), axis=1))  # (B, K, H)
   scratch = dict(
       q_smem=plgpu.SMEM((num_wgs, bq, h), p.dtype, transforms=_tiled(p.dtype, h)),
       k_ring=plgpu.SMEM((stages, bk, h), p.dtype, transforms=_tiled(p.dtype, h)),
@@ -600,7 +684,8 @@ def _fwd(query, key, value, *, p: _Problem, c: PallasMosaicGpuAttentionConfig,
       stage=(plgpu.SMEM((num_wgs, bq, bk), p.dtype, transforms=_tiled(p.dtype, bk))
              if interpret else None),
       lse_smem=plgpu.SMEM((num_wgs, bq), jnp.float32),
-      q_ready=_barrier(num_wgs),
+      v_mean_smem=plgpu.SMEM((num_wgs, h), jnp.float32) if p.may_fully_mask else None,
+      q_ready=_barrier(num_wgs, 2 if p.may_fully_mask else 1),
       k_ready=_barrier(stages), v_ready=_barrier(stages),
       k_free=_barrier(stages, num_wgs), v_free=_barrier(stages, num_wgs),
       sched=_barrier(1, 2) if c.schedule_barrier else None,
@@ -618,14 +703,16 @@ def _fwd(query, key, value, *, p: _Problem, c: PallasMosaicGpuAttentionConfig,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=_interpret_params(interpret),
       kernel_name="stellarax_attention_fwd",
-  )(q, k, v)
+  )(*args)
   return out[:, :p.t], lse[:, :, :p.t]
 
 
 def attention_fwd_pallas_mosaic_gpu(query, key, value, *, scale: float | None = None,
-                                    is_causal: bool = False, block_q: int, block_kv: int,
-                                    num_compute_wgs: int, num_stages: int,
-                                    schedule_barrier: bool, interpret: bool = False):
+                                    is_causal: bool = False, query_seq_lengths=None,
+                                    key_value_seq_lengths=None, local_window_size=None,
+                                    block_q: int, block_kv: int, num_compute_wgs: int,
+                                    num_stages: int, schedule_barrier: bool,
+                                    interpret: bool = False):
   """Flash attention forward with the semantics of jax.nn.dot_product_attention.
 
   Args:
@@ -634,22 +721,30 @@ def attention_fwd_pallas_mosaic_gpu(query, key, value, *, scale: float | None = 
     value: (B, S, K, H), same dtype.
     scale: logit scale; default 1 / sqrt(H).
     is_causal: keep only keys j <= query position i.
+    query_seq_lengths: optional (B,) int32; output rows at or past it are zero.
+    key_value_seq_lengths: optional (B,) int32; keys at or past it are dropped.
+    local_window_size: None, an int w (= (w, w)) or (left, right) of ints >= 0: keep
+      keys i - left ... i + right.
     block_q, block_kv, num_compute_wgs, num_stages, schedule_barrier: tunables, see
       check_fwd_tunables.
     interpret: run in the Mosaic GPU interpreter (any backend; for tests).
 
   Returns:
-    (out, lse): out (B, T, N, H) in query's dtype; lse (B, N, T) float32, the
-    natural-log log-sum-exp of each row's scaled, masked logits.
+    (out, lse): out (B, T, N, H) in query's dtype (mean(V) on a row that keeps no key,
+    as in jax); lse (B, N, T) float32, the natural-log log-sum-exp of each row's scaled,
+    masked logits, MASK_VALUE * ln 2 on rows that keep no key (on rows past the query
+    length it is not specified: the backward pass reads the lengths).
 
   Raises:
-    ValueError: for unsupported shapes, dtypes or tunables.
+    ValueError: for unsupported shapes, dtypes, options or tunables.
   """
   c = PallasMosaicGpuAttentionConfig(block_q=block_q, block_kv=block_kv,
                                      num_compute_wgs=num_compute_wgs, num_stages=num_stages,
                                      schedule_barrier=schedule_barrier)
-  p = _make_problem(query, key, value, scale, is_causal)
-  return _fwd(query, key, value, p=p, c=c, interpret=bool(interpret))
+  p = _make_problem(query, key, value, scale, is_causal, local_window_size,
+                    query_seq_lengths, key_value_seq_lengths)
+  return _fwd(query, key, value, query_seq_lengths, key_value_seq_lengths, p=p, c=c,
+              interpret=bool(interpret))
 
 
 # --------------------------------------------------------------------------------------
@@ -657,19 +752,23 @@ def attention_fwd_pallas_mosaic_gpu(query, key, value, *, scale: float | None = 
 # --------------------------------------------------------------------------------------
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref, *, q_smem, do_smem,
-               lse_smem, delta_smem, k_ring, v_ring, stage, rows_ready, k_ready, v_ready,
-               k_free, v_free, p: _Problem, c: PallasMosaicGpuAttentionVjpConfig, mma: _Mma):
+def _dq_kernel(*refs, q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, stage,
+               rows_ready, k_ready, v_ready, k_free, v_free, p: _Problem,
+               c: PallasMosaicGpuAttentionVjpConfig, mma: _Mma):
   """dQ of one query tile of one head: the forward's loop with dS = P (dP - delta)."""
+  q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, dq_ref = _present(
+      refs, (True,) * 6 + (p.has_q_len, p.has_kv_len, True))
   num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q_dq, c.block_kv_dq, c.num_stages
-  b, h, wg, cta_q0, cta_end, k_stream, v_stream = _query_tile_cta(
-      p, q_ref, k_ref, v_ref, num_wgs=num_wgs, bq=bq, bk=bk, k_ring=k_ring, v_ring=v_ring,
-      k_ready=k_ready, v_ready=v_ready, k_free=k_free, v_free=v_free)
+  cta, k_stream, v_stream = _query_tile_cta(
+      p, q_ref, k_ref, v_ref, (q_len_ref, kv_len_ref), num_wgs=num_wgs, bq=bq, bk=bk,
+      k_ring=k_ring, v_ring=v_ring, k_ready=k_ready, v_ready=v_ready, k_free=k_free,
+      v_free=v_free)
+  b, h, wg = cta.b, cta.head, cta.wg
 
   @pl.when(wg < num_wgs)
   def _compute():
     plgpu.set_max_registers(_COMPUTE_REGISTERS[num_wgs], action="increase")
-    q0 = cta_q0 + wg * bq
+    q0 = cta.start + wg * bq
     q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
     row_slice = (b, pl.ds(q0, bq), h)
     for src, dst in ((q_ref.at[row_slice], q_tile), (do_ref.at[row_slice], do_tile),
@@ -681,57 +780,60 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref, *, q_sm
     delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
 
     def step(kb, dq, masked):
-      slot = lax.rem(kb, stages)
+      slot = cta.slot(kb, stages)
       k_stream.acquire(slot)
       s = mma.product(q_tile, k_ring.at[slot].T, (bq, bk))
       v_stream.acquire(slot)
       dp = mma.product(do_tile, v_ring.at[slot].T, (bq, bk))
       v_stream.release(slot)
+      # lse2 is +inf on rows that feed no gradient: probabilities 0 there.
       probs = jnp.exp2(s * (p.scale * _LOG2E) - _rows(lse2, s.shape))
       if masked:
-        keep = _keep((bq, bk), q0, kb * bk, rows_are_queries=True, causal=p.causal,
-                     num_keys=p.s if p.s % bk else None)
-        probs = probs if keep is None else jnp.where(keep, probs, 0.0)
+        keep = _kept(p, (bq, bk), q0, kb * bk, cta.s_eff, rows_are_queries=True)
+        probs = jnp.where(keep, probs, 0.0)
       ds = probs * (dp - _rows(delta, dp.shape))
       dq = mma.accumulate(dq, ds.astype(p.dtype), k_ring.at[slot], _stage(stage, wg))
       k_stream.release(slot)
       return dq
 
     def skip(kb, _):
-      slot = lax.rem(kb, stages)
+      slot = cta.slot(kb, stages)
       for stream in (k_stream, v_stream):
         stream.acquire(slot)
         stream.release(slot)
 
-    full, end = _key_blocks(p, q0, bq, bk)
-    dq = lax.fori_loop(0, full, functools.partial(step, masked=False), _zeros((bq, p.head_dim)))
-    dq = lax.fori_loop(full, end, functools.partial(step, masked=True), dq)
-    lax.fori_loop(end, cta_end, skip, None)
+    ranges = flash_blocks.key_block_range(p, q0, bq, bk, cta.t_eff, cta.s_eff)
+    dq = _walk(ranges, cta.lo, cta.hi, step, skip, _zeros((bq, p.head_dim)),
+               masked_head=p.left_reach is not None)
     _store_tiles([(q_tile, (dq * p.scale).astype(p.dtype), dq_ref.at[row_slice])])
 
   @pl.when(wg == num_wgs)
   def _memory():
     plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
-    _produce([k_stream, v_stream], cta_end, stages)
+    _produce([k_stream, v_stream], cta.hi - cta.lo, stages)
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *out_refs, k_smem, v_smem,
-                 q_ring, do_ring, lse_ring, delta_ring, stage, kv_ready, ready, free,
-                 p: _Problem, c: PallasMosaicGpuAttentionVjpConfig, mma: _Mma,
-                 grads: tuple[str, ...]):
+def _dkdv_kernel(*refs, k_smem, v_smem, dv0_smem, q_ring, do_ring, lse_ring, delta_ring,
+                 stage, kv_ready, ready, free, p: _Problem, c: PallasMosaicGpuAttentionVjpConfig,
+                 mma: _Mma, grads: tuple[str, ...]):
   """dK and/or dV (`grads`) of one key tile per compute warpgroup, summed over the group."""
+  want_dk, want_dv = "dk" in grads, "dv" in grads
+  with_dv0 = want_dv and p.may_fully_mask
+  (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, dv0_ref,
+   *out_refs) = _present(refs, (True,) * 6 + (p.has_q_len, p.has_kv_len, with_dv0)
+                         + (True,) * len(grads))
   num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q_dkv, c.block_kv_dkv, c.num_stages
   b, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-  want_dk = "dk" in grads
-  num_q_blocks = q_ref.shape[1] // bq
+  t_eff, s_eff = _lengths(p, q_len_ref, kv_len_ref, b)
   cta_k0 = lax.axis_index("kv_tiles") * (num_wgs * bk)
-  cta_first, _ = _query_blocks(p, cta_k0, num_wgs * bk, bq, num_q_blocks)
-  # The CTA's steps run over (query head of the group, query block >= cta_first).
-  per_head = num_q_blocks - cta_first
+  cta_lo, _, _, cta_hi = flash_blocks.query_block_range(p, cta_k0, bq, num_wgs * bk,
+                                                        t_eff, s_eff)
+  # The CTA's steps run over (query head g of the group, query block in [lo, hi)).
+  per_head = cta_hi - cta_lo
 
   def sources(step):
     g = lax.div(step, per_head)
-    q0 = (cta_first + step - g * per_head) * bq
+    q0 = (cta_lo + step - g * per_head) * bq
     head = kv_head * p.group + g
     rows, vec = (b, pl.ds(q0, bq), head), (b, head, pl.ds(q0, bq))
     tiles = [(q_ref.at[rows], q_ring), (do_ref.at[rows], do_ring), (lse2_ref.at[vec], lse_ring)]
@@ -748,6 +850,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *out_refs, k_
     plgpu.copy_gmem_to_smem(k_ref.at[keys], k_tile, kv_ready.at[wg])
     if want_dk:
       plgpu.copy_gmem_to_smem(v_ref.at[keys], v_tile, kv_ready.at[wg])
+    if with_dv0:
+      plgpu.copy_gmem_to_smem(dv0_ref.at[b, kv_head], dv0_smem.at[wg], kv_ready.at[wg])
     plgpu.barrier_wait(kv_ready.at[wg])
 
     def step(i, carry, base, masked):
@@ -758,9 +862,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *out_refs, k_
       lse2 = plgpu.load(lse_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
       p_t = jnp.exp2(s_t * (p.scale * _LOG2E) - _cols(lse2, s_t.shape))
       if masked:
-        keep = _keep((bk, bq), k0, (i - base) * bq, rows_are_queries=False, causal=p.causal,
-                     num_keys=None)
-        p_t = p_t if keep is None else jnp.where(keep, p_t, 0.0)
+        keep = _kept(p, (bk, bq), k0, (i - base) * bq, s_eff, rows_are_queries=False)
+        p_t = jnp.where(keep, p_t, 0.0)
       if dv is not None:
         dv = mma.accumulate(dv, p_t.astype(p.dtype), do_ring.at[slot], _stage(stage, wg))
       if dk is not None:
@@ -776,19 +879,23 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *out_refs, k_
       stream.acquire(slot)
       stream.release(slot)
 
-    first, first_full = _query_blocks(p, k0, bk, bq, num_q_blocks)
+    ranges = flash_blocks.query_block_range(p, k0, bq, bk, t_eff, s_eff)
 
     def head(g, carry):
-      base = g * per_head - cta_first  # Step of query block j of this head: base + j.
-      lax.fori_loop(base + cta_first, base + first, skip, None)
-      carry = lax.fori_loop(base + first, base + first_full,
-                            functools.partial(step, base=base, masked=True), carry)
-      return lax.fori_loop(base + first_full, base + num_q_blocks,
-                           functools.partial(step, base=base, masked=False), carry)
+      base = g * per_head - cta_lo  # Step of query block j of this head: base + j.
+      shifted = tuple(base + r for r in ranges)
+      return _walk(shifted, base + cta_lo, base + cta_hi,
+                   functools.partial(step, base=base), skip, carry,
+                   masked_head=p.right_reach is not None)
 
     zeros = _zeros((bk, p.head_dim))
+    dv = zeros
+    if with_dv0:
+      # Rows that keep no key add dout / S to every dV row (see flash_blocks).
+      dv0 = plgpu.load(dv0_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0))
+      dv = _cols(dv0, zeros.shape)
     dk, dv = lax.fori_loop(0, p.group, head,
-                           (zeros if want_dk else None, zeros if "dv" in grads else None))
+                           (zeros if want_dk else None, dv if want_dv else None))
     # dK and dV reuse the K and V tiles' shared memory (dV-only runs keep V out of it).
     finals = {"dk": lambda: (k_tile, (dk * p.scale).astype(p.dtype)),
               "dv": lambda: (k_tile if v_tile is None else v_tile, dv.astype(p.dtype))}
@@ -800,8 +907,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *out_refs, k_
     _produce([stream], p.group * per_head, stages)
 
 
-def _dq_call(q, k, v, do, lse2, delta, *, p: _Problem, c: PallasMosaicGpuAttentionVjpConfig,
-             interpret: bool):
+def _dq_call(q, k, v, do, lse2, delta, lengths, *, p: _Problem,
+             c: PallasMosaicGpuAttentionVjpConfig, interpret: bool):
   b, t_pad, n, h = q.shape
   num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q_dq, c.block_kv_dq, c.num_stages
   rows_tile = plgpu.SMEM((num_wgs, bq, h), p.dtype, transforms=_tiled(p.dtype, h))
@@ -829,11 +936,11 @@ def _dq_call(q, k, v, do, lse2, delta, *, p: _Problem, c: PallasMosaicGpuAttenti
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=_interpret_params(interpret),
       kernel_name="stellarax_attention_bwd_dq",
-  )(q, k, v, do, lse2, delta)
+  )(q, k, v, do, lse2, delta, *lengths)
 
 
-def _dkdv_call(q, k, v, do, lse2, delta, *, grads: tuple[str, ...], p: _Problem,
-               c: PallasMosaicGpuAttentionVjpConfig, interpret: bool):
+def _dkdv_call(q, k, v, do, lse2, delta, lengths, dv0, *, grads: tuple[str, ...],
+               p: _Problem, c: PallasMosaicGpuAttentionVjpConfig, interpret: bool):
   b, t_pad, _, h = q.shape
   s_pad, kh = k.shape[1], k.shape[2]
   num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q_dkv, c.block_kv_dkv, c.num_stages
@@ -841,12 +948,14 @@ def _dkdv_call(q, k, v, do, lse2, delta, *, grads: tuple[str, ...], p: _Problem,
   ring = plgpu.SMEM((stages, bq, h), p.dtype, transforms=_tiled(p.dtype, h))
   vec_ring = plgpu.SMEM((stages, bq), jnp.float32)
   want_dk = "dk" in grads
+  with_dv0 = "dv" in grads and dv0 is not None
   scratch = dict(
       k_smem=keys_tile, v_smem=keys_tile if want_dk else None,
+      dv0_smem=plgpu.SMEM((num_wgs, h), jnp.float32) if with_dv0 else None,
       q_ring=ring, do_ring=ring, lse_ring=vec_ring, delta_ring=vec_ring if want_dk else None,
       stage=(plgpu.SMEM((num_wgs, bk, bq), p.dtype, transforms=_tiled(p.dtype, bq))
              if interpret else None),
-      kv_ready=_barrier(num_wgs, 2 if want_dk else 1),
+      kv_ready=_barrier(num_wgs, 1 + want_dk + with_dv0),
       ready=_barrier(stages, 4 if want_dk else 3),
       free=_barrier(stages, num_wgs),
   )
@@ -864,28 +973,34 @@ def _dkdv_call(q, k, v, do, lse2, delta, *, grads: tuple[str, ...], p: _Problem,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=_interpret_params(interpret),
       kernel_name="stellarax_attention_bwd_" + "".join(grads),
-  )(q, k, v, do, lse2, delta)
+  )(q, k, v, do, lse2, delta, *lengths, *([dv0] if with_dv0 else []))
   return dict(zip(grads, outs))
 
 
 @functools.partial(jax.jit, static_argnames=("p", "c", "interpret"))
-def _bwd(query, key, value, out, lse, dout, *, p: _Problem,
+def _bwd(query, key, value, out, lse, dout, q_len, kv_len, *, p: _Problem,
          c: PallasMosaicGpuAttentionVjpConfig, interpret: bool):
   # An elementwise product and sum, not a dot: exact float32 (no TF32) on every backend.
   delta = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)
   delta = delta.transpose(0, 2, 1)
   t_pad = _round_up(p.t, math.lcm(c.num_compute_wgs * c.block_q_dq, c.block_q_dkv))
   s_pad = _round_up(p.s, math.lcm(c.num_compute_wgs * c.block_kv_dkv, c.block_kv_dq))
-  # Padded rows get lse = +inf: probability 0 for every key, so no dK/dV contribution.
-  lse2 = _pad_seq(lse * _LOG2E, t_pad, jnp.inf, axis=2)
+  # lse = +inf gives probability 0 for every key: rows past the query length and rows
+  # that keep no key add nothing to dQ/dK/dV through the kernels (the latter add their
+  # dV term through dv0), nor do padded rows.
+  lse2 = jnp.where(flash_blocks.dead_rows(lse, q_len), jnp.inf, lse * _LOG2E)
+  lse2 = _pad_seq(lse2, t_pad, jnp.inf, axis=2)
   delta = _pad_seq(delta, t_pad, axis=2)
   q, do = _pad_seq(query, t_pad), _pad_seq(dout, t_pad)
   k, v = _pad_seq(key, s_pad), _pad_seq(value, s_pad)
-  args = (q, k, v, do, lse2, delta)
+  args = (q, k, v, do, lse2, delta, _lengths_args(p, q_len, kv_len))
+  dv0 = None
+  if p.may_fully_mask:
+    dv0 = flash_blocks.fully_masked_dv(lse, dout, q_len, num_kv_heads=p.num_kv_heads, s=p.s)
   dq = _dq_call(*args, p=p, c=c, interpret=interpret)
   grads = {}
   for part in ((("dv",), ("dk",)) if c.split_dkdv else (("dk", "dv"),)):
-    grads.update(_dkdv_call(*args, grads=part, p=p, c=c, interpret=interpret))
+    grads.update(_dkdv_call(*args, dv0, grads=part, p=p, c=c, interpret=interpret))
   return dq[:, :p.t], grads["dk"][:, :p.s], grads["dv"][:, :p.s]
 
 
@@ -903,16 +1018,23 @@ def _check_residuals(query, out, lse, dout) -> None:
 
 def attention_bwd_pallas_mosaic_gpu(query, key, value, out, lse, dout, *,
                                     scale: float | None = None, is_causal: bool = False,
-                                    block_q_dkv: int, block_kv_dkv: int, block_q_dq: int,
-                                    block_kv_dq: int, num_compute_wgs: int, num_stages: int,
-                                    split_dkdv: bool, interpret: bool = False):
+                                    query_seq_lengths=None, key_value_seq_lengths=None,
+                                    local_window_size=None, block_q_dkv: int,
+                                    block_kv_dkv: int, block_q_dq: int, block_kv_dq: int,
+                                    num_compute_wgs: int, num_stages: int, split_dkdv: bool,
+                                    interpret: bool = False):
   """Flash attention backward for attention_fwd_pallas_mosaic_gpu.
+
+  Gradients match jax.vjp of jax.nn.dot_product_attention, rows that keep no key
+  (mean(V) in the forward: dout / S to every dV row) and rows past the query length
+  (no gradient) included.
 
   Args:
     query, key, value: the forward's inputs.
     out, lse: the forward's outputs.
     dout: cotangent of out, (B, T, N, H) in query's dtype.
-    scale, is_causal: the forward's options.
+    scale, is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size: the
+      forward's options.
     block_q_dkv, block_kv_dkv, block_q_dq, block_kv_dq, num_compute_wgs, num_stages,
       split_dkdv: tunables, see check_bwd_tunables.
     interpret: run in the Mosaic GPU interpreter (any backend; for tests).
@@ -921,15 +1043,17 @@ def attention_bwd_pallas_mosaic_gpu(query, key, value, out, lse, dout, *,
     (dquery, dkey, dvalue) in the dtypes and shapes of query, key and value.
 
   Raises:
-    ValueError: for unsupported shapes, dtypes or tunables.
+    ValueError: for unsupported shapes, dtypes, options or tunables.
   """
   c = PallasMosaicGpuAttentionVjpConfig(
       block_q_dkv=block_q_dkv, block_kv_dkv=block_kv_dkv, block_q_dq=block_q_dq,
       block_kv_dq=block_kv_dq, num_compute_wgs=num_compute_wgs, num_stages=num_stages,
       split_dkdv=split_dkdv)
-  p = _make_problem(query, key, value, scale, is_causal)
+  p = _make_problem(query, key, value, scale, is_causal, local_window_size,
+                    query_seq_lengths, key_value_seq_lengths)
   _check_residuals(query, out, lse, dout)
-  return _bwd(query, key, value, out, lse, dout, p=p, c=c, interpret=bool(interpret))
+  return _bwd(query, key, value, out, lse, dout, query_seq_lengths, key_value_seq_lengths,
+              p=p, c=c, interpret=bool(interpret))
 
 
 # --------------------------------------------------------------------------------------
@@ -1108,11 +1232,14 @@ def tunable_space(query: Any, key: Any, *, backward: bool = False) -> list[dict[
 
 def _check_supported(arguments: dict[str, Any]) -> None:
   """Raises NotImplementedError for inputs the kernels do not handle (dispatch falls back)."""
-  for name in ("bias", "mask", "query_seq_lengths", "key_value_seq_lengths",
-               "local_window_size"):
+  for name in ("bias", "mask"):
     if arguments.get(name) is not None:
       raise NotImplementedError(f"the Mosaic GPU attention kernels do not support {name} yet;"
                                 f" use another implementation (pallas_triton, xla).")
+  window = arguments.get("local_window_size")
+  if window is not None and min(window) < 0:
+    raise NotImplementedError(f"local_window_size={window} has a negative side; the kernels"
+                              f" take windows of sizes >= 0.")
   q, k = arguments["query"], arguments["key"]
   if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
     raise NotImplementedError(f"head dim {q.shape[-1]} is not one of the kernel's"
@@ -1130,8 +1257,12 @@ def _structs(ba: Any) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
 
 
 def _static_options(static: dict[str, Any]) -> dict[str, Any]:
-  """The options the kernels take; the rest are None (checked in _canonicalize)."""
-  return {"scale": static["scale"], "is_causal": static["is_causal"]}
+  """The options as the kernels take them: sequence lengths as int32."""
+  options = dict(static)
+  for name in ("query_seq_lengths", "key_value_seq_lengths"):
+    if options[name] is not None:
+      options[name] = options[name].astype(jnp.int32)
+  return options
 
 
 class PallasMosaicGpuAttentionVjp(pallas_common.PallasMosaicGpuOp, _base.AttentionVjp,

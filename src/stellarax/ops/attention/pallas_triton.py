@@ -43,14 +43,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# jax.nn.dot_product_attention replaces masked logits by this value (not -inf), which is
-# what makes a fully masked row uniform over all keys instead of NaN.
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+from stellarax.ops.attention import flash_blocks
+from stellarax.ops.attention.flash_blocks import MASK_VALUE
+
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
@@ -73,7 +72,7 @@ _MAX_NUM_STAGES = 8
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class _Spec:
+class _Spec(flash_blocks.BlockMasking):
   """Everything static about one attention call except the tunables."""
 
   t: int
@@ -94,25 +93,8 @@ class _Spec:
     return self.num_heads // self.num_kv_heads
 
   @property
-  def left_reach(self) -> int | None:
-    """How far left of its query a kept key may be, or None for unbounded."""
-    return None if self.window is None else self.window[0]
-
-  @property
-  def right_reach(self) -> int | None:
-    """How far right of its query a kept key may be, or None for unbounded."""
-    reaches = ([0] if self.causal else []) + ([self.window[1]] if self.window else [])
-    return min(reaches) if reaches else None
-
-  @property
-  def may_fully_mask(self) -> bool:
-    # Causality alone always keeps key 0; these can remove every key of a row.
-    return self.mask_shape is not None or self.has_kv_len or self.window is not None
-
-  def positional(self, bk: int) -> bool:
-    """Whether some key block of size `bk` needs a position-dependent mask."""
-    return (self.causal or self.window is not None or self.has_kv_len
-            or self.s % bk != 0)
+  def has_mask(self) -> bool:
+    return self.mask_shape is not None
 
 
 # --------------------------------------------------------------------------------------
@@ -190,24 +172,6 @@ def _padded_4d_shape(name: str, x: Any, full: tuple[int, ...]) -> tuple[int, ...
   return shape
 
 
-def _normalize_window(local_window_size: Any) -> tuple[int, int] | None:
-  if local_window_size is None:
-    return None
-  window = ((local_window_size, local_window_size)
-            if isinstance(local_window_size, int) else tuple(local_window_size))
-  if (len(window) != 2 or any(isinstance(w, bool) or not isinstance(w, int) for w in window)
-      or min(window) < 0):
-    raise ValueError(f"{local_window_size=} must be None, an int >= 0, or a pair (left,"
-                     " right) of ints >= 0.")
-  return window
-
-
-def _check_seq_lengths(name: str, x: Any, batch: int) -> None:
-  if x is not None and (tuple(x.shape) != (batch,) or x.dtype != jnp.int32):
-    raise ValueError(f"{name} has shape {tuple(x.shape)} and dtype {x.dtype}; expected"
-                     f" ({batch},) int32, one length per batch element.")
-
-
 def _make_spec(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
                scale, is_causal, local_window_size) -> _Spec:
   """Validates the inputs and static options and describes the call."""
@@ -238,11 +202,11 @@ def _make_spec(query, key, value, bias, mask, query_seq_lengths, key_value_seq_l
   if mask is not None and mask.dtype != jnp.bool_:
     raise ValueError(f"mask dtype {mask.dtype} must be bool (True = keep); pass additive"
                      " masks as bias.")
-  _check_seq_lengths("query_seq_lengths", query_seq_lengths, b)
-  _check_seq_lengths("key_value_seq_lengths", key_value_seq_lengths, b)
+  flash_blocks.check_seq_lengths("query_seq_lengths", query_seq_lengths, b)
+  flash_blocks.check_seq_lengths("key_value_seq_lengths", key_value_seq_lengths, b)
   scale = 1.0 / math.sqrt(h) if scale is None else float(scale)
   return _Spec(t=t, s=s, num_heads=n, num_kv_heads=k, head_dim=h, scale=scale,
-               causal=bool(is_causal), window=_normalize_window(local_window_size),
+               causal=bool(is_causal), window=flash_blocks.normalize_window(local_window_size),
                bias_shape=bias_shape, mask_shape=mask_shape,
                has_q_len=query_seq_lengths is not None,
                has_kv_len=key_value_seq_lengths is not None)
@@ -293,74 +257,11 @@ def _dot(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
   return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _cdiv(x: Any, d: int) -> Any:
-  return lax.div(x + (d - 1), d)  # x >= 0 here, so truncation is floor.
-
-
-def _select(cond: Any, a: Any, b: Any) -> jax.Array:
-  """Scalar int32 where; Triton's select lowering mistypes weakly typed Python constants."""
-  return jnp.where(cond, jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
-
-
-def _clip(x: Any, lo: Any, hi: Any) -> Any:
-  return jnp.minimum(jnp.maximum(x, lo), hi)
-
-
 def _effective_lengths(spec: _Spec, q_len_ref: Any, kv_len_ref: Any) -> tuple[Any, Any]:
   """Query and key lengths after the per-batch sequence lengths, clipped to T and S."""
-  t_eff = spec.t if q_len_ref is None else _clip(q_len_ref[...], 0, spec.t)
-  s_eff = spec.s if kv_len_ref is None else _clip(kv_len_ref[...], 0, spec.s)
+  t_eff = spec.t if q_len_ref is None else flash_blocks.clip(q_len_ref[...], 0, spec.t)
+  s_eff = spec.s if kv_len_ref is None else flash_blocks.clip(kv_len_ref[...], 0, spec.s)
   return t_eff, s_eff
-
-
-def _key_block_range(spec: _Spec, q0: Any, bq: int, bk: int, t_eff: Any, s_eff: Any):
-  """Key blocks a query block [q0, q0 + bq) must visit.
-
-  Returns (lo, full_lo, full_hi, hi): blocks [lo, hi) hold every kept key of these rows;
-  blocks [full_lo, full_hi) are kept for every row and need no positional mask.
-  """
-  left, right = spec.left_reach, spec.right_reach
-  lo_key = 0 if left is None else jnp.maximum(q0 - left, 0)
-  hi_key = s_eff if right is None else jnp.minimum(s_eff, q0 + bq + right)
-  lo = lax.div(jnp.int32(lo_key), bk)
-  hi = jnp.maximum(_cdiv(jnp.int32(hi_key), bk), lo)
-  if spec.has_q_len:
-    hi = _select(q0 < t_eff, hi, lo)  # Rows past the query length are written as zeros.
-  if not spec.positional(bk):
-    return lo, lo, hi, hi
-  full_lo = lo if left is None else _cdiv(jnp.maximum(q0 + bq - 1 - left, 0), bk)
-  full_hi_key = s_eff if right is None else jnp.minimum(s_eff, q0 + right + 1)
-  full_lo = _clip(full_lo, lo, hi)
-  full_hi = _clip(lax.div(jnp.int32(full_hi_key), bk), full_lo, hi)
-  return lo, full_lo, full_hi, hi
-
-
-def _query_block_range(spec: _Spec, k0: Any, bq: int, bk: int, t_eff: Any, s_eff: Any):
-  """Query blocks that see some key of the key block [k0, k0 + bk); see _key_block_range."""
-  left, right = spec.left_reach, spec.right_reach
-  lo_row = 0 if right is None else jnp.maximum(k0 - right, 0)
-  hi_row = t_eff if left is None else jnp.minimum(t_eff, k0 + bk + left)
-  hi_row = _select(k0 < s_eff, hi_row, 0)  # The block is wholly past the key length.
-  lo = lax.div(jnp.int32(lo_row), bq)
-  hi = jnp.maximum(_cdiv(jnp.int32(hi_row), bq), lo)
-  if not spec.positional(bk):
-    return lo, lo, hi, hi
-  full_lo = lo if right is None else _cdiv(jnp.maximum(k0 + bk - 1 - right, 0), bq)
-  full_lo = _clip(full_lo, lo, hi)
-  full_hi = hi if left is None else lax.div(jnp.int32(k0 + left + 1), bq)
-  full_hi = _select(k0 + bk <= s_eff, full_hi, full_lo)  # Tail keys are masked.
-  full_hi = _clip(full_hi, full_lo, hi)
-  return lo, full_lo, full_hi, hi
-
-
-def _positional_ok(spec: _Spec, q_pos: jax.Array, k_pos: jax.Array, s_eff: Any) -> jax.Array:
-  """Kept (query, key) pairs by position; q_pos and k_pos broadcast against each other."""
-  ok = k_pos < s_eff
-  if spec.right_reach is not None:
-    ok = ok & (k_pos <= q_pos + spec.right_reach)
-  if spec.left_reach is not None:
-    ok = ok & (k_pos >= q_pos - spec.left_reach)
-  return ok
 
 
 def _load_pair_tile(ref: Any, head: Any, q0: Any, bq: int, k0: Any, bk: int, *,
@@ -399,8 +300,9 @@ def _scaled_logits(spec, q, k, bias_ref, mask_ref, heads, q0, bq, k0, bk, s_eff,
   if positional:
     q_pos = q0 + lax.iota(jnp.int32, bq)
     k_pos = k0 + lax.iota(jnp.int32, bk)
-    pos = (_positional_ok(spec, q_pos[None, :], k_pos[:, None], s_eff) if transposed
-           else _positional_ok(spec, q_pos[:, None], k_pos[None, :], s_eff))
+    ok_at = functools.partial(flash_blocks.positional_ok, spec, s_eff=s_eff)
+    pos = (ok_at(q_pos[None, :], k_pos[:, None]) if transposed
+           else ok_at(q_pos[:, None], k_pos[None, :]))
     ok = pos if ok is None else ok & pos
   return s if ok is None else jnp.where(ok, s, MASK_VALUE)
 
@@ -454,7 +356,7 @@ def _fwd_kernel(*refs, spec: _Spec, bq: int, bk: int):
   # exp2(0) = 1 instead of NaN, and any real logit later rescales those terms to zero.
   carry = (jnp.zeros((bq, spec.head_dim), jnp.float32),
            jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32))
-  ranges = _key_block_range(spec, q0, bq, bk, t_eff, s_eff)
+  ranges = flash_blocks.key_block_range(spec, q0, bq, bk, t_eff, s_eff)
   acc, m, l = _run_blocks(*ranges, body, carry, masked_head=spec.left_reach is not None)
 
   l_safe = jnp.where(l == 0.0, 1.0, l)
@@ -633,7 +535,7 @@ def _bwd_preprocess_kernel(*refs, spec: _Spec, bq: int):
   # nothing, and fully masked rows only feed dV, which the wrapper adds separately.
   live = lse > 0.5 * MASK_VALUE
   if spec.has_q_len:
-    live = live & (q0 + lax.iota(jnp.int32, bq) < _clip(q_len_ref[...], 0, spec.t))
+    live = live & (q0 + lax.iota(jnp.int32, bq) < flash_blocks.clip(q_len_ref[...], 0, spec.t))
   _store(delta_ref.at[_index(0), pl.ds(q0, bq)], jnp.sum(o * do, axis=1), row_ok)
   _store(lse2_ref.at[_index(0), pl.ds(q0, bq)], jnp.where(live, lse * _LOG2E, jnp.inf), row_ok)
 
@@ -687,7 +589,7 @@ def _dkdv_kernel(*refs, spec: _Spec, bq: int, bk: int):
   dk = jnp.zeros((bk, spec.head_dim), jnp.float32)
   dv = (jnp.broadcast_to(dv0_ref[...][None, :], (bk, spec.head_dim))
         if spec.may_fully_mask else jnp.zeros((bk, spec.head_dim), jnp.float32))
-  lo, full_lo, full_hi, hi = _query_block_range(spec, k0, bq, bk, t_eff, s_eff)
+  lo, full_lo, full_hi, hi = flash_blocks.query_block_range(spec, k0, bq, bk, t_eff, s_eff)
   carry = (dk, dv)
   if spec.right_reach is not None:
     carry = run(lo, full_lo, carry, True)
@@ -723,7 +625,7 @@ def _dq_kernel(*refs, spec: _Spec, bq: int, bk: int):
     ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
     return dq + _dot(ds.astype(k.dtype), k)
 
-  ranges = _key_block_range(spec, q0, bq, bk, t_eff, s_eff)
+  ranges = flash_blocks.key_block_range(spec, q0, bq, bk, t_eff, s_eff)
   dq = _run_blocks(*ranges, body, jnp.zeros((bq, spec.head_dim), jnp.float32),
                    masked_head=spec.left_reach is not None)
   _store(dq_ref.at[pl.ds(q0, bq), _index(0), :], (dq * spec.scale).astype(dq_ref.dtype), tile_ok)
@@ -732,21 +634,6 @@ def _dq_kernel(*refs, spec: _Spec, bq: int, bk: int):
 # --------------------------------------------------------------------------------------
 # Backward wrapper
 # --------------------------------------------------------------------------------------
-
-
-def _fully_masked_dv(spec: _Spec, lse, dout, q_len) -> jax.Array:
-  """dV term of fully masked rows, (B, K, H) float32, the same for every key row.
-
-  jax gives such a row probability 1/S on every key (and zero logit gradient), so it adds
-  dout / S to every dV row of its kv head.
-  """
-  b, t, n, h = dout.shape
-  dead = lse <= 0.5 * MASK_VALUE
-  if q_len is not None:
-    dead = dead & (jnp.arange(t, dtype=jnp.int32)[None, None, :] < q_len[:, None, None])
-  per_head = jnp.einsum("bnt,btnh->bnh", dead.astype(jnp.float32),
-                        dout.astype(jnp.float32), precision=lax.Precision.HIGHEST)
-  return per_head.reshape(b, spec.num_kv_heads, spec.group, h).sum(axis=2) / spec.s
 
 
 def _bwd_preprocess(spec, out, dout, lse, q_len, *, block_q, interpret):
@@ -787,7 +674,8 @@ def _bwd(query, key, value, bias, mask, out, lse, dout, q_len, kv_len, *, spec: 
   args = [query, key, value, dout, lse2, delta, *opt_args]
   if spec.may_fully_mask:
     in_specs.append(_vec_spec(spec, same))
-    args.append(_fully_masked_dv(spec, lse, dout, q_len))
+    args.append(flash_blocks.fully_masked_dv(lse, dout, q_len, num_kv_heads=spec.num_kv_heads,
+                                              s=spec.s))
   dk, dv = pl.pallas_call(
       functools.partial(_dkdv_kernel, spec=spec, bq=block_q, bk=block_k),
       grid=(spec.num_kv_heads, pl.cdiv(spec.s, block_k), b),
