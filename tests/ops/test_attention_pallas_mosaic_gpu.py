@@ -110,7 +110,8 @@ def test_forward_and_backward_match_reference(case):
   def run(q, k, v, do):
     options = dict(is_causal=case.causal, interpret=True)
     out, lse = pm.attention_fwd_pallas_mosaic_gpu(q, k, v, **options, **case.fwd)
-    grads = pm.attention_bwd_pallas_mosaic_gpu(q, k, v, out, lse, do, **options, **case.bwd)
+    grads = pm.attention_bwd_pallas_mosaic_gpu(q, k, v, None, None, out, lse, do, **options,
+                                               **case.bwd)
     return out, lse, grads
 
   out, lse, grads = _run(run, q, k, v, do)
@@ -137,7 +138,8 @@ def test_scale_and_keys_no_query_sees():
     fwd_cfg = _FWD_64 | dict(num_compute_wgs=1, schedule_barrier=False)
     out, lse = pm.attention_fwd_pallas_mosaic_gpu(q, k, v, **options, **fwd_cfg)
     bwd_cfg = _BWD_64 | dict(num_compute_wgs=1)
-    return out, pm.attention_bwd_pallas_mosaic_gpu(q, k, v, out, lse, do, **options, **bwd_cfg)
+    return out, pm.attention_bwd_pallas_mosaic_gpu(q, k, v, None, None, out, lse, do,
+                                                   **options, **bwd_cfg)
 
   out, (dq, dk, dv) = _run(run, q, k, v, do)
   attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=0.3, is_causal=True)
@@ -198,6 +200,13 @@ MASK_CASES = [
                   fwd=dict(_FWD_64, num_compute_wgs=1, schedule_barrier=False, num_stages=3),
                   bwd=dict(_BWD_64, num_compute_wgs=1, split_dkdv=True, block_kv_dq=128)),
              dict(local_window_size=(40, 0), key_value_seq_lengths=(0, 100))),
+    # A bias shared by the batch (per head) and a mask shared by the heads and query
+    # rows (per batch and key, like padding) that drops batch element 1's first 32
+    # keys: with the window, its first rows keep no key.
+    MaskCase("bias_and_mask_window",
+             Case("bm", b=2, t=96, s=130, n=2, k=1, h=64, dtype=jnp.bfloat16, causal=False,
+                  fwd=_FWD_64, bwd=_BWD_64),
+             dict(bias=(1, 2, 96, 130), mask=(2, 1, 1, 130), local_window_size=(30, 10))),
     MaskCase("kv_lengths_only",
              Case("k", b=2, t=64, s=200, n=2, k=2, h=64, dtype=jnp.bfloat16, causal=False,
                   fwd=dict(_FWD_64, block_kv=128), bwd=_BWD_64),
@@ -205,10 +214,23 @@ MASK_CASES = [
 ]
 
 
-def _mask_options(options: dict) -> dict:
-  """Sequence lengths as int32 arrays."""
-  return {name: jnp.asarray(value, jnp.int32) if name.endswith("lengths") else value
-          for name, value in options.items()}
+def _mask_options(options: dict, seed: int = 6) -> dict:
+  """Sequence lengths as int32 arrays; bias and mask (given by shape) drawn at random,
+  the mask dropping a quarter of the positions and batch element 1's first 32 keys."""
+  out = {}
+  bias_key, mask_key = jax.random.split(jax.random.key(seed))
+  for name, value in options.items():
+    if name.endswith("lengths"):
+      value = jnp.asarray(value, jnp.int32)
+    elif name == "bias":
+      value = jax.random.normal(bias_key, value, jnp.float32)
+    elif name == "mask":
+      keep = jax.random.uniform(mask_key, value) > 0.25
+      first_keys = (jnp.arange(value[-1]) < 32)[None, None, None, :]
+      batch_1 = (jnp.arange(value[0]) == 1)[:, None, None, None]
+      value = keep & ~(batch_1 & first_keys)
+    out[name] = value
+  return out
 
 
 @pytest.mark.parametrize("mc", MASK_CASES, ids=lambda mc: mc.name)
@@ -216,28 +238,30 @@ def _mask_options(options: dict) -> dict:
 def test_windows_and_sequence_lengths_match_reference(mc):
   case, options = mc.case, _mask_options(mc.options) | dict(is_causal=mc.case.causal)
   q, k, v, do = _inputs(case, seed=4)
+  bias, mask = options.pop("bias", None), options.pop("mask", None)
 
   def run(q, k, v, do):
-    out, lse = pm.attention_fwd_pallas_mosaic_gpu(q, k, v, **options, **case.fwd,
+    out, lse = pm.attention_fwd_pallas_mosaic_gpu(q, k, v, bias, mask, **options, **case.fwd,
                                                   interpret=True)
-    grads = pm.attention_bwd_pallas_mosaic_gpu(q, k, v, out, lse, do, **options, **case.bwd,
-                                               interpret=True)
+    grads = pm.attention_bwd_pallas_mosaic_gpu(q, k, v, bias, mask, out, lse, do, **options,
+                                               **case.bwd, interpret=True)
     return out, lse, grads
 
   out, lse, grads = _run(run, q, k, v, do)
   f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
   with jax.default_matmul_precision("highest"):
-    ref_out, vjp = jax.vjp(lambda q, k, v: reference.attention_reference(q, k, v, **options),
-                           *f32[:3])
+    attend = lambda q, k, v: reference.attention_reference(q, k, v, bias, mask, **options)
+    ref_out, vjp = jax.vjp(attend, *f32[:3])
     ref_grads = vjp(f32[3])
-    _, ref_lse = reference.attention_reference_with_lse(*f32[:3], **options)
+    _, ref_lse = reference.attention_reference_with_lse(*f32[:3], bias, mask, **options)
   _close("out", out, ref_out, _FWD_TOL[case.dtype])
   for name, g, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
     _close(name, g, ref, _BWD_TOL[case.dtype])
-  # lse agrees on rows that keep a key; the others are marked for the backward pass.
+  # lse agrees on rows that keep a key (the kernels round the bias to the input dtype);
+  # the others are marked for the backward pass.
   kept = ref_lse > 0.5 * reference.MASKED_LOGIT
   np.testing.assert_allclose(np.where(kept, lse, 0.0), np.where(kept, ref_lse, 0.0),
-                             atol=1e-3, rtol=1e-5, err_msg="lse")
+                             atol=1e-3 if bias is None else 1.5e-2, rtol=1e-5, err_msg="lse")
   live = np.ones(kept.shape, bool)  # Rows before the query length (B, N, T).
   for b, length in enumerate(np.asarray(options.get("query_seq_lengths", [case.t] * case.b))):
     live[b, :, length:] = False
@@ -247,34 +271,35 @@ def test_windows_and_sequence_lengths_match_reference(mc):
 
 
 @pytest.mark.mosaic_interpret
-def test_window_and_lengths_through_dot_product_attention():
-  """The op takes windows and sequence lengths (int64 lengths cast), forward and grad."""
+def test_masking_through_dot_product_attention():
+  """The op takes a window, sequence lengths (int64 cast), a bias (its gradient from XLA)
+  and a mask; gradients for query, key, value and bias."""
   case = Case("op", b=2, t=64, s=64, n=2, k=1, h=64, dtype=jnp.bfloat16, causal=True,
               fwd=_FWD_64, bwd=_BWD_64)
   q, k, v, do = _inputs(case, seed=5)
   options = dict(is_causal=True, local_window_size=16,
-                 key_value_seq_lengths=np.array([50, 64]), query_seq_lengths=np.array([64, 40]))
+                 key_value_seq_lengths=np.array([50, 64]), query_seq_lengths=np.array([64, 40]),
+                 mask=_mask_options(dict(mask=(2, 1, 64, 64)))["mask"])
+  bias = jax.random.normal(jax.random.key(7), (1, 2, 64, 64), jnp.float32)
   op = PallasMosaicGpuAttention(interpret=True, config=PallasMosaicGpuAttentionConfig(
       **(_FWD_64 | dict(num_compute_wgs=1, schedule_barrier=False))))
 
   def loss(attend):
-    def f(q, k, v):
-      out = attend(q, k, v, **options)
+    def f(q, k, v, bias):
+      out = attend(q, k, v, bias, **options)
       return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
     return f
 
   ours = lambda *a, **kw: stellarax.dot_product_attention(*a, **kw, implementation=op)
-  grads = _run(jax.grad(loss(ours), argnums=(0, 1, 2)), q, k, v)
+  grads = _run(jax.grad(loss(ours), argnums=(0, 1, 2, 3)), q, k, v, bias)
   f32 = [x.astype(jnp.float32) for x in (q, k, v)]
   with jax.default_matmul_precision("highest"):
-    ref_grads = jax.grad(loss(reference.attention_reference), argnums=(0, 1, 2))(*f32)
-  for name, g, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
+    ref_grads = jax.grad(loss(reference.attention_reference), argnums=(0, 1, 2, 3))(*f32, bias)
+  for name, g, ref in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads):
     _close(name, g, ref, _BWD_TOL[jnp.bfloat16])
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(bias=jnp.zeros((1, 1, 8, 16))), "bias"),
-    (dict(mask=jnp.ones((1, 1, 8, 16), bool)), "mask"),
     (dict(local_window_size=(4, -1)), "negative side"),
     (dict(query=jnp.ones((1, 8, 2, 64), jnp.float32),
           key=jnp.ones((1, 16, 1, 64), jnp.float32)), "dtype float32"),
@@ -334,7 +359,7 @@ def test_invalid_inputs_raise_clear_errors():
     pm.attention_fwd_pallas_mosaic_gpu(f32, f32, f32, **_FWD_64)
   q = jnp.ones((1, 8, 1, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="lse has shape"):
-    pm.attention_bwd_pallas_mosaic_gpu(q, q, q, q, jnp.ones((1, 8, 1)), q, **_BWD_64)
+    pm.attention_bwd_pallas_mosaic_gpu(q, q, q, None, None, q, jnp.ones((1, 8, 1)), q, **_BWD_64)
   with pytest.raises(ValueError, match="block_q=48"):
     pm.attention_fwd_pallas_mosaic_gpu(q, q, q, **(_FWD_64 | dict(block_q=48)))
 
@@ -345,22 +370,25 @@ _TARGET = (jax.ShapeDtypeStruct((2, 8192, 16, 128), jnp.bfloat16),
 
 @pytest.mark.parametrize("h,t", [(128, 8192), (64, 1000), (256, 4096), (128, 40)])
 @pytest.mark.parametrize("backward", [False, True])
-def test_tunable_spaces_are_valid_and_fit_an_sm90(h, t, backward):
+@pytest.mark.parametrize("with_pair", [False, True])
+def test_tunable_spaces_are_valid_and_fit_an_sm90(h, t, backward, with_pair):
   q = jax.ShapeDtypeStruct((2, t, 16, h), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((2, t, 4, h), jnp.bfloat16)
   cls = PallasMosaicGpuAttentionVjpConfig if backward else PallasMosaicGpuAttentionConfig
   fits = pm._bwd_fits if backward else pm._fwd_fits
-  configs = pm.tunable_space(q, k, backward=backward)
-  assert configs[0] == pm.heuristic_tunables(q, k, backward=backward)
+  options = dict(backward=backward, with_pair=with_pair)
+  configs = pm.tunable_space(q, k, **options)
+  assert configs[0] == pm.heuristic_tunables(q, k, **options)
   assert len({tuple(sorted(c.items())) for c in configs}) == len(configs)
   for c in configs:
     cls(**c)
-    assert fits(h, 2, c), c
+    # Bias/mask tiles (2 bytes an element) take shared memory too.
+    assert fits(h, 2, c, 2 if with_pair else 0), c
     if t <= 64:  # Short sequences: one warpgroup of 64 rows, no wasted padding.
       assert all(v == 64 for name, v in c.items() if name.startswith("block")), c
       assert c["num_compute_wgs"] == 1, c
   if (h, t) == (128, 8192):
-    assert 10 <= len(configs) <= 40, len(configs)
+    assert (5 if with_pair else 10) <= len(configs) <= 40, len(configs)
 
 
 def test_tunables_of_the_target_shape():
@@ -377,36 +405,43 @@ def test_tunables_of_the_target_shape():
 def test_lowers_for_simulated_h200(masked):
   """The GPU path (register operands, in-place accumulation) of the forward and both
   backward variants lowers to Mosaic GPU custom calls for an H200, without a GPU; with
-  `masked`, under a local window and sequence lengths (scalar reads, block ranges, the
-  mean(V) and dV terms of rows that keep no key)."""
+  `masked`, under a local window, sequence lengths, a bias and a mask (scalar reads,
+  block ranges, bias/mask tiles in registers, the mean(V) and dV terms of rows that
+  keep no key)."""
   mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
       device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
   q, k = _TARGET
   lse = jax.ShapeDtypeStruct((2, 16, 8192), jnp.float32)
   lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
-  fwd_cfg = pm.heuristic_tunables(q, k)
+  bias = jax.ShapeDtypeStruct((1, 16, 8192, 8192), jnp.float32)
+  mask = jax.ShapeDtypeStruct((2, 1, 1, 8192), jnp.bool_)
+  fwd_cfg = pm.heuristic_tunables(q, k, with_pair=masked)
+  bwd_cfg = pm.heuristic_tunables(q, k, backward=True, with_pair=masked)
   window = (1024, 0) if masked else None
 
-  def fwd(q, k, v, q_len, kv_len):
+  def fwd(q, k, v, bias, mask, q_len, kv_len):
     return pm.attention_fwd_pallas_mosaic_gpu(
-        q, k, v, is_causal=True, local_window_size=window,
+        q, k, v, bias if masked else None, mask if masked else None, is_causal=True,
+        local_window_size=window,
         query_seq_lengths=q_len if masked else None,
         key_value_seq_lengths=kv_len if masked else None, **fwd_cfg)
 
   def bwd(split):
-    config = _BWD_64 | dict(split_dkdv=split)
-    return lambda q, k, v, out, lse, dout, q_len, kv_len: pm.attention_bwd_pallas_mosaic_gpu(
-        q, k, v, out, lse, dout, is_causal=True, local_window_size=window,
+    config = bwd_cfg | dict(split_dkdv=split)
+    return lambda q, k, v, bias, mask, out, lse, dout, q_len, kv_len: (
+        pm.attention_bwd_pallas_mosaic_gpu(
+        q, k, v, bias if masked else None, mask if masked else None, out, lse, dout,
+        is_causal=True, local_window_size=window,
         query_seq_lengths=q_len if masked else None,
-        key_value_seq_lengths=kv_len if masked else None, **config)
+        key_value_seq_lengths=kv_len if masked else None, **config))
 
   def lower(f, *args):
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
   with jax.sharding.use_abstract_mesh(mesh):
-    fwd_text = lower(fwd, q, k, k, lengths, lengths)
-    bwd_text = lower(bwd(False), q, k, k, q, lse, q, lengths, lengths)
-    split_text = lower(bwd(True), q, k, k, q, lse, q, lengths, lengths)
+    fwd_text = lower(fwd, q, k, k, bias, mask, lengths, lengths)
+    bwd_text = lower(bwd(False), q, k, k, bias, mask, q, lse, q, lengths, lengths)
+    split_text = lower(bwd(True), q, k, k, bias, mask, q, lse, q, lengths, lengths)
   target = "@mosaic_gpu_v2"
   assert fwd_text.count(target) == 1
   assert bwd_text.count(target) == 2  # dQ, dK/dV

@@ -84,6 +84,24 @@ class AttentionVjp(Op):
     return common.vjp_by_autodiff(f, primals, dout, _DIFFERENTIABLE)
 
 
+def bias_gradient_by_xla(primals: dict[str, Any], dout: Any) -> dict[str, Any]:
+  """The bias gradient for a flash-attention backward that holds the bias constant.
+
+  Args:
+    primals: the forward's arguments by name (query, key, value, bias, mask and the
+      static options).
+    dout: the output cotangent.
+
+  Returns:
+    {"bias": dbias} from XLA's derivative of the attention, or {} without a bias. When
+    the bias is a constant of the program, XLA drops this computation as dead code.
+  """
+  if primals.get("bias") is None:
+    return {}
+  f = lambda **kw: xla.attention_xla(**kw)[0]
+  return common.vjp_by_autodiff(f, primals, dout, ("bias",))
+
+
 # ---------------------------------------------------------------------------
 # XLA implementations.
 

@@ -5,10 +5,12 @@ reference.py) for the inputs these kernels take: query (B, T, N, H), key and val
 (B, S, K, H) in bfloat16 or float16, H in (64, 128, 256), N a multiple of K (GQA/MQA:
 query head n reads kv head n // (N // K)), a scale and `is_causal` (key j <= query i,
 aligned at the top left as in jax), local windows (key j kept for i - left <= j <=
-i + right) and per-batch sequence lengths (keys past the key length dropped, rows past
-the query length zero; a row that keeps no key is mean(V), as in jax). Bias and boolean
-masks are not supported yet: the op classes raise NotImplementedError for them, so
-dispatch falls back to the next implementation (Pallas Triton, XLA).
+i + right), per-batch sequence lengths (keys past the key length dropped, rows past
+the query length zero; a row that keeps no key is mean(V), as in jax), and a bias and a
+boolean mask broadcastable to (B, N, T, S). The bias and mask reach the kernels as one
+operand in the input dtype (bias where kept, -inf where masked; batch and head
+broadcasts kept, T and S materialised) whose (query, key) tiles ride with the K tiles;
+the backward kernels hold the bias constant (the op class gets dbias from XLA).
 
 Forward (FlashAttention-3 layout). One CTA per (query tile, head, batch). Each of its
 `num_compute_wgs` compute warpgroups owns `block_q` query rows; one more warpgroup (the
@@ -71,6 +73,7 @@ from stellarax.core.config import config_dataclass
 from stellarax.ops import pallas_common
 from stellarax.ops.attention import base as _base
 from stellarax.ops.attention import flash_blocks
+from stellarax.ops.attention import reference as _reference
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -226,19 +229,28 @@ class _Problem(flash_blocks.BlockMasking):
   window: tuple[int, int] | None = None
   has_q_len: bool = False
   has_kv_len: bool = False
+  has_mask: bool = False
+  # (batch, heads) of the bias/mask tiles (each 1 or B, N), None without bias and mask.
+  pair_shape: tuple[int, int] | None = None
 
   @property
   def group(self) -> int:
     return self.num_heads // self.num_kv_heads
 
   @property
-  def has_mask(self) -> bool:
-    return False  # Boolean masks are not supported by these kernels yet.
+  def has_pair(self) -> bool:
+    return self.pair_shape is not None
+
+  def pair_index(self, b: Any, head: Any) -> tuple[Any, Any]:
+    """Index of batch b and query head `head` in the bias/mask tiles (broadcast dims: 0)."""
+    pb, ph = self.pair_shape
+    return (b if pb > 1 else 0), (head if ph > 1 else 0)
 
 
 def _make_problem(query: Any, key: Any, value: Any, scale: float | None, is_causal: bool,
                   local_window_size: Any = None, query_seq_lengths: Any = None,
-                  key_value_seq_lengths: Any = None) -> _Problem:
+                  key_value_seq_lengths: Any = None, bias: Any = None,
+                  mask: Any = None) -> _Problem:
   """Validates the operands (arrays or ShapeDtypeStructs) and describes the call."""
   for name, x in (("query", query), ("key", key), ("value", value)):
     if len(x.shape) != 4:
@@ -264,12 +276,40 @@ def _make_problem(query: Any, key: Any, value: Any, scale: float | None, is_caus
     raise ValueError(f"Empty sequences are not supported: T={t}, S={s}.")
   flash_blocks.check_seq_lengths("query_seq_lengths", query_seq_lengths, b)
   flash_blocks.check_seq_lengths("key_value_seq_lengths", key_value_seq_lengths, b)
+  _reference.check_attention_inputs(query, key, value, bias, mask)
+  if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
+    raise ValueError(f"bias dtype {bias.dtype} must be floating.")
+  pairs = [x.shape[:2] for x in (bias, mask) if x is not None]
+  pair_shape = tuple(max(dims) for dims in zip(*pairs)) if pairs else None
   scale = 1.0 / math.sqrt(h) if scale is None else float(scale)
   return _Problem(t=t, s=s, num_heads=n, num_kv_heads=k, head_dim=h, dtype=dtype,
                   scale=scale, causal=bool(is_causal),
                   window=flash_blocks.normalize_window(local_window_size),
                   has_q_len=query_seq_lengths is not None,
-                  has_kv_len=key_value_seq_lengths is not None)
+                  has_kv_len=key_value_seq_lengths is not None,
+                  has_mask=mask is not None, pair_shape=pair_shape)
+
+
+def _pair_tiles(bias: Any, mask: Any, p: _Problem, t_pad: int, s_pad: int, *,
+                transposed: bool = False) -> jax.Array | None:
+  """Bias and mask as one operand the kernels stream in (query, key) tiles.
+
+  Kept positions hold the bias (0 without one), masked ones -inf, which the kernels
+  treat like positions their positional masks remove. Broadcast batch and head dims
+  stay of size 1; T and S are materialised (TMA copies whole tiles) and padded.
+
+  Returns:
+    None without bias and mask; else (B', N', T_pad, S_pad), or (B', N', S_pad, T_pad)
+    when `transposed` (the dK/dV kernel's tiles have keys as rows), in the input dtype.
+  """
+  if not p.has_pair:
+    return None
+  x = jnp.zeros((1, 1, 1, 1), jnp.float32) if bias is None else bias.astype(jnp.float32)
+  if mask is not None:
+    x = jnp.where(mask, x, -jnp.inf)
+  x = jnp.broadcast_to(x, (*p.pair_shape, p.t, p.s)).astype(p.dtype)
+  x = _pad_seq(_pad_seq(x, t_pad, axis=2), s_pad, axis=3)
+  return x.transpose(0, 1, 3, 2) if transposed else x
 
 
 # --------------------------------------------------------------------------------------
@@ -477,14 +517,15 @@ def _walk(ranges: tuple[Any, Any, Any, Any], cta_lo: Any, cta_hi: Any, step, ski
   return carry
 
 
-def _query_tile_cta(p: _Problem, q_ref, k_ref, v_ref, lengths: tuple[Any, Any], *,
-                    num_wgs: int, bq: int, bk: int, k_ring, v_ring, k_ready, v_ready,
-                    k_free, v_free) -> tuple[_Cta, _Stream, _Stream]:
+def _query_tile_cta(p: _Problem, q_ref, k_ref, v_ref, pair_ref, lengths: tuple[Any, Any], *,
+                    num_wgs: int, bq: int, bk: int, k_ring, v_ring, pair_ring, k_ready,
+                    v_ready, k_free, v_free) -> tuple[_Cta, _Stream, _Stream]:
   """Where a CTA of the forward or dQ kernel (one query tile of one head) works.
 
   Returns:
     (cta, k_stream, v_stream): the CTA (its key blocks) and the K and V streams of its
-    kv head, which start at block cta.lo.
+    kv head, which start at block cta.lo. The K stream also brings the CTA's rows of
+    the bias/mask tiles (`pair_ref`, when given) into `pair_ring`.
   """
   b, h, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   t_eff, s_eff = _lengths(p, *lengths, b)
@@ -497,7 +538,15 @@ def _query_tile_cta(p: _Problem, q_ref, k_ref, v_ref, lengths: tuple[Any, Any], 
   cta = _Cta(b=b, head=h, wg=wg, start=cta_q0, lo=lo, hi=hi, t_eff=t_eff, s_eff=s_eff)
   kv_head = lax.div(h, p.group)
   kv_rows = lambda step: (b, pl.ds((lo + step) * bk, bk), kv_head)
-  k_stream = _Stream(lambda step: [(k_ref.at[kv_rows(step)], k_ring)], k_ready, k_free)
+
+  def k_sources(step):
+    tiles = [(k_ref.at[kv_rows(step)], k_ring)]
+    if pair_ref is not None:
+      pair = pair_ref.at[(*p.pair_index(b, h), pl.ds(cta_q0, rows), pl.ds((lo + step) * bk, bk))]
+      tiles.append((pair, pair_ring))
+    return tiles
+
+  k_stream = _Stream(k_sources, k_ready, k_free)
   v_stream = _Stream(lambda step: [(v_ref.at[kv_rows(step)], v_ring)], v_ready, v_free)
   return cta, k_stream, v_stream
 
@@ -517,6 +566,14 @@ def _kept(p: _Problem, shape: tuple[int, int], row0: Any, col0: Any, s_eff: Any,
   cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + col0
   q_pos, k_pos = (rows, cols) if rows_are_queries else (cols, rows)
   return flash_blocks.positional_ok(p, q_pos, k_pos, s_eff)
+
+
+def _add_pair(s: jax.Array, pair_ring: Any, slot: Any, row0: int | Any) -> jax.Array:
+  """Base-2 logits s plus the bias/mask tile of rows [row0, row0 + rows) of a slot."""
+  if pair_ring is None:
+    return s
+  tile = pair_ring.at[slot, pl.ds(row0, s.shape[0])]
+  return s + plgpu.load(tile, layout=plgpu.Layout.WGMMA).astype(jnp.float32) * _LOG2E
 
 
 def _live_rows(shape: tuple[int, int], row0: Any, t_eff: Any) -> jax.Array:
@@ -570,17 +627,18 @@ def _interpret_params(interpret: bool) -> Any:
 # --------------------------------------------------------------------------------------
 
 
-def _fwd_kernel(*refs, q_smem, k_ring, v_ring, stage, lse_smem, v_mean_smem, q_ready,
-                k_ready, v_ready, k_free, v_free, sched, p: _Problem,
+def _fwd_kernel(*refs, q_smem, k_ring, v_ring, pair_ring, stage, lse_smem, v_mean_smem,
+                q_ready, k_ready, v_ready, k_free, v_free, sched, p: _Problem,
                 c: PallasMosaicGpuAttentionConfig, mma: _Mma):
   """Output rows and lse of one query tile of one head (see the module docstring)."""
-  q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, v_mean_ref, o_ref, lse_ref = _present(
-      refs, (True, True, True, p.has_q_len, p.has_kv_len, p.may_fully_mask, True, True))
+  q_ref, k_ref, v_ref, pair_ref, q_len_ref, kv_len_ref, v_mean_ref, o_ref, lse_ref = _present(
+      refs, (True, True, True, p.has_pair, p.has_q_len, p.has_kv_len, p.may_fully_mask,
+             True, True))
   num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q, c.block_kv, c.num_stages
   cta, k_stream, v_stream = _query_tile_cta(
-      p, q_ref, k_ref, v_ref, (q_len_ref, kv_len_ref), num_wgs=num_wgs, bq=bq, bk=bk,
-      k_ring=k_ring, v_ring=v_ring, k_ready=k_ready, v_ready=v_ready, k_free=k_free,
-      v_free=v_free)
+      p, q_ref, k_ref, v_ref, pair_ref, (q_len_ref, kv_len_ref), num_wgs=num_wgs, bq=bq,
+      bk=bk, k_ring=k_ring, v_ring=v_ring, pair_ring=pair_ring, k_ready=k_ready,
+      v_ready=v_ready, k_free=k_free, v_free=v_free)
   b, h, wg = cta.b, cta.head, cta.wg
   pingpong = _PingPong(sched)
 
@@ -600,8 +658,9 @@ def _fwd_kernel(*refs, q_smem, k_ring, v_ring, stage, lse_smem, v_mean_smem, q_r
       slot = cta.slot(kb, stages)
       k_stream.acquire(slot)
       s = mma.product(q_tile, k_ring.at[slot].T, (bq, bk), while_running=pingpong.sync)
-      k_stream.release(slot)
       s = s * (p.scale * _LOG2E)  # base-2 logits: exp2 is the native instruction.
+      s = _add_pair(s, pair_ring, slot, wg * bq)
+      k_stream.release(slot)
       if masked:
         keep = _kept(p, (bq, bk), q0, kb * bk, cta.s_eff, rows_are_queries=True)
         s = jnp.where(keep, s, -jnp.inf)
@@ -667,26 +726,35 @@ def _lengths_args(p: _Problem, q_len: Any, kv_len: Any) -> list[jax.Array]:
   return ([q_len] if p.has_q_len else []) + ([kv_len] if p.has_kv_len else [])
 
 
+def _pair_ring(p: _Problem, stages: int, rows: int, cols: int) -> Any:
+  """SMEM ring of bias/mask tiles (None without them)."""
+  if not p.has_pair:
+    return None
+  return plgpu.SMEM((stages, rows, cols), p.dtype, transforms=_tiled(p.dtype, cols))
+
+
 @functools.partial(jax.jit, static_argnames=("p", "c", "interpret"))
-def _fwd(query, key, value, q_len, kv_len, *, p: _Problem, c: PallasMosaicGpuAttentionConfig,
-         interpret: bool):
+def _fwd(query, key, value, bias, mask, q_len, kv_len, *, p: _Problem,
+         c: PallasMosaicGpuAttentionConfig, interpret: bool):
   b, _, n, h = query.shape
   num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q, c.block_kv, c.num_stages
   t_pad, s_pad = _round_up(p.t, num_wgs * bq), _round_up(p.s, bk)
   q, k, v = _pad_seq(query, t_pad), _pad_seq(key, s_pad), _pad_seq(value, s_pad)
-  args = [q, k, v, *_lengths_args(p, q_len, kv_len)]
+  pair = _pair_tiles(bias, mask, p, t_pad, s_pad)
+  args = [q, k, v, *([pair] if p.has_pair else []), *_lengths_args(p, q_len, kv_len)]
   if p.may_fully_mask:
     args.append(jnp.mean(value.astype(jnp.float32), axis=1))  # (B, K, H)
   scratch = dict(
       q_smem=plgpu.SMEM((num_wgs, bq, h), p.dtype, transforms=_tiled(p.dtype, h)),
       k_ring=plgpu.SMEM((stages, bk, h), p.dtype, transforms=_tiled(p.dtype, h)),
       v_ring=plgpu.SMEM((stages, bk, h), p.dtype, transforms=_tiled(p.dtype, h)),
+      pair_ring=_pair_ring(p, stages, num_wgs * bq, bk),
       stage=(plgpu.SMEM((num_wgs, bq, bk), p.dtype, transforms=_tiled(p.dtype, bk))
              if interpret else None),
       lse_smem=plgpu.SMEM((num_wgs, bq), jnp.float32),
       v_mean_smem=plgpu.SMEM((num_wgs, h), jnp.float32) if p.may_fully_mask else None,
       q_ready=_barrier(num_wgs, 2 if p.may_fully_mask else 1),
-      k_ready=_barrier(stages), v_ready=_barrier(stages),
+      k_ready=_barrier(stages, 1 + p.has_pair), v_ready=_barrier(stages),
       k_free=_barrier(stages, num_wgs), v_free=_barrier(stages, num_wgs),
       sched=_barrier(1, 2) if c.schedule_barrier else None,
   )
@@ -707,7 +775,8 @@ def _fwd(query, key, value, q_len, kv_len, *, p: _Problem, c: PallasMosaicGpuAtt
   return out[:, :p.t], lse[:, :, :p.t]
 
 
-def attention_fwd_pallas_mosaic_gpu(query, key, value, *, scale: float | None = None,
+def attention_fwd_pallas_mosaic_gpu(query, key, value, bias=None, mask=None, *,
+                                    scale: float | None = None,
                                     is_causal: bool = False, query_seq_lengths=None,
                                     key_value_seq_lengths=None, local_window_size=None,
                                     block_q: int, block_kv: int, num_compute_wgs: int,
@@ -719,6 +788,9 @@ def attention_fwd_pallas_mosaic_gpu(query, key, value, *, scale: float | None = 
     query: (B, T, N, H) bfloat16 or float16; H in (64, 128, 256).
     key: (B, S, K, H), same dtype; N must be a multiple of K.
     value: (B, S, K, H), same dtype.
+    bias: optional float array broadcastable to (B, N, T, S), 4-D, added to the scaled
+      logits (rounded to query's dtype in the kernel).
+    mask: optional bool array broadcastable to (B, N, T, S), 4-D; True keeps a position.
     scale: logit scale; default 1 / sqrt(H).
     is_causal: keep only keys j <= query position i.
     query_seq_lengths: optional (B,) int32; output rows at or past it are zero.
@@ -742,9 +814,9 @@ def attention_fwd_pallas_mosaic_gpu(query, key, value, *, scale: float | None = 
                                      num_compute_wgs=num_compute_wgs, num_stages=num_stages,
                                      schedule_barrier=schedule_barrier)
   p = _make_problem(query, key, value, scale, is_causal, local_window_size,
-                    query_seq_lengths, key_value_seq_lengths)
-  return _fwd(query, key, value, query_seq_lengths, key_value_seq_lengths, p=p, c=c,
-              interpret=bool(interpret))
+                    query_seq_lengths, key_value_seq_lengths, bias, mask)
+  return _fwd(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths, p=p,
+              c=c, interpret=bool(interpret))
 
 
 # --------------------------------------------------------------------------------------
@@ -752,17 +824,17 @@ def attention_fwd_pallas_mosaic_gpu(query, key, value, *, scale: float | None = 
 # --------------------------------------------------------------------------------------
 
 
-def _dq_kernel(*refs, q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, stage,
-               rows_ready, k_ready, v_ready, k_free, v_free, p: _Problem,
+def _dq_kernel(*refs, q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, pair_ring,
+               stage, rows_ready, k_ready, v_ready, k_free, v_free, p: _Problem,
                c: PallasMosaicGpuAttentionVjpConfig, mma: _Mma):
   """dQ of one query tile of one head: the forward's loop with dS = P (dP - delta)."""
-  q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, dq_ref = _present(
-      refs, (True,) * 6 + (p.has_q_len, p.has_kv_len, True))
+  (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, pair_ref, q_len_ref, kv_len_ref,
+   dq_ref) = _present(refs, (True,) * 6 + (p.has_pair, p.has_q_len, p.has_kv_len, True))
   num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q_dq, c.block_kv_dq, c.num_stages
   cta, k_stream, v_stream = _query_tile_cta(
-      p, q_ref, k_ref, v_ref, (q_len_ref, kv_len_ref), num_wgs=num_wgs, bq=bq, bk=bk,
-      k_ring=k_ring, v_ring=v_ring, k_ready=k_ready, v_ready=v_ready, k_free=k_free,
-      v_free=v_free)
+      p, q_ref, k_ref, v_ref, pair_ref, (q_len_ref, kv_len_ref), num_wgs=num_wgs, bq=bq,
+      bk=bk, k_ring=k_ring, v_ring=v_ring, pair_ring=pair_ring, k_ready=k_ready,
+      v_ready=v_ready, k_free=k_free, v_free=v_free)
   b, h, wg = cta.b, cta.head, cta.wg
 
   @pl.when(wg < num_wgs)
@@ -787,7 +859,8 @@ def _dq_kernel(*refs, q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, sta
       dp = mma.product(do_tile, v_ring.at[slot].T, (bq, bk))
       v_stream.release(slot)
       # lse2 is +inf on rows that feed no gradient: probabilities 0 there.
-      probs = jnp.exp2(s * (p.scale * _LOG2E) - _rows(lse2, s.shape))
+      s = _add_pair(s * (p.scale * _LOG2E), pair_ring, slot, wg * bq)
+      probs = jnp.exp2(s - _rows(lse2, s.shape))
       if masked:
         keep = _kept(p, (bq, bk), q0, kb * bk, cta.s_eff, rows_are_queries=True)
         probs = jnp.where(keep, probs, 0.0)
@@ -814,14 +887,15 @@ def _dq_kernel(*refs, q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, sta
 
 
 def _dkdv_kernel(*refs, k_smem, v_smem, dv0_smem, q_ring, do_ring, lse_ring, delta_ring,
-                 stage, kv_ready, ready, free, p: _Problem, c: PallasMosaicGpuAttentionVjpConfig,
-                 mma: _Mma, grads: tuple[str, ...]):
+                 pair_ring, stage, kv_ready, ready, free, p: _Problem,
+                 c: PallasMosaicGpuAttentionVjpConfig, mma: _Mma, grads: tuple[str, ...]):
   """dK and/or dV (`grads`) of one key tile per compute warpgroup, summed over the group."""
   want_dk, want_dv = "dk" in grads, "dv" in grads
   with_dv0 = want_dv and p.may_fully_mask
-  (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, dv0_ref,
-   *out_refs) = _present(refs, (True,) * 6 + (p.has_q_len, p.has_kv_len, with_dv0)
-                         + (True,) * len(grads))
+  (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, pair_t_ref, q_len_ref, kv_len_ref,
+   dv0_ref, *out_refs) = _present(
+       refs, (True,) * 6 + (p.has_pair, p.has_q_len, p.has_kv_len, with_dv0)
+       + (True,) * len(grads))
   num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q_dkv, c.block_kv_dkv, c.num_stages
   b, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   t_eff, s_eff = _lengths(p, q_len_ref, kv_len_ref, b)
@@ -837,7 +911,13 @@ def _dkdv_kernel(*refs, k_smem, v_smem, dv0_smem, q_ring, do_ring, lse_ring, del
     head = kv_head * p.group + g
     rows, vec = (b, pl.ds(q0, bq), head), (b, head, pl.ds(q0, bq))
     tiles = [(q_ref.at[rows], q_ring), (do_ref.at[rows], do_ring), (lse2_ref.at[vec], lse_ring)]
-    return tiles + ([(delta_ref.at[vec], delta_ring)] if want_dk else [])
+    if want_dk:
+      tiles.append((delta_ref.at[vec], delta_ring))
+    if pair_t_ref is not None:
+      # The transposed bias/mask tile of the CTA's keys and these query rows.
+      keys = pl.ds(cta_k0, num_wgs * bk)
+      tiles.append((pair_t_ref.at[(*p.pair_index(b, head), keys, pl.ds(q0, bq))], pair_ring))
+    return tiles
 
   stream = _Stream(sources, ready, free)
 
@@ -859,8 +939,9 @@ def _dkdv_kernel(*refs, k_smem, v_smem, dv0_smem, q_ring, do_ring, lse_ring, del
       slot = lax.rem(i, stages)
       stream.acquire(slot)
       s_t = mma.product(k_tile, q_ring.at[slot].T, (bk, bq))
+      s_t = _add_pair(s_t * (p.scale * _LOG2E), pair_ring, slot, wg * bk)
       lse2 = plgpu.load(lse_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-      p_t = jnp.exp2(s_t * (p.scale * _LOG2E) - _cols(lse2, s_t.shape))
+      p_t = jnp.exp2(s_t - _cols(lse2, s_t.shape))
       if masked:
         keep = _kept(p, (bk, bq), k0, (i - base) * bq, s_eff, rows_are_queries=False)
         p_t = jnp.where(keep, p_t, 0.0)
@@ -907,7 +988,7 @@ def _dkdv_kernel(*refs, k_smem, v_smem, dv0_smem, q_ring, do_ring, lse_ring, del
     _produce([stream], p.group * per_head, stages)
 
 
-def _dq_call(q, k, v, do, lse2, delta, lengths, *, p: _Problem,
+def _dq_call(q, k, v, do, lse2, delta, pair, lengths, *, p: _Problem,
              c: PallasMosaicGpuAttentionVjpConfig, interpret: bool):
   b, t_pad, n, h = q.shape
   num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q_dq, c.block_kv_dq, c.num_stages
@@ -917,11 +998,11 @@ def _dq_call(q, k, v, do, lse2, delta, lengths, *, p: _Problem,
       q_smem=rows_tile, do_smem=rows_tile,
       lse_smem=plgpu.SMEM((num_wgs, bq), jnp.float32),
       delta_smem=plgpu.SMEM((num_wgs, bq), jnp.float32),
-      k_ring=ring, v_ring=ring,
+      k_ring=ring, v_ring=ring, pair_ring=_pair_ring(p, stages, num_wgs * bq, bk),
       stage=(plgpu.SMEM((num_wgs, bq, bk), p.dtype, transforms=_tiled(p.dtype, bk))
              if interpret else None),
       rows_ready=_barrier(num_wgs, 4),
-      k_ready=_barrier(stages), v_ready=_barrier(stages),
+      k_ready=_barrier(stages, 1 + p.has_pair), v_ready=_barrier(stages),
       k_free=_barrier(stages, num_wgs), v_free=_barrier(stages, num_wgs),
   )
   kernel = functools.partial(_dq_kernel, p=p, c=c, mma=_Mma(staged=interpret))
@@ -936,10 +1017,10 @@ def _dq_call(q, k, v, do, lse2, delta, lengths, *, p: _Problem,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=_interpret_params(interpret),
       kernel_name="stellarax_attention_bwd_dq",
-  )(q, k, v, do, lse2, delta, *lengths)
+  )(q, k, v, do, lse2, delta, *([pair] if p.has_pair else []), *lengths)
 
 
-def _dkdv_call(q, k, v, do, lse2, delta, lengths, dv0, *, grads: tuple[str, ...],
+def _dkdv_call(q, k, v, do, lse2, delta, pair_t, lengths, dv0, *, grads: tuple[str, ...],
                p: _Problem, c: PallasMosaicGpuAttentionVjpConfig, interpret: bool):
   b, t_pad, _, h = q.shape
   s_pad, kh = k.shape[1], k.shape[2]
@@ -953,10 +1034,11 @@ def _dkdv_call(q, k, v, do, lse2, delta, lengths, dv0, *, grads: tuple[str, ...]
       k_smem=keys_tile, v_smem=keys_tile if want_dk else None,
       dv0_smem=plgpu.SMEM((num_wgs, h), jnp.float32) if with_dv0 else None,
       q_ring=ring, do_ring=ring, lse_ring=vec_ring, delta_ring=vec_ring if want_dk else None,
+      pair_ring=_pair_ring(p, stages, num_wgs * bk, bq),
       stage=(plgpu.SMEM((num_wgs, bk, bq), p.dtype, transforms=_tiled(p.dtype, bq))
              if interpret else None),
       kv_ready=_barrier(num_wgs, 1 + want_dk + with_dv0),
-      ready=_barrier(stages, 4 if want_dk else 3),
+      ready=_barrier(stages, 3 + want_dk + p.has_pair),
       free=_barrier(stages, num_wgs),
   )
   kernel = functools.partial(_dkdv_kernel, p=p, c=c, mma=_Mma(staged=interpret), grads=grads)
@@ -973,12 +1055,13 @@ def _dkdv_call(q, k, v, do, lse2, delta, lengths, dv0, *, grads: tuple[str, ...]
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=_interpret_params(interpret),
       kernel_name="stellarax_attention_bwd_" + "".join(grads),
-  )(q, k, v, do, lse2, delta, *lengths, *([dv0] if with_dv0 else []))
+  )(q, k, v, do, lse2, delta, *([pair_t] if p.has_pair else []), *lengths,
+    *([dv0] if with_dv0 else []))
   return dict(zip(grads, outs))
 
 
 @functools.partial(jax.jit, static_argnames=("p", "c", "interpret"))
-def _bwd(query, key, value, out, lse, dout, q_len, kv_len, *, p: _Problem,
+def _bwd(query, key, value, bias, mask, out, lse, dout, q_len, kv_len, *, p: _Problem,
          c: PallasMosaicGpuAttentionVjpConfig, interpret: bool):
   # An elementwise product and sum, not a dot: exact float32 (no TF32) on every backend.
   delta = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)
@@ -993,14 +1076,18 @@ def _bwd(query, key, value, out, lse, dout, q_len, kv_len, *, p: _Problem,
   delta = _pad_seq(delta, t_pad, axis=2)
   q, do = _pad_seq(query, t_pad), _pad_seq(dout, t_pad)
   k, v = _pad_seq(key, s_pad), _pad_seq(value, s_pad)
-  args = (q, k, v, do, lse2, delta, _lengths_args(p, q_len, kv_len))
+  args = (q, k, v, do, lse2, delta)
+  lengths = _lengths_args(p, q_len, kv_len)
   dv0 = None
   if p.may_fully_mask:
     dv0 = flash_blocks.fully_masked_dv(lse, dout, q_len, num_kv_heads=p.num_kv_heads, s=p.s)
-  dq = _dq_call(*args, p=p, c=c, interpret=interpret)
+  pair = _pair_tiles(bias, mask, p, t_pad, s_pad)
+  pair_t = _pair_tiles(bias, mask, p, t_pad, s_pad, transposed=True)
+  dq = _dq_call(*args, pair, lengths, p=p, c=c, interpret=interpret)
   grads = {}
   for part in ((("dv",), ("dk",)) if c.split_dkdv else (("dk", "dv"),)):
-    grads.update(_dkdv_call(*args, dv0, grads=part, p=p, c=c, interpret=interpret))
+    grads.update(_dkdv_call(*args, pair_t, lengths, dv0, grads=part, p=p, c=c,
+                            interpret=interpret))
   return dq[:, :p.t], grads["dk"][:, :p.s], grads["dv"][:, :p.s]
 
 
@@ -1016,7 +1103,7 @@ def _check_residuals(query, out, lse, dout) -> None:
                      f" attention_fwd_pallas_mosaic_gpu.")
 
 
-def attention_bwd_pallas_mosaic_gpu(query, key, value, out, lse, dout, *,
+def attention_bwd_pallas_mosaic_gpu(query, key, value, bias, mask, out, lse, dout, *,
                                     scale: float | None = None, is_causal: bool = False,
                                     query_seq_lengths=None, key_value_seq_lengths=None,
                                     local_window_size=None, block_q_dkv: int,
@@ -1027,10 +1114,11 @@ def attention_bwd_pallas_mosaic_gpu(query, key, value, out, lse, dout, *,
 
   Gradients match jax.vjp of jax.nn.dot_product_attention, rows that keep no key
   (mean(V) in the forward: dout / S to every dV row) and rows past the query length
-  (no gradient) included.
+  (no gradient) included. bias is held constant: no bias gradient is returned (the op
+  class gets it from XLA's derivative).
 
   Args:
-    query, key, value: the forward's inputs.
+    query, key, value, bias, mask: the forward's inputs (bias and mask may be None).
     out, lse: the forward's outputs.
     dout: cotangent of out, (B, T, N, H) in query's dtype.
     scale, is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size: the
@@ -1050,10 +1138,10 @@ def attention_bwd_pallas_mosaic_gpu(query, key, value, out, lse, dout, *,
       block_kv_dq=block_kv_dq, num_compute_wgs=num_compute_wgs, num_stages=num_stages,
       split_dkdv=split_dkdv)
   p = _make_problem(query, key, value, scale, is_causal, local_window_size,
-                    query_seq_lengths, key_value_seq_lengths)
+                    query_seq_lengths, key_value_seq_lengths, bias, mask)
   _check_residuals(query, out, lse, dout)
-  return _bwd(query, key, value, out, lse, dout, query_seq_lengths, key_value_seq_lengths,
-              p=p, c=c, interpret=bool(interpret))
+  return _bwd(query, key, value, bias, mask, out, lse, dout, query_seq_lengths,
+              key_value_seq_lengths, p=p, c=c, interpret=bool(interpret))
 
 
 # --------------------------------------------------------------------------------------
@@ -1070,24 +1158,26 @@ def _fits(smem: int, regs: int, num_wgs: int) -> bool:
   return smem <= _SMEM_LIMIT_BYTES and regs + _REGISTER_OVERHEAD <= _COMPUTE_REGISTERS[num_wgs]
 
 
-def _fwd_fits(h: int, e: int, c: dict[str, Any]) -> bool:
+def _fwd_fits(h: int, e: int, c: dict[str, Any], pe: int = 0) -> bool:
+  """Whether a forward config fits an sm_90 SM; pe: bytes per bias/mask element (0: none)."""
   bq, bk, wgs = c["block_q"], c["block_kv"], c["num_compute_wgs"]
-  smem = wgs * bq * (h * e + 4) + c["num_stages"] * 2 * bk * h * e
+  smem = wgs * bq * (h * e + 4) + c["num_stages"] * bk * (2 * h * e + wgs * bq * pe)
   # Accumulator, logits and the 16-bit probabilities are live together.
   regs = _tile_regs(bq, h) + _tile_regs(bq, bk) + _tile_regs(bq, bk, e)
   return _fits(smem, regs, wgs)
 
 
-def _bwd_fits(h: int, e: int, c: dict[str, Any]) -> bool:
+def _bwd_fits(h: int, e: int, c: dict[str, Any], pe: int = 0) -> bool:
+  """Whether a backward config fits an sm_90 SM; pe: bytes per bias/mask element (0: none)."""
   wgs, stages = c["num_compute_wgs"], c["num_stages"]
   bq, bk = c["block_q_dkv"], c["block_kv_dkv"]
-  dkdv_smem = wgs * 2 * bk * h * e + stages * bq * (2 * h * e + 8)
+  dkdv_smem = wgs * 2 * bk * h * e + stages * bq * (2 * h * e + 8 + wgs * bk * pe)
   accumulators = 1 if c["split_dkdv"] else 2
   # Peak live tiles: the accumulators with P^T and dP^T (dS^T and the 16-bit operands
   # replace them), in the dQ kernel the accumulator with P and dP.
   dkdv_regs = accumulators * _tile_regs(bk, h) + 2 * _tile_regs(bk, bq)
   bq2, bk2 = c["block_q_dq"], c["block_kv_dq"]
-  dq_smem = wgs * bq2 * (2 * h * e + 8) + stages * 2 * bk2 * h * e
+  dq_smem = wgs * bq2 * (2 * h * e + 8) + stages * bk2 * (2 * h * e + wgs * bq2 * pe)
   dq_regs = _tile_regs(bq2, h) + 2 * _tile_regs(bq2, bk2)
   return _fits(dkdv_smem, dkdv_regs, wgs) and _fits(dq_smem, dq_regs, wgs)
 
@@ -1124,16 +1214,26 @@ def _clamp_bwd(c: dict[str, Any], t: int, s: int) -> dict[str, Any]:
           "block_kv_dq": min(c["block_kv_dq"], _round_up(s, 64))}
 
 
-def _fwd_heuristic(t: int, s: int, h: int) -> dict[str, Any]:
+def _first_fitting(candidates: Sequence[dict[str, Any]], fits: Callable[[dict], bool]):
+  """The first candidate config that fits (the last is small enough for any problem)."""
+  return next((c for c in candidates if fits(c)), candidates[-1])
+
+
+def _fwd_heuristic(t: int, s: int, h: int, e: int = 2, pe: int = 0) -> dict[str, Any]:
   # Two ping-ponging warpgroups of 64 rows; the key block is the largest whose
   # logits, probabilities and accumulator stay in registers, with K/V double-buffered.
+  # Bias/mask tiles take shared memory: then smaller key blocks, or one warpgroup.
   bk, stages = {64: (128, 3), 128: (128, 2), 256: (64, 2)}[h]
   c = dict(block_q=64, block_kv=bk, num_compute_wgs=2, num_stages=stages,
            schedule_barrier=True)
+  small = dict(block_q=64, block_kv=64, num_compute_wgs=1, num_stages=2,
+               schedule_barrier=False)
+  c = _first_fitting([c, {**c, "block_kv": 64, "num_stages": 2}, small],
+                     lambda c: _fwd_fits(h, e, c, pe))
   return _clamp_fwd(c, t, s)
 
 
-def _bwd_heuristic(t: int, s: int, h: int) -> dict[str, Any]:
+def _bwd_heuristic(t: int, s: int, h: int, e: int = 2, pe: int = 0) -> dict[str, Any]:
   if h == 256:
     # Two 64x256 float32 accumulators need 256 registers a thread: split dK from dV,
     # and one compute warpgroup so that the 256-wide tiles fit in shared memory.
@@ -1143,16 +1243,21 @@ def _bwd_heuristic(t: int, s: int, h: int) -> dict[str, Any]:
     c = dict(block_q_dkv=64, block_kv_dkv=64, block_q_dq=64,
              block_kv_dq=128 if h == 64 else 64, num_compute_wgs=2, num_stages=2,
              split_dkdv=False)
+  small = dict(block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64,
+               num_compute_wgs=1, num_stages=2, split_dkdv=True)
+  c = _first_fitting([c, small], lambda c: _bwd_fits(h, e, c, pe))
   return _clamp_bwd(c, t, s)
 
 
-def heuristic_tunables(query: Any, key: Any, *, backward: bool = False) -> dict[str, Any]:
+def heuristic_tunables(query: Any, key: Any, *, backward: bool = False,
+                       with_pair: bool = False) -> dict[str, Any]:
   """Returns a good config for attention_{fwd,bwd}_pallas_mosaic_gpu without measuring.
 
   Args:
     query: (B, T, N, H) array or jax.ShapeDtypeStruct.
     key: (B, S, K, H) array or jax.ShapeDtypeStruct.
     backward: config for the backward.
+    with_pair: the call has a bias or mask (their tiles take shared memory).
 
   Returns:
     Keyword arguments for the matching wrapper; they pass check_{fwd,bwd}_tunables.
@@ -1160,8 +1265,9 @@ def heuristic_tunables(query: Any, key: Any, *, backward: bool = False) -> dict[
   Raises:
     ValueError: if the head dim or dtype is unsupported.
   """
-  t, s, h, _ = _problem_of(query, key)
-  return _bwd_heuristic(t, s, h) if backward else _fwd_heuristic(t, s, h)
+  t, s, h, e = _problem_of(query, key)
+  pe = e if with_pair else 0
+  return _bwd_heuristic(t, s, h, e, pe) if backward else _fwd_heuristic(t, s, h, e, pe)
 
 
 def _unique(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -1174,20 +1280,20 @@ def _unique(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
   return out
 
 
-def _fwd_space(t: int, s: int, h: int, e: int) -> list[dict[str, Any]]:
-  configs = [_fwd_heuristic(t, s, h)]
+def _fwd_space(t: int, s: int, h: int, e: int, pe: int) -> list[dict[str, Any]]:
+  configs = [_fwd_heuristic(t, s, h, e, pe)]
   for bq, bk, wgs, stages in itertools.product(_BLOCK_Q_CHOICES, _BLOCK_KV_CHOICES,
                                                _NUM_COMPUTE_WGS_CHOICES, (2, 3, 4)):
     for sched in ((False, True) if wgs == 2 else (False,)):
       c = dict(block_q=bq, block_kv=bk, num_compute_wgs=wgs, num_stages=stages,
                schedule_barrier=sched)
-      if _fwd_fits(h, e, c):
+      if _fwd_fits(h, e, c, pe):
         configs.append(_clamp_fwd(c, t, s))
   return _unique(configs)
 
 
-def _bwd_space(t: int, s: int, h: int, e: int) -> list[dict[str, Any]]:
-  configs = [_bwd_heuristic(t, s, h)]
+def _bwd_space(t: int, s: int, h: int, e: int, pe: int) -> list[dict[str, Any]]:
+  configs = [_bwd_heuristic(t, s, h, e, pe)]
   dkdv_tiles = ((64, 64), (128, 64), (64, 128))  # (block_q_dkv, block_kv_dkv)
   dq_tiles = ((64, 64), (64, 128), (128, 64))  # (block_q_dq, block_kv_dq)
   for (bq, bk), (bq2, bk2), wgs, stages in itertools.product(
@@ -1197,13 +1303,14 @@ def _bwd_space(t: int, s: int, h: int, e: int) -> list[dict[str, Any]]:
     # Splitting dK from dV recomputes S^T; it pays only where the two accumulators do
     # not fit in registers together.
     for c in (c, {**c, "split_dkdv": True}):
-      if _bwd_fits(h, e, c):
+      if _bwd_fits(h, e, c, pe):
         configs.append(_clamp_bwd(c, t, s))
         break
   return _unique(configs)
 
 
-def tunable_space(query: Any, key: Any, *, backward: bool = False) -> list[dict[str, Any]]:
+def tunable_space(query: Any, key: Any, *, backward: bool = False,
+                  with_pair: bool = False) -> list[dict[str, Any]]:
   """Returns the configs worth measuring for this shape, the heuristic one first.
 
   Configs whose estimated shared memory or registers exceed an sm_90 SM are left out;
@@ -1213,6 +1320,7 @@ def tunable_space(query: Any, key: Any, *, backward: bool = False) -> list[dict[
     query: (B, T, N, H) array or jax.ShapeDtypeStruct.
     key: (B, S, K, H) array or jax.ShapeDtypeStruct.
     backward: configs for the backward.
+    with_pair: the call has a bias or mask (their tiles take shared memory).
 
   Returns:
     A list of distinct configs (dicts of keyword arguments), about 10 to 40 for long
@@ -1221,8 +1329,9 @@ def tunable_space(query: Any, key: Any, *, backward: bool = False) -> list[dict[
   Raises:
     ValueError: if the head dim or dtype is unsupported.
   """
-  problem = _problem_of(query, key)
-  return _bwd_space(*problem) if backward else _fwd_space(*problem)
+  t, s, h, e = _problem_of(query, key)
+  pe = e if with_pair else 0
+  return _bwd_space(t, s, h, e, pe) if backward else _fwd_space(t, s, h, e, pe)
 
 
 # --------------------------------------------------------------------------------------
@@ -1232,10 +1341,6 @@ def tunable_space(query: Any, key: Any, *, backward: bool = False) -> list[dict[
 
 def _check_supported(arguments: dict[str, Any]) -> None:
   """Raises NotImplementedError for inputs the kernels do not handle (dispatch falls back)."""
-  for name in ("bias", "mask"):
-    if arguments.get(name) is not None:
-      raise NotImplementedError(f"the Mosaic GPU attention kernels do not support {name} yet;"
-                                f" use another implementation (pallas_triton, xla).")
   window = arguments.get("local_window_size")
   if window is not None and min(window) < 0:
     raise NotImplementedError(f"local_window_size={window} has a negative side; the kernels"
@@ -1252,8 +1357,12 @@ def _check_supported(arguments: dict[str, Any]) -> None:
                               f" supported.")
 
 
-def _structs(ba: Any) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
-  return ba.arguments["query"].to_shape_dtype_struct(), ba.arguments["key"].to_shape_dtype_struct()
+def _shape_of(ba: Any) -> tuple[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct], dict]:
+  """(query, key) structs and the keyword arguments of the tunables functions."""
+  a = ba.arguments
+  with_pair = a["bias"] is not None or a["mask"] is not None
+  structs = a["query"].to_shape_dtype_struct(), a["key"].to_shape_dtype_struct()
+  return structs, dict(with_pair=with_pair)
 
 
 def _static_options(static: dict[str, Any]) -> dict[str, Any]:
@@ -1268,7 +1377,8 @@ def _static_options(static: dict[str, Any]) -> dict[str, Any]:
 class PallasMosaicGpuAttentionVjp(pallas_common.PallasMosaicGpuOp, _base.AttentionVjp,
                                   name="attention.pallas_mosaic_gpu_vjp"):
   """Flash attention backward in Pallas Mosaic GPU (dQ, dK, dV) from the forward's
-  log-sum-exp; bias is not supported, so there is no bias gradient."""
+  log-sum-exp. A bias gradient, when a bias is given, comes from XLA's derivative (dead
+  code that XLA drops when the bias is a constant)."""
 
   config_cls = PallasMosaicGpuAttentionVjpConfig
 
@@ -1279,25 +1389,29 @@ class PallasMosaicGpuAttentionVjp(pallas_common.PallasMosaicGpuOp, _base.Attenti
 
   def _fwd(self, residuals, out, dout, query, key, value, bias=None, mask=None, *, config,
            **static):
-    del bias, mask  # None: _canonicalize rejects them.
     (lse,) = residuals
     dq, dk, dv = attention_bwd_pallas_mosaic_gpu(
-        query, key, value, out, lse, dout.astype(query.dtype), **_static_options(static),
-        interpret=self.interpret, **pallas_common.tunables_of(config))
-    return {"query": dq, "key": dk, "value": dv}
+        query, key, value, bias, mask, out, lse, dout.astype(query.dtype),
+        **_static_options(static), interpret=self.interpret,
+        **pallas_common.tunables_of(config))
+    primals = dict(query=query, key=key, value=value, bias=bias, mask=mask, **static)
+    return {"query": dq, "key": dk, "value": dv, **_base.bias_gradient_by_xla(primals, dout)}
 
   def _get_heuristics_config(self, ba):
-    return PallasMosaicGpuAttentionVjpConfig(**heuristic_tunables(*_structs(ba), backward=True))
+    structs, kw = _shape_of(ba)
+    return PallasMosaicGpuAttentionVjpConfig(**heuristic_tunables(*structs, backward=True, **kw))
 
   def _get_autotuning_configs(self, ba):
-    return pallas_common.configs_from_tunables(PallasMosaicGpuAttentionVjpConfig,
-                                               tunable_space(*_structs(ba), backward=True))
+    structs, kw = _shape_of(ba)
+    return pallas_common.configs_from_tunables(
+        PallasMosaicGpuAttentionVjpConfig, tunable_space(*structs, backward=True, **kw))
 
 
 class PallasMosaicGpuAttention(pallas_common.PallasMosaicGpuOp, _base.Attention,
                                name="attention.pallas_mosaic_gpu"):
   """Flash attention forward in Pallas Mosaic GPU for Hopper (TMA, wgmma, a memory
-  warpgroup, ping-pong compute warpgroups, causal block skipping, GQA by index)."""
+  warpgroup, ping-pong compute warpgroups, block skipping for causal masks, local
+  windows and sequence lengths, GQA by index, bias and masks streamed as tiles)."""
 
   config_cls = PallasMosaicGpuAttentionConfig
   vjp_cls = PallasMosaicGpuAttentionVjp
@@ -1308,15 +1422,16 @@ class PallasMosaicGpuAttention(pallas_common.PallasMosaicGpuOp, _base.Attention,
     return arguments
 
   def _fwd(self, query, key, value, bias=None, mask=None, *, config, **static):
-    del bias, mask  # None: _canonicalize rejects them.
     out, lse = attention_fwd_pallas_mosaic_gpu(
-        query, key, value, **_static_options(static), interpret=self.interpret,
+        query, key, value, bias, mask, **_static_options(static), interpret=self.interpret,
         **pallas_common.tunables_of(config))
     return out, (lse,)
 
   def _get_heuristics_config(self, ba):
-    return PallasMosaicGpuAttentionConfig(**heuristic_tunables(*_structs(ba)))
+    structs, kw = _shape_of(ba)
+    return PallasMosaicGpuAttentionConfig(**heuristic_tunables(*structs, **kw))
 
   def _get_autotuning_configs(self, ba):
+    structs, kw = _shape_of(ba)
     return pallas_common.configs_from_tunables(PallasMosaicGpuAttentionConfig,
-                                               tunable_space(*_structs(ba)))
+                                               tunable_space(*structs, **kw))

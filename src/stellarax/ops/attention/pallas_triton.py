@@ -921,10 +921,8 @@ def tunable_space(query: Any, key: Any, *,
 # Op classes: attention.pallas_triton and its VJP.
 
 from stellarax.core.config import check_power_of_two, config_dataclass  # noqa: E402
-from stellarax.ops import common as _common  # noqa: E402
 from stellarax.ops import pallas_common  # noqa: E402
 from stellarax.ops.attention import base as _base  # noqa: E402
-from stellarax.ops.attention import xla as _xla  # noqa: E402
 
 
 def _check_warps_stages(num_warps, num_stages):
@@ -996,11 +994,8 @@ class PallasTritonAttentionVjp(pallas_common.PallasTritonOp, _base.AttentionVjp,
     dq, dk, dv = attention_bwd_pallas_triton(
         query, key, value, bias, mask, out, lse, dout.astype(query.dtype), **static,
         interpret=self.interpret, **pallas_common.tunables_of(config))
-    grads = {"query": dq, "key": dk, "value": dv}
-    if bias is not None:
-      primals = dict(query=query, key=key, value=value, bias=bias, mask=mask, **static)
-      grads.update(_common.vjp_by_autodiff(lambda **kw: _xla.attention_xla(**kw)[0], primals, dout, ("bias",)))
-    return grads
+    primals = dict(query=query, key=key, value=value, bias=bias, mask=mask, **static)
+    return {"query": dq, "key": dk, "value": dv, **_base.bias_gradient_by_xla(primals, dout)}
 
   def _get_heuristics_config(self, ba):
     return PallasTritonAttentionVjpConfig(**heuristic_tunables(*_structs(ba), backward=True))
