@@ -173,6 +173,26 @@ def test_drhs_matches_reference(name, config, dtype):
 
 
 @pytest.mark.mosaic_interpret
+def test_split_k_forward_and_dlhs_match_reference():
+  """Split-K: float32 partials of 2 contraction shares summed, awkward groups."""
+  w = WORKLOADS["ragged"]  # K = 128: two shares of one 64-wide step
+  lhs, rhs, dout, sizes = _inputs(w, jnp.bfloat16, seed=6)
+  config = CONFIG_A | dict(split_k=2)
+  out = pm.ragged_dot_pallas_mosaic_gpu(lhs, rhs, sizes, interpret=RACE_CHECK, **config)
+  assert out.shape == (w.m, w.n) and out.dtype == jnp.bfloat16 and _no_races()
+  _assert_close(out, ragged_dot_reference(_f32(lhs), _f32(rhs), sizes), jnp.bfloat16)
+  assert np.all(np.asarray(out[_total_rows(w):], np.float32) == 0.0)
+  small = WORKLOADS["small"]  # the lhs gradient's contraction N = 256: two shares of two steps
+  _, rhs, dout, sizes = _inputs(small, jnp.float16, seed=7)
+  dlhs = pm.ragged_dot_dlhs_pallas_mosaic_gpu(dout, rhs, sizes, interpret=RACE_CHECK,
+                                              preferred_element_type=jnp.float32,
+                                              **(CONFIG_B | dict(split_k=2)))
+  assert dlhs.shape == (small.m, small.k) and dlhs.dtype == jnp.float32 and _no_races()
+  expected = ragged_dot_reference(_f32(dout), jnp.swapaxes(_f32(rhs), 1, 2), sizes)
+  _assert_close(dlhs, expected, jnp.float32)
+
+
+@pytest.mark.mosaic_interpret
 def test_group_sizes_are_runtime_values():
   """One compiled kernel serves different group sizes (they are traced, not static)."""
   w = WORKLOADS["ragged"]
@@ -266,6 +286,7 @@ def test_tile_order_covers_every_tile_once(minor, width, grid_m, grid_n):
     (dict(block_m=64), r"gives each of the 2 compute warpgroups a 32x64 tile"),
     (dict(block_m=192), r"gives each of the 2 compute warpgroups a 96x64 tile"),
     (dict(block_m=256, block_n=256), r"a 128x256 float32 accumulator"),
+    (dict(split_k=3), r"split_k=3 must be a power of two >= 1 and <= 16"),
 ])
 def test_invalid_tunables_are_rejected(changes, message):
   pm.validate_tunables(**CONFIG_A)
@@ -296,6 +317,9 @@ def test_tunables_that_do_not_fit_the_shape_are_rejected():
     pm.ragged_dot_dlhs_pallas_mosaic_gpu(dout, rhs, sizes, **(CONFIG_A | dict(block_k=128)))
   with pytest.raises(ValueError, match=r"block_m=256 must divide the rows K of drhs\[g\]=128"):
     pm.ragged_dot_drhs_pallas_mosaic_gpu(lhs, dout, sizes, w.g, **(CONFIG_A | dict(block_m=256)))
+  with pytest.raises(ValueError, match=r"split_k=4 shares of block_k=64 steps must divide the"
+                                       r" contraction K=128"):
+    pm.ragged_dot_pallas_mosaic_gpu(lhs, rhs, sizes, **(CONFIG_A | dict(split_k=4)))
   big = dict(block_m=256, block_n=128, block_k=128, max_concurrent_steps=5, wg_split="m",
              grid_minor_dim="m", grid_tile_width=8)
   with pytest.raises(ValueError, match=r"need 557056 bytes of shared memory; an H200 CTA has"):
@@ -366,7 +390,7 @@ def test_heuristic_tunables():
   # The G=8 target: 128 x 256 CTA tiles (two 128 x 128 warpgroup tiles), 3 stages.
   assert pm.heuristic_tunables(8192, 4096, 14336, 8, jnp.bfloat16) == dict(
       block_m=128, block_n=256, block_k=64, max_concurrent_steps=3, wg_split="n",
-      grid_minor_dim="m", grid_tile_width=8)
+      grid_minor_dim="m", grid_tile_width=8, split_k=1)
   # A float32 output tile takes more shared memory: fewer stages.
   wide = pm.heuristic_tunables(8192, 4096, 14336, 8, jnp.bfloat16, out_dtype=jnp.float32)
   assert wide["max_concurrent_steps"] == 2
@@ -380,6 +404,21 @@ def test_heuristic_tunables():
     pm.heuristic_tunables(64, 64, 64, 2, jnp.bfloat16, product="backward")
   with pytest.raises(ValueError, match=r"g=0 must be a positive int"):
     pm.tunable_space(64, 64, 64, 0, jnp.bfloat16)
+
+
+def test_split_k_where_the_output_has_few_tiles():
+  """Outputs of fewer tiles than an H200 has SMs share the contraction; the targets and
+  wide decode outputs (N=14336 gives hundreds of tiles) do not."""
+  few = pm.heuristic_tunables(512, 1024, 512, 4, jnp.bfloat16)  # 8 tiles, 16 steps
+  assert few["split_k"] == 8 and few["max_concurrent_steps"] >= 2
+  pm.check_tunables_fit(few, k=1024, n=512, product="forward")
+  space = pm.tunable_space(512, 1024, 512, 4, jnp.bfloat16)
+  assert {c["split_k"] for c in space} >= {1, 4, 8}
+  # The backward's split is the lhs gradient's: its contraction is N.
+  back = pm.heuristic_tunables(512, 1024, 512, 4, jnp.bfloat16, product="backward")
+  assert back["split_k"] > 1 and 512 % (back["block_k"] * back["split_k"]) == 0
+  for shape in [(8192, 4096, 14336, 8), (16384, 2048, 1536, 64), (128, 4096, 14336, 8)]:
+    assert pm.heuristic_tunables(*shape, jnp.bfloat16)["split_k"] == 1, shape
 
 
 # ---------------------------------------------------------------------- lowering
@@ -406,9 +445,24 @@ def test_kernels_lower_for_h200(kernel, m, k, n, g):
       "drhs": (functools.partial(pm.ragged_dot_drhs_pallas_mosaic_gpu, num_groups=g),
                (lhs, dout, sizes)),
   }[kernel]
+  if kernel == "drhs":
+    del tunables["split_k"]  # It splits the lhs gradient only.
   text = _lower_for_h200(functools.partial(fn, **tunables), *args)
   assert text.count(f"stablehlo.custom_call @{MOSAIC_GPU_TARGET}") == 1
   assert f"ragged_dot_{kernel}" in text
+
+
+def test_split_k_lowers_for_h200():
+  """A decode-sized problem's split forward: 4 shares of float32 partials, one kernel."""
+  m, k, n, g = 256, 2048, 512, 4
+  tunables = pm.heuristic_tunables(m, k, n, g, jnp.bfloat16)
+  assert tunables["split_k"] > 1
+  text = _lower_for_h200(functools.partial(pm.ragged_dot_pallas_mosaic_gpu, **tunables),
+                         jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+                         jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16),
+                         jax.ShapeDtypeStruct((g,), jnp.int32))
+  assert text.count(f"stablehlo.custom_call @{MOSAIC_GPU_TARGET}") == 1
+  assert f"tensor<{tunables['split_k']}x256x512xf32>" in text
 
 
 def test_op_forward_and_backward_lower_for_h200():

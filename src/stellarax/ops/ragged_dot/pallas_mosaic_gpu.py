@@ -89,6 +89,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from stellarax.core.config import check_choice, check_power_of_two
+from stellarax.ops.ragged_dot import split_k as _splits
 from stellarax.ops.ragged_dot.reference import (
     check_group_sizes,
     check_ragged_dot_shapes,
@@ -123,7 +124,7 @@ _INTERPRET_PROGRAMS = 2
 _ROW_ALIGN = 8
 _MAX_SPACE = 60
 _TUNABLE_NAMES = ("block_m", "block_n", "block_k", "max_concurrent_steps", "wg_split",
-                  "grid_minor_dim", "grid_tile_width")
+                  "grid_minor_dim", "grid_tile_width", "split_k")
 
 
 # --------------------------------------------------------------------------- configs
@@ -142,7 +143,8 @@ def _wg_tile(block_m: int, block_n: int, wg_split: str) -> tuple[int, int]:
 
 
 def validate_tunables(*, block_m: int, block_n: int, block_k: int, max_concurrent_steps: int,
-                      wg_split: str, grid_minor_dim: str, grid_tile_width: int) -> None:
+                      wg_split: str, grid_minor_dim: str, grid_tile_width: int,
+                      split_k: int = 1) -> None:
   """Checks the tunables of the three ragged_dot Mosaic GPU kernels.
 
   Args:
@@ -154,6 +156,9 @@ def validate_tunables(*, block_m: int, block_n: int, block_k: int, max_concurren
     grid_minor_dim: "m" or "n": the tile-grid dimension that varies fastest within
       a band of `grid_tile_width` tiles (L2 locality; see `plgpu.planar_snake`).
     grid_tile_width: width of those bands, a power of two in [1, 64].
+    split_k: CTAs that share one output tile's contraction in the forward and
+      lhs-gradient kernels (split-K: each writes a float32 partial, XLA sums them), a
+      power of two in [1, 16]; the rhs-gradient kernel does not split.
 
   Raises:
     ValueError: naming the first tunable the kernels cannot use, what was given and
@@ -176,6 +181,7 @@ def validate_tunables(*, block_m: int, block_n: int, block_k: int, max_concurren
   check_choice("wg_split", wg_split, WG_SPLITS)
   check_choice("grid_minor_dim", grid_minor_dim, GRID_MINOR_DIMS)
   check_power_of_two("grid_tile_width", grid_tile_width, maximum=MAX_GRID_TILE_WIDTH)
+  check_power_of_two("split_k", split_k, minimum=1, maximum=_splits.MAX_SPLIT)
   wm, wn = _wg_tile(block_m, block_n, wg_split)
   if wm % 64 or wn % 64:
     raise ValueError(
@@ -224,6 +230,7 @@ def check_tunables_fit(tunables: dict[str, Any], *, k: int, n: int, product: str
   """
   check_choice("product", product, (*_TILED_DIMS, "backward"))
   products = ("dlhs", "drhs") if product == "backward" else (product,)
+  split = tunables.get("split_k", 1)
   for name in products:
     for block_name, label, axis in _TILED_DIMS[name]:
       block, dim = tunables[block_name], (k, n)[axis]
@@ -231,6 +238,13 @@ def check_tunables_fit(tunables: dict[str, Any], *, k: int, n: int, product: str
         raise ValueError(
             f"{block_name}={block} must divide the {label}={dim} of the {name} product (TMA "
             f"tiles must not run past the arrays). Pick a {block_name} that divides {dim}.")
+      if block_name == "block_k" and split > 1 and dim % (block * split):
+        raise ValueError(
+            f"split_k={split} shares of block_k={block} steps must divide the {label}={dim}"
+            f" of the {name} product. Pick a split_k whose shares divide {dim // block}"
+            f" steps.")
+  if split > 1 and product != "drhs":
+    out_itemsize = max(out_itemsize, 4)  # The epilogue stores float32 partials.
   used = _smem_bytes(**{key: tunables[key] for key in ("block_m", "block_n", "block_k",
                                                       "max_concurrent_steps")},
                     out_itemsize=out_itemsize)
@@ -287,7 +301,8 @@ def heuristic_tunables(m: int, k: int, n: int, g: int, dtype: Any, *, product: s
   holds; block_m drops to 64 when groups average fewer than 128 rows (each group
   wastes part of a tile), and block_n to the largest of 256, 128, 64 that divides
   the output columns. Tiles run in bands of 8 m-tiles (L2 reuse of lhs rows and rhs
-  columns).
+  columns). Outputs with fewer tiles than an H200 has SMs (decode-sized M) split the
+  contraction (split_k, see split_k.split_choices).
 
   Args:
     m, k, n, g: the problem (lhs (M, K), rhs (G, K, N)).
@@ -321,8 +336,22 @@ def heuristic_tunables(m: int, k: int, n: int, g: int, dtype: Any, *, product: s
   block_m = 128 if m // g >= 128 or block_n == 64 else 64
   tiles = dict(block_m=block_m, block_n=block_n, block_k=64,
                wg_split="n" if block_n >= 128 else "m", grid_minor_dim="m", grid_tile_width=8)
+  tiles["split_k"] = _split_choices(m, k, n, g, tiles, product)[0]
+  if tiles["split_k"] > 1:
+    out_itemsize = 4  # float32 partials
   tiles["max_concurrent_steps"] = _deepest_pipeline(tiles, out_itemsize, cap=4)
   return {name: tiles[name] for name in _TUNABLE_NAMES}
+
+
+def _split_choices(m: int, k: int, n: int, g: int, tiles: dict[str, Any],
+                   product: str) -> list[int]:
+  """split_k worth trying for a tiling, the guess first (see split_k.split_choices):
+  only splits whose shares divide the contraction. The backward's split applies to
+  its lhs gradient (output columns K, contraction N)."""
+  cols, contraction = (n, k) if product == "forward" else (k, n)
+  num_tiles = (-(-m // tiles["block_m"]) + g) * (cols // tiles["block_n"])
+  steps = contraction // tiles["block_k"]
+  return [s for s in _splits.split_choices(num_tiles, steps) if steps % s == 0] or [1]
 
 
 def _out_itemsize(product: str, dtype: Any, out_dtype: Any) -> int:
@@ -359,9 +388,11 @@ def tunable_space(m: int, k: int, n: int, g: int, dtype: Any, *, product: str = 
   the average group and at least 128), block_k of 64 or 128, both warpgroup splits;
   every one that divides the shape and fits the registers, with the deepest pipeline
   (up to 6 stages) that fits shared memory, and for 64-wide block_k also one stage
-  less. The heuristic tile also runs with other tile orders (bands of 4 or 16 m-tiles,
-  or n-minor bands). The heuristic config comes first, then the tiles by CTA tile
-  size, largest first (the list is cut there when it grows past 60).
+  less. The heuristic tile also runs with other split-K factors (only where the output
+  has fewer tiles than an H200 has SMs) and other tile orders (bands of 4 or 16
+  m-tiles, or n-minor bands); the other tiles take the heuristic's split where their
+  shares still divide the contraction. The heuristic config comes first, then the
+  tiles by CTA tile size, largest first (the list is cut there when it grows past 60).
 
   Args:
     m, k, n, g: the problem (lhs (M, K), rhs (G, K, N)).
@@ -379,12 +410,20 @@ def tunable_space(m: int, k: int, n: int, g: int, dtype: Any, *, product: str = 
   heuristic = heuristic_tunables(m, k, n, g, dtype, product=product, out_dtype=out_dtype)
   out_itemsize = _out_itemsize(product, dtype, out_dtype)
   space = [heuristic]
+  # The heuristic tile with the other splits (where the output has few tiles).
+  for split in _split_choices(m, k, n, g, heuristic, product)[1:]:
+    stages = _deepest_pipeline(heuristic, 4 if split > 1 else out_itemsize, cap=4)
+    if stages is not None:
+      space.append(heuristic | dict(split_k=split, max_concurrent_steps=stages))
   for order in (("m", 4), ("m", 16), ("n", 4), ("n", 8)):
     space.append(heuristic | dict(grid_minor_dim=order[0], grid_tile_width=order[1]))
   candidates = sorted(_tile_candidates(m, k, n, g, product),
                       key=lambda t: -t["block_m"] * t["block_n"])
   for tiles in candidates:
-    deepest = _deepest_pipeline(tiles, out_itemsize, cap=6)
+    tiles = tiles | dict(split_k=heuristic["split_k"])
+    if heuristic["split_k"] > 1 and _split_choices(m, k, n, g, tiles, product)[0] == 1:
+      tiles["split_k"] = 1  # This tiling leaves the share too small.
+    deepest = _deepest_pipeline(tiles, 4 if tiles["split_k"] > 1 else out_itemsize, cap=6)
     if deepest is None:
       continue
     space.append(tiles | dict(max_concurrent_steps=deepest))
@@ -509,6 +548,7 @@ class _Tiles:
   wg_split: str
   grid_minor_dim: str
   grid_tile_width: int
+  split_k: int = 1
 
   @property
   def wg_shape(self) -> tuple[int, int]:
@@ -649,23 +689,27 @@ def _forward_mma(tiles: _Tiles, transpose_rhs: bool):
 
 def _forward_kernel(items_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: _Tiles,
                     transpose_rhs: bool):
-  """Persistent loop over (work item, n-tile); see the module docstring.
+  """Persistent loop over (split, work item, n-tile); see the module docstring.
 
-  lhs is (M, C); rhs is (G, C, D), or (G, D, C) with transpose_rhs; out is (M, D).
+  lhs is (M, C); rhs is (G, C, D), or (G, D, C) with transpose_rhs; out is (M, D), or
+  (split_k, M, D) float32 partial sums over the split_k shares of C.
   """
   bm, bn = tiles.block_m, tiles.block_n
   wm, wn = tiles.wg_shape
   num_groups = rhs_gmem.shape[0]
-  num_items, grid_n = items_gmem.shape[1], out_gmem.shape[1] // bn
+  num_items, grid_n = items_gmem.shape[1], out_gmem.shape[-1] // bn
+  share = lhs_gmem.shape[1] // tiles.split_k  # contraction of one split
 
   def pipeline(body, compute_context):
-    return _warp_specialized(body, tiles=tiles, num_steps=lhs_gmem.shape[1] // tiles.block_k,
+    return _warp_specialized(body, tiles=tiles, num_steps=share // tiles.block_k,
                              in_specs=_forward_specs(tiles, lhs_gmem.dtype, transpose_rhs),
                              compute_context=compute_context)
 
-  def rhs_window(group, n0):
-    cols = pl.ds(n0, bn)
-    return rhs_gmem.at[group, cols, :] if transpose_rhs else rhs_gmem.at[group, :, cols]
+  def rhs_window(group, n0, k0):
+    cols, contraction = pl.ds(n0, bn), pl.ds(k0, share)
+    if transpose_rhs:
+      return rhs_gmem.at[group, cols, contraction]
+    return rhs_gmem.at[group, contraction, cols]
 
   @functools.partial(
       pl.run_scoped,
@@ -678,20 +722,26 @@ def _forward_kernel(items_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: _Tiles,
     wg = lax.axis_index("wg")
     wg_row, wg_col = tiles.wg_offsets(wg)
 
-    def store(tile, row_start, row_end, tile_start, n0):
+    def store(tile, row_start, row_end, tile_start, n0, split):
       # This warpgroup's rows of the tile, cut to the item's rows.
       top = tile_start + wg_row
       first = jnp.clip(row_start - top, 0, wm)
       last = jnp.clip(row_end - top, 0, wm)
-      window = out_gmem.at[pl.ds(top, wm), pl.ds(n0 + wg_col, wn)]
+      out = out_gmem if tiles.split_k == 1 else out_gmem.at[split]
+      window = out.at[pl.ds(top, wm), pl.ds(n0 + wg_col, wn)]
       _store_rows(tile, o_smem.at[pl.ds(wg * wm, wm)], window, first=first, count=last - first)
 
-    @plgpu.nd_loop((num_items * grid_n,), collective_axes="sm")
+    @plgpu.nd_loop((tiles.split_k * num_items * grid_n,), collective_axes="sm")
     def _tile_loop(info):
-      item_idx, n_tile = tiles.tile_order(info.index[0], num_items, grid_n)
+      linear, split = info.index[0], 0
+      if tiles.split_k > 1:
+        # Split-major: the shares of one tile run far apart, on different SMs.
+        split, linear = lax.div(linear, num_items * grid_n), lax.rem(linear, num_items * grid_n)
+      item_idx, n_tile = tiles.tile_order(linear, num_items, grid_n)
       group, row_start, row_end, tile_start = (items_gmem[i, item_idx] for i in range(4))
       n0 = pl.multiple_of(n_tile * bn, bn)
-      item = (row_start, row_end, tile_start, n0)
+      k0 = pl.multiple_of(split * share, tiles.block_k) if tiles.split_k > 1 else 0
+      item = (row_start, row_end, tile_start, n0, split)
       has_rows = row_end > row_start
 
       def compute_context(run):
@@ -705,7 +755,7 @@ def _forward_kernel(items_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: _Tiles,
       def _matmul():
         rows = pl.ds(pl.multiple_of(tile_start, _ROW_ALIGN), bm)
         pipeline(_forward_mma(tiles, transpose_rhs), compute_context)(
-            lhs_gmem.at[rows], rhs_window(group, n0), allocations=allocs)
+            lhs_gmem.at[rows, pl.ds(k0, share)], rhs_window(group, n0, k0), allocations=allocs)
 
       # The rows past the last group: zeros, from the compute warpgroups only.
       @pl.when(has_rows & (group >= num_groups) & (wg < _NUM_COMPUTE_WGS))
@@ -730,9 +780,14 @@ def _forward_call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, tiles: _Ti
   padded = _pad_rows(lhs, padded_rows(num_rows, tiles.block_m))
   items = work_items(group_offsets(group_sizes, num_rows), padded.shape[0], tiles.block_m)
   kernel = functools.partial(_forward_kernel, tiles=tiles, transpose_rhs=transpose_rhs)
-  out = _launch(kernel, jax.ShapeDtypeStruct((padded.shape[0], cols_out), out_dtype),
-                (items, padded, rhs), num_tiles=items.shape[1] * (cols_out // tiles.block_n),
+  split = tiles.split_k
+  out_shape = ((padded.shape[0], cols_out), out_dtype) if split == 1 else (
+      (split, padded.shape[0], cols_out), jnp.float32)
+  out = _launch(kernel, jax.ShapeDtypeStruct(*out_shape), (items, padded, rhs),
+                num_tiles=split * items.shape[1] * (cols_out // tiles.block_n),
                 num_programs=num_programs, interpret=interpret, name=name)
+  if split > 1:
+    out = out.sum(axis=0).astype(out_dtype)
   return out[:num_rows]
 
 
@@ -885,6 +940,8 @@ def _drhs_call(lhs, dout, group_sizes, num_groups, *, out_dtype, tiles: _Tiles, 
 # --------------------------------------------------------------------------- public functions
 
 _STATIC = (*_TUNABLE_NAMES, "preferred_element_type", "interpret", "num_programs")
+# The rhs-gradient kernel does not split its contraction (the rows).
+_DRHS_STATIC = tuple(name for name in _STATIC if name != "split_k")
 
 
 def _prepare(tunables: dict[str, Any], *, k: int, n: int, product: str, operands, out_dtype):
@@ -918,6 +975,7 @@ def ragged_dot_pallas_mosaic_gpu(
     wg_split: str,
     grid_minor_dim: str,
     grid_tile_width: int,
+    split_k: int = 1,
     preferred_element_type: Any = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
     num_programs: int | None = None,
@@ -925,12 +983,12 @@ def ragged_dot_pallas_mosaic_gpu(
   """Computes `jax.lax.ragged_dot(lhs, rhs, group_sizes)` with a Mosaic GPU kernel (Hopper).
 
   Args:
-    lhs: (M, K) bfloat16 or float16; K a multiple of block_k.
+    lhs: (M, K) bfloat16 or float16; K a multiple of block_k * split_k.
     rhs: (G, K, N), the same dtype; N a multiple of block_n.
     group_sizes: (G,) integer array (a runtime value); group g is the next
       group_sizes[g] rows of lhs.
     block_m, block_n, block_k, max_concurrent_steps, wg_split, grid_minor_dim,
-      grid_tile_width: the tunables (see `validate_tunables`).
+      grid_tile_width, split_k: the tunables (see `validate_tunables`).
     preferred_element_type: output dtype (bfloat16, float16 or float32); defaults
       to lhs.dtype. Accumulation is always float32.
     interpret: run in Mosaic GPU interpret mode on any backend (True, or
@@ -947,7 +1005,8 @@ def ragged_dot_pallas_mosaic_gpu(
   """
   tunables = dict(block_m=block_m, block_n=block_n, block_k=block_k,
                   max_concurrent_steps=max_concurrent_steps, wg_split=wg_split,
-                  grid_minor_dim=grid_minor_dim, grid_tile_width=grid_tile_width)
+                  grid_minor_dim=grid_minor_dim, grid_tile_width=grid_tile_width,
+                  split_k=split_k)
   check_ragged_dot_shapes(lhs, rhs, group_sizes)
   tiles, out_dtype = _prepare(tunables, k=lhs.shape[1], n=rhs.shape[2], product="forward",
                               operands=(("lhs", lhs), ("rhs", rhs)),
@@ -970,6 +1029,7 @@ def ragged_dot_dlhs_pallas_mosaic_gpu(
     wg_split: str,
     grid_minor_dim: str,
     grid_tile_width: int,
+    split_k: int = 1,
     preferred_element_type: Any = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
     num_programs: int | None = None,
@@ -982,10 +1042,10 @@ def ragged_dot_dlhs_pallas_mosaic_gpu(
 
   Args:
     dout: (M, N) cotangent of the forward output, the same dtype as rhs.
-    rhs: (G, K, N) forward rhs; K a multiple of block_n, N of block_k.
+    rhs: (G, K, N) forward rhs; K a multiple of block_n, N of block_k * split_k.
     group_sizes: (G,) integer array, as in the forward call.
     block_m, block_n, block_k, max_concurrent_steps, wg_split, grid_minor_dim,
-      grid_tile_width, interpret, num_programs: as in the forward call.
+      grid_tile_width, split_k, interpret, num_programs: as in the forward call.
     preferred_element_type: output dtype; defaults to dout.dtype.
 
   Returns:
@@ -996,7 +1056,8 @@ def ragged_dot_dlhs_pallas_mosaic_gpu(
   """
   tunables = dict(block_m=block_m, block_n=block_n, block_k=block_k,
                   max_concurrent_steps=max_concurrent_steps, wg_split=wg_split,
-                  grid_minor_dim=grid_minor_dim, grid_tile_width=grid_tile_width)
+                  grid_minor_dim=grid_minor_dim, grid_tile_width=grid_tile_width,
+                  split_k=split_k)
   if dout.ndim != 2 or rhs.ndim != 3 or dout.shape[1] != rhs.shape[2]:
     raise ValueError(
         f"The lhs gradient needs dout (M, N) and rhs (G, K, N) with the same N; got "
@@ -1010,7 +1071,7 @@ def ragged_dot_dlhs_pallas_mosaic_gpu(
                        name="ragged_dot_dlhs")
 
 
-@functools.partial(jax.jit, static_argnames=("num_groups", *_STATIC))
+@functools.partial(jax.jit, static_argnames=("num_groups", *_DRHS_STATIC))
 def ragged_dot_drhs_pallas_mosaic_gpu(
     lhs: jax.Array,
     dout: jax.Array,
@@ -1075,8 +1136,9 @@ from stellarax.ops.ragged_dot import base as _base  # noqa: E402
 
 @config_dataclass
 class PallasMosaicGpuRaggedDotConfig:
-  """Tiles, pipelining and tile order of the Mosaic GPU ragged_dot kernels (see
-  `validate_tunables`). The backward uses one config for both products."""
+  """Tiles, pipelining, tile order and split-K of the Mosaic GPU ragged_dot kernels (see
+  `validate_tunables`). The backward uses one config for both products (split_k
+  shares the lhs gradient's contraction; the rhs gradient does not split)."""
 
   block_m: int
   block_n: int
@@ -1085,6 +1147,7 @@ class PallasMosaicGpuRaggedDotConfig:
   wg_split: str
   grid_minor_dim: str
   grid_tile_width: int
+  split_k: int = 1
 
   def __post_init__(self):
     validate_tunables(**pallas_common.tunables_of(self))
@@ -1133,6 +1196,7 @@ class PallasMosaicGpuRaggedDotVjp(pallas_common.PallasMosaicGpuOp, _base.RaggedD
     dout = dout.astype(rhs.dtype)  # one 16-bit operand dtype for wgmma
     dlhs = ragged_dot_dlhs_pallas_mosaic_gpu(dout, rhs, group_sizes,
                                              preferred_element_type=lhs.dtype, **kw)
+    del kw["split_k"]  # The rhs gradient does not split its contraction.
     drhs = ragged_dot_drhs_pallas_mosaic_gpu(lhs, dout, group_sizes, rhs.shape[0],
                                              preferred_element_type=rhs.dtype, **kw)
     return {"lhs": dlhs, "rhs": drhs}

@@ -61,6 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from stellarax.core.config import check_choice, check_power_of_two
+from stellarax.ops.ragged_dot import split_k as _splits
 from stellarax.ops.ragged_dot.reference import (
     check_group_sizes,
     check_ragged_dot_shapes,
@@ -75,7 +76,7 @@ NUM_WARPS_CHOICES = (1, 2, 4, 8, 16)
 MAX_NUM_STAGES = 8
 # Programs that may share one output tile's contraction (split-K; over rows for the
 # weight gradient).
-MAX_SPLIT = 16
+MAX_SPLIT = _splits.MAX_SPLIT
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 # Number of work items (m-tiles) that sweep the n-tiles together, for L2 reuse; 8 is
@@ -161,8 +162,7 @@ def _out_dtype(preferred_element_type: Any, like: jax.Array) -> jnp.dtype:
   return jnp.dtype(like.dtype if preferred_element_type is None else preferred_element_type)
 
 
-def _pow2_at_least(x: int) -> int:
-  return 1 << (max(1, x) - 1).bit_length()
+_pow2_at_least = _splits.pow2_at_least
 
 
 def _pow2_at_most(x: int) -> int:
@@ -262,33 +262,10 @@ def tunable_space(m: int, k: int, n: int, g: int, dtype: Any) -> list[dict[str, 
   return [dict(zip(_TUNABLE_NAMES, key)) for key in dict.fromkeys(keys)]
 
 
-# Streaming multiprocessors of an H200: an output with fewer tiles than this leaves
-# cores idle unless programs split the contraction.
-_H200_CORES = 132
-
-
-def _split_choices(tiles: int, steps: int) -> list[int]:
-  """Splits worth trying of a contraction of `steps` blocks per output tile, for an
-  output of `tiles` tiles, the guess first.
-
-  Splitting pays where the output has fewer tiles than the H200's 132 cores. The
-  guess is the smallest split giving about two programs per core, halved until every
-  share has two blocks; also tried: no split, half and twice the guess (while there
-  are at most 4 programs per core and a block per share).
-  """
-  guess = 1
-  if tiles < _H200_CORES:
-    guess = min(MAX_SPLIT, _pow2_at_least(pl.cdiv(2 * _H200_CORES, tiles)))
-    while guess > 1 and steps // guess < 2:
-      guess //= 2
-  useful = lambda s: s == 1 or (s <= MAX_SPLIT and tiles * s <= 4 * _H200_CORES and steps // s >= 1)
-  return [s for s in dict.fromkeys([guess, 1, max(1, guess // 2), 2 * guess]) if useful(s)]
-
-
 def split_k_choices(m: int, k: int, n: int, g: int, *, block_m: int, block_n: int,
                     block_k: int) -> list[int]:
   """The forward's `split_k` worth trying for one tiling, the guess first (see
-  `_split_choices`): its tiles are the work items (at most M/block_m + G) times
+  `_splits.split_choices`): its tiles are the work items (at most M/block_m + G) times
   the n-tiles, its contraction K/block_k blocks.
 
   Args:
@@ -298,13 +275,13 @@ def split_k_choices(m: int, k: int, n: int, g: int, *, block_m: int, block_n: in
   Returns:
     Distinct powers of two, each <= MAX_SPLIT, the guess first.
   """
-  return _split_choices((pl.cdiv(m, block_m) + g) * pl.cdiv(n, block_n), pl.cdiv(k, block_k))
+  return _splits.split_choices((pl.cdiv(m, block_m) + g) * pl.cdiv(n, block_n), pl.cdiv(k, block_k))
 
 
 def split_rows_choices(m: int, k: int, n: int, g: int, *, block_m: int, block_n: int,
                        block_k: int) -> list[int]:
   """The weight gradient's `split_rows` worth trying for one tiling, the guess first
-  (see `_split_choices`): its tiles are G x K/block_k x N/block_n, its contraction
+  (see `_splits.split_choices`): its tiles are G x K/block_k x N/block_n, its contraction
   an average group's M/G rows in blocks of block_m.
 
   Args:
@@ -314,7 +291,7 @@ def split_rows_choices(m: int, k: int, n: int, g: int, *, block_m: int, block_n:
   Returns:
     Distinct powers of two, each <= MAX_SPLIT, the guess first.
   """
-  return _split_choices(g * pl.cdiv(k, block_k) * pl.cdiv(n, block_n), max(1, m // g) // block_m)
+  return _splits.split_choices(g * pl.cdiv(k, block_k) * pl.cdiv(n, block_n), max(1, m // g) // block_m)
 
 
 # --------------------------------------------------------------------------- metadata
