@@ -51,6 +51,14 @@ races between them, so the tests check the partition and the bijection directly
 and also run the interpreter's race detector (which gives each CTA fresh clocks,
 so conflicting writes of two CTAs are reported).
 
+Split-K (forward and lhs gradient). With split_k > 1 the loop runs over (share,
+item, n-tile), share-major, and each step sums only its share of the contraction
+(K / split_k, whole block_k steps) into a float32 partial (split_k, M, N) output; XLA
+sums the partials. Every (share, item, n-tile) is still computed once and the
+partials are disjoint, so the argument above holds. It pays where the output has
+fewer tiles than the GPU has SMs (decode-sized M with narrow outputs); the rule is
+shared with the Triton kernels (split_k.py).
+
 Scheduling of the rhs-gradient kernel
 -------------------------------------
 One loop step computes one (group, K tile, N tile) of drhs: a loop of dynamic length
