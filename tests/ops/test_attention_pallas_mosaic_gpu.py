@@ -207,6 +207,11 @@ MASK_CASES = [
              Case("bm", b=2, t=96, s=130, n=2, k=1, h=64, dtype=jnp.bfloat16, causal=False,
                   fwd=_FWD_64, bwd=_BWD_64),
              dict(bias=(1, 2, 96, 130), mask=(2, 1, 1, 130), local_window_size=(30, 10))),
+    # Key padding (the same for every query row): a per-key vector, not tiles.
+    MaskCase("per_key_bias_and_mask_causal",
+             Case("pk", b=2, t=100, s=140, n=4, k=2, h=64, dtype=jnp.bfloat16, causal=True,
+                  fwd=_FWD_64, bwd=dict(_BWD_64, split_dkdv=True)),
+             dict(bias=(1, 4, 1, 140), mask=(2, 1, 1, 140), key_value_seq_lengths=(140, 120))),
     MaskCase("kv_lengths_only",
              Case("k", b=2, t=64, s=200, n=2, k=2, h=64, dtype=jnp.bfloat16, causal=False,
                   fwd=dict(_FWD_64, block_kv=128), bwd=_BWD_64),
@@ -297,6 +302,23 @@ def test_masking_through_dot_product_attention():
     ref_grads = jax.grad(loss(reference.attention_reference), argnums=(0, 1, 2, 3))(*f32, bias)
   for name, g, ref in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads):
     _close(name, g, ref, _BWD_TOL[jnp.bfloat16])
+
+
+def test_bias_and_mask_forms_and_errors():
+  """Row-independent bias/mask (key padding) become a per-key vector; others, tiles."""
+  sds = jax.ShapeDtypeStruct
+  q, k = sds((2, 64, 4, 64), jnp.bfloat16), sds((2, 80, 2, 64), jnp.bfloat16)
+  per_key = pm._make_problem(q, k, k, None, False, bias=sds((1, 4, 1, 80), jnp.float32),
+                             mask=sds((2, 1, 1, 80), jnp.bool_))
+  assert per_key.pair_per_key and per_key.pair_shape == (2, 4) and per_key.may_fully_mask
+  tiles = pm._make_problem(q, k, k, None, False, bias=sds((1, 1, 64, 1), jnp.float32))
+  assert not tiles.pair_per_key and tiles.pair_shape == (1, 1) and not tiles.may_fully_mask
+  with pytest.raises(ValueError, match="bias dtype int32 must be floating"):
+    pm._make_problem(q, k, k, None, False, bias=sds((1, 1, 64, 80), jnp.int32))
+  with pytest.raises(ValueError, match="must be bool"):
+    pm._make_problem(q, k, k, None, False, mask=sds((1, 1, 64, 80), jnp.float32))
+  with pytest.raises(ValueError, match="broadcastable"):
+    pm._make_problem(q, k, k, None, False, bias=sds((1, 3, 64, 80), jnp.float32))
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -401,22 +423,23 @@ def test_tunables_of_the_target_shape():
     pm.tunable_space(jax.ShapeDtypeStruct((1, 8, 1, 96), jnp.bfloat16), k)
 
 
-@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("masked", [False, "tiles", "keys"])
 def test_lowers_for_simulated_h200(masked):
   """The GPU path (register operands, in-place accumulation) of the forward and both
   backward variants lowers to Mosaic GPU custom calls for an H200, without a GPU; with
   `masked`, under a local window, sequence lengths, a bias and a mask (scalar reads,
-  block ranges, bias/mask tiles in registers, the mean(V) and dV terms of rows that
-  keep no key)."""
+  block ranges, bias/mask (query, key) tiles or per-key vectors in registers, the
+  mean(V) and dV terms of rows that keep no key)."""
   mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
       device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
   q, k = _TARGET
   lse = jax.ShapeDtypeStruct((2, 16, 8192), jnp.float32)
   lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
-  bias = jax.ShapeDtypeStruct((1, 16, 8192, 8192), jnp.float32)
+  bias = jax.ShapeDtypeStruct((1, 16, 8192 if masked == "tiles" else 1, 8192), jnp.float32)
   mask = jax.ShapeDtypeStruct((2, 1, 1, 8192), jnp.bool_)
-  fwd_cfg = pm.heuristic_tunables(q, k, with_pair=masked)
-  bwd_cfg = pm.heuristic_tunables(q, k, backward=True, with_pair=masked)
+  with_pair = masked == "tiles"
+  fwd_cfg = pm.heuristic_tunables(q, k, with_pair=with_pair)
+  bwd_cfg = pm.heuristic_tunables(q, k, backward=True, with_pair=with_pair)
   window = (1024, 0) if masked else None
 
   def fwd(q, k, v, bias, mask, q_len, kv_len):

@@ -8,9 +8,11 @@ aligned at the top left as in jax), local windows (key j kept for i - left <= j 
 i + right), per-batch sequence lengths (keys past the key length dropped, rows past
 the query length zero; a row that keeps no key is mean(V), as in jax), and a bias and a
 boolean mask broadcastable to (B, N, T, S). The bias and mask reach the kernels as one
-operand in the input dtype (bias where kept, -inf where masked; batch and head
-broadcasts kept, T and S materialised) whose (query, key) tiles ride with the K tiles;
-the backward kernels hold the bias constant (the op class gets dbias from XLA).
+operand (bias where kept, -inf where masked; batch and head broadcasts kept) that
+rides with the K tiles: a float32 vector over keys when all query rows see the same
+values (key padding masks), else (query, key) tiles in the input dtype with T and S
+materialised. The backward kernels hold the bias constant (the op class gets dbias
+from XLA).
 
 Forward (FlashAttention-3 layout). One CTA per (query tile, head, batch). Each of its
 `num_compute_wgs` compute warpgroups owns `block_q` query rows; one more warpgroup (the
@@ -230,8 +232,11 @@ class _Problem(flash_blocks.BlockMasking):
   has_q_len: bool = False
   has_kv_len: bool = False
   has_mask: bool = False
-  # (batch, heads) of the bias/mask tiles (each 1 or B, N), None without bias and mask.
+  # (batch, heads) of the bias/mask operand (each 1 or B, N), None without bias and mask.
   pair_shape: tuple[int, int] | None = None
+  # The bias and mask are the same for every query row (e.g. a key padding mask): the
+  # kernels read one float32 vector over the keys instead of (query, key) tiles.
+  pair_per_key: bool = False
 
   @property
   def group(self) -> int:
@@ -279,34 +284,41 @@ def _make_problem(query: Any, key: Any, value: Any, scale: float | None, is_caus
   _reference.check_attention_inputs(query, key, value, bias, mask)
   if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
     raise ValueError(f"bias dtype {bias.dtype} must be floating.")
-  pairs = [x.shape[:2] for x in (bias, mask) if x is not None]
-  pair_shape = tuple(max(dims) for dims in zip(*pairs)) if pairs else None
+  pairs = [x.shape for x in (bias, mask) if x is not None]
+  pair_shape = tuple(max(dims) for dims in zip(*pairs))[:2] if pairs else None
+  pair_per_key = bool(pairs) and all(shape[2] == 1 for shape in pairs)
   scale = 1.0 / math.sqrt(h) if scale is None else float(scale)
   return _Problem(t=t, s=s, num_heads=n, num_kv_heads=k, head_dim=h, dtype=dtype,
                   scale=scale, causal=bool(is_causal),
                   window=flash_blocks.normalize_window(local_window_size),
                   has_q_len=query_seq_lengths is not None,
                   has_kv_len=key_value_seq_lengths is not None,
-                  has_mask=mask is not None, pair_shape=pair_shape)
+                  has_mask=mask is not None, pair_shape=pair_shape, pair_per_key=pair_per_key)
 
 
-def _pair_tiles(bias: Any, mask: Any, p: _Problem, t_pad: int, s_pad: int, *,
-                transposed: bool = False) -> jax.Array | None:
-  """Bias and mask as one operand the kernels stream in (query, key) tiles.
+def _pair_operand(bias: Any, mask: Any, p: _Problem, t_pad: int, s_pad: int, *,
+                  transposed: bool = False) -> jax.Array | None:
+  """Bias and mask as one operand the kernels stream with the K (or Q) tiles.
 
   Kept positions hold the bias (0 without one), masked ones -inf, which the kernels
   treat like positions their positional masks remove. Broadcast batch and head dims
-  stay of size 1; T and S are materialised (TMA copies whole tiles) and padded.
+  stay of size 1. When every query row sees the same values (`pair_per_key`) the
+  operand is a float32 vector over the keys; otherwise T and S are materialised (TMA
+  copies whole tiles), padded, and rounded to the input dtype.
 
   Returns:
-    None without bias and mask; else (B', N', T_pad, S_pad), or (B', N', S_pad, T_pad)
-    when `transposed` (the dK/dV kernel's tiles have keys as rows), in the input dtype.
+    None without bias and mask; (B', N', S_pad) float32 per key; else
+    (B', N', T_pad, S_pad), or (B', N', S_pad, T_pad) when `transposed` (the dK/dV
+    kernel's tiles have keys as rows), in the input dtype.
   """
   if not p.has_pair:
     return None
   x = jnp.zeros((1, 1, 1, 1), jnp.float32) if bias is None else bias.astype(jnp.float32)
   if mask is not None:
     x = jnp.where(mask, x, -jnp.inf)
+  if p.pair_per_key:
+    x = jnp.broadcast_to(x, (*p.pair_shape, 1, p.s))[:, :, 0]
+    return _pad_seq(x, s_pad, axis=2)
   x = jnp.broadcast_to(x, (*p.pair_shape, p.t, p.s)).astype(p.dtype)
   x = _pad_seq(_pad_seq(x, t_pad, axis=2), s_pad, axis=3)
   return x.transpose(0, 1, 3, 2) if transposed else x
@@ -542,8 +554,9 @@ def _query_tile_cta(p: _Problem, q_ref, k_ref, v_ref, pair_ref, lengths: tuple[A
   def k_sources(step):
     tiles = [(k_ref.at[kv_rows(step)], k_ring)]
     if pair_ref is not None:
-      pair = pair_ref.at[(*p.pair_index(b, h), pl.ds(cta_q0, rows), pl.ds((lo + step) * bk, bk))]
-      tiles.append((pair, pair_ring))
+      keys = pl.ds((lo + step) * bk, bk)
+      at = (keys,) if p.pair_per_key else (pl.ds(cta_q0, rows), keys)
+      tiles.append((pair_ref.at[(*p.pair_index(b, h), *at)], pair_ring))
     return tiles
 
   k_stream = _Stream(k_sources, k_ready, k_free)
@@ -568,12 +581,25 @@ def _kept(p: _Problem, shape: tuple[int, int], row0: Any, col0: Any, s_eff: Any,
   return flash_blocks.positional_ok(p, q_pos, k_pos, s_eff)
 
 
-def _add_pair(s: jax.Array, pair_ring: Any, slot: Any, row0: int | Any) -> jax.Array:
-  """Base-2 logits s plus the bias/mask tile of rows [row0, row0 + rows) of a slot."""
+def _add_pair(p: _Problem, s: jax.Array, pair_ring: Any, slot: Any, offset: int | Any, *,
+              rows_are_queries: bool = True) -> jax.Array:
+  """Base-2 logits s plus the bias/mask in one slot of `pair_ring`.
+
+  A slot holds the CTA's tile (this warpgroup's rows start at `offset`), or with
+  `pair_per_key` a vector over keys: a step's keys when they are s's columns, or the
+  CTA's keys (this warpgroup's from `offset`) when they are its rows.
+  """
   if pair_ring is None:
     return s
-  tile = pair_ring.at[slot, pl.ds(row0, s.shape[0])]
-  return s + plgpu.load(tile, layout=plgpu.Layout.WGMMA).astype(jnp.float32) * _LOG2E
+  if not p.pair_per_key:
+    tile = pair_ring.at[slot, pl.ds(offset, s.shape[0])]
+    pair = plgpu.load(tile, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+  elif rows_are_queries:
+    pair = _cols(plgpu.load(pair_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0)), s.shape)
+  else:
+    vector = pair_ring.at[slot, pl.ds(offset, s.shape[0])]
+    pair = _rows(plgpu.load(vector, layout=plgpu.Layout.WGMMA.reduce(1)), s.shape)
+  return s + pair * _LOG2E
 
 
 def _live_rows(shape: tuple[int, int], row0: Any, t_eff: Any) -> jax.Array:
@@ -659,7 +685,7 @@ def _fwd_kernel(*refs, q_smem, k_ring, v_ring, pair_ring, stage, lse_smem, v_mea
       k_stream.acquire(slot)
       s = mma.product(q_tile, k_ring.at[slot].T, (bq, bk), while_running=pingpong.sync)
       s = s * (p.scale * _LOG2E)  # base-2 logits: exp2 is the native instruction.
-      s = _add_pair(s, pair_ring, slot, wg * bq)
+      s = _add_pair(p, s, pair_ring, slot, wg * bq)
       k_stream.release(slot)
       if masked:
         keep = _kept(p, (bq, bk), q0, kb * bk, cta.s_eff, rows_are_queries=True)
@@ -726,10 +752,13 @@ def _lengths_args(p: _Problem, q_len: Any, kv_len: Any) -> list[jax.Array]:
   return ([q_len] if p.has_q_len else []) + ([kv_len] if p.has_kv_len else [])
 
 
-def _pair_ring(p: _Problem, stages: int, rows: int, cols: int) -> Any:
-  """SMEM ring of bias/mask tiles (None without them)."""
+def _pair_ring(p: _Problem, stages: int, rows: int, cols: int, keys: int) -> Any:
+  """SMEM ring of (rows, cols) bias/mask tiles, or of float32 vectors over `keys`
+  keys with `pair_per_key` (None without bias and mask)."""
   if not p.has_pair:
     return None
+  if p.pair_per_key:
+    return plgpu.SMEM((stages, keys), jnp.float32)
   return plgpu.SMEM((stages, rows, cols), p.dtype, transforms=_tiled(p.dtype, cols))
 
 
@@ -740,7 +769,7 @@ def _fwd(query, key, value, bias, mask, q_len, kv_len, *, p: _Problem,
   num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q, c.block_kv, c.num_stages
   t_pad, s_pad = _round_up(p.t, num_wgs * bq), _round_up(p.s, bk)
   q, k, v = _pad_seq(query, t_pad), _pad_seq(key, s_pad), _pad_seq(value, s_pad)
-  pair = _pair_tiles(bias, mask, p, t_pad, s_pad)
+  pair = _pair_operand(bias, mask, p, t_pad, s_pad)
   args = [q, k, v, *([pair] if p.has_pair else []), *_lengths_args(p, q_len, kv_len)]
   if p.may_fully_mask:
     args.append(jnp.mean(value.astype(jnp.float32), axis=1))  # (B, K, H)
@@ -748,7 +777,7 @@ def _fwd(query, key, value, bias, mask, q_len, kv_len, *, p: _Problem,
       q_smem=plgpu.SMEM((num_wgs, bq, h), p.dtype, transforms=_tiled(p.dtype, h)),
       k_ring=plgpu.SMEM((stages, bk, h), p.dtype, transforms=_tiled(p.dtype, h)),
       v_ring=plgpu.SMEM((stages, bk, h), p.dtype, transforms=_tiled(p.dtype, h)),
-      pair_ring=_pair_ring(p, stages, num_wgs * bq, bk),
+      pair_ring=_pair_ring(p, stages, num_wgs * bq, bk, keys=bk),
       stage=(plgpu.SMEM((num_wgs, bq, bk), p.dtype, transforms=_tiled(p.dtype, bk))
              if interpret else None),
       lse_smem=plgpu.SMEM((num_wgs, bq), jnp.float32),
@@ -859,7 +888,7 @@ def _dq_kernel(*refs, q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, pai
       dp = mma.product(do_tile, v_ring.at[slot].T, (bq, bk))
       v_stream.release(slot)
       # lse2 is +inf on rows that feed no gradient: probabilities 0 there.
-      s = _add_pair(s * (p.scale * _LOG2E), pair_ring, slot, wg * bq)
+      s = _add_pair(p, s * (p.scale * _LOG2E), pair_ring, slot, wg * bq)
       probs = jnp.exp2(s - _rows(lse2, s.shape))
       if masked:
         keep = _kept(p, (bq, bk), q0, kb * bk, cta.s_eff, rows_are_queries=True)
@@ -914,9 +943,11 @@ def _dkdv_kernel(*refs, k_smem, v_smem, dv0_smem, q_ring, do_ring, lse_ring, del
     if want_dk:
       tiles.append((delta_ref.at[vec], delta_ring))
     if pair_t_ref is not None:
-      # The transposed bias/mask tile of the CTA's keys and these query rows.
+      # The transposed bias/mask tile of the CTA's keys and these query rows (or the
+      # CTA's keys of the per-key vector).
       keys = pl.ds(cta_k0, num_wgs * bk)
-      tiles.append((pair_t_ref.at[(*p.pair_index(b, head), keys, pl.ds(q0, bq))], pair_ring))
+      at = (keys,) if p.pair_per_key else (keys, pl.ds(q0, bq))
+      tiles.append((pair_t_ref.at[(*p.pair_index(b, head), *at)], pair_ring))
     return tiles
 
   stream = _Stream(sources, ready, free)
@@ -939,7 +970,8 @@ def _dkdv_kernel(*refs, k_smem, v_smem, dv0_smem, q_ring, do_ring, lse_ring, del
       slot = lax.rem(i, stages)
       stream.acquire(slot)
       s_t = mma.product(k_tile, q_ring.at[slot].T, (bk, bq))
-      s_t = _add_pair(s_t * (p.scale * _LOG2E), pair_ring, slot, wg * bk)
+      s_t = _add_pair(p, s_t * (p.scale * _LOG2E), pair_ring, slot, wg * bk,
+                      rows_are_queries=False)
       lse2 = plgpu.load(lse_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
       p_t = jnp.exp2(s_t - _cols(lse2, s_t.shape))
       if masked:
@@ -998,7 +1030,7 @@ def _dq_call(q, k, v, do, lse2, delta, pair, lengths, *, p: _Problem,
       q_smem=rows_tile, do_smem=rows_tile,
       lse_smem=plgpu.SMEM((num_wgs, bq), jnp.float32),
       delta_smem=plgpu.SMEM((num_wgs, bq), jnp.float32),
-      k_ring=ring, v_ring=ring, pair_ring=_pair_ring(p, stages, num_wgs * bq, bk),
+      k_ring=ring, v_ring=ring, pair_ring=_pair_ring(p, stages, num_wgs * bq, bk, keys=bk),
       stage=(plgpu.SMEM((num_wgs, bq, bk), p.dtype, transforms=_tiled(p.dtype, bk))
              if interpret else None),
       rows_ready=_barrier(num_wgs, 4),
@@ -1034,7 +1066,7 @@ def _dkdv_call(q, k, v, do, lse2, delta, pair_t, lengths, dv0, *, grads: tuple[s
       k_smem=keys_tile, v_smem=keys_tile if want_dk else None,
       dv0_smem=plgpu.SMEM((num_wgs, h), jnp.float32) if with_dv0 else None,
       q_ring=ring, do_ring=ring, lse_ring=vec_ring, delta_ring=vec_ring if want_dk else None,
-      pair_ring=_pair_ring(p, stages, num_wgs * bk, bq),
+      pair_ring=_pair_ring(p, stages, num_wgs * bk, bq, keys=num_wgs * bk),
       stage=(plgpu.SMEM((num_wgs, bk, bq), p.dtype, transforms=_tiled(p.dtype, bq))
              if interpret else None),
       kv_ready=_barrier(num_wgs, 1 + want_dk + with_dv0),
@@ -1081,8 +1113,9 @@ def _bwd(query, key, value, bias, mask, out, lse, dout, q_len, kv_len, *, p: _Pr
   dv0 = None
   if p.may_fully_mask:
     dv0 = flash_blocks.fully_masked_dv(lse, dout, q_len, num_kv_heads=p.num_kv_heads, s=p.s)
-  pair = _pair_tiles(bias, mask, p, t_pad, s_pad)
-  pair_t = _pair_tiles(bias, mask, p, t_pad, s_pad, transposed=True)
+  pair = _pair_operand(bias, mask, p, t_pad, s_pad)
+  pair_t = pair if p.pair_per_key else _pair_operand(bias, mask, p, t_pad, s_pad,
+                                                     transposed=True)
   dq = _dq_call(*args, pair, lengths, p=p, c=c, interpret=interpret)
   grads = {}
   for part in ((("dv",), ("dk",)) if c.split_dkdv else (("dk", "dv"),)):
@@ -1257,7 +1290,8 @@ def heuristic_tunables(query: Any, key: Any, *, backward: bool = False,
     query: (B, T, N, H) array or jax.ShapeDtypeStruct.
     key: (B, S, K, H) array or jax.ShapeDtypeStruct.
     backward: config for the backward.
-    with_pair: the call has a bias or mask (their tiles take shared memory).
+    with_pair: the call has a bias or mask that varies over query rows (their
+      (query, key) tiles take shared memory).
 
   Returns:
     Keyword arguments for the matching wrapper; they pass check_{fwd,bwd}_tunables.
@@ -1320,7 +1354,8 @@ def tunable_space(query: Any, key: Any, *, backward: bool = False,
     query: (B, T, N, H) array or jax.ShapeDtypeStruct.
     key: (B, S, K, H) array or jax.ShapeDtypeStruct.
     backward: configs for the backward.
-    with_pair: the call has a bias or mask (their tiles take shared memory).
+    with_pair: the call has a bias or mask that varies over query rows (their
+      (query, key) tiles take shared memory).
 
   Returns:
     A list of distinct configs (dicts of keyword arguments), about 10 to 40 for long
@@ -1360,7 +1395,8 @@ def _check_supported(arguments: dict[str, Any]) -> None:
 def _shape_of(ba: Any) -> tuple[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct], dict]:
   """(query, key) structs and the keyword arguments of the tunables functions."""
   a = ba.arguments
-  with_pair = a["bias"] is not None or a["mask"] is not None
+  # Per-key bias/mask vectors take little shared memory; (query, key) tiles count.
+  with_pair = any(x is not None and x.shape[2] > 1 for x in (a["bias"], a["mask"]))
   structs = a["query"].to_shape_dtype_struct(), a["key"].to_shape_dtype_struct()
   return structs, dict(with_pair=with_pair)
 
