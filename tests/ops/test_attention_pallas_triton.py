@@ -5,7 +5,6 @@ last test lowers them for a simulated H200 without a GPU.
 """
 
 import dataclasses
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +12,6 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import triton as plgpu
 
-from stellarax.ops.attention import flash_blocks
 from stellarax.ops.attention import pallas_triton as pt
 
 # (atol, rtol) against a float32 reference, per input dtype.
@@ -28,10 +26,6 @@ _FAST_COMPILE = {"xla_backend_optimization_level": 0,
 
 def _run_fast(fn, *args):
   return jax.jit(fn).lower(*args).compile(_FAST_COMPILE)(*args)
-
-
-def _cdiv(a, b):
-  return -(-a // b)
 
 
 def _next_pow2(x):
@@ -172,38 +166,6 @@ def test_fully_masked_rows_follow_jax():
   np.testing.assert_allclose(out[0, 5, 0], v[0, :, 0].mean(axis=0), atol=1e-5, rtol=1e-5)
   assert lse[0, 0, 5] == pt.MASK_VALUE
   assert not np.any(out[0, 30:]) and np.all(lse[0, 0, 30:] == pt.MASK_VALUE)
-
-
-def _brute_force_blocks(spec, rows, keys, t_eff, s_eff):
-  """(kept, fully kept) flags of one (query block, key block) pair by enumeration."""
-  pairs = [(i, j) for i in rows for j in keys]
-  kept = [i < t_eff and j < s_eff and (not spec.causal or j <= i)
-          and (spec.window is None or i - spec.window[0] <= j <= i + spec.window[1])
-          for i, j in pairs]
-  return any(kept), all(kept)
-
-
-@pytest.mark.parametrize("causal,window,kv_len", [
-    (True, None, None), (False, (7, 3), None), (True, (40, 9), 61), (False, None, 33)])
-def test_block_ranges_cover_kept_pairs_and_skip_masked_blocks(causal, window, kv_len):
-  t, s, bq, bk = 100, 90, 32, 16
-  spec = pt._Spec(t=t, s=s, num_heads=1, num_kv_heads=1, head_dim=64, scale=1.0,
-                  causal=causal, window=window, bias_shape=None, mask_shape=None,
-                  has_q_len=False, has_kv_len=kv_len is not None)
-  s_eff = s if kv_len is None else kv_len
-  for qb, kb in itertools.product(range(_cdiv(t, bq)), range(_cdiv(s, bk))):
-    rows = [i for i in range(qb * bq, qb * bq + bq) if i < t]
-    keys = range(kb * bk, kb * bk + bk)
-    kept, full = _brute_force_blocks(spec, rows, keys, t, s_eff)
-    for lo, full_lo, full_hi, hi, block in (
-        (*map(int, flash_blocks.key_block_range(spec, qb * bq, bq, bk, t, s_eff)), kb),
-        (*map(int, flash_blocks.query_block_range(spec, kb * bk, bq, bk, t, s_eff)), qb)):
-      visited = lo <= block < hi
-      assert visited or not kept, (qb, kb)  # Every kept pair is visited.
-      if full_lo <= block < full_hi:
-        assert full, (qb, kb)  # Blocks run without a positional mask keep every pair.
-      if causal and kb * bk > qb * bq + bq - 1:
-        assert not visited, (qb, kb)  # Blocks above the diagonal are skipped.
 
 
 @pytest.mark.parametrize("kwargs,match", [

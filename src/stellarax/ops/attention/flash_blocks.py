@@ -69,8 +69,12 @@ def normalize_window(local_window_size: Any) -> tuple[int, int] | None:
   """
   if local_window_size is None:
     return None
-  window = ((local_window_size, local_window_size)
-            if isinstance(local_window_size, int) else tuple(local_window_size))
+  if isinstance(local_window_size, int):
+    window = (local_window_size, local_window_size)
+  elif isinstance(local_window_size, (tuple, list)):
+    window = tuple(local_window_size)
+  else:
+    window = ()
   if (len(window) != 2 or any(isinstance(w, bool) or not isinstance(w, int) for w in window)
       or min(window) < 0):
     raise ValueError(f"{local_window_size=} must be None, an int >= 0, or a pair (left,"
@@ -91,6 +95,7 @@ def select(cond: Any, a: Any, b: Any) -> jax.Array:
 
 
 def clip(x: Any, lo: Any, hi: Any) -> Any:
+  """x limited to [lo, hi] (scalars, traced or static; hi >= lo)."""
   return jnp.minimum(jnp.maximum(x, lo), hi)
 
 
