@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import triton as plgpu
 
+import stellarax
 from stellarax.ops.attention import pallas_triton as pt
+from stellarax.ops.attention import reference
 
 # (atol, rtol) against a float32 reference, per input dtype.
 _FWD_TOL = {jnp.float32: (2e-5, 2e-5), jnp.bfloat16: (2e-2, 2e-2), jnp.float16: (4e-3, 4e-3)}
@@ -259,3 +261,16 @@ def test_lowers_for_simulated_h200():
   target = plgpu.CUSTOM_CALL_TARGET_NAME
   assert fwd_text.count(target) == 1
   assert bwd_text.count(target) == 3  # preprocess, dK/dV, dQ
+
+
+def test_negative_windows_fall_back_through_dispatch():
+  """jax takes windows with a negative side; the kernels do not, so dispatch moves on."""
+  keys = jax.random.split(jax.random.key(9), 3)
+  q, k, v = (jax.random.normal(key, (1, 16, 2, 64)) for key in keys)
+  op = pt.PallasTritonAttention(interpret=True)
+  with pytest.raises(NotImplementedError, match="negative side"):
+    op.bind(q, k, v, local_window_size=(3, -1))
+  out = stellarax.dot_product_attention(q, k, v, local_window_size=(3, -1),
+                                        implementation=[op, "xla"])
+  np.testing.assert_allclose(out, reference.attention_reference(q, k, v, local_window_size=(3, -1)),
+                             atol=1e-5, rtol=1e-5)

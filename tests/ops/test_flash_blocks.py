@@ -125,6 +125,13 @@ def test_normalize_window_rejects(window):
     flash_blocks.normalize_window(window)
 
 
+def test_windows_the_kernels_take():
+  flash_blocks.require_window_the_kernels_take(None)
+  flash_blocks.require_window_the_kernels_take((0, 4))
+  with pytest.raises(NotImplementedError, match="negative side"):
+    flash_blocks.require_window_the_kernels_take((3, -1))
+
+
 def test_check_seq_lengths():
   flash_blocks.check_seq_lengths("q", None, 2)
   flash_blocks.check_seq_lengths("q", jnp.zeros((2,), jnp.int32), 2)

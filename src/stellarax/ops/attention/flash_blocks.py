@@ -82,6 +82,17 @@ def normalize_window(local_window_size: Any) -> tuple[int, int] | None:
   return window
 
 
+def require_window_the_kernels_take(window: tuple[int, int] | None) -> None:
+  """Raises NotImplementedError (so dispatch falls back) for a window with a negative side.
+
+  jax accepts (left, right) windows with negative sides (a band that excludes the
+  query's own position); the flash kernels' block arithmetic assumes sides >= 0.
+  """
+  if window is not None and min(window) < 0:
+    raise NotImplementedError(f"local_window_size={window} has a negative side; the flash"
+                              f" kernels take windows of sizes >= 0.")
+
+
 def check_seq_lengths(name: str, x: Any, batch: int) -> None:
   """Raises ValueError unless x is None or a (batch,) int32 array of sequence lengths."""
   if x is not None and (tuple(x.shape) != (batch,) or x.dtype != jnp.int32):

@@ -1376,10 +1376,7 @@ def tunable_space(query: Any, key: Any, *, backward: bool = False,
 
 def _check_supported(arguments: dict[str, Any]) -> None:
   """Raises NotImplementedError for inputs the kernels do not handle (dispatch falls back)."""
-  window = arguments.get("local_window_size")
-  if window is not None and min(window) < 0:
-    raise NotImplementedError(f"local_window_size={window} has a negative side; the kernels"
-                              f" take windows of sizes >= 0.")
+  flash_blocks.require_window_the_kernels_take(arguments.get("local_window_size"))
   q, k = arguments["query"], arguments["key"]
   if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
     raise NotImplementedError(f"head dim {q.shape[-1]} is not one of the kernel's"

@@ -965,6 +965,7 @@ class PallasTritonAttentionVjpConfig:
 
 
 def _check_supported(arguments):
+  flash_blocks.require_window_the_kernels_take(arguments.get("local_window_size"))
   q = arguments["query"]
   if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
     raise NotImplementedError(f"head dim {q.shape[-1]} is not one of the kernel's {SUPPORTED_HEAD_DIMS}.")
