@@ -177,7 +177,9 @@ def _local_attention_workloads(smoke, dtype):
   """Causal sliding-window attention with per-batch key lengths (forward): the masking
   the Triton and Mosaic GPU kernels skip blocks for."""
   b, t, h, d = (2, 8192, 16, 128) if not smoke else (2, 128, 2, 64)
-  window, kv_len = ((1024, 0), (t, 3 * t // 4)) if not smoke else ((32, 0), (t, 100))
+  # Every row keeps some key (a row with none is mean(V) in jax; cuDNN may differ), so
+  # the comparison is about speed: the key length is at least T - window.
+  window, kv_len = ((1024, 0), (t, t - t // 16)) if not smoke else ((32, 0), (t, 100))
   inputs = lambda: (*_attention_inputs(b, t, h, d, dtype), jnp.asarray(kv_len, jnp.int32))
   rows = np.arange(t)
   kept = sum(np.clip(np.minimum(rows + 1, length) - np.maximum(rows - window[0], 0), 0, None).sum()
