@@ -26,7 +26,10 @@ short keeps what it measured; prints each workload's rows as it ends, then the
 whole table, then whether each speed target of the GPU-kernels issue was met. Past --deadline-s the remaining workloads are checked and
 timed untuned, and past the deadline plus a minute they are skipped. A
 candidate whose error exceeds the dtype's tolerance is marked WRONG (and still
-timed, so the table shows what it would cost).
+timed, so the table shows what it would cost). Tuning measures in worker
+processes; a heuristic or tuned config that hung or failed there is not run in
+this process (a hung kernel or a poisoned CUDA context would cost every later
+workload): its row says why.
 """
 
 from __future__ import annotations
@@ -270,6 +273,17 @@ def run(args) -> list[Row]:
   return rows
 
 
+def _failed_in_isolation(result, which: str) -> str:
+  """How the `which` config ("heuristic_config" or "best_config") of some op call in a
+  tuning result failed when measured (in isolated workers), or "" if none failed."""
+  for entry in result:
+    config = getattr(entry, which)
+    for measured, m in entry.measurements:
+      if measured == config and m.status in ("timeout", "runtime_error"):
+        return f"{entry.bound_args.op.name} {m.status} in tuning: {str(m.error)[:160]}"
+  return ""
+
+
 def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
                   isolate: bool) -> tuple[list[Row], Any]:
   """Checks, tunes (within the budget) and times every candidate of one workload."""
@@ -294,6 +308,13 @@ def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
       tuned_all = result if tuned_all is None else tuned_all | result
       candidates[f"{impl_name} tuned"] = _with_result(result, call)
       configs[f"{impl_name} tuned"] = "; ".join(f"{e.bound_args.op.name}: {e.best_config}" for e in result)
+      # A config that hung or failed in an isolated worker is not run in this process:
+      # a hung kernel or a poisoned CUDA context would cost every later workload.
+      for kind, which in (("heuristic", "heuristic_config"), ("tuned", "best_config")):
+        failure = _failed_in_isolation(result, which)
+        if failure:
+          del candidates[f"{impl_name} {kind}"]
+          rows.append(Row(w.name, f"{impl_name} {kind}", status=f"not run here: {failure}"))
   candidates.update(w.baselines)
   checked = []
   for key, fn in candidates.items():

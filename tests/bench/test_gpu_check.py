@@ -4,8 +4,11 @@ import json
 import pathlib
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
+
+from stellarax.autotuning.measure import Measurement
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -78,3 +81,14 @@ def test_target_lines_say_met_missed_or_not_measured():
   assert lines[1] == "ragged_dot G=64 forward vs XLA: not measured"
   assert lines[2].startswith("attention forward vs cuDNN: missed (1.100 ms vs cuDNN")
   assert len(lines) == 5
+
+
+def test_configs_that_failed_in_isolation_are_not_run_in_process():
+  gpu_check = _gpu_check()
+  ok = Measurement(status="ok", median_s=1e-3, ci_low_s=1e-3, ci_high_s=1e-3, num_samples=5)
+  hung = Measurement(status="timeout", error="no answer after 20 s")
+  op = SimpleNamespace(bound_args=SimpleNamespace(op=SimpleNamespace(name="attention.pallas_mosaic_gpu")),
+                       heuristic_config="h", best_config="b", measurements=(("h", hung), ("b", ok)))
+  assert gpu_check._failed_in_isolation([op], "heuristic_config") == (
+      "attention.pallas_mosaic_gpu timeout in tuning: no answer after 20 s")
+  assert gpu_check._failed_in_isolation([op], "best_config") == ""
