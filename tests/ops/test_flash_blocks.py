@@ -38,6 +38,22 @@ CASES = [(True, None, None, None), (False, (7, 3), None, None), (True, (40, 9), 
          (True, (0, 0), 0, None)]
 
 
+def _check_range(ranges, block: int, rows, keys, m: Masking, t: int, t_eff: int,
+                 s_eff: int) -> bool:
+  """Checks one block against a range answer; returns whether the block is visited.
+
+  A block holding a kept pair is visited; a block run without a positional mask keeps
+  every pair (rows past T aside; rows past the query length are dropped by their lse).
+  """
+  lo, full_lo, full_hi, hi = map(int, ranges)
+  assert lo <= full_lo <= full_hi <= hi
+  visited = lo <= block < hi
+  assert visited or not any(_kept(m, i, j, t_eff, s_eff) for i in rows for j in keys)
+  if full_lo <= block < full_hi:
+    assert all(_kept(m, i, j, t, s_eff) for i in rows if i < t for j in keys)
+  return visited
+
+
 @pytest.mark.parametrize("span", [1, 2])
 @pytest.mark.parametrize("causal,window,kv_len,q_len", CASES)
 def test_block_ranges_cover_kept_pairs_and_skip_masked_blocks(causal, window, kv_len, q_len,
@@ -48,27 +64,15 @@ def test_block_ranges_cover_kept_pairs_and_skip_masked_blocks(causal, window, kv
   t_eff, s_eff = (t if q_len is None else q_len), (s if kv_len is None else kv_len)
   rows_per, keys_per = bq * span, bk * span  # rows (or keys) asked about at once
   for q0, kb in itertools.product(range(0, t, rows_per), range(_cdiv(s, bk))):
-    rows = [i for i in range(q0, q0 + rows_per) if i < t]
-    keys = range(kb * bk, kb * bk + bk)
-    pairs = [_kept(m, i, j, t_eff, s_eff) for i in rows for j in keys]
-    lo, full_lo, full_hi, hi = map(int, flash_blocks.key_block_range(m, q0, rows_per, bk,
-                                                                     t_eff, s_eff))
-    assert lo <= full_lo <= full_hi <= hi
-    assert lo <= kb < hi or not any(pairs), (q0, kb)  # Every kept pair is visited.
-    if full_lo <= kb < full_hi:  # Blocks run without a positional mask keep every pair
-      assert all(_kept(m, i, j, t, s_eff) for i in rows for j in keys), (q0, kb)  # (rows < T).
+    ranges = flash_blocks.key_block_range(m, q0, rows_per, bk, t_eff, s_eff)
+    rows, keys = range(q0, q0 + rows_per), range(kb * bk, kb * bk + bk)
+    visited = _check_range(ranges, kb, rows, keys, m, t, t_eff, s_eff)
     if causal and kb * bk > q0 + rows_per - 1:
-      assert not lo <= kb < hi, (q0, kb)  # Blocks above the diagonal are skipped.
+      assert not visited, (q0, kb)  # Blocks above the diagonal are skipped.
   for k0, qb in itertools.product(range(0, s, keys_per), range(_cdiv(t, bq))):
+    ranges = flash_blocks.query_block_range(m, k0, bq, keys_per, t_eff, s_eff)
     keys = [j for j in range(k0, k0 + keys_per) if j < s]
-    rows = range(qb * bq, qb * bq + bq)
-    pairs = [_kept(m, i, j, t_eff, s_eff) for i in rows for j in keys]
-    lo, full_lo, full_hi, hi = map(int, flash_blocks.query_block_range(m, k0, bq, keys_per,
-                                                                       t_eff, s_eff))
-    assert lo <= full_lo <= full_hi <= hi
-    assert lo <= qb < hi or not any(pairs), (k0, qb)
-    if full_lo <= qb < full_hi:  # Rows past the query length are dropped by their lse.
-      assert all(_kept(m, i, j, t, s_eff) for i in rows if i < t for j in keys), (k0, qb)
+    _check_range(ranges, qb, range(qb * bq, qb * bq + bq), keys, m, t, t_eff, s_eff)
 
 
 def test_positional_ok_matches_enumeration():
