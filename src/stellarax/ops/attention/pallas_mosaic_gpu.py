@@ -445,7 +445,18 @@ class _Stream:
   def acquire(self, slot: Any) -> None:
     plgpu.barrier_wait(self.ready.at[slot])
 
-  def release(self, slot: Any) -> None:
+  def release(self, slot: Any, *, after_loads: bool = False) -> None:
+    """Frees a slot for refilling.
+
+    Args:
+      after_loads: this warpgroup read the slot with ordinary loads, not only with
+        wgmma. Those reads are then fenced (fence.proxy.async) against the TMA writes
+        that refill the slot: the PTX memory model orders generic-proxy accesses
+        before async-proxy ones only through such a fence, and the interpreter's race
+        detector checks it.
+    """
+    if after_loads:
+      plgpu.commit_smem()
     plgpu.barrier_arrive(self.free.at[slot])
 
 
@@ -644,8 +655,19 @@ def _barrier(num_barriers: int, num_arrivals: int = 1) -> Any:
   return plgpu.Barrier(num_arrivals=num_arrivals, num_barriers=num_barriers)
 
 
-def _interpret_params(interpret: bool) -> Any:
+Interpret = bool | plgpu.InterpretGPUParams
+
+
+def _interpret_params(interpret: Interpret) -> Any:
+  """The interpreter's parameters (None: compile for the GPU)."""
+  if isinstance(interpret, plgpu.InterpretGPUParams):
+    return interpret
   return plgpu.InterpretGPUParams() if interpret else None
+
+
+def _as_interpret(interpret: Any) -> Interpret:
+  """A hashable interpret option for the jitted wrappers: a bool or the params."""
+  return interpret if isinstance(interpret, plgpu.InterpretGPUParams) else bool(interpret)
 
 
 # --------------------------------------------------------------------------------------
@@ -686,7 +708,7 @@ def _fwd_kernel(*refs, q_smem, k_ring, v_ring, pair_ring, stage, lse_smem, v_mea
       s = mma.product(q_tile, k_ring.at[slot].T, (bq, bk), while_running=pingpong.sync)
       s = s * (p.scale * _LOG2E)  # base-2 logits: exp2 is the native instruction.
       s = _add_pair(p, s, pair_ring, slot, wg * bq)
-      k_stream.release(slot)
+      k_stream.release(slot, after_loads=p.has_pair)
       if masked:
         keep = _kept(p, (bq, bk), q0, kb * bk, cta.s_eff, rows_are_queries=True)
         s = jnp.where(keep, s, -jnp.inf)
@@ -764,7 +786,7 @@ def _pair_ring(p: _Problem, stages: int, rows: int, cols: int, keys: int) -> Any
 
 @functools.partial(jax.jit, static_argnames=("p", "c", "interpret"))
 def _fwd(query, key, value, bias, mask, q_len, kv_len, *, p: _Problem,
-         c: PallasMosaicGpuAttentionConfig, interpret: bool):
+         c: PallasMosaicGpuAttentionConfig, interpret: Interpret):
   b, _, n, h = query.shape
   num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q, c.block_kv, c.num_stages
   t_pad, s_pad = _round_up(p.t, num_wgs * bq), _round_up(p.s, bk)
@@ -787,7 +809,7 @@ def _fwd(query, key, value, bias, mask, q_len, kv_len, *, p: _Problem,
       k_free=_barrier(stages, num_wgs), v_free=_barrier(stages, num_wgs),
       sched=_barrier(1, 2) if c.schedule_barrier else None,
   )
-  kernel = functools.partial(_fwd_kernel, p=p, c=c, mma=_Mma(staged=interpret))
+  kernel = functools.partial(_fwd_kernel, p=p, c=c, mma=_Mma(staged=bool(interpret)))
   out, lse = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct(q.shape, p.dtype),
@@ -810,7 +832,7 @@ def attention_fwd_pallas_mosaic_gpu(query, key, value, bias=None, mask=None, *,
                                     key_value_seq_lengths=None, local_window_size=None,
                                     block_q: int, block_kv: int, num_compute_wgs: int,
                                     num_stages: int, schedule_barrier: bool,
-                                    interpret: bool = False):
+                                    interpret: Interpret = False):
   """Flash attention forward with the semantics of jax.nn.dot_product_attention.
 
   Args:
@@ -828,7 +850,8 @@ def attention_fwd_pallas_mosaic_gpu(query, key, value, bias=None, mask=None, *,
       keys i - left ... i + right.
     block_q, block_kv, num_compute_wgs, num_stages, schedule_barrier: tunables, see
       check_fwd_tunables.
-    interpret: run in the Mosaic GPU interpreter (any backend; for tests).
+    interpret: run in the Mosaic GPU interpreter (any backend; for tests): True, or
+      `plgpu.InterpretGPUParams` for its options (e.g. race detection).
 
   Returns:
     (out, lse): out (B, T, N, H) in query's dtype (mean(V) on a row that keeps no key,
@@ -845,7 +868,7 @@ def attention_fwd_pallas_mosaic_gpu(query, key, value, bias=None, mask=None, *,
   p = _make_problem(query, key, value, scale, is_causal, local_window_size,
                     query_seq_lengths, key_value_seq_lengths, bias, mask)
   return _fwd(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths, p=p,
-              c=c, interpret=bool(interpret))
+              c=c, interpret=_as_interpret(interpret))
 
 
 # --------------------------------------------------------------------------------------
@@ -895,7 +918,7 @@ def _dq_kernel(*refs, q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, pai
         probs = jnp.where(keep, probs, 0.0)
       ds = probs * (dp - _rows(delta, dp.shape))
       dq = mma.accumulate(dq, ds.astype(p.dtype), k_ring.at[slot], _stage(stage, wg))
-      k_stream.release(slot)
+      k_stream.release(slot, after_loads=p.has_pair)
       return dq
 
     def skip(kb, _):
@@ -984,7 +1007,7 @@ def _dkdv_kernel(*refs, k_smem, v_smem, dv0_smem, q_ring, do_ring, lse_ring, del
         delta = plgpu.load(delta_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
         ds_t = p_t * (dp_t - _cols(delta, dp_t.shape))
         dk = mma.accumulate(dk, ds_t.astype(p.dtype), q_ring.at[slot], _stage(stage, wg))
-      stream.release(slot)
+      stream.release(slot, after_loads=True)  # lse, delta (and bias/mask) were loaded
       return dk, dv
 
     def skip(i, _):
@@ -1021,7 +1044,7 @@ def _dkdv_kernel(*refs, k_smem, v_smem, dv0_smem, q_ring, do_ring, lse_ring, del
 
 
 def _dq_call(q, k, v, do, lse2, delta, pair, lengths, *, p: _Problem,
-             c: PallasMosaicGpuAttentionVjpConfig, interpret: bool):
+             c: PallasMosaicGpuAttentionVjpConfig, interpret: Interpret):
   b, t_pad, n, h = q.shape
   num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q_dq, c.block_kv_dq, c.num_stages
   rows_tile = plgpu.SMEM((num_wgs, bq, h), p.dtype, transforms=_tiled(p.dtype, h))
@@ -1037,7 +1060,7 @@ def _dq_call(q, k, v, do, lse2, delta, pair, lengths, *, p: _Problem,
       k_ready=_barrier(stages, 1 + p.has_pair), v_ready=_barrier(stages),
       k_free=_barrier(stages, num_wgs), v_free=_barrier(stages, num_wgs),
   )
-  kernel = functools.partial(_dq_kernel, p=p, c=c, mma=_Mma(staged=interpret))
+  kernel = functools.partial(_dq_kernel, p=p, c=c, mma=_Mma(staged=bool(interpret)))
   return plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct(q.shape, p.dtype),
@@ -1053,7 +1076,7 @@ def _dq_call(q, k, v, do, lse2, delta, pair, lengths, *, p: _Problem,
 
 
 def _dkdv_call(q, k, v, do, lse2, delta, pair_t, lengths, dv0, *, grads: tuple[str, ...],
-               p: _Problem, c: PallasMosaicGpuAttentionVjpConfig, interpret: bool):
+               p: _Problem, c: PallasMosaicGpuAttentionVjpConfig, interpret: Interpret):
   b, t_pad, _, h = q.shape
   s_pad, kh = k.shape[1], k.shape[2]
   num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q_dkv, c.block_kv_dkv, c.num_stages
@@ -1073,7 +1096,7 @@ def _dkdv_call(q, k, v, do, lse2, delta, pair_t, lengths, dv0, *, grads: tuple[s
       ready=_barrier(stages, 3 + want_dk + p.has_pair),
       free=_barrier(stages, num_wgs),
   )
-  kernel = functools.partial(_dkdv_kernel, p=p, c=c, mma=_Mma(staged=interpret), grads=grads)
+  kernel = functools.partial(_dkdv_kernel, p=p, c=c, mma=_Mma(staged=bool(interpret)), grads=grads)
   out_type = {"dk": jax.ShapeDtypeStruct(k.shape, p.dtype),
               "dv": jax.ShapeDtypeStruct(v.shape, p.dtype)}
   outs = plgpu.kernel(
@@ -1094,7 +1117,7 @@ def _dkdv_call(q, k, v, do, lse2, delta, pair_t, lengths, dv0, *, grads: tuple[s
 
 @functools.partial(jax.jit, static_argnames=("p", "c", "interpret"))
 def _bwd(query, key, value, bias, mask, out, lse, dout, q_len, kv_len, *, p: _Problem,
-         c: PallasMosaicGpuAttentionVjpConfig, interpret: bool):
+         c: PallasMosaicGpuAttentionVjpConfig, interpret: Interpret):
   # An elementwise product and sum, not a dot: exact float32 (no TF32) on every backend.
   delta = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)
   delta = delta.transpose(0, 2, 1)
@@ -1142,7 +1165,7 @@ def attention_bwd_pallas_mosaic_gpu(query, key, value, bias, mask, out, lse, dou
                                     local_window_size=None, block_q_dkv: int,
                                     block_kv_dkv: int, block_q_dq: int, block_kv_dq: int,
                                     num_compute_wgs: int, num_stages: int, split_dkdv: bool,
-                                    interpret: bool = False):
+                                    interpret: Interpret = False):
   """Flash attention backward for attention_fwd_pallas_mosaic_gpu.
 
   Gradients match jax.vjp of jax.nn.dot_product_attention, rows that keep no key
@@ -1158,7 +1181,7 @@ def attention_bwd_pallas_mosaic_gpu(query, key, value, bias, mask, out, lse, dou
       forward's options.
     block_q_dkv, block_kv_dkv, block_q_dq, block_kv_dq, num_compute_wgs, num_stages,
       split_dkdv: tunables, see check_bwd_tunables.
-    interpret: run in the Mosaic GPU interpreter (any backend; for tests).
+    interpret: as in the forward.
 
   Returns:
     (dquery, dkey, dvalue) in the dtypes and shapes of query, key and value.
@@ -1174,7 +1197,7 @@ def attention_bwd_pallas_mosaic_gpu(query, key, value, bias, mask, out, lse, dou
                     query_seq_lengths, key_value_seq_lengths, bias, mask)
   _check_residuals(query, out, lse, dout)
   return _bwd(query, key, value, bias, mask, out, lse, dout, query_seq_lengths,
-              key_value_seq_lengths, p=p, c=c, interpret=bool(interpret))
+              key_value_seq_lengths, p=p, c=c, interpret=_as_interpret(interpret))
 
 
 # --------------------------------------------------------------------------------------
