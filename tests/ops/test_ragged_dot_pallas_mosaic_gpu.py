@@ -367,6 +367,7 @@ SHAPES = [
     (4096, 1024, 2048, 512),  # groups of 8 rows
     (150, 128, 192, 4),
     (45, 128, 256, 3),
+    (64, 768, 64, 1),         # few tiles: split-K, 6 steps of 128 or 12 of 64 to share
 ]
 
 

@@ -251,8 +251,8 @@ def check_tunables_fit(tunables: dict[str, Any], *, k: int, n: int, product: str
             f"split_k={split} shares of block_k={block} steps must divide the {label}={dim}"
             f" of the {name} product. Pick a split_k whose shares divide {dim // block}"
             f" steps.")
-  if split > 1 and product != "drhs":
-    out_itemsize = max(out_itemsize, 4)  # The epilogue stores float32 partials.
+  if product != "drhs":
+    out_itemsize = _epilogue_itemsize(split, out_itemsize)
   used = _smem_bytes(**{key: tunables[key] for key in ("block_m", "block_n", "block_k",
                                                       "max_concurrent_steps")},
                     out_itemsize=out_itemsize)
@@ -345,10 +345,15 @@ def heuristic_tunables(m: int, k: int, n: int, g: int, dtype: Any, *, product: s
   tiles = dict(block_m=block_m, block_n=block_n, block_k=64,
                wg_split="n" if block_n >= 128 else "m", grid_minor_dim="m", grid_tile_width=8)
   tiles["split_k"] = _split_choices(m, k, n, g, tiles, product)[0]
-  if tiles["split_k"] > 1:
-    out_itemsize = 4  # float32 partials
-  tiles["max_concurrent_steps"] = _deepest_pipeline(tiles, out_itemsize, cap=4)
+  tiles["max_concurrent_steps"] = _deepest_pipeline(
+      tiles, _epilogue_itemsize(tiles["split_k"], out_itemsize), cap=4)
   return {name: tiles[name] for name in _TUNABLE_NAMES}
+
+
+def _epilogue_itemsize(split_k: int, out_itemsize: int) -> int:
+  """Bytes per element of the epilogue's shared-memory tile: float32 partials when
+  the contraction is split, else the output dtype's."""
+  return 4 if split_k > 1 else out_itemsize
 
 
 def _split_choices(m: int, k: int, n: int, g: int, tiles: dict[str, Any],
@@ -420,7 +425,7 @@ def tunable_space(m: int, k: int, n: int, g: int, dtype: Any, *, product: str = 
   space = [heuristic]
   # The heuristic tile with the other splits (where the output has few tiles).
   for split in _split_choices(m, k, n, g, heuristic, product)[1:]:
-    stages = _deepest_pipeline(heuristic, 4 if split > 1 else out_itemsize, cap=4)
+    stages = _deepest_pipeline(heuristic, _epilogue_itemsize(split, out_itemsize), cap=4)
     if stages is not None:
       space.append(heuristic | dict(split_k=split, max_concurrent_steps=stages))
   for order in (("m", 4), ("m", 16), ("n", 4), ("n", 8)):
@@ -428,10 +433,12 @@ def tunable_space(m: int, k: int, n: int, g: int, dtype: Any, *, product: str = 
   candidates = sorted(_tile_candidates(m, k, n, g, product),
                       key=lambda t: -t["block_m"] * t["block_n"])
   for tiles in candidates:
-    tiles = tiles | dict(split_k=heuristic["split_k"])
-    if heuristic["split_k"] > 1 and _split_choices(m, k, n, g, tiles, product)[0] == 1:
-      tiles["split_k"] = 1  # This tiling leaves the share too small.
-    deepest = _deepest_pipeline(tiles, 4 if tiles["split_k"] > 1 else out_itemsize, cap=6)
+    # The heuristic's split where this tiling's shares divide the contraction, else
+    # this tiling's own guess.
+    choices = _split_choices(m, k, n, g, tiles, product)
+    split = heuristic["split_k"] if heuristic["split_k"] in choices else choices[0]
+    tiles = tiles | dict(split_k=split)
+    deepest = _deepest_pipeline(tiles, _epilogue_itemsize(split, out_itemsize), cap=6)
     if deepest is None:
       continue
     space.append(tiles | dict(max_concurrent_steps=deepest))
