@@ -154,6 +154,18 @@ def _ragged_workloads(smoke, dtype, shapes=None, backward=True):
   return out
 
 
+def _attention_baselines(**options) -> dict[str, Callable[..., Any]]:
+  """jax.nn.dot_product_attention with `options` through XLA and, on a GPU, cuDNN; each
+  takes (q, k, v) or (q, k, v, key_value_seq_lengths)."""
+  def through(implementation):
+    return lambda q, k, v, lens=None: jax.nn.dot_product_attention(
+        q, k, v, key_value_seq_lengths=lens, **options, implementation=implementation)
+  base = {"xla jax.nn.dot_product_attention": through("xla")}
+  if jax.devices()[0].platform == "gpu":
+    base["cuDNN jax.nn.dot_product_attention"] = through("cudnn")
+  return base
+
+
 def _attention_workloads(smoke, dtype):
   b, t, h, d = (2, 8192, 16, 128) if not smoke else (1, 128, 2, 64)
   inputs = functools.partial(_attention_inputs, b, t, h, d, dtype)
@@ -161,11 +173,7 @@ def _attention_workloads(smoke, dtype):
   f32 = lambda x: x.astype(jnp.float32)
   ref = lambda q, k, v: jax.nn.dot_product_attention(f32(q), f32(k), f32(v), is_causal=True)
   call = lambda op, q, k, v: stellarax.dot_product_attention(q, k, v, is_causal=True, implementation=op)
-  base = {"xla jax.nn.dot_product_attention": lambda q, k, v: jax.nn.dot_product_attention(
-      q, k, v, is_causal=True, implementation="xla")}
-  if jax.devices()[0].platform == "gpu":
-    base["cuDNN jax.nn.dot_product_attention"] = lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=True, implementation="cudnn")
+  base = _attention_baselines(is_causal=True)
   label = f"attention B={b} T={t} H={h} D={d} causal"
   return [
       Workload(f"{label} fwd", "attention", inputs, call, ref, flops=flops, baselines=base),
@@ -193,11 +201,7 @@ def _local_attention_workloads(smoke, dtype):
       f32(q), f32(k), f32(v), key_value_seq_lengths=lens, **options)
   call = lambda op, q, k, v, lens: stellarax.dot_product_attention(
       q, k, v, key_value_seq_lengths=lens, **options, implementation=op)
-  base = {"xla jax.nn.dot_product_attention": lambda q, k, v, lens: jax.nn.dot_product_attention(
-      q, k, v, key_value_seq_lengths=lens, **options, implementation="xla")}
-  if jax.devices()[0].platform == "gpu":
-    base["cuDNN jax.nn.dot_product_attention"] = lambda q, k, v, lens: jax.nn.dot_product_attention(
-        q, k, v, key_value_seq_lengths=lens, **options, implementation="cudnn")
+  base = _attention_baselines(**options)
   label = f"attention B={b} T={t} H={h} D={d} causal window={window[0]} kv_len={kv_len}"
   return [Workload(f"{label} fwd", "attention", inputs, call, ref, flops=4 * h * d * kept,
                    baselines=base)]
