@@ -17,6 +17,7 @@ class Masking(flash_blocks.BlockMasking):
   s: int
   causal: bool
   window: tuple[int, int] | None
+  t: int = 100
   has_q_len: bool = False
   has_kv_len: bool = False
   has_mask: bool = False
@@ -134,6 +135,15 @@ def test_windows_the_kernels_take():
   flash_blocks.require_window_the_kernels_take((0, 4))
   with pytest.raises(NotImplementedError, match="negative side"):
     flash_blocks.require_window_the_kernels_take((3, -1))
+
+
+def test_effective_lengths_clip_to_the_sequences():
+  m = Masking(s=90, causal=False, window=None, t=100)
+  assert flash_blocks.effective_lengths(m, None, None) == (100, 90)
+  t_eff, s_eff = flash_blocks.effective_lengths(m, jnp.int32(120), jnp.int32(-3))
+  assert (int(t_eff), int(s_eff)) == (100, 0)
+  t_eff, s_eff = flash_blocks.effective_lengths(m, jnp.int32(7), None)
+  assert (int(t_eff), s_eff) == (7, 90)
 
 
 def test_check_seq_lengths():

@@ -1,13 +1,35 @@
 """What every Pallas implementation shares: the interpret switch, where it
-runs, and configs built from the kernels' tunable dicts."""
+runs, configs built from the kernels' tunable dicts, and the kernels' optional
+operands."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from stellarax.core.op import Op
+
+
+def unpack_refs(refs: Sequence[Any], present: Sequence[bool]) -> list[Any]:
+  """Spreads the refs a kernel got over the slots of its operands, None for absent ones.
+
+  Args:
+    refs: the refs Pallas passed, only those of present operands, in order.
+    present: one flag per operand slot.
+
+  Returns:
+    One entry per slot: the next ref where present, else None.
+
+  Raises:
+    ValueError: when the refs do not match the present operands in number (a kernel
+      called with other operands than its flags say).
+  """
+  refs, wanted = list(refs), sum(map(bool, present))
+  if len(refs) != wanted:
+    raise ValueError(f"{len(refs)} refs for {wanted} present operands.")
+  it = iter(refs)
+  return [next(it) if p else None for p in present]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

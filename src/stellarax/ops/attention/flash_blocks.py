@@ -28,7 +28,8 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 class BlockMasking:
   """Mixin: the positional masking of a static problem description.
 
-  The class it is mixed into must have the attributes `s` (keys), `causal` (bool),
+  The class it is mixed into must have the attributes `t` (queries), `s` (keys),
+  `causal` (bool),
   `window` ((left, right) or None), `has_kv_len` and `has_q_len` (bools: per-batch
   sequence lengths given) and `has_mask` (a boolean mask array given).
   """
@@ -98,6 +99,21 @@ def check_seq_lengths(name: str, x: Any, batch: int) -> None:
   if x is not None and (tuple(x.shape) != (batch,) or x.dtype != jnp.int32):
     raise ValueError(f"{name} has shape {tuple(x.shape)} and dtype {x.dtype}; expected"
                      f" ({batch},) int32, one length per batch element.")
+
+
+def effective_lengths(m: BlockMasking, q_len: Any, kv_len: Any) -> tuple[Any, Any]:
+  """Query and key lengths after a batch element's sequence lengths.
+
+  Args:
+    m: the problem's masking (its T and S).
+    q_len, kv_len: the element's lengths (scalars, traced), or None where not given.
+
+  Returns:
+    (t_eff, s_eff): the lengths clipped to [0, T] and [0, S]; T and S where not given.
+  """
+  t_eff = m.t if q_len is None else clip(q_len, 0, m.t)
+  s_eff = m.s if kv_len is None else clip(kv_len, 0, m.s)
+  return t_eff, s_eff
 
 
 def select(cond: Any, a: Any, b: Any) -> jax.Array:

@@ -76,6 +76,7 @@ from stellarax.ops import pallas_common
 from stellarax.ops.attention import base as _base
 from stellarax.ops.attention import flash_blocks
 from stellarax.ops.attention import reference as _reference
+from stellarax.ops.pallas_common import unpack_refs
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -489,9 +490,8 @@ def _produce(streams: Sequence[_Stream], num_steps: Any, stages: int) -> None:
 
 def _lengths(p: _Problem, q_len_ref: Any, kv_len_ref: Any, b: Any) -> tuple[Any, Any]:
   """Batch b's query and key lengths after its sequence lengths, clipped to T and S."""
-  t_eff = p.t if q_len_ref is None else flash_blocks.clip(q_len_ref[b], 0, p.t)
-  s_eff = p.s if kv_len_ref is None else flash_blocks.clip(kv_len_ref[b], 0, p.s)
-  return t_eff, s_eff
+  read = lambda ref: None if ref is None else ref[b]
+  return flash_blocks.effective_lengths(p, read(q_len_ref), read(kv_len_ref))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -619,14 +619,6 @@ def _live_rows(shape: tuple[int, int], row0: Any, t_eff: Any) -> jax.Array:
   return rows < t_eff
 
 
-def _present(refs: Sequence[Any], flags: Sequence[bool]) -> list[Any]:
-  """Spreads the refs a kernel got over the slots of `flags`, None where one is absent."""
-  it = iter(refs)
-  out = [next(it) if flag else None for flag in flags]
-  assert next(it, None) is None
-  return out
-
-
 def _store_tiles(copies: Sequence[tuple[Any, jax.Array, Any]]) -> None:
   """Writes register tiles to GMEM through their SMEM tiles: [(smem, value, gmem)]."""
   for smem, value, _ in copies:
@@ -679,7 +671,7 @@ def _fwd_kernel(*refs, q_smem, k_ring, v_ring, pair_ring, stage, lse_smem, v_mea
                 q_ready, k_ready, v_ready, k_free, v_free, sched, p: _Problem,
                 c: PallasMosaicGpuAttentionConfig, mma: _Mma):
   """Output rows and lse of one query tile of one head (see the module docstring)."""
-  q_ref, k_ref, v_ref, pair_ref, q_len_ref, kv_len_ref, v_mean_ref, o_ref, lse_ref = _present(
+  q_ref, k_ref, v_ref, pair_ref, q_len_ref, kv_len_ref, v_mean_ref, o_ref, lse_ref = unpack_refs(
       refs, (True, True, True, p.has_pair, p.has_q_len, p.has_kv_len, p.may_fully_mask,
              True, True))
   num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q, c.block_kv, c.num_stages
@@ -881,7 +873,7 @@ def _dq_kernel(*refs, q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, pai
                c: PallasMosaicGpuAttentionVjpConfig, mma: _Mma):
   """dQ of one query tile of one head: the forward's loop with dS = P (dP - delta)."""
   (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, pair_ref, q_len_ref, kv_len_ref,
-   dq_ref) = _present(refs, (True,) * 6 + (p.has_pair, p.has_q_len, p.has_kv_len, True))
+   dq_ref) = unpack_refs(refs, (True,) * 6 + (p.has_pair, p.has_q_len, p.has_kv_len, True))
   num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q_dq, c.block_kv_dq, c.num_stages
   cta, k_stream, v_stream = _query_tile_cta(
       p, q_ref, k_ref, v_ref, pair_ref, (q_len_ref, kv_len_ref), num_wgs=num_wgs, bq=bq,
@@ -945,7 +937,7 @@ def _dkdv_kernel(*refs, k_smem, v_smem, dv0_smem, q_ring, do_ring, lse_ring, del
   want_dk, want_dv = "dk" in grads, "dv" in grads
   with_dv0 = want_dv and p.may_fully_mask
   (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, pair_t_ref, q_len_ref, kv_len_ref,
-   dv0_ref, *out_refs) = _present(
+   dv0_ref, *out_refs) = unpack_refs(
        refs, (True,) * 6 + (p.has_pair, p.has_q_len, p.has_kv_len, with_dv0)
        + (True,) * len(grads))
   num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q_dkv, c.block_kv_dkv, c.num_stages

@@ -38,7 +38,6 @@ import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -47,8 +46,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from stellarax.ops import pallas_common
 from stellarax.ops.attention import flash_blocks
 from stellarax.ops.attention.flash_blocks import MASK_VALUE
+from stellarax.ops.pallas_common import unpack_refs
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -217,14 +218,6 @@ def _make_spec(query, key, value, bias, mask, query_seq_lengths, key_value_seq_l
 # --------------------------------------------------------------------------------------
 
 
-def _unpack(refs: Sequence[Any], present: Sequence[bool]) -> list[Any]:
-  """Spreads the refs Pallas passed over the slots, None where an input is absent."""
-  it = iter(refs)
-  out = [next(it) if p else None for p in present]
-  assert next(it, None) is None
-  return out
-
-
 def _load(view: Any, valid: jax.Array | None, other: Any) -> jax.Array:
   """Loads a ref view; masked (filled with `other`) only where `valid` is given."""
   if valid is None:
@@ -258,10 +251,9 @@ def _dot(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
 
 
 def _effective_lengths(spec: _Spec, q_len_ref: Any, kv_len_ref: Any) -> tuple[Any, Any]:
-  """Query and key lengths after the per-batch sequence lengths, clipped to T and S."""
-  t_eff = spec.t if q_len_ref is None else flash_blocks.clip(q_len_ref[...], 0, spec.t)
-  s_eff = spec.s if kv_len_ref is None else flash_blocks.clip(kv_len_ref[...], 0, spec.s)
-  return t_eff, s_eff
+  """Query and key lengths after this program's sequence lengths, clipped to T and S."""
+  read = lambda ref: None if ref is None else ref[...]
+  return flash_blocks.effective_lengths(spec, read(q_len_ref), read(kv_len_ref))
 
 
 def _load_pair_tile(ref: Any, head: Any, q0: Any, bq: int, k0: Any, bk: int, *,
@@ -328,9 +320,9 @@ def _query_block_index(spec: _Spec, bq: int) -> Any:
 
 def _fwd_kernel(*refs, spec: _Spec, bq: int, bk: int):
   (q_ref, k_ref, v_ref, bias_ref, mask_ref, q_len_ref, kv_len_ref, v_mean_ref, o_ref,
-   lse_ref) = _unpack(refs, (True, True, True, spec.bias_shape is not None,
-                             spec.mask_shape is not None, spec.has_q_len, spec.has_kv_len,
-                             spec.may_fully_mask, True, True))
+   lse_ref) = unpack_refs(refs, (True, True, True, spec.bias_shape is not None,
+                                 spec.mask_shape is not None, spec.has_q_len,
+                                 spec.has_kv_len, spec.may_fully_mask, True, True))
   q0 = _query_block_index(spec, bq) * bq
   t_eff, s_eff = _effective_lengths(spec, q_len_ref, kv_len_ref)
   row_ok = _in_bounds(q0, bq, spec.t)
@@ -523,7 +515,7 @@ def attention_fwd_pallas_triton(query, key, value, bias=None, mask=None, *, scal
 
 
 def _bwd_preprocess_kernel(*refs, spec: _Spec, bq: int):
-  o_ref, do_ref, lse_ref, q_len_ref, delta_ref, lse2_ref = _unpack(
+  o_ref, do_ref, lse_ref, q_len_ref, delta_ref, lse2_ref = unpack_refs(
       refs, (True, True, True, spec.has_q_len, True, True))
   q0 = pl.program_id(1) * bq
   row_ok = _in_bounds(q0, bq, spec.t)
@@ -535,14 +527,15 @@ def _bwd_preprocess_kernel(*refs, spec: _Spec, bq: int):
   # nothing, and fully masked rows only feed dV, which the wrapper adds separately.
   live = lse > 0.5 * MASK_VALUE
   if spec.has_q_len:
-    live = live & (q0 + lax.iota(jnp.int32, bq) < flash_blocks.clip(q_len_ref[...], 0, spec.t))
+    t_eff, _ = _effective_lengths(spec, q_len_ref, None)
+    live = live & (q0 + lax.iota(jnp.int32, bq) < t_eff)
   _store(delta_ref.at[_index(0), pl.ds(q0, bq)], jnp.sum(o * do, axis=1), row_ok)
   _store(lse2_ref.at[_index(0), pl.ds(q0, bq)], jnp.where(live, lse * _LOG2E, jnp.inf), row_ok)
 
 
 def _dkdv_kernel(*refs, spec: _Spec, bq: int, bk: int):
   (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, bias_ref, mask_ref, q_len_ref,
-   kv_len_ref, dv0_ref, dk_ref, dv_ref) = _unpack(
+   kv_len_ref, dv0_ref, dk_ref, dv_ref) = unpack_refs(
        refs, (True,) * 6 + (spec.bias_shape is not None, spec.mask_shape is not None,
                             spec.has_q_len, spec.has_kv_len, spec.may_fully_mask, True, True))
   k0 = pl.program_id(1) * bk
@@ -601,7 +594,7 @@ def _dkdv_kernel(*refs, spec: _Spec, bq: int, bk: int):
 
 def _dq_kernel(*refs, spec: _Spec, bq: int, bk: int):
   (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, bias_ref, mask_ref, q_len_ref,
-   kv_len_ref, dq_ref) = _unpack(
+   kv_len_ref, dq_ref) = unpack_refs(
        refs, (True,) * 6 + (spec.bias_shape is not None, spec.mask_shape is not None,
                             spec.has_q_len, spec.has_kv_len, True))
   q0 = _query_block_index(spec, bq) * bq
@@ -921,7 +914,6 @@ def tunable_space(query: Any, key: Any, *,
 # Op classes: attention.pallas_triton and its VJP.
 
 from stellarax.core.config import check_power_of_two, config_dataclass  # noqa: E402
-from stellarax.ops import pallas_common  # noqa: E402
 from stellarax.ops.attention import base as _base  # noqa: E402
 
 
