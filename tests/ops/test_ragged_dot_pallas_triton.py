@@ -25,6 +25,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 from stellarax.ops.ragged_dot import pallas_triton as pt
+from stellarax.ops.ragged_dot import split_k as splits
 from stellarax.ops.ragged_dot.reference import ragged_dot_reference, ragged_dot_rhs_grad_reference
 
 # Inputs are scaled so that outputs are O(1). bfloat16 outputs carry 8 significant
@@ -348,7 +349,7 @@ def test_tunable_space_is_valid_for_the_shape(shape, dtype):
   for config in space:
     pt.validate_tunables(**config)
     for block, dim in ((config["block_m"], m), (config["block_n"], n), (config["block_k"], k)):
-      assert block <= max(16, pt._pow2_at_least(dim)), (config, shape)
+      assert block <= max(16, splits.pow2_at_least(dim)), (config, shape)
     smem = pt._smem_bytes(config["block_m"], config["block_n"], config["block_k"],
                           config["num_stages"], jnp.dtype(dtype).itemsize)
     assert smem <= 227 * 1024, config

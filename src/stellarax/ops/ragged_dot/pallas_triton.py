@@ -162,16 +162,13 @@ def _out_dtype(preferred_element_type: Any, like: jax.Array) -> jnp.dtype:
   return jnp.dtype(like.dtype if preferred_element_type is None else preferred_element_type)
 
 
-_pow2_at_least = _splits.pow2_at_least
-
-
 def _pow2_at_most(x: int) -> int:
   return 1 << (max(1, x).bit_length() - 1)
 
 
 def _cap(block: int, dim: int) -> int:
   """Shrinks `block` to the smallest power of two >= 16 that covers `dim`."""
-  return max(MIN_BLOCK, min(block, _pow2_at_least(dim)))
+  return max(MIN_BLOCK, min(block, _splits.pow2_at_least(dim)))
 
 
 def _smem_bytes(block_m: int, block_n: int, block_k: int, num_stages: int, itemsize: int) -> int:
