@@ -29,3 +29,25 @@ def user_cache_dir(tmp_path, monkeypatch):
 # passed under full CPU load; without it one in 5-6 hung).
 if (os.cpu_count() or 1) < 8:
   os.environ.setdefault("PJRT_NPROC", "8")
+
+
+# Pallas builds each Triton kernel as an MLIR module and serialises it without running
+# MLIR's verifier; on a GPU, XLA parses (and so verifies) it, and an invalid kernel fails
+# there only. Verifying every module built here makes the simulated-H200 lowering tests
+# catch what the GPU would reject (a loop whose bounds have different integer types
+# passed them all and failed on XLA's GPU compile). tests/test_triton_verification.py
+# checks this hook is in place.
+from jax._src.pallas.triton import lowering as _triton_lowering  # noqa: E402
+from jax._src.pallas.triton import pallas_call_registration as _triton_registration  # noqa: E402
+
+_build_triton_module = _triton_lowering.lower_jaxpr_to_triton_module
+
+
+def _verified_triton_module(*args, **kwargs):
+  result = _build_triton_module(*args, **kwargs)
+  result.module.operation.verify()  # raises MLIRError naming the invalid operation
+  return result
+
+
+_verified_triton_module.verifies = True
+_triton_registration.lowering.lower_jaxpr_to_triton_module = _verified_triton_module

@@ -622,7 +622,9 @@ def _drhs_kernel(offsets_ref, lhs_ref, dout_ref, out_ref, *, block_m: int, block
   # mode cannot trace an unmasked block larger than the array).
   if num_rows >= block_m:
     acc = lax.fori_loop(first, last, full_rows, acc)
-  acc = lax.fori_loop(0, jnp.where(has_tail, 1, 0), tail_rows, acc)
+  # Bounds of one integer type: Triton's scf.for rejects a loop whose bounds differ (an
+  # i32 literal and a `where` of Python ints), which only the GPU compile checks.
+  acc = lax.fori_loop(0, has_tail.astype(jnp.int32), tail_rows, acc)
   out = acc.astype(out_ref.dtype)
   index = (group,) if len(out_ref.shape) == 3 else (split, group)
   out_tile = out_ref.at[(*index, pl.ds(k0, block_k), pl.ds(n0, block_n))]
