@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-slow demo setup clean
+.PHONY: test test-slow demo setup clean compile-h200
 
 setup: $(STAMP)
 
@@ -25,5 +25,20 @@ test-slow: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m stellarax.tools.demo --output demo_out
 
+# Compile every Pallas kernel for an H200 without a GPU (bench/compile_h200.py) in a
+# virtual environment of its own: the CUDA plugin must not become the tests' backend.
+H200_VENV := .venv-h200
+H200_STAMP := $(H200_VENV)/.installed
+
+$(H200_STAMP): pyproject.toml requirements/ci.txt requirements/h200-compile.txt
+	test -x $(H200_VENV)/bin/python || $(PYTHON) -m venv $(H200_VENV)
+	$(H200_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(H200_VENV)/bin/python -m pip install --quiet -c requirements/ci.txt -e . -r requirements/h200-compile.txt
+	command -v ptxas >/dev/null || $(H200_VENV)/bin/python -m pip install --quiet nvidia-cuda-nvcc==13.0.88
+	touch $(H200_STAMP)
+
+compile-h200: $(H200_STAMP)
+	$(H200_VENV)/bin/python bench/compile_h200.py --out results/compile-h200
+
 clean:
-	rm -rf $(VENV) demo_out
+	rm -rf $(VENV) $(H200_VENV) demo_out

@@ -127,6 +127,12 @@ class Workload:
   baselines: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
   # Baselines that compute something else of the same cost (not checked).
   unchecked: tuple[str, ...] = ()
+  # The inputs' shapes and dtypes, where make_inputs cannot be traced (NumPy inside).
+  specs: Callable[[], tuple] | None = None
+
+  def input_specs(self) -> tuple:
+    """ShapeDtypeStructs of `make_inputs()`, without making them."""
+    return self.specs() if self.specs is not None else jax.eval_shape(self.make_inputs)
 
 
 def _ragged_workloads(smoke, dtype, shapes=None, backward=True):
@@ -135,6 +141,9 @@ def _ragged_workloads(smoke, dtype, shapes=None, backward=True):
   out = []
   for g, m, k, n in shapes:
     inputs = functools.partial(_ragged_inputs, g, m, k, n, dtype)
+    specs = lambda g=g, m=m, k=k, n=n: (jax.ShapeDtypeStruct((m, k), dtype),
+                                        jax.ShapeDtypeStruct((g, k, n), dtype),
+                                        jax.ShapeDtypeStruct((g,), jnp.int32))
     ref = lambda l, r, gs: jax.lax.ragged_dot(l.astype(jnp.float32), r.astype(jnp.float32), gs,
                                               precision=jax.lax.Precision.HIGHEST)
     call = lambda op, l, r, gs: stellarax.ragged_dot(l, r, gs, implementation=op)
@@ -143,14 +152,15 @@ def _ragged_workloads(smoke, dtype, shapes=None, backward=True):
     label = f"ragged_dot G={g} M={m} K={k} N={n}"
     out.append(Workload(f"{label} fwd", "ragged_dot", inputs, call, ref, flops=2 * m * k * n,
                         baselines={"xla jax.lax.ragged_dot": xla, "cuBLAS dense same FLOPs": dense},
-                        unchecked=("cuBLAS dense same FLOPs",)))
+                        unchecked=("cuBLAS dense same FLOPs",), specs=specs))
     if not backward:
       continue
     out.append(Workload(
         f"{label} fwd+bwd", "ragged_dot", inputs,
         lambda op, l, r, gs, call=call: _grad_of(lambda a, b: call(op, a, b, gs), (0, 1))(l, r),
         lambda l, r, gs, ref=ref: _grad_of(lambda a, b: ref(a, b, gs), (0, 1))(l, r), flops=6 * m * k * n,
-        baselines={"xla jax.lax.ragged_dot": lambda l, r, gs, xla=xla: _grad_of(lambda a, b: xla(a, b, gs), (0, 1))(l, r)}))
+        baselines={"xla jax.lax.ragged_dot": lambda l, r, gs, xla=xla: _grad_of(lambda a, b: xla(a, b, gs), (0, 1))(l, r)},
+        specs=specs))
   return out
 
 

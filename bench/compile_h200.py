@@ -1,0 +1,487 @@
+"""Compile every Pallas kernel for an NVIDIA H200 on a machine with no GPU, and report
+what ptxas says of each: registers, spills, shared memory.
+
+    make compile-h200                                   # .venv-h200, heuristic configs
+    .venv-h200/bin/python bench/compile_h200.py --out results/compile-h200 [--space]
+        [--only ragged_dot,attention]
+
+Why: the GPU machine is lent rarely and for minutes. Everything between a kernel and the
+H200 except the card itself runs here: XLA's GPU compiler (the CUDA PJRT plugin) compiles a
+whole program for a topology described by `h200_target_config.txtpb` (deviceless AOT), and
+runs Triton and ptxas for `sm_90a` on the Pallas Triton kernels; Mosaic GPU kernels are
+compiled by the plugin's `MosaicGpuCompile` (Mosaic GPU passes, LLVM NVPTX, ptxas). A kernel
+that fails there would fail on the GPU; one that spills registers to local memory would be
+slow there. Mosaic GPU's compile asks the CUDA driver which GPU it compiles for, so a stand-in
+`libcuda.so.1` (built here with gcc from the plugin's own list of driver entry points) answers
+"one compute capability 9.0 device" and refuses to load modules: nothing is run.
+
+For each workload of `bench/gpu_check.py` (the speed-target shapes) and each Pallas
+implementation, the op calls of the forward (and gradient) program are captured, and each
+call's heuristic config (with --space: every config of its search space) is compiled alone.
+Writes `<out>/kernels.json` (a row per compiled kernel) and prints a table last. Exits 1
+when a config fails to compile or a heuristic config spills.
+
+Needs (the `compile-h200` make target installs them): jax-cuda13-plugin and -pjrt of the
+pinned jax version, ptxas (CUDA 12.8 or later, on PATH or from nvidia-cuda-nvcc), gcc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+HERE = Path(__file__).resolve().parent
+TARGET_CONFIG = HERE / "h200_target_config.txtpb"
+
+# ----------------------------------------------------------------------------- ptxas output
+
+
+@dataclasses.dataclass
+class KernelStats:
+  """What ptxas reported for one entry function (and, where known, its launch)."""
+  name: str
+  registers: int | None = None
+  spill_stores: int = 0  # bytes
+  spill_loads: int = 0  # bytes
+  stack_frame: int = 0  # bytes
+  barriers: int | None = None
+  shared_memory: int | None = None  # bytes, dynamic (what the kernel asks at launch)
+  threads: int | None = None
+  grid: tuple[int, ...] | None = None
+  # ptxas's numbered performance remarks, e.g. "C7515 Potential Performance Loss:
+  # wgmma.mma_async instructions are serialized due to ..." (C7510 to C7515 name the
+  # causes: the tensor cores' pipeline is lost) or "C7519 warpgroup.arrive is injected
+  # ..." (a fence ptxas added before a wgmma that reads registers).
+  remarks: list[str] = dataclasses.field(default_factory=list)
+
+  @property
+  def spills(self) -> bool:
+    return bool(self.spill_stores or self.spill_loads)
+
+  @property
+  def wgmma_serialized(self) -> bool:
+    return any("wgmma.mma_async instructions are serialized" in r for r in self.remarks)
+
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
+_PROPERTIES = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?")
+_REMARK = re.compile(r"ptxas (?:info|warning)\s*: \((C\d+)\) (.*?)(?: in (?:the )?function '([^']+)')?\.?$")
+
+
+def parse_ptxas(text: str) -> dict[str, KernelStats]:
+  """Per entry function, what `ptxas -v` printed in `text` (other lines are ignored).
+
+  Args:
+    text: ptxas's verbose output, possibly interleaved with unrelated log lines.
+
+  Returns:
+    {entry function name: KernelStats}, in the order ptxas compiled them.
+  """
+  out: dict[str, KernelStats] = {}
+  current: KernelStats | None = None
+  remarks: list[tuple[str | None, str]] = []
+  for line in text.splitlines():
+    if m := _REMARK.search(line):
+      remarks.append((m.group(3), f"{m.group(1)} {m.group(2)}"))
+    elif m := _ENTRY.search(line):
+      current = out.setdefault(m.group(1), KernelStats(m.group(1)))
+    elif current is not None and (m := _PROPERTIES.search(line)):
+      current.stack_frame, current.spill_stores, current.spill_loads = map(int, m.groups())
+    elif current is not None and (m := _USED.search(line)):
+      current.registers = int(m.group(1))
+      current.barriers = int(m.group(2)) if m.group(2) else 0
+  # ptxas prints remarks before the function's report; one naming no function belongs to
+  # the only kernel, if there is one.
+  for function, remark in remarks:
+    target = out.get(function) if function else (next(iter(out.values())) if len(out) == 1 else None)
+    if target is not None:
+      target.remarks.append(remark)
+  return out
+
+
+_THUNK = re.compile(r"kCustomKernel\b.*?\s(\S+) grid: \[([\d, ]+)\] threads: \[([\d, ]+)\]\s+"
+                    r"shared_memory: (\d+) bytes")
+
+
+def parse_thunk_sequence(text: str) -> dict[str, tuple[tuple[int, ...], int, int]]:
+  """The custom (Pallas) kernels of XLA's thunk sequence dump: {name: (grid, threads,
+  shared memory bytes)}."""
+  out = {}
+  for m in _THUNK.finditer(text):
+    grid = tuple(int(x) for x in m.group(2).split(","))
+    threads = 1
+    for x in m.group(3).split(","):
+      threads *= int(x)
+    out[m.group(1)] = (grid, threads, int(m.group(4)))
+  return out
+
+
+_SMEM_SCRATCH = re.compile(r"smem_scratch_bytes=(\d+)")
+
+# ----------------------------------------------------------------------------- environment
+
+
+def _plugin_library() -> Path:
+  spec = importlib.util.find_spec("jax_plugins.xla_cuda13")
+  if spec is None or not spec.submodule_search_locations:
+    raise SystemExit("compile_h200 needs the CUDA PJRT plugin: pip install -r requirements/h200-compile.txt"
+                     " (or run `make compile-h200`).")
+  return Path(list(spec.submodule_search_locations)[0]) / "xla_cuda_plugin.so"
+
+
+# Driver calls whose answers the compile path reads; every other entry point succeeds and
+# writes nothing. Module loads fail, so nothing compiled here can be launched.
+_SHIM_SPECIAL = r"""
+#include <stdio.h>
+#include <string.h>
+enum { kMajor = 75, kMinor = 76, kSms = 16, kSmemOptin = 97, kSmemPerBlock = 8 };
+int cuDeviceGetAttribute(int* v, int attr, int dev) {
+  switch (attr) {
+    case kMajor: *v = 9; break;
+    case kMinor: *v = 0; break;
+    case kSms: *v = 132; break;
+    case kSmemOptin: *v = 232448; break;
+    case kSmemPerBlock: *v = 49152; break;
+    default: *v = 1;
+  }
+  return 0;
+}
+int cuCtxGetDevice(int* d) { *d = 0; return 0; }
+int cuDeviceGet(int* d, int ordinal) { *d = 0; return 0; }
+int cuDeviceGetCount(int* c) { *c = 1; return 0; }
+int cuDriverGetVersion(int* v) { *v = 13000; return 0; }
+int cuDeviceComputeCapability(int* major, int* minor, int d) { *major = 9; *minor = 0; return 0; }
+int cuDeviceGetName(char* n, int len, int d) { strncpy(n, "NVIDIA H200", len); return 0; }
+static int refuse(void) { fprintf(stderr, "[compile_h200] no GPU: module not loaded\n"); return 200; }
+int cuModuleLoadData(void** m, const void* image) { return refuse(); }
+int cuModuleLoadDataEx(void** m, const void* image, unsigned n, void* o, void** v) { return refuse(); }
+int cuLibraryLoadData(void** l, const void* image, void* a, void* b, unsigned n, void* c, void* d, unsigned e) { return refuse(); }
+int cuGetProcAddress(const char* s, void** p, int v, unsigned long long f, int* st) { *p = 0; if (st) *st = 1; return 500; }
+int cuGetProcAddress_v2(const char* s, void** p, int v, unsigned long long f, int* st) { *p = 0; if (st) *st = 1; return 500; }
+"""
+
+
+def build_driver_stand_in(plugin: Path, cache: Path) -> Path:
+  """Builds (once per plugin) the stand-in `libcuda.so.1` described in the module docstring.
+
+  Returns:
+    The shared library's path.
+
+  Raises:
+    SystemExit: when gcc is missing or fails.
+  """
+  data = plugin.read_bytes()
+  names = sorted(set(n.decode() for n in re.findall(rb"\x00(cu[A-Z][A-Za-z0-9_]+)\x00", data)))
+  special = set(re.findall(r"^int (cu\w+)\(", _SHIM_SPECIAL, flags=re.M))
+  source = _SHIM_SPECIAL + "".join(f"int {n}(void) {{ return 0; }}\n" for n in names if n not in special)
+  out = cache / f"libcuda-stand-in-{hashlib.sha256(source.encode()).hexdigest()[:16]}.so"
+  if not out.exists():
+    cache.mkdir(parents=True, exist_ok=True)
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if gcc is None:
+      raise SystemExit("compile_h200 builds a stand-in libcuda.so.1 with gcc; install gcc.")
+    src = out.with_suffix(".c")
+    src.write_text(source)
+    subprocess.run([gcc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(out), str(src)],
+                   check=True)
+  return out
+
+
+def _ptxas_dir() -> Path:
+  found = shutil.which("ptxas")
+  if found:
+    return Path(found).resolve().parent
+  spec = importlib.util.find_spec("nvidia")
+  for root in (spec.submodule_search_locations if spec else []):
+    for candidate in Path(root).glob("cu*/bin/ptxas"):
+      return candidate.parent
+  raise SystemExit("compile_h200 needs ptxas (CUDA 12.8+): put it on PATH or pip install nvidia-cuda-nvcc.")
+
+
+def prepare_environment(work: Path) -> None:
+  """Sets up this process (before jax is imported) to compile for an H200 without one.
+
+  Args:
+    work: a scratch folder for XLA's dumps.
+  """
+  if "jax" in sys.modules:
+    raise RuntimeError("prepare_environment must run before jax is imported.")
+  plugin = _plugin_library()
+  ptxas = _ptxas_dir()
+  os.environ["PATH"] = f"{ptxas}{os.pathsep}{os.environ.get('PATH', '')}"
+  os.environ.update(
+      JAX_PLATFORMS="cpu",  # the stand-in driver must not become jax's default backend
+      JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1",  # no cuDNN/cuBLAS here: nothing runs
+      TF_CPP_MIN_LOG_LEVEL="0",
+      TF_CPP_VMODULE="subprocess_compilation=3",  # XLA logs ptxas's -v output at this level
+      # The dump's thunk sequence names each Pallas kernel's launch (grid, threads, smem).
+      XLA_FLAGS=f"--xla_dump_to={work / 'xla'} --xla_gpu_ptx_compiler_extra_flags=-v",
+      MOSAIC_GPU_CUDA_ROOT=str(ptxas.parent),
+      # Printed to stdout (no MOSAIC_GPU_DUMP_TO: that would also write every pass's IR).
+      MOSAIC_GPU_DUMP_PTXAS="1",
+      MOSAIC_GPU_DUMP_RESOURCES="1",
+  )
+  stand_in = build_driver_stand_in(plugin, Path.home() / ".cache" / "stellarax")
+  # Loaded first under the soname libcuda.so.1, it is what the plugin's dlopen finds.
+  ctypes.CDLL(str(stand_in), mode=ctypes.RTLD_GLOBAL)
+
+
+def _flush_all() -> None:
+  """Flushes Python's and C's buffered output (C++ code prints through C stdio)."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  ctypes.CDLL(None).fflush(None)
+
+
+@contextlib.contextmanager
+def captured_output(fd: int) -> Iterator[list[str]]:
+  """Captures what is written to file descriptor `fd` (1 or 2), by Python or C++ code
+  (XLA's log, Mosaic GPU's dumps), into `[text]`."""
+  _flush_all()
+  saved = os.dup(fd)
+  holder: list[str] = []
+  with tempfile.TemporaryFile() as tmp:
+    os.dup2(tmp.fileno(), fd)
+    try:
+      yield holder
+    finally:
+      _flush_all()
+      os.dup2(saved, fd)
+      os.close(saved)
+      tmp.seek(0)
+      holder.append(tmp.read().decode(errors="replace"))
+
+
+# ----------------------------------------------------------------------------- compiling
+
+
+class H200Compiler:
+  """Compiles jitted programs for a deviceless H200 and collects their kernels' stats."""
+
+  def __init__(self, work: Path):
+    import jax
+    from jax.experimental import topologies
+    self.work = work
+    topology = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
+                                            target_config=TARGET_CONFIG.read_text())
+    self.mesh = jax.sharding.Mesh(topology.devices, ("x",))
+    import jax_plugins.xla_cuda13 as cuda_plugin
+    self._mosaic_compile = ctypes.CDLL(cuda_plugin._get_library_path()).MosaicGpuCompile
+    self._mosaic_compile.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    self._mosaic_compile.restype = ctypes.c_void_p
+
+  def on_h200(self, specs) -> list[Any]:
+    """`specs` (ShapeDtypeStructs) placed on the H200, so programs lower for CUDA."""
+    import jax
+    sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    return [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in specs]
+
+  def capture(self, fn, specs) -> list[Any]:
+    """The stellarax op calls (BoundArguments) of `fn(*specs)` lowered for the H200."""
+    import jax
+    from stellarax.autotuning import capture
+    with jax.set_mesh(self.mesh), captured_output(1):  # Mosaic GPU's resource report
+      return capture.get_bound_args(fn, *self.on_h200(specs))
+
+  def compile(self, fn, specs) -> list[KernelStats]:
+    """Compiles `fn(*specs)` (ShapeDtypeStructs) for the H200: the whole program through
+    XLA (Triton kernels and XLA's own), then each Mosaic GPU kernel in it.
+
+    Returns:
+      Stats of every kernel ptxas compiled, Pallas ones first.
+
+    Raises:
+      Exception: whatever lowering or compiling raised (a kernel that cannot compile).
+    """
+    import jax
+    args = self.on_h200(specs)
+    shutil.rmtree(self.work / "xla", ignore_errors=True)
+    with jax.set_mesh(self.mesh):
+      with captured_output(1) as printed:  # Mosaic GPU's resource report
+        lowered = jax.jit(fn).trace(*args).lower()
+      with captured_output(2) as log:
+        lowered.compile()
+    resources = [int(m) for m in _SMEM_SCRATCH.findall(printed[0])]
+    stats = parse_ptxas(log[0])
+    launches: dict[str, Any] = {}
+    for path in (self.work / "xla").glob("*thunk_sequence.txt"):
+      launches.update(parse_thunk_sequence(path.read_text()))
+    for name, (grid, threads, smem) in launches.items():
+      if name in stats:
+        stats[name].grid, stats[name].threads, stats[name].shared_memory = grid, threads, smem
+    pallas = [stats.pop(name) for name in launches if name in stats]
+    # XLA's compile also runs ptxas on the Mosaic GPU kernels (reported below, with their
+    # shared memory, one module at a time).
+    mosaic = self._compile_mosaic(lowered, resources)
+    xla_own = [k for name, k in stats.items() if name not in {m.name for m in mosaic}]
+    return pallas + mosaic + xla_own
+
+  def _compile_mosaic(self, lowered, resources: list[int]) -> list[KernelStats]:
+    """Each Mosaic GPU kernel of `lowered` through ptxas; `resources` are their shared
+    memory sizes in lowering order."""
+    from jax._src.lib.mlir import ir
+    modules = []
+
+    def walk(op):
+      for region in op.regions:
+        for block in region:
+          for inner in block:
+            if (inner.name == "stablehlo.custom_call"
+                and ir.StringAttr(inner.attributes["call_target_name"]).value == "mosaic_gpu_v2"):
+              config = ir.DictAttr(inner.attributes["mhlo.backend_config"])
+              modules.append(ir.StringAttr(config["module"]).value_bytes)
+            walk(inner)
+
+    walk(lowered.compiler_ir("stablehlo").operation)
+    out = []
+    for i, module in enumerate(modules):
+      # ptxas's report goes to stdout; the compile fails at the module load, after ptxas.
+      with captured_output(1) as printed, captured_output(2) as log:
+        self._mosaic_compile(module, len(module))
+      found = parse_ptxas(printed[0])
+      if not found:
+        raise RuntimeError(f"Mosaic GPU compile produced no ptxas output: {log[0][-2000:]}")
+      for k in found.values():
+        k.shared_memory = resources[i] if len(resources) == len(modules) else None
+      out.extend(found.values())
+    return out
+
+
+# ----------------------------------------------------------------------------- workloads
+
+
+@dataclasses.dataclass
+class Row:
+  workload: str
+  op: str
+  config: str
+  kernel: str = ""
+  registers: int | None = None
+  spill_stores: int = 0
+  spill_loads: int = 0
+  shared_memory: int | None = None
+  threads: int | None = None
+  heuristic: bool = False
+  status: str = "ok"
+  remarks: list[str] = dataclasses.field(default_factory=list)
+  seconds: float = 0.0
+
+
+def _pallas_ops(family: str) -> list[Any]:
+  from stellarax.core import registry
+  return [registry.lookup(n)() for n in registry.names(family)
+          if "pallas" in n and not n.endswith("_vjp")]
+
+
+def _program_of(workload, op):
+  """The workload's program (forward, or forward and gradient) with `op` in it."""
+  return functools.partial(workload.call, op)
+
+
+def run(args, work: Path) -> list[Row]:
+  import jax
+  sys.path.insert(0, str(HERE))
+  import gpu_check
+
+  compiler = H200Compiler(work)
+  only = [s.strip() for s in (args.only or "").split(",") if s.strip()]
+  rows: list[Row] = []
+  seen: set[str] = set()
+  for w in gpu_check._workloads(smoke=False):
+    if only and not any(s in w.name for s in only):
+      continue
+    specs = w.input_specs()
+    for op in _pallas_ops(w.family):
+      try:
+        calls = compiler.capture(_program_of(w, op), specs)
+      except NotImplementedError as e:
+        rows.append(Row(w.name, op.name, "", status=f"not supported: {str(e)[:120]}"))
+        continue
+      for ba in calls:
+        identity = ba.op_json() + ba.key_json()
+        if identity in seen or "pallas" not in (ba.op.name or ""):
+          continue
+        seen.add(identity)
+        heuristic = ba.heuristics_config
+        configs = [heuristic] + (sorted((c for c in ba.autotuning_configs if c != heuristic), key=str)
+                                 if args.space else [])
+        for config in configs:
+          rows.extend(_compile_one(compiler, w.name, ba, config, config == heuristic))
+          _print_rows(rows[-1:])
+  return rows
+
+
+def _compile_one(compiler, workload, ba, config, heuristic) -> list[Row]:
+  start = time.monotonic()
+  base = dict(workload=workload, op=ba.op.name, config=str(config), heuristic=heuristic)
+  try:
+    kernels = compiler.compile(ba.runner(config), ba.array_specs())
+  except Exception as e:  # a kernel that does not compile is a finding, not a crash
+    first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    return [Row(**base, status=f"compile error: {first[:300]}", seconds=time.monotonic() - start)]
+  seconds = time.monotonic() - start
+  return [Row(**base, kernel=k.name, registers=k.registers, spill_stores=k.spill_stores,
+              spill_loads=k.spill_loads, shared_memory=k.shared_memory, threads=k.threads,
+              status=_status(k), remarks=k.remarks, seconds=seconds) for k in kernels]
+
+
+def _status(k: KernelStats) -> str:
+  bad = (["SPILLS"] if k.spills else []) + (["WGMMA SERIALIZED"] if k.wgmma_serialized else [])
+  return ", ".join(bad) or "ok"
+
+
+def _print_rows(rows: list[Row]) -> None:
+  for r in rows:
+    smem = f"{r.shared_memory / 1024:.0f}K" if r.shared_memory is not None else "-"
+    spills = f"{r.spill_stores}/{r.spill_loads}" if r.spills_any else "0"
+    remarks = ",".join(sorted({m.split()[0] for m in r.remarks}))
+    print(f"{r.op:34s} {r.kernel[:40]:40s} {str(r.registers or '-'):>4s} {spills:>9s} {smem:>6s} "
+          f"{'H' if r.heuristic else ' '} {r.status[:60]:12s} {remarks:11s} {r.config[:110]}", flush=True)
+
+
+Row.spills_any = property(lambda r: bool(r.spill_stores or r.spill_loads))
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--out", required=True, help="folder for kernels.json")
+  parser.add_argument("--space", action="store_true", help="compile every config of each search space")
+  parser.add_argument("--only", default="", help="comma-separated workload name parts")
+  args = parser.parse_args(argv)
+  work = Path(tempfile.mkdtemp(prefix="compile_h200_"))
+  prepare_environment(work)
+  rows = run(args, work)
+  out = Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "kernels.json").write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
+  print("\n== kernels (H = heuristic config; spills = bytes stored/loaded) ==")
+  print(f"{'op':34s} {'kernel':40s} {'regs':>4s} {'spills':>9s} {'smem':>6s}   {'status':12s} "
+        f"{'ptxas':11s} config")
+  _print_rows(rows)
+  failed = [r for r in rows if r.status.startswith("compile error")]
+  spilling = [r for r in rows if r.status == "SPILLS"]
+  print(f"\n{len(rows)} kernels compiled for an H200: {len(failed)} failed to compile, "
+        f"{len(spilling)} spill ({sum(r.heuristic for r in spilling)} with a heuristic config)")
+  shutil.rmtree(work, ignore_errors=True)
+  # A config that cannot compile is a bug wherever it comes from (a tuner would waste a
+  # candidate on it); a heuristic config that spills is a slow default.
+  return 1 if failed or any(r.heuristic for r in spilling) else 0
+
+if __name__ == "__main__":
+  sys.exit(main())

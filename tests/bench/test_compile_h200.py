@@ -1,0 +1,89 @@
+"""bench/compile_h200.py: reading ptxas's and XLA's reports, and the stand-in CUDA driver.
+
+The compile itself needs the CUDA PJRT plugin (`make compile-h200` installs it in its own
+virtual environment; CI runs it); these tests need only gcc.
+"""
+
+import ctypes
+import pathlib
+import shutil
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
+import compile_h200  # noqa: E402
+
+# What XLA logged for a program with a Pallas Triton kernel and an XLA fusion (the second
+# entry's lines interleaved with another log line, as on stderr).
+_PTXAS_LOG = """\
+I1130 06:03:12.036609   13225 subprocess_compilation.cc:356] ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'stellarax_attention_fwd' for 'sm_90a'
+ptxas info    : Function properties for stellarax_attention_fwd
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 166 registers, used 1 barriers
+ptxas info    : Compile time = 137.999 ms
+ptxas info    : Compiling entry function 'loop_add_fusion' for 'sm_90a'
+ptxas info    : Function properties for loop_add_fusion
+I1130 06:03:12.1 something else
+    8 bytes stack frame, 52 bytes spill stores, 48 bytes spill loads
+ptxas info    : Used 255 registers, used 16 barriers, 1 bytes smem
+"""
+
+
+def test_parse_ptxas_reads_each_entry_function():
+  stats = compile_h200.parse_ptxas(_PTXAS_LOG)
+  assert list(stats) == ["stellarax_attention_fwd", "loop_add_fusion"]
+  fwd, fusion = stats.values()
+  assert (fwd.registers, fwd.barriers, fwd.spills) == (166, 1, False)
+  assert (fusion.registers, fusion.barriers, fusion.stack_frame) == (255, 16, 8)
+  assert (fusion.spill_stores, fusion.spill_loads, fusion.spills) == (52, 48, True)
+
+
+def test_parse_ptxas_of_nothing_is_empty():
+  assert compile_h200.parse_ptxas("ptxas info    : 0 bytes gmem\n") == {}
+
+
+def test_parse_thunk_sequence_reads_pallas_launches():
+  text = ("001: kCustomKernel [source | sink] stellarax_attention_fwd grid: [16, 64, 2] threads: "
+          "[256, 1, 1]  shared_memory: 131072 bytes\n"
+          "002: kKernel [source] loop_add_fusion grid: [4, 1, 1] threads: [128, 1, 1]\n")
+  assert compile_h200.parse_thunk_sequence(text) == {
+      "stellarax_attention_fwd": ((16, 64, 2), 256, 131072)}
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="the stand-in driver is built with gcc")
+def test_stand_in_driver_answers_as_an_h200_and_loads_nothing(tmp_path):
+  # A "plugin" naming three driver entry points, as the real one's string table does.
+  plugin = tmp_path / "xla_cuda_plugin.so"
+  plugin.write_bytes(b"\x00cuInit\x00cuDeviceGetAttribute\x00cuMemAlloc_v2\x00junk\x00")
+  library = compile_h200.build_driver_stand_in(plugin, tmp_path / "cache")
+  driver = ctypes.CDLL(str(library))
+  assert driver.cuInit(0) == 0 and driver.cuMemAlloc_v2() == 0
+  value = ctypes.c_int()
+  major, minor, sms = 75, 76, 16  # CUdevice_attribute values
+  answers = []
+  for attribute in (major, minor, sms):
+    assert driver.cuDeviceGetAttribute(ctypes.byref(value), attribute, 0) == 0
+    answers.append(value.value)
+  assert answers == [9, 0, 132]
+  # Loading a module fails (CUDA_ERROR_INVALID_IMAGE): nothing compiled here can run.
+  assert driver.cuModuleLoadData(ctypes.byref(ctypes.c_void_p()), None) == 200
+  # Built once per plugin.
+  assert compile_h200.build_driver_stand_in(plugin, tmp_path / "cache") == library
+
+
+def test_parse_ptxas_attaches_performance_remarks_to_their_kernel():
+  text = (
+      "ptxas info    : (C7519) warpgroup.arrive is injected in around line 669 by compiler to"
+      " allow use of registers in GMMA in function 'ragged_dot_fwd_mosaic_gpu_kernel'\n"
+      "ptxas warning : (C7510) Potential Performance Loss: wgmma.mma_async instructions are"
+      " serialized due to the presence of Extern calls in the function 'attention_kernel'.\n"
+      "ptxas info    : Compiling entry function 'ragged_dot_fwd_mosaic_gpu_kernel' for 'sm_90a'\n"
+      "ptxas info    : Used 168 registers, used 16 barriers\n"
+      "ptxas info    : Compiling entry function 'attention_kernel' for 'sm_90a'\n"
+      "ptxas info    : Used 168 registers, used 16 barriers\n")
+  stats = compile_h200.parse_ptxas(text)
+  ragged, attention = stats["ragged_dot_fwd_mosaic_gpu_kernel"], stats["attention_kernel"]
+  assert [r.split()[0] for r in ragged.remarks] == ["C7519"] and not ragged.wgmma_serialized
+  assert attention.remarks[0].startswith("C7510 Potential Performance Loss") and attention.wgmma_serialized
