@@ -299,12 +299,24 @@ def _scaled_logits(spec, q, k, bias_ref, mask_ref, heads, q0, bq, k0, bk, s_eff,
   return s if ok is None else jnp.where(ok, s, MASK_VALUE)
 
 
-def _run_blocks(lo, full_lo, full_hi, hi, body, carry, *, masked_head: bool):
-  """Runs body(block, carry, positional) over [lo, hi), unmasked on [full_lo, full_hi)."""
+def _run_blocks(lo, full_lo, full_hi, hi, loop, carry, *, masked_head: bool):
+  """Runs loop(start, stop, carry, positional) over the blocks [lo, hi): the unmasked
+  ones [full_lo, full_hi) first, then the masked head [lo, full_lo) (if any) and tail.
+
+  Unmasked blocks come first because a masked loop ahead of the unmasked one made
+  ptxas serialize the dK/dV kernel's wgmma (remark C7515, found by
+  bench/compile_h200.py); every kernel here sums over blocks in any order.
+  """
+  carry = loop(full_lo, full_hi, carry, False)
   if masked_head:
-    carry = lax.fori_loop(lo, full_lo, functools.partial(body, positional=True), carry)
-  carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, positional=False), carry)
-  return lax.fori_loop(full_hi, hi, functools.partial(body, positional=True), carry)
+    carry = loop(lo, full_lo, carry, True)
+  return loop(full_hi, hi, carry, True)
+
+
+def _block_loop(body):
+  """`loop` for `_run_blocks`: a fori_loop of body(block, carry, positional=...)."""
+  return lambda lo, hi, carry, positional: lax.fori_loop(
+      lo, hi, functools.partial(body, positional=positional), carry)
 
 
 def _query_block_index(spec: _Spec, bq: int) -> Any:
@@ -349,7 +361,8 @@ def _fwd_kernel(*refs, spec: _Spec, bq: int, bk: int):
   carry = (jnp.zeros((bq, spec.head_dim), jnp.float32),
            jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32))
   ranges = flash_blocks.key_block_range(spec, q0, bq, bk, t_eff, s_eff)
-  acc, m, l = _run_blocks(*ranges, body, carry, masked_head=spec.left_reach is not None)
+  acc, m, l = _run_blocks(*ranges, _block_loop(body), carry,
+                          masked_head=spec.left_reach is not None)
 
   l_safe = jnp.where(l == 0.0, 1.0, l)
   out = acc / l_safe[:, None]
@@ -582,12 +595,8 @@ def _dkdv_kernel(*refs, spec: _Spec, bq: int, bk: int):
   dk = jnp.zeros((bk, spec.head_dim), jnp.float32)
   dv = (jnp.broadcast_to(dv0_ref[...][None, :], (bk, spec.head_dim))
         if spec.may_fully_mask else jnp.zeros((bk, spec.head_dim), jnp.float32))
-  lo, full_lo, full_hi, hi = flash_blocks.query_block_range(spec, k0, bq, bk, t_eff, s_eff)
-  carry = (dk, dv)
-  if spec.right_reach is not None:
-    carry = run(lo, full_lo, carry, True)
-  carry = run(full_lo, full_hi, carry, False)
-  dk, dv = run(full_hi, hi, carry, True)
+  ranges = flash_blocks.query_block_range(spec, k0, bq, bk, t_eff, s_eff)
+  dk, dv = _run_blocks(*ranges, run, (dk, dv), masked_head=spec.right_reach is not None)
   _store(dk_ref.at[pl.ds(k0, bk), :], (dk * spec.scale).astype(dk_ref.dtype), key_tile_ok)
   _store(dv_ref.at[pl.ds(k0, bk), :], dv.astype(dv_ref.dtype), key_tile_ok)
 
@@ -619,7 +628,7 @@ def _dq_kernel(*refs, spec: _Spec, bq: int, bk: int):
     return dq + _dot(ds.astype(k.dtype), k)
 
   ranges = flash_blocks.key_block_range(spec, q0, bq, bk, t_eff, s_eff)
-  dq = _run_blocks(*ranges, body, jnp.zeros((bq, spec.head_dim), jnp.float32),
+  dq = _run_blocks(*ranges, _block_loop(body), jnp.zeros((bq, spec.head_dim), jnp.float32),
                    masked_head=spec.left_reach is not None)
   _store(dq_ref.at[pl.ds(q0, bq), _index(0), :], (dq * spec.scale).astype(dq_ref.dtype), tile_ok)
 
