@@ -353,8 +353,28 @@ def test_tunable_space_is_valid_for_the_shape(shape, dtype):
     smem = pt._smem_bytes(config["block_m"], config["block_n"], config["block_k"],
                           config["num_stages"], jnp.dtype(dtype).itemsize)
     assert smem <= 227 * 1024, config
+    # No accumulator of more than 128 floats a thread: those spilled on an H200.
+    assert config["block_m"] * config["block_n"] <= 128 * 32 * config["num_warps"], config
   if min(m, k, n) >= 1024:
     assert len(space) >= 20
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_backward_configs_fit_the_rhs_gradient_kernel(shape, dtype):
+  # One config tiles both gradients; the rhs gradient pipelines block_m x (block_k +
+  # block_n) a stage into a block_k x block_n accumulator.
+  m, k, n, g = shape
+  ba = pt.PallasTritonRaggedDot().vjp_op().bind(
+      None, jax.ShapeDtypeStruct((m, n), dtype), jax.ShapeDtypeStruct((m, n), dtype),
+      jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((g, k, n), dtype),
+      jax.ShapeDtypeStruct((g,), jnp.int32))
+  configs = ba.autotuning_configs
+  assert ba.heuristics_config in configs and len(configs) >= (10 if min(m, k, n) >= 1024 else 1)
+  itemsize = jnp.dtype(dtype).itemsize
+  for c in configs:
+    assert c.num_stages * c.block_m * (c.block_k + c.block_n) * itemsize <= 227 * 1024, c
+    assert c.block_k * c.block_n <= 128 * 32 * c.num_warps, c
 
 
 def test_heuristic_tunables():

@@ -305,7 +305,7 @@ def heuristic_tunables(m: int, k: int, n: int, g: int, dtype: Any, *, product: s
   """Returns tunables that are a reasonable guess on an H200, without measuring.
 
   The CTA tile is 128 x 256 (two compute warpgroups of 128 x 128, the shape of fast
-  Hopper matmuls) with block_k = 64 and as many stages (up to 4) as shared memory
+  Hopper matmuls) with block_k = 64 and as many stages (up to 3) as shared memory
   holds; block_m drops to 64 when groups average fewer than 128 rows (each group
   wastes part of a tile), and block_n to the largest of 256, 128, 64 that divides
   the output columns. Tiles run in bands of 8 m-tiles (L2 reuse of lhs rows and rhs
@@ -345,8 +345,11 @@ def heuristic_tunables(m: int, k: int, n: int, g: int, dtype: Any, *, product: s
   tiles = dict(block_m=block_m, block_n=block_n, block_k=64,
                wg_split="n" if block_n >= 128 else "m", grid_minor_dim="m", grid_tile_width=8)
   tiles["split_k"] = _split_choices(m, k, n, g, tiles, product)[0]
+  # Three stages: compiled for an H200 (bench/compile_h200.py), the 64 x 256 tile of
+  # decode-sized M spilled registers with 2 or 4 stages and not with 3, nor did the
+  # 128 x 256 tile; the search space keeps deeper pipelines for the tuner to measure.
   tiles["max_concurrent_steps"] = _deepest_pipeline(
-      tiles, _epilogue_itemsize(tiles["split_k"], out_itemsize), cap=4)
+      tiles, _epilogue_itemsize(tiles["split_k"], out_itemsize), cap=3)
   return {name: tiles[name] for name in _TUNABLE_NAMES}
 
 

@@ -176,6 +176,26 @@ def _smem_bytes(block_m: int, block_n: int, block_k: int, num_stages: int, items
   return num_stages * (block_m * block_k + block_k * block_n) * itemsize
 
 
+# Float32 accumulator elements per thread beyond which a tile spills registers. Compiled
+# for an H200 (bench/compile_h200.py), 128 x 128 on 4 warps (128 a thread) used 166
+# registers and no local memory; 128 x 256 and 256 x 128 on 4 warps (256 a thread)
+# spilled over 1 KB a thread, on 8 warps none.
+_ACC_PER_THREAD = 128
+
+
+def _acc_fits(rows: int, cols: int, num_warps: int) -> bool:
+  return rows * cols <= _ACC_PER_THREAD * 32 * num_warps
+
+
+def _drhs_fits(t: dict[str, int], itemsize: int) -> bool:
+  """Whether a tiling also fits the rhs-gradient kernel, which pipelines block_m rows of
+  lhs and dout (block_m x (block_k + block_n) a stage) into a block_k x block_n
+  accumulator."""
+  bm, bn, bk = t["block_m"], t["block_n"], t["block_k"]
+  return (t["num_stages"] * bm * (bk + bn) * itemsize <= _SMEM_BYTES
+          and _acc_fits(bk, bn, t["num_warps"]))
+
+
 def heuristic_tunables(m: int, k: int, n: int, g: int, dtype: Any) -> dict[str, int]:
   """Returns tunables that are a reasonable guess on an H200, without measuring.
 
@@ -229,7 +249,8 @@ def tunable_space(m: int, k: int, n: int, g: int, dtype: Any) -> list[dict[str, 
   Tiles: block_m among the three largest of 16..256 up to twice the average group
   size (at least 64), block_n of 64 to 256, block_k of 32 to 128 (16 to 64 for
   float32), accumulators up to 128x256 (128x128 for float32); 4 warps, or 8 for
-  accumulators of at least 128x128; 3 or 4 stages (3 for block_k = 128). Blocks are
+  accumulators of at least 128x128 (only 8 above 128 floats a thread, which spill on
+  4); 3 or 4 stages (3 for block_k = 128). Blocks are
   capped at the problem size, duplicates dropped, and configs whose pipelined tiles
   overflow the H200's shared memory left out. The heuristic config comes first.
 
@@ -252,7 +273,8 @@ def tunable_space(m: int, k: int, n: int, g: int, dtype: Any) -> list[dict[str, 
   keys = [tuple(heuristic[name] for name in _TUNABLE_NAMES)]
   for bm, bn, bk in _candidate_tiles(m, g, itemsize):
     bm, bn, bk = _cap(bm, m), _cap(bn, n), _cap(bk, k)
-    for num_warps in (4, 8) if bm * bn >= 128 * 128 else (4,):
+    warps = [w for w in ((4, 8) if bm * bn >= 128 * 128 else (4,)) if _acc_fits(bm, bn, w)]
+    for num_warps in warps:
       for num_stages in (3, 4) if bk <= 64 else (3,):
         if _smem_bytes(bm, bn, bk, num_stages, itemsize) <= _SMEM_BYTES:
           keys.append((bm, bn, bk, num_warps, num_stages))
@@ -756,10 +778,11 @@ class PallasTritonRaggedDotVjpConfig:
 
 
 def _split_configs(config_cls: type, split_name: str, choices: Any, m: int, k: int, n: int, g: int,
-                   dtype: Any) -> list[Any]:
-  """The tilings of `tunable_space`, each with its splits from `choices`; the heuristic first."""
+                   dtype: Any, fits: Any = None) -> list[Any]:
+  """The tilings of `tunable_space` that pass `fits` (if given), each with its splits
+  from `choices`; the heuristic first."""
   return [config_cls(**t, **{split_name: split})
-          for t in tunable_space(m, k, n, g, dtype)
+          for t in tunable_space(m, k, n, g, dtype) if fits is None or fits(t)
           for split in choices(m, k, n, g, block_m=t["block_m"], block_n=t["block_n"],
                                block_k=t["block_k"])]
 
@@ -769,7 +792,12 @@ def _fwd_configs(*problem: Any) -> list[PallasTritonRaggedDotConfig]:
 
 
 def _vjp_configs(*problem: Any) -> list[PallasTritonRaggedDotVjpConfig]:
-  return _split_configs(PallasTritonRaggedDotVjpConfig, "split_rows", split_rows_choices, *problem)
+  # One tiling serves both gradients: it must fit the rhs gradient's kernel too (the
+  # forward's space alone let 128x256 tiles past, which asked 240-384 KiB of shared
+  # memory there and failed to compile).
+  itemsize = jnp.dtype(problem[-1]).itemsize
+  return _split_configs(PallasTritonRaggedDotVjpConfig, "split_rows", split_rows_choices, *problem,
+                        fits=lambda t: _drhs_fits(t, itemsize))
 
 
 def _mkng(ba) -> tuple[int, int, int, int, str]:
