@@ -34,7 +34,6 @@ $(H200_STAMP): pyproject.toml requirements/ci.txt requirements/h200-compile.txt
 	test -x $(H200_VENV)/bin/python || $(PYTHON) -m venv $(H200_VENV)
 	$(H200_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(H200_VENV)/bin/python -m pip install --quiet -c requirements/ci.txt -e . -r requirements/h200-compile.txt
-	command -v ptxas >/dev/null || $(H200_VENV)/bin/python -m pip install --quiet nvidia-cuda-nvcc==13.0.88
 	touch $(H200_STAMP)
 
 compile-h200: $(H200_STAMP)

@@ -21,8 +21,9 @@ call's heuristic config (with --space: every config of its search space) is comp
 Writes `<out>/kernels.json` (a row per compiled kernel) and prints a table last. Exits 1
 when a config fails to compile or a heuristic config spills.
 
-Needs (the `compile-h200` make target installs them): jax-cuda13-plugin and -pjrt of the
-pinned jax version, ptxas (CUDA 12.8 or later, on PATH or from nvidia-cuda-nvcc), gcc.
+Needs (the `compile-h200` make target installs them, requirements/h200-compile.txt):
+jax-cuda13-plugin and -pjrt of the pinned jax version, ptxas and libdevice from
+nvidia-cuda-nvcc (else a ptxas on PATH), and gcc.
 """
 
 from __future__ import annotations
@@ -204,14 +205,16 @@ def build_driver_stand_in(plugin: Path, cache: Path) -> Path:
 
 
 def _ptxas_dir() -> Path:
+  """The CUDA bin folder whose ptxas compiles here: nvidia-cuda-nvcc's (pinned with the
+  plugin), else the first on PATH."""
+  spec = importlib.util.find_spec("nvidia")
+  for root in (spec.submodule_search_locations if spec else []):
+    for candidate in sorted(Path(root).glob("cu*/bin/ptxas")):
+      return candidate.parent
   found = shutil.which("ptxas")
   if found:
     return Path(found).resolve().parent
-  spec = importlib.util.find_spec("nvidia")
-  for root in (spec.submodule_search_locations if spec else []):
-    for candidate in Path(root).glob("cu*/bin/ptxas"):
-      return candidate.parent
-  raise SystemExit("compile_h200 needs ptxas (CUDA 12.8+): put it on PATH or pip install nvidia-cuda-nvcc.")
+  raise SystemExit("compile_h200 needs ptxas (CUDA 13): pip install -r requirements/h200-compile.txt.")
 
 
 def prepare_environment(work: Path) -> None:
