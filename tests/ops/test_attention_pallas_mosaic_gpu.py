@@ -445,8 +445,8 @@ def test_tunable_spaces_are_valid_and_fit_an_sm90(h, t, backward, with_pair):
       assert c["num_compute_wgs"] == 1, c
   if (h, t) == (128, 8192):
     assert (5 if with_pair else 10) <= len(configs) <= 40, len(configs)
-    if not backward:  # 64 x 192 blocks spilled registers on an H200
-      assert max(c["block_q"] * c["block_kv"] for c in configs) <= 64 * 128
+  if not backward:  # key blocks over 128 spilled registers on an H200
+    assert max(c["block_kv"] for c in configs) <= 128
 
 
 def test_tunables_of_the_target_shape():

@@ -88,6 +88,10 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _BLOCK_Q_CHOICES = (64, 128)
 _BLOCK_KV_CHOICES = (64, 128, 192, 256)
 _BLOCK_KV_DKV_CHOICES = (64, 128)
+# Key blocks the forward's search space tries: wider ones spilled registers on an H200
+# (bench/compile_h200.py: 64 x 192 spilled 24-112 bytes at head dim 64 and 0.3-1.2 KB
+# at 128) although the register estimate below let them pass.
+_FWD_SPACE_BLOCK_KV = (64, 128)
 _NUM_COMPUTE_WGS_CHOICES = (1, 2)
 _NUM_STAGES_RANGE = (2, 4)
 
@@ -99,11 +103,8 @@ _SMEM_LIMIT_BYTES = 232448 - 4096
 _MEMORY_REGISTERS = 40
 _COMPUTE_REGISTERS = {1: 240, 2: 232}
 # Registers a compute thread needs besides its tiles (addresses, counters, row stats);
-# used only to prune search spaces. The forward needs more: compiled for an H200
-# (bench/compile_h200.py), its 64 x 192 blocks of head dim 128 (tiles 208 a thread)
-# spilled 0.3 to 1.2 KB on one warpgroup of 240 registers; 64 x 128 (160) none.
+# used only to prune search spaces.
 _REGISTER_OVERHEAD = 24
-_FWD_REGISTER_OVERHEAD = 48
 
 
 # --------------------------------------------------------------------------------------
@@ -1205,8 +1206,8 @@ def _tile_regs(rows: int, cols: int, itemsize: int = 4) -> int:
   return rows * cols * itemsize // (4 * 128)
 
 
-def _fits(smem: int, regs: int, num_wgs: int, overhead: int = _REGISTER_OVERHEAD) -> bool:
-  return smem <= _SMEM_LIMIT_BYTES and regs + overhead <= _COMPUTE_REGISTERS[num_wgs]
+def _fits(smem: int, regs: int, num_wgs: int) -> bool:
+  return smem <= _SMEM_LIMIT_BYTES and regs + _REGISTER_OVERHEAD <= _COMPUTE_REGISTERS[num_wgs]
 
 
 def _fwd_fits(h: int, e: int, c: dict[str, Any], pe: int = 0) -> bool:
@@ -1215,7 +1216,7 @@ def _fwd_fits(h: int, e: int, c: dict[str, Any], pe: int = 0) -> bool:
   smem = wgs * bq * (h * e + 4) + c["num_stages"] * bk * (2 * h * e + wgs * bq * pe)
   # Accumulator, logits and the 16-bit probabilities are live together.
   regs = _tile_regs(bq, h) + _tile_regs(bq, bk) + _tile_regs(bq, bk, e)
-  return _fits(smem, regs, wgs, _FWD_REGISTER_OVERHEAD)
+  return _fits(smem, regs, wgs)
 
 
 def _bwd_fits(h: int, e: int, c: dict[str, Any], pe: int = 0) -> bool:
@@ -1334,7 +1335,7 @@ def _unique(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _fwd_space(t: int, s: int, h: int, e: int, pe: int) -> list[dict[str, Any]]:
   configs = [_fwd_heuristic(t, s, h, e, pe)]
-  for bq, bk, wgs, stages in itertools.product(_BLOCK_Q_CHOICES, _BLOCK_KV_CHOICES,
+  for bq, bk, wgs, stages in itertools.product(_BLOCK_Q_CHOICES, _FWD_SPACE_BLOCK_KV,
                                                _NUM_COMPUTE_WGS_CHOICES, (2, 3, 4)):
     for sched in ((False, True) if wgs == 2 else (False,)):
       c = dict(block_q=bq, block_kv=bk, num_compute_wgs=wgs, num_stages=stages,
