@@ -87,3 +87,17 @@ def test_parse_ptxas_attaches_performance_remarks_to_their_kernel():
   ragged, attention = stats["ragged_dot_fwd_mosaic_gpu_kernel"], stats["attention_kernel"]
   assert [r.split()[0] for r in ragged.remarks] == ["C7519"] and not ragged.wgmma_serialized
   assert attention.remarks[0].startswith("C7510 Potential Performance Loss") and attention.wgmma_serialized
+
+
+def test_compile_only_workloads_trace():
+  # Each extra workload's program (the gradient of its op call) traces with the op's XLA
+  # implementation on the CPU, from the input specs alone.
+  import jax
+  from stellarax.core import registry
+  workloads = compile_h200.more_workloads()
+  assert len({w.name for w in workloads}) == len(workloads) == 4
+  for w in workloads:
+    xla = registry.lookup(f"{w.family}.xla")()
+    grads = jax.eval_shape(lambda *a, w=w, xla=xla: w.call(xla, *a), *w.input_specs())
+    specs = w.input_specs()
+    assert [g.shape for g in grads] == [s.shape for s in specs[:len(grads)]], w.name
