@@ -388,6 +388,10 @@ class Row:
   remarks: list[str] = dataclasses.field(default_factory=list)
   seconds: float = 0.0
 
+  @property
+  def spills(self) -> bool:
+    return bool(self.spill_stores or self.spill_loads)
+
 
 def more_workloads() -> list[Any]:
   """Compile-only workloads besides the speed targets: attention's other head dims and
@@ -511,13 +515,11 @@ def _status(k: KernelStats) -> str:
 def _print_rows(rows: list[Row]) -> None:
   for r in rows:
     smem = f"{r.shared_memory / 1024:.0f}K" if r.shared_memory is not None else "-"
-    spills = f"{r.spill_stores}/{r.spill_loads}" if r.spills_any else "0"
+    spills = f"{r.spill_stores}/{r.spill_loads}" if r.spills else "0"
     remarks = ",".join(sorted({m.split()[0] for m in r.remarks}))
     print(f"{r.op:34s} {r.kernel[:40]:40s} {str(r.registers or '-'):>4s} {spills:>9s} {smem:>6s} "
           f"{'H' if r.heuristic else ' '} {r.status[:60]:12s} {remarks:11s} {r.config[:110]}", flush=True)
 
-
-Row.spills_any = property(lambda r: bool(r.spill_stores or r.spill_loads))
 
 
 def main(argv=None) -> int:
