@@ -18,10 +18,12 @@ slow there. Mosaic GPU's compile asks the CUDA driver which GPU it compiles for,
 For each workload of `bench/gpu_check.py` (the speed-target shapes) and each Pallas
 implementation, the op calls of the forward (and gradient) program are captured, and each
 call's heuristic config (with --space: every config of its search space) is compiled alone.
-Compile-only workloads (`more_workloads`) add attention's other head dims and float16,
-and sizes no tile divides. Writes `<out>/kernels.json` (a row per compiled kernel) and
-prints a table last. Exits 1 when a config fails to compile, or when a heuristic config
-spills at a speed target.
+Each kernel's row also says which tensor-core instruction its PTX uses (wgmma, the
+warp-level mma.sync, or none; a ptxas wrapper keeps the PTX XLA compiles). Compile-only
+workloads (`more_workloads`) add attention's other head dims and float16, and sizes no
+tile divides. Writes `<out>/kernels.json` (a row per compiled kernel) and prints a table
+last. Exits 1 when a config fails to compile, or when a heuristic config at a speed target
+spills registers, has its wgmma serialized, or uses mma.sync instead of wgmma.
 
 Needs (the `compile-h200` make target installs them, requirements/h200-compile.txt):
 jax-cuda13-plugin and -pjrt of the pinned jax version, ptxas and libdevice from
@@ -66,6 +68,10 @@ class KernelStats:
   shared_memory: int | None = None  # bytes, dynamic (what the kernel asks at launch)
   threads: int | None = None
   grid: tuple[int, ...] | None = None
+  # The tensor-core instruction of the kernel's PTX: "wgmma" (Hopper's asynchronous
+  # warpgroup MMA, what peak speed needs), "mma" (the older warp-level mma.sync), or
+  # "none"; None where the PTX was not seen.
+  tensor_cores: str | None = None
   # ptxas's numbered performance remarks, e.g. "C7515 Potential Performance Loss:
   # wgmma.mma_async instructions are serialized due to ..." (C7510 to C7515 name the
   # causes: the tensor cores' pipeline is lost) or "C7519 warpgroup.arrive is injected
@@ -136,6 +142,35 @@ def parse_thunk_sequence(text: str) -> dict[str, tuple[tuple[int, ...], int, int
 
 
 _SMEM_SCRATCH = re.compile(r"smem_scratch_bytes=(\d+)")
+_PTX_ENTRY = re.compile(r"^\s*(?:\.visible\s+)?\.entry\s+(\w+)", re.M)
+
+
+def tensor_core_use(ptx: str) -> dict[str, str]:
+  """Per entry function of a PTX module, its tensor-core instruction: "wgmma", "mma" or
+  "none" (see KernelStats.tensor_cores)."""
+  starts = [(m.start(), m.group(1)) for m in _PTX_ENTRY.finditer(ptx)] + [(len(ptx), None)]
+  out = {}
+  for (begin, name), (end, _) in zip(starts, starts[1:]):
+    body = ptx[begin:end]
+    out[name] = ("wgmma" if "wgmma.mma_async" in body
+                 else "mma" if re.search(r"\bmma\.sync", body) else "none")
+  return out
+
+
+# Installed as `ptxas` ahead of the real one on PATH: keeps a copy of each PTX module XLA
+# compiles (XLA passes it as a temporary file and deletes it).
+_PTXAS_WRAPPER = """#!/bin/sh
+skip=0
+for arg in "$@"; do
+  if [ $skip = 1 ]; then skip=0; continue; fi
+  case "$arg" in
+    -o) skip=1 ;;
+    -*) ;;
+    *) cp "$arg" "{keep}/$$.$(date +%s%N).ptx" 2>/dev/null; break ;;
+  esac
+done
+exec "{real}" "$@"
+"""
 
 # ----------------------------------------------------------------------------- environment
 
@@ -219,17 +254,37 @@ def _ptxas_dir() -> Path:
   raise SystemExit("compile_h200 needs ptxas (CUDA 13): pip install -r requirements/h200-compile.txt.")
 
 
+def _cuda_root_keeping_ptx(real: Path, work: Path) -> Path:
+  """A CUDA folder like `real` whose bin/ptxas keeps a copy of each PTX module in
+  work/ptx (see _PTXAS_WRAPPER); everything else links to `real`."""
+  root = work / "cuda"
+  (root / "bin").mkdir(parents=True, exist_ok=True)
+  (work / "ptx").mkdir(exist_ok=True)
+  for entry in real.iterdir():
+    if entry.name != "bin":
+      (root / entry.name).symlink_to(entry)
+  for tool in (real / "bin").iterdir():
+    if tool.name != "ptxas":
+      (root / "bin" / tool.name).symlink_to(tool)
+  wrapper = root / "bin" / "ptxas"
+  wrapper.write_text(_PTXAS_WRAPPER.format(keep=work / "ptx", real=real / "bin" / "ptxas"))
+  wrapper.chmod(0o755)
+  return root
+
+
 def prepare_environment(work: Path) -> None:
   """Sets up this process (before jax is imported) to compile for an H200 without one.
 
   Args:
-    work: a scratch folder for XLA's dumps.
+    work: a scratch folder for XLA's dumps, the PTX XLA compiles and a ptxas wrapper
+      that keeps it.
   """
   if "jax" in sys.modules:
     raise RuntimeError("prepare_environment must run before jax is imported.")
   plugin = _plugin_library()
   ptxas = _ptxas_dir()
-  os.environ["PATH"] = f"{ptxas}{os.pathsep}{os.environ.get('PATH', '')}"
+  cuda = _cuda_root_keeping_ptx(ptxas.parent, work)
+  os.environ["PATH"] = f"{cuda / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
   os.environ.update(
       JAX_PLATFORMS="cpu",  # the stand-in driver must not become jax's default backend
       JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1",  # no cuDNN/cuBLAS here: nothing runs
@@ -237,9 +292,11 @@ def prepare_environment(work: Path) -> None:
       TF_CPP_VMODULE="subprocess_compilation=3",  # XLA logs ptxas's -v output at this level
       # The dump's thunk sequence names each Pallas kernel's launch (grid, threads, smem).
       XLA_FLAGS=f"--xla_dump_to={work / 'xla'} --xla_gpu_ptx_compiler_extra_flags=-v",
+      CUDA_ROOT=str(cuda),  # where jax tells XLA to find ptxas (ahead of nvidia-cuda-nvcc)
       MOSAIC_GPU_CUDA_ROOT=str(ptxas.parent),
       # Printed to stdout (no MOSAIC_GPU_DUMP_TO: that would also write every pass's IR).
       MOSAIC_GPU_DUMP_PTXAS="1",
+      MOSAIC_GPU_DUMP_PTX="1",
       MOSAIC_GPU_DUMP_RESOURCES="1",
   )
   stand_in = build_driver_stand_in(plugin, Path.home() / ".cache" / "stellarax")
@@ -317,6 +374,8 @@ class H200Compiler:
     import jax
     args = self.on_h200(specs)
     shutil.rmtree(self.work / "xla", ignore_errors=True)
+    for old in (self.work / "ptx").glob("*.ptx"):
+      old.unlink()
     with jax.set_mesh(self.mesh):
       with captured_output(1) as printed:  # Mosaic GPU's resource report
         lowered = jax.jit(fn).trace(*args).lower()
@@ -324,6 +383,10 @@ class H200Compiler:
         lowered.compile()
     resources = [int(m) for m in _SMEM_SCRATCH.findall(printed[0])]
     stats = parse_ptxas(log[0])
+    for path in (self.work / "ptx").glob("*.ptx"):
+      for name, use in tensor_core_use(path.read_text(errors="replace")).items():
+        if name in stats:
+          stats[name].tensor_cores = use
     launches: dict[str, Any] = {}
     for path in (self.work / "xla").glob("*thunk_sequence.txt"):
       launches.update(parse_thunk_sequence(path.read_text()))
@@ -356,14 +419,16 @@ class H200Compiler:
     walk(lowered.compiler_ir("stablehlo").operation)
     out = []
     for i, module in enumerate(modules):
-      # ptxas's report goes to stdout; the compile fails at the module load, after ptxas.
+      # The PTX and ptxas's report go to stdout; the compile fails at the module load.
       with captured_output(1) as printed, captured_output(2) as log:
         self._mosaic_compile(module, len(module))
       found = parse_ptxas(printed[0])
       if not found:
         raise RuntimeError(f"Mosaic GPU compile produced no ptxas output: {log[0][-2000:]}")
+      uses = tensor_core_use(printed[0])
       for k in found.values():
         k.shared_memory = resources[i] if len(resources) == len(modules) else None
+        k.tensor_cores = uses.get(k.name)
       out.extend(found.values())
     return out
 
@@ -382,6 +447,7 @@ class Row:
   spill_loads: int = 0
   shared_memory: int | None = None
   threads: int | None = None
+  tensor_cores: str | None = None
   heuristic: bool = False
   target: bool = True  # a speed-target workload of bench/gpu_check.py
   status: str = "ok"
@@ -504,11 +570,12 @@ def _compile_one(compiler, workload, ba, config, heuristic, target) -> list[Row]
   seconds = time.monotonic() - start
   return [Row(**base, kernel=k.name, registers=k.registers, spill_stores=k.spill_stores,
               spill_loads=k.spill_loads, shared_memory=k.shared_memory, threads=k.threads,
-              status=_status(k), remarks=k.remarks, seconds=seconds) for k in kernels]
+              tensor_cores=k.tensor_cores, status=_status(k), remarks=k.remarks, seconds=seconds) for k in kernels]
 
 
 def _status(k: KernelStats) -> str:
-  bad = (["SPILLS"] if k.spills else []) + (["WGMMA SERIALIZED"] if k.wgmma_serialized else [])
+  bad = ((["SPILLS"] if k.spills else []) + (["WGMMA SERIALIZED"] if k.wgmma_serialized else [])
+         + (["MMA.SYNC, NOT WGMMA"] if k.tensor_cores == "mma" else []))
   return ", ".join(bad) or "ok"
 
 
@@ -518,7 +585,8 @@ def _print_rows(rows: list[Row]) -> None:
     spills = f"{r.spill_stores}/{r.spill_loads}" if r.spills else "0"
     remarks = ",".join(sorted({m.split()[0] for m in r.remarks}))
     print(f"{r.op:34s} {r.kernel[:40]:40s} {str(r.registers or '-'):>4s} {spills:>9s} {smem:>6s} "
-          f"{'H' if r.heuristic else ' '} {r.status[:60]:12s} {remarks:11s} {r.config[:110]}", flush=True)
+          f"{r.tensor_cores or '-':5s} {'H' if r.heuristic else ' '} {r.status[:60]:12s} "
+          f"{remarks:11s} {r.config[:110]}", flush=True)
 
 
 
@@ -535,18 +603,23 @@ def main(argv=None) -> int:
   out.mkdir(parents=True, exist_ok=True)
   (out / "kernels.json").write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
   print("\n== kernels (H = heuristic config; spills = bytes stored/loaded) ==")
-  print(f"{'op':34s} {'kernel':40s} {'regs':>4s} {'spills':>9s} {'smem':>6s}   {'status':12s} "
-        f"{'ptxas':11s} config")
+  print(f"{'op':34s} {'kernel':40s} {'regs':>4s} {'spills':>9s} {'smem':>6s} {'mma':5s}   "
+        f"{'status':12s} {'ptxas':11s} config")
   _print_rows(rows)
   failed = [r for r in rows if r.status.startswith("compile error")]
-  spilling = [r for r in rows if r.status == "SPILLS"]
-  slow_defaults = [r for r in spilling if r.heuristic and r.target]
+  slow = [r for r in rows if r.status not in ("ok",) and not r.status.startswith(("compile error",
+                                                                               "not supported"))]
+  slow_defaults = [r for r in slow if r.heuristic and r.target]
   print(f"\n{len(rows)} kernels compiled for an H200: {len(failed)} failed to compile, "
-        f"{len(spilling)} spill ({sum(r.heuristic for r in spilling)} with a heuristic config, "
-        f"{len(slow_defaults)} of them at a speed target)")
+        f"{len(slow)} slow (spilled registers, serialized wgmma or mma.sync; "
+        f"{sum(r.heuristic for r in slow)} with a heuristic config, {len(slow_defaults)} of them "
+        f"at a speed target)")
+  for r in slow_defaults:
+    print(f"slow default: {r.workload}: {r.op} {r.kernel}: {r.status}")
   shutil.rmtree(work, ignore_errors=True)
   # A config that cannot compile is a bug wherever it comes from (a tuner would waste a
-  # candidate on it); a heuristic config that spills at a speed target is a slow default.
+  # candidate on it); a heuristic config that spills, serializes its wgmma or misses
+  # wgmma at a speed target is a slow default.
   return 1 if failed or slow_defaults else 0
 
 if __name__ == "__main__":

@@ -101,3 +101,50 @@ def test_compile_only_workloads_trace():
     grads = jax.eval_shape(lambda *a, w=w, xla=xla: w.call(xla, *a), *w.input_specs())
     specs = w.input_specs()
     assert [g.shape for g in grads] == [s.shape for s in specs[:len(grads)]], w.name
+
+
+def test_tensor_core_use_per_entry_function():
+  ptx = """
+.version 8.8
+.target sm_90a
+.visible .entry hopper_kernel(
+  .param .u64 a
+)
+{
+  wgmma.fence.sync.aligned;
+  wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%f1}, %rd1, %rd2, p, 1, 1, 0, 1;
+}
+.visible .entry ampere_kernel(
+)
+{
+  mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1, %f2, %f3, %f4}, {%r1}, {%r2}, {%f5};
+}
+.entry copy_kernel()
+{
+  ld.global.f32 %f1, [%rd1];
+}
+"""
+  assert compile_h200.tensor_core_use(ptx) == {
+      "hopper_kernel": "wgmma", "ampere_kernel": "mma", "copy_kernel": "none"}
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="the ptxas wrapper is a shell script")
+def test_ptxas_wrapper_keeps_the_module_and_runs_the_real_ptxas(tmp_path):
+  real = tmp_path / "real"
+  (real / "bin").mkdir(parents=True)
+  (real / "nvvm").mkdir()
+  fake_ptxas = real / "bin" / "ptxas"
+  fake_ptxas.write_text('#!/bin/sh\necho "real ptxas $*"\n')
+  fake_ptxas.chmod(0o755)
+  (real / "bin" / "nvlink").write_text("")
+  root = compile_h200._cuda_root_keeping_ptx(real, tmp_path / "work")
+  assert (root / "nvvm").resolve() == (real / "nvvm").resolve()
+  assert (root / "bin" / "nvlink").resolve() == (real / "bin" / "nvlink").resolve()
+  module = tmp_path / "tempfile-123"
+  module.write_text(".entry k() {}")
+  import subprocess
+  out = subprocess.run([str(root / "bin" / "ptxas"), str(module), "-o", str(tmp_path / "x.cubin"),
+                        "-arch=sm_90a"], capture_output=True, text=True, check=True).stdout
+  assert out.strip() == f"real ptxas {module} -o {tmp_path / 'x.cubin'} -arch=sm_90a"
+  kept = list((tmp_path / "work" / "ptx").glob("*.ptx"))
+  assert len(kept) == 1 and kept[0].read_text() == ".entry k() {}"
