@@ -62,8 +62,8 @@ _SMEM_LIMIT_BYTES = 232448
 # Float32 tile elements a thread (accumulators and logits) above which a kernel spills
 # registers; used only to prune search spaces. Compiled for an H200
 # (bench/compile_h200.py): backward configs at 192 used up to 255 registers without
-# spilling; the forward, which also keeps its Q tile in registers, spilled 16 to 100
-# bytes at 192 (128 x 64 on 4 warps) and none at 160 (about 230 registers).
+# spilling; the forward spilled 16 to 100 bytes at 192 (128 x 64 blocks of head dim 128
+# on 4 warps) and none at 160 (about 230 registers).
 _REGISTER_BUDGET = 192
 _FWD_REGISTER_BUDGET = 160
 
