@@ -23,7 +23,8 @@ warp-level mma.sync, or none; a ptxas wrapper keeps the PTX XLA compiles). Compi
 workloads (`more_workloads`) add attention's other head dims and float16, and sizes no
 tile divides. Writes `<out>/kernels.json` (a row per compiled kernel) and prints a table
 last. Exits 1 when a config fails to compile, or when a heuristic config at a speed target
-spills registers, has its wgmma serialized, or uses mma.sync instead of wgmma.
+spills registers or has its wgmma serialized (mma.sync is shown, not failed on: Triton
+takes it for tiles under 64 rows).
 
 Needs (the `compile-h200` make target installs them, requirements/h200-compile.txt):
 jax-cuda13-plugin and -pjrt of the pinned jax version, ptxas and libdevice from
@@ -379,7 +380,9 @@ class H200Compiler:
     with jax.set_mesh(self.mesh):
       with captured_output(1) as printed:  # Mosaic GPU's resource report
         lowered = jax.jit(fn).trace(*args).lower()
-      with captured_output(2) as log:
+      # XLA's compile also compiles the Mosaic GPU kernels, printing their PTX and
+      # ptxas's report (read below, one module at a time, from their own compile).
+      with captured_output(1), captured_output(2) as log:
         lowered.compile()
     resources = [int(m) for m in _SMEM_SCRATCH.findall(printed[0])]
     stats = parse_ptxas(log[0])
@@ -394,8 +397,6 @@ class H200Compiler:
       if name in stats:
         stats[name].grid, stats[name].threads, stats[name].shared_memory = grid, threads, smem
     pallas = [stats.pop(name) for name in launches if name in stats]
-    # XLA's compile also runs ptxas on the Mosaic GPU kernels (reported below, with their
-    # shared memory, one module at a time).
     mosaic = self._compile_mosaic(lowered, resources)
     xla_own = [k for name, k in stats.items() if name not in {m.name for m in mosaic}]
     return pallas + mosaic + xla_own
@@ -574,8 +575,9 @@ def _compile_one(compiler, workload, ba, config, heuristic, target) -> list[Row]
 
 
 def _status(k: KernelStats) -> str:
-  bad = ((["SPILLS"] if k.spills else []) + (["WGMMA SERIALIZED"] if k.wgmma_serialized else [])
-         + (["MMA.SYNC, NOT WGMMA"] if k.tensor_cores == "mma" else []))
+  # mma.sync is not a fault by itself: Triton takes it for tiles of fewer than 64 rows
+  # (wgmma's smallest), e.g. the 16-row tiles of decode-sized ragged_dot.
+  bad = (["SPILLS"] if k.spills else []) + (["WGMMA SERIALIZED"] if k.wgmma_serialized else [])
   return ", ".join(bad) or "ok"
 
 
@@ -611,15 +613,15 @@ def main(argv=None) -> int:
                                                                                "not supported"))]
   slow_defaults = [r for r in slow if r.heuristic and r.target]
   print(f"\n{len(rows)} kernels compiled for an H200: {len(failed)} failed to compile, "
-        f"{len(slow)} slow (spilled registers, serialized wgmma or mma.sync; "
+        f"{len(slow)} slow (spilled registers or serialized wgmma; "
         f"{sum(r.heuristic for r in slow)} with a heuristic config, {len(slow_defaults)} of them "
         f"at a speed target)")
   for r in slow_defaults:
     print(f"slow default: {r.workload}: {r.op} {r.kernel}: {r.status}")
   shutil.rmtree(work, ignore_errors=True)
   # A config that cannot compile is a bug wherever it comes from (a tuner would waste a
-  # candidate on it); a heuristic config that spills, serializes its wgmma or misses
-  # wgmma at a speed target is a slow default.
+  # candidate on it); a heuristic config that spills or serializes its wgmma at a speed
+  # target is a slow default.
   return 1 if failed or slow_defaults else 0
 
 if __name__ == "__main__":
