@@ -18,5 +18,13 @@ export PYTHONUNBUFFERED=1  # the log under $OUT keeps every line even if the cal
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.5}"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv || true
 python3 -c "import jax; print(jax.__version__, jax.devices())"
+# The GPU's own target config as XLA sees it (about a second): committed as
+# bench/h200_target_config.txtpb, it makes `make compile-h200` compile exactly for this
+# card.
+XLA_FLAGS="--xla_dump_to=$out/xla_target --xla_dump_hlo_module_re=target_probe" python3 -c "
+import jax, jax.numpy as jnp
+def target_probe(x): return x + 1
+jax.jit(target_probe)(jnp.ones(8)).block_until_ready()" \
+  && cp "$out"/xla_target/*target_probe*gpu_target_config.pbtxt "$out/h200_target_config.pbtxt" || true
 python3 bench/gpu_check.py --out "$out" --tune-budget-s "${TUNE_BUDGET_S:-6}" \
   --deadline-s "${DEADLINE_S:-400}" --only "${ONLY:-}" 2>&1 | tee "$out.log"
