@@ -92,3 +92,16 @@ def test_configs_that_failed_in_isolation_are_not_run_in_process():
   assert gpu_check._failed_in_isolation([op], "heuristic_config") == (
       "attention.pallas_mosaic_gpu timeout in tuning: no answer after 20 s")
   assert gpu_check._failed_in_isolation([op], "best_config") == ""
+
+
+def test_target_workloads_give_their_input_specs_without_making_inputs():
+  # bench/compile_h200.py compiles the target workloads from these specs alone (the
+  # ragged_dot inputs draw group sizes with NumPy, so they cannot be traced).
+  import jax
+  gpu_check = _gpu_check()
+  workloads = gpu_check._workloads(smoke=False)
+  for w in workloads:
+    specs = w.input_specs()
+    assert specs and all(isinstance(s, jax.ShapeDtypeStruct) for s in specs), w.name
+  ragged = next(w for w in workloads if w.name.startswith("ragged_dot G=8 M=8192"))
+  assert [s.shape for s in ragged.input_specs()] == [(8192, 4096), (8, 4096, 14336), (8,)]
