@@ -73,6 +73,7 @@ class KernelStats:
   # warpgroup MMA, what peak speed needs), "mma" (the older warp-level mma.sync), or
   # "none"; None where the PTX was not seen.
   tensor_cores: str | None = None
+  pallas: bool = False  # a Pallas (Triton or Mosaic GPU) kernel, not one of XLA's own
   # ptxas's numbered performance remarks, e.g. "C7515 Potential Performance Loss:
   # wgmma.mma_async instructions are serialized due to ..." (C7510 to C7515 name the
   # causes: the tensor cores' pipeline is lost) or "C7519 warpgroup.arrive is injected
@@ -396,28 +397,17 @@ class H200Compiler:
     for name, (grid, threads, smem) in launches.items():
       if name in stats:
         stats[name].grid, stats[name].threads, stats[name].shared_memory = grid, threads, smem
-    pallas = [stats.pop(name) for name in launches if name in stats]
-    mosaic = self._compile_mosaic(lowered, resources)
+    triton_names, mosaic_modules = _pallas_calls(lowered)
+    pallas = [stats.pop(name) for name in triton_names if name in stats]
+    for k in pallas:
+      k.pallas = True
+    mosaic = self._compile_mosaic(mosaic_modules, resources)
     xla_own = [k for name, k in stats.items() if name not in {m.name for m in mosaic}]
     return pallas + mosaic + xla_own
 
-  def _compile_mosaic(self, lowered, resources: list[int]) -> list[KernelStats]:
-    """Each Mosaic GPU kernel of `lowered` through ptxas; `resources` are their shared
-    memory sizes in lowering order."""
-    from jax._src.lib.mlir import ir
-    modules = []
-
-    def walk(op):
-      for region in op.regions:
-        for block in region:
-          for inner in block:
-            if (inner.name == "stablehlo.custom_call"
-                and ir.StringAttr(inner.attributes["call_target_name"]).value == "mosaic_gpu_v2"):
-              config = ir.DictAttr(inner.attributes["mhlo.backend_config"])
-              modules.append(ir.StringAttr(config["module"]).value_bytes)
-            walk(inner)
-
-    walk(lowered.compiler_ir("stablehlo").operation)
+  def _compile_mosaic(self, modules: list[bytes], resources: list[int]) -> list[KernelStats]:
+    """Each Mosaic GPU kernel module through ptxas; `resources` are their shared memory
+    sizes in lowering order."""
     out = []
     for i, module in enumerate(modules):
       # The PTX and ptxas's report go to stdout; the compile fails at the module load.
@@ -430,8 +420,40 @@ class H200Compiler:
       for k in found.values():
         k.shared_memory = resources[i] if len(resources) == len(modules) else None
         k.tensor_cores = uses.get(k.name)
+        k.pallas = True
       out.extend(found.values())
     return out
+
+
+def _pallas_calls(lowered) -> tuple[list[str], list[bytes]]:
+  """The Pallas kernels of a lowered program: the Triton kernels' names and the Mosaic
+  GPU kernels' serialized modules, in program order. (XLA launches its own fusions
+  the same way, so the thunk sequence cannot tell them apart.)"""
+  from jax._src.lib.mlir import ir
+  from jax.experimental.pallas import triton as pltriton
+  triton, mosaic = [], []
+
+  def config(op):
+    for name in ("mhlo.backend_config", "backend_config"):
+      if name in op.attributes and isinstance(op.attributes[name], ir.DictAttr):
+        return ir.DictAttr(op.attributes[name])
+    return None
+
+  def walk(op):
+    for region in op.regions:
+      for block in region:
+        for inner in block:
+          if inner.name == "stablehlo.custom_call":
+            target = ir.StringAttr(inner.attributes["call_target_name"]).value
+            attrs = config(inner)
+            if target == "mosaic_gpu_v2" and attrs is not None:
+              mosaic.append(ir.StringAttr(attrs["module"]).value_bytes)
+            elif target == pltriton.CUSTOM_CALL_TARGET_NAME and attrs is not None:
+              triton.append(ir.StringAttr(attrs["name"]).value)
+          walk(inner)
+
+  walk(lowered.compiler_ir("stablehlo").operation)
+  return triton, mosaic
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -449,6 +471,7 @@ class Row:
   shared_memory: int | None = None
   threads: int | None = None
   tensor_cores: str | None = None
+  pallas: bool = True  # False for XLA's own kernels (fusions) in the same program
   heuristic: bool = False
   target: bool = True  # a speed-target workload of bench/gpu_check.py
   status: str = "ok"
@@ -554,8 +577,9 @@ def run(args, work: Path) -> list[Row]:
         configs = [heuristic] + (sorted((c for c in ba.autotuning_configs if c != heuristic), key=str)
                                  if args.space else [])
         for config in configs:
-          rows.extend(_compile_one(compiler, w.name, ba, config, config == heuristic, target))
-          _print_rows(rows[-1:])
+          new = _compile_one(compiler, w.name, ba, config, config == heuristic, target)
+          rows.extend(new)
+          _print_rows(new)
   return rows
 
 
@@ -571,7 +595,7 @@ def _compile_one(compiler, workload, ba, config, heuristic, target) -> list[Row]
   seconds = time.monotonic() - start
   return [Row(**base, kernel=k.name, registers=k.registers, spill_stores=k.spill_stores,
               spill_loads=k.spill_loads, shared_memory=k.shared_memory, threads=k.threads,
-              tensor_cores=k.tensor_cores, status=_status(k), remarks=k.remarks, seconds=seconds) for k in kernels]
+              tensor_cores=k.tensor_cores, pallas=k.pallas, status=_status(k), remarks=k.remarks, seconds=seconds) for k in kernels]
 
 
 def _status(k: KernelStats) -> str:
@@ -582,7 +606,10 @@ def _status(k: KernelStats) -> str:
 
 
 def _print_rows(rows: list[Row]) -> None:
+  """Prints the Pallas kernels' rows (XLA's own fusions are in kernels.json only)."""
   for r in rows:
+    if not r.pallas:
+      continue
     smem = f"{r.shared_memory / 1024:.0f}K" if r.shared_memory is not None else "-"
     spills = f"{r.spill_stores}/{r.spill_loads}" if r.spills else "0"
     remarks = ",".join(sorted({m.split()[0] for m in r.remarks}))
@@ -608,9 +635,10 @@ def main(argv=None) -> int:
   print(f"{'op':34s} {'kernel':40s} {'regs':>4s} {'spills':>9s} {'smem':>6s} {'mma':5s}   "
         f"{'status':12s} {'ptxas':11s} config")
   _print_rows(rows)
+  print(f"(and {sum(not r.pallas for r in rows)} kernels of XLA's own, in kernels.json)")
   failed = [r for r in rows if r.status.startswith("compile error")]
-  slow = [r for r in rows if r.status not in ("ok",) and not r.status.startswith(("compile error",
-                                                                               "not supported"))]
+  slow = [r for r in rows if r.pallas and r.status not in ("ok",)
+          and not r.status.startswith(("compile error", "not supported"))]
   slow_defaults = [r for r in slow if r.heuristic and r.target]
   print(f"\n{len(rows)} kernels compiled for an H200: {len(failed)} failed to compile, "
         f"{len(slow)} slow (spilled registers or serialized wgmma; "
