@@ -561,6 +561,7 @@ def run(args, work: Path) -> list[Row]:
     if only and not any(s in w.name for s in only):
       continue
     target = w in targets
+    print(f"-- {w.name}", flush=True)
     specs = w.input_specs()
     for op in _pallas_ops(w.family):
       try:
@@ -634,7 +635,9 @@ def main(argv=None) -> int:
   print("\n== kernels (H = heuristic config; spills = bytes stored/loaded) ==")
   print(f"{'op':34s} {'kernel':40s} {'regs':>4s} {'spills':>9s} {'smem':>6s} {'mma':5s}   "
         f"{'status':12s} {'ptxas':11s} config")
-  _print_rows(rows)
+  for workload in dict.fromkeys(r.workload for r in rows):
+    print(f"-- {workload}")
+    _print_rows([r for r in rows if r.workload == workload])
   print(f"(and {sum(not r.pallas for r in rows)} kernels of XLA's own, in kernels.json)")
   failed = [r for r in rows if r.status.startswith("compile error")]
   slow = [r for r in rows if r.pallas and r.status not in ("ok",)
