@@ -21,8 +21,8 @@ call's heuristic config (with --space: every config of its search space) is comp
 Each kernel's row also says which tensor-core instruction its PTX uses (wgmma, the
 warp-level mma.sync, or none; a ptxas wrapper keeps the PTX XLA compiles). Compile-only
 workloads (`more_workloads`) add attention's other head dims and float16, and sizes no
-tile divides. Writes `<out>/kernels.json` (a row per compiled kernel) and prints a table
-last. Exits 1 when a config fails to compile, or when a heuristic config at a speed target
+tile divides. Writes `<out>/kernels.json` (a row per compiled kernel, XLA's own fusions
+included) and prints the Pallas kernels' rows, grouped by workload, last. Exits 1 when a config fails to compile, or when a heuristic config at a speed target
 spills registers or has its wgmma serialized (mma.sync is shown, not failed on: Triton
 takes it for tiles under 64 rows).
 
