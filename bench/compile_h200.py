@@ -57,8 +57,16 @@ TARGET_CONFIG = HERE / "h200_target_config.txtpb"
 # ----------------------------------------------------------------------------- ptxas output
 
 
+class _SpilledBytes:
+  """`spills` of a record with spill_stores and spill_loads (bytes a thread)."""
+
+  @property
+  def spills(self) -> bool:
+    return bool(self.spill_stores or self.spill_loads)
+
+
 @dataclasses.dataclass
-class KernelStats:
+class KernelStats(_SpilledBytes):
   """What ptxas reported for one entry function (and, where known, its launch)."""
   name: str
   registers: int | None = None
@@ -79,10 +87,6 @@ class KernelStats:
   # causes: the tensor cores' pipeline is lost) or "C7519 warpgroup.arrive is injected
   # ..." (a fence ptxas added before a wgmma that reads registers).
   remarks: list[str] = dataclasses.field(default_factory=list)
-
-  @property
-  def spills(self) -> bool:
-    return bool(self.spill_stores or self.spill_loads)
 
   @property
   def wgmma_serialized(self) -> bool:
@@ -131,8 +135,8 @@ _THUNK = re.compile(r"kCustomKernel\b.*?\s(\S+) grid: \[([\d, ]+)\] threads: \[(
 
 
 def parse_thunk_sequence(text: str) -> dict[str, tuple[tuple[int, ...], int, int]]:
-  """The custom (Pallas) kernels of XLA's thunk sequence dump: {name: (grid, threads,
-  shared memory bytes)}."""
+  """The kernel launches of XLA's thunk sequence dump (its own fusions and Pallas's
+  kernels alike): {name: (grid, threads, shared memory bytes)}."""
   out = {}
   for m in _THUNK.finditer(text):
     grid = tuple(int(x) for x in m.group(2).split(","))
@@ -402,7 +406,8 @@ class H200Compiler:
     for k in pallas:
       k.pallas = True
     mosaic = self._compile_mosaic(mosaic_modules, resources)
-    xla_own = [k for name, k in stats.items() if name not in {m.name for m in mosaic}]
+    mosaic_names = {k.name for k in mosaic}
+    xla_own = [k for name, k in stats.items() if name not in mosaic_names]
     return pallas + mosaic + xla_own
 
   def _compile_mosaic(self, modules: list[bytes], resources: list[int]) -> list[KernelStats]:
@@ -460,7 +465,9 @@ def _pallas_calls(lowered) -> tuple[list[str], list[bytes]]:
 
 
 @dataclasses.dataclass
-class Row:
+class Row(_SpilledBytes):
+  """One compiled kernel of one config (or the config's compile error): a line of
+  kernels.json. The kernel's fields are KernelStats' of the same names."""
   workload: str
   op: str
   config: str
@@ -470,6 +477,7 @@ class Row:
   spill_loads: int = 0
   shared_memory: int | None = None
   threads: int | None = None
+  grid: tuple[int, ...] | None = None
   tensor_cores: str | None = None
   pallas: bool = True  # False for XLA's own kernels (fusions) in the same program
   heuristic: bool = False
@@ -478,9 +486,10 @@ class Row:
   remarks: list[str] = dataclasses.field(default_factory=list)
   seconds: float = 0.0
 
-  @property
-  def spills(self) -> bool:
-    return bool(self.spill_stores or self.spill_loads)
+
+# The fields a Row takes from its kernel's KernelStats.
+_KERNEL_FIELDS = ({f.name for f in dataclasses.fields(Row)}
+                  & {f.name for f in dataclasses.fields(KernelStats)})
 
 
 def more_workloads() -> list[Any]:
@@ -492,32 +501,31 @@ def more_workloads() -> list[Any]:
   import stellarax
   from gpu_check import Workload
 
+  def gradient_workload(name, family, call, shapes, num_differentiable):
+    """The gradient of call(op, *inputs) in its first `num_differentiable` inputs, whose
+    (shape, dtype) are `shapes` (compile only: no inputs, no reference)."""
+    specs = lambda: tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes)
+    program = lambda op, *a: _gradient(functools.partial(call, op), a, num_differentiable)
+    return Workload(f"{name} fwd+bwd", family, None, program, None, specs=specs)
+
   def attention(b, t, n, k, h, dtype, **options):
-    specs = lambda: ((jax.ShapeDtypeStruct((b, t, n, h), dtype),)
-                     + (jax.ShapeDtypeStruct((b, t, k, h), dtype),) * 2
-                     + (jax.ShapeDtypeStruct((b,), jnp.int32),))
     call = lambda op, q, kk, v, lens: stellarax.dot_product_attention(
         q, kk, v, key_value_seq_lengths=lens, **options, implementation=op)
-    return Workload(f"attention B={b} T={t} N={n} K={k} H={h} {jnp.dtype(dtype).name} "
-                    f"{options} fwd+bwd", "attention", None,
-                    lambda op, *a: _gradient(functools.partial(call, op), a, 3), None,
-                    specs=specs)
+    shapes = [((b, t, n, h), dtype), ((b, t, k, h), dtype), ((b, t, k, h), dtype), ((b,), jnp.int32)]
+    return gradient_workload(f"attention B={b} T={t} N={n} K={k} H={h} {jnp.dtype(dtype).name} "
+                             f"{options}", "attention", call, shapes, 3)
 
   def ragged(m, k, n, g, dtype):
-    specs = lambda: (jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((g, k, n), dtype),
-                     jax.ShapeDtypeStruct((g,), jnp.int32))
     call = lambda op, lhs, rhs, sizes: stellarax.ragged_dot(lhs, rhs, sizes, implementation=op)
-    return Workload(f"ragged_dot G={g} M={m} K={k} N={n} {jnp.dtype(dtype).name} fwd+bwd",
-                    "ragged_dot", None,
-                    lambda op, *a: _gradient(functools.partial(call, op), a, 2), None, specs=specs)
+    shapes = [((m, k), dtype), ((g, k, n), dtype), ((g,), jnp.int32)]
+    return gradient_workload(f"ragged_dot G={g} M={m} K={k} N={n} {jnp.dtype(dtype).name}",
+                             "ragged_dot", call, shapes, 2)
 
   def norm(rows, cols, dtype):
-    specs = lambda: (jax.ShapeDtypeStruct((rows, cols), dtype),
-                     jax.ShapeDtypeStruct((cols,), dtype), jax.ShapeDtypeStruct((cols,), dtype))
     call = lambda op, x, scale, offset: stellarax.layer_norm(x, scale, offset, implementation=op)
-    return Workload(f"layer_norm ({rows}, {cols}) {jnp.dtype(dtype).name} fwd+bwd", "layer_norm",
-                    None, lambda op, *a: _gradient(functools.partial(call, op), a, 3), None,
-                    specs=specs)
+    shapes = [((rows, cols), dtype), ((cols,), dtype), ((cols,), dtype)]
+    return gradient_workload(f"layer_norm ({rows}, {cols}) {jnp.dtype(dtype).name}",
+                             "layer_norm", call, shapes, 3)
 
   return [
       attention(2, 2048, 16, 4, 64, jnp.float16, is_causal=True),
@@ -548,7 +556,6 @@ def _program_of(workload, op):
 
 
 def run(args, work: Path) -> list[Row]:
-  import jax
   sys.path.insert(0, str(HERE))
   import gpu_check
 
@@ -594,9 +601,8 @@ def _compile_one(compiler, workload, ba, config, heuristic, target) -> list[Row]
     first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
     return [Row(**base, status=f"compile error: {first[:300]}", seconds=time.monotonic() - start)]
   seconds = time.monotonic() - start
-  return [Row(**base, kernel=k.name, registers=k.registers, spill_stores=k.spill_stores,
-              spill_loads=k.spill_loads, shared_memory=k.shared_memory, threads=k.threads,
-              tensor_cores=k.tensor_cores, pallas=k.pallas, status=_status(k), remarks=k.remarks, seconds=seconds) for k in kernels]
+  return [Row(**base, kernel=k.name, **{name: getattr(k, name) for name in _KERNEL_FIELDS},
+              status=_status(k), seconds=seconds) for k in kernels]
 
 
 def _status(k: KernelStats) -> str:
@@ -617,7 +623,6 @@ def _print_rows(rows: list[Row]) -> None:
     print(f"{r.op:34s} {r.kernel[:40]:40s} {str(r.registers or '-'):>4s} {spills:>9s} {smem:>6s} "
           f"{r.tensor_cores or '-':5s} {'H' if r.heuristic else ' '} {r.status[:60]:12s} "
           f"{remarks:11s} {r.config[:110]}", flush=True)
-
 
 
 def main(argv=None) -> int:
@@ -654,6 +659,7 @@ def main(argv=None) -> int:
   # candidate on it); a heuristic config that spills or serializes its wgmma at a speed
   # target is a slow default.
   return 1 if failed or slow_defaults else 0
+
 
 if __name__ == "__main__":
   sys.exit(main())
