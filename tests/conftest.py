@@ -52,3 +52,19 @@ if _triton_registration is not None:
 
   _verified_triton_module.verifies = True
   _triton_registration.lowering.lower_jaxpr_to_triton_module = _verified_triton_module
+
+
+# Interpret mode clamps or pads a kernel's out-of-bounds reads and writes where the GPU
+# would read or write past the buffer (interpret_bounds.py). Every access of every
+# kernel run here is checked as the GPU makes it, and a test that leaves an
+# out-of-bounds access behind fails, naming the kernel line.
+import interpret_bounds  # noqa: E402  (tests/ is on sys.path: no __init__.py)
+
+interpret_bounds.install()
+
+
+@pytest.fixture(autouse=True)
+def _no_out_of_bounds_access():
+  interpret_bounds.take()
+  yield
+  interpret_bounds.fail_on_violations()
