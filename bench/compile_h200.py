@@ -18,13 +18,16 @@ slow there. Mosaic GPU's compile asks the CUDA driver which GPU it compiles for,
 For each workload of `bench/gpu_check.py` (the speed-target shapes) and each Pallas
 implementation, the op calls of the forward (and gradient) program are captured, and each
 call's heuristic config (with --space: every config of its search space) is compiled alone.
-Each kernel's row also says which tensor-core instruction its PTX uses (wgmma, the
-warp-level mma.sync, or none; a ptxas wrapper keeps the PTX XLA compiles). Compile-only
-workloads (`more_workloads`) add attention's other head dims and float16, and sizes no
-tile divides. Writes `<out>/kernels.json` (a row per compiled kernel, XLA's own fusions
-included) and prints the Pallas kernels' rows, grouped by workload, last. Exits 1 when a config fails to compile, or when a heuristic config at a speed target
-spills registers or has its wgmma serialized (mma.sync is shown, not failed on: Triton
-takes it for tiles under 64 rows).
+Each kernel's row also says what its PTX shows (a ptxas wrapper keeps the PTX XLA
+compiles): its tensor-core instruction (wgmma, the warp-level mma.sync, or none), how it
+copies operands to shared memory (TMA, cp.async, or not asynchronously), and its widest
+global load. Compile-only workloads (`more_workloads`) add attention's other head dims
+and float16, and sizes no tile divides. Writes `<out>/kernels.json` (a row per compiled
+kernel, XLA's own fusions included) and prints the Pallas kernels' rows, grouped by
+workload, last. Exits 1 when a config fails to compile, or when a heuristic config at a
+speed target is slow: it spills registers, has its wgmma serialized, multiplies without
+asynchronous copies (nothing overlaps its loads), or streams memory without 16-byte
+loads. (mma.sync is shown, not failed on: Triton takes it for tiles under 64 rows.)
 
 Needs (the `compile-h200` make target installs them, requirements/h200-compile.txt):
 jax-cuda13-plugin and -pjrt of the pinned jax version, ptxas and libdevice from
@@ -81,6 +84,14 @@ class KernelStats(_SpilledBytes):
   # warpgroup MMA, what peak speed needs), "mma" (the older warp-level mma.sync), or
   # "none"; None where the PTX was not seen.
   tensor_cores: str | None = None
+  # How operands reach shared memory: "tma" (cp.async.bulk, Hopper's tensor memory
+  # accelerator), "cp.async" (Ampere's asynchronous copies: what Triton pipelines
+  # num_stages deep), or "none" (loads through registers: a matmul then waits for each
+  # tile); None where the PTX was not seen.
+  async_copies: str | None = None
+  # The widest global load of the PTX in bits (128: 16-byte vector loads, what a
+  # memory-bound kernel needs for full bandwidth; 0: none, e.g. only TMA).
+  global_load_bits: int | None = None
   pallas: bool = False  # a Pallas (Triton or Mosaic GPU) kernel, not one of XLA's own
   # ptxas's numbered performance remarks, e.g. "C7515 Potential Performance Loss:
   # wgmma.mma_async instructions are serialized due to ..." (C7510 to C7515 name the
@@ -91,6 +102,13 @@ class KernelStats(_SpilledBytes):
   @property
   def wgmma_serialized(self) -> bool:
     return any("wgmma.mma_async instructions are serialized" in r for r in self.remarks)
+
+  def apply(self, traits: "PtxTraits | None") -> None:
+    """Takes the facts read from the kernel's PTX (see ptx_traits)."""
+    if traits is not None:
+      self.tensor_cores = traits.tensor_cores
+      self.async_copies = traits.async_copies
+      self.global_load_bits = traits.global_load_bits
 
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
@@ -151,15 +169,31 @@ _SMEM_SCRATCH = re.compile(r"smem_scratch_bytes=(\d+)")
 _PTX_ENTRY = re.compile(r"^\s*(?:\.visible\s+)?\.entry\s+(\w+)", re.M)
 
 
-def tensor_core_use(ptx: str) -> dict[str, str]:
-  """Per entry function of a PTX module, its tensor-core instruction: "wgmma", "mma" or
-  "none" (see KernelStats.tensor_cores)."""
+@dataclasses.dataclass(frozen=True)
+class PtxTraits:
+  """What an entry function's PTX shows of its speed (see the KernelStats fields)."""
+  tensor_cores: str  # "wgmma", "mma" or "none"
+  async_copies: str  # "tma", "cp.async" or "none"
+  global_load_bits: int  # the widest ld.global, in bits (0: none)
+
+
+_GLOBAL_LOAD = re.compile(r"\bld\.global(?:\.\w+)*?(?:\.v(\d))?\.[bfsu](\d+)\b")
+
+
+def ptx_traits(ptx: str) -> dict[str, PtxTraits]:
+  """Per entry function of a PTX module, its tensor-core instruction, how it copies
+  operands to shared memory, and its widest global load (see KernelStats)."""
   starts = [(m.start(), m.group(1)) for m in _PTX_ENTRY.finditer(ptx)] + [(len(ptx), None)]
   out = {}
   for (begin, name), (end, _) in zip(starts, starts[1:]):
     body = ptx[begin:end]
-    out[name] = ("wgmma" if "wgmma.mma_async" in body
-                 else "mma" if re.search(r"\bmma\.sync", body) else "none")
+    loads = [int(v or 1) * int(bits) for v, bits in _GLOBAL_LOAD.findall(body)]
+    out[name] = PtxTraits(
+        tensor_cores=("wgmma" if "wgmma.mma_async" in body
+                      else "mma" if re.search(r"\bmma\.sync", body) else "none"),
+        async_copies=("tma" if "cp.async.bulk" in body
+                      else "cp.async" if re.search(r"\bcp\.async\.c[ag]\b", body) else "none"),
+        global_load_bits=max(loads, default=0))
   return out
 
 
@@ -392,9 +426,9 @@ class H200Compiler:
     resources = [int(m) for m in _SMEM_SCRATCH.findall(printed[0])]
     stats = parse_ptxas(log[0])
     for path in (self.work / "ptx").glob("*.ptx"):
-      for name, use in tensor_core_use(path.read_text(errors="replace")).items():
+      for name, traits in ptx_traits(path.read_text(errors="replace")).items():
         if name in stats:
-          stats[name].tensor_cores = use
+          stats[name].apply(traits)
     launches: dict[str, Any] = {}
     for path in (self.work / "xla").glob("*thunk_sequence.txt"):
       launches.update(parse_thunk_sequence(path.read_text()))
@@ -421,10 +455,10 @@ class H200Compiler:
       found = parse_ptxas(printed[0])
       if not found:
         raise RuntimeError(f"Mosaic GPU compile produced no ptxas output: {log[0][-2000:]}")
-      uses = tensor_core_use(printed[0])
+      traits = ptx_traits(printed[0])
       for k in found.values():
         k.shared_memory = resources[i] if len(resources) == len(modules) else None
-        k.tensor_cores = uses.get(k.name)
+        k.apply(traits.get(k.name))
         k.pallas = True
       out.extend(found.values())
     return out
@@ -479,6 +513,8 @@ class Row(_SpilledBytes):
   threads: int | None = None
   grid: tuple[int, ...] | None = None
   tensor_cores: str | None = None
+  async_copies: str | None = None
+  global_load_bits: int | None = None
   pallas: bool = True  # False for XLA's own kernels (fusions) in the same program
   heuristic: bool = False
   target: bool = True  # a speed-target workload of bench/gpu_check.py
@@ -606,9 +642,19 @@ def _compile_one(compiler, workload, ba, config, heuristic, target) -> list[Row]
 
 
 def _status(k: KernelStats) -> str:
+  """"ok", or what makes the kernel slow: spills, serialized wgmma, a matmul that
+  copies no operand asynchronously (nothing overlaps its loads), or a memory-bound
+  kernel without 16-byte loads."""
   # mma.sync is not a fault by itself: Triton takes it for tiles of fewer than 64 rows
   # (wgmma's smallest), e.g. the 16-row tiles of decode-sized ragged_dot.
-  bad = (["SPILLS"] if k.spills else []) + (["WGMMA SERIALIZED"] if k.wgmma_serialized else [])
+  matmul = k.tensor_cores in ("wgmma", "mma")
+  streams = k.tensor_cores == "none" and k.async_copies == "none"
+  bad = [flag for flag, on in (
+      ("SPILLS", k.spills),
+      ("WGMMA SERIALIZED", k.wgmma_serialized),
+      ("NOT PIPELINED", matmul and k.async_copies == "none"),
+      ("NARROW LOADS", streams and 0 < (k.global_load_bits or 0) < 128),
+  ) if on]
   return ", ".join(bad) or "ok"
 
 
@@ -620,8 +666,9 @@ def _print_rows(rows: list[Row]) -> None:
     smem = f"{r.shared_memory / 1024:.0f}K" if r.shared_memory is not None else "-"
     spills = f"{r.spill_stores}/{r.spill_loads}" if r.spills else "0"
     remarks = ",".join(sorted({m.split()[0] for m in r.remarks}))
+    loads = f"{r.async_copies or '-'}/{r.global_load_bits or 0}"
     print(f"{r.op:34s} {r.kernel[:40]:40s} {str(r.registers or '-'):>4s} {spills:>9s} {smem:>6s} "
-          f"{r.tensor_cores or '-':5s} {'H' if r.heuristic else ' '} {r.status[:60]:12s} "
+          f"{r.tensor_cores or '-':5s} {loads:12s} {'H' if r.heuristic else ' '} {r.status[:60]:12s} "
           f"{remarks:11s} {r.config[:110]}", flush=True)
 
 
@@ -637,9 +684,10 @@ def main(argv=None) -> int:
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   (out / "kernels.json").write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
-  print("\n== kernels (H = heuristic config; spills = bytes stored/loaded) ==")
-  print(f"{'op':34s} {'kernel':40s} {'regs':>4s} {'spills':>9s} {'smem':>6s} {'mma':5s}   "
-        f"{'status':12s} {'ptxas':11s} config")
+  print("\n== kernels (H = heuristic config; spills = bytes stored/loaded; loads = async copy"
+        " kind / widest global load in bits) ==")
+  print(f"{'op':34s} {'kernel':40s} {'regs':>4s} {'spills':>9s} {'smem':>6s} {'mma':5s} "
+        f"{'loads':12s}   {'status':12s} {'ptxas':11s} config")
   for workload in dict.fromkeys(r.workload for r in rows):
     print(f"-- {workload}")
     _print_rows([r for r in rows if r.workload == workload])
@@ -649,7 +697,8 @@ def main(argv=None) -> int:
           and not r.status.startswith(("compile error", "not supported"))]
   slow_defaults = [r for r in slow if r.heuristic and r.target]
   print(f"\n{len(rows)} kernels compiled for an H200: {len(failed)} failed to compile, "
-        f"{len(slow)} slow (spilled registers or serialized wgmma; "
+        f"{len(slow)} slow (spilled registers, serialized wgmma, unpipelined matmul or "
+        f"narrow loads; "
         f"{sum(r.heuristic for r in slow)} with a heuristic config, {len(slow_defaults)} of them "
         f"at a speed target)")
   for r in slow_defaults:

@@ -103,7 +103,7 @@ def test_compile_only_workloads_trace():
     assert [g.shape for g in grads] == [s.shape for s in specs[:len(grads)]], w.name
 
 
-def test_tensor_core_use_per_entry_function():
+def test_ptx_traits_per_entry_function():
   ptx = """
 .version 8.8
 .target sm_90a
@@ -111,21 +111,46 @@ def test_tensor_core_use_per_entry_function():
   .param .u64 a
 )
 {
+  cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%r1], [%rd1, {%r2, %r3}], [%r4];
   wgmma.fence.sync.aligned;
   wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%f1}, %rd1, %rd2, p, 1, 1, 0, 1;
 }
-.visible .entry ampere_kernel(
+.visible .entry triton_kernel(
 )
 {
+  ld.global.b32 %r9, [%rd3];
+  cp.async.cg.shared.global [ %r5 + 0 ], [ %rd4 + 0 ], 0x10, %r6;
   mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1, %f2, %f3, %f4}, {%r1}, {%r2}, {%f5};
 }
 .entry copy_kernel()
 {
   ld.global.f32 %f1, [%rd1];
+  @%p1 ld.global.nc.v2.b32 { %r1, %r2 }, [ %rd1 + 0 ];
+}
+.entry wide_kernel()
+{
+  @%p1 ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];
 }
 """
-  assert compile_h200.tensor_core_use(ptx) == {
-      "hopper_kernel": "wgmma", "ampere_kernel": "mma", "copy_kernel": "none"}
+  T = compile_h200.PtxTraits
+  assert compile_h200.ptx_traits(ptx) == {
+      "hopper_kernel": T("wgmma", "tma", 0), "triton_kernel": T("mma", "cp.async", 32),
+      "copy_kernel": T("none", "none", 64), "wide_kernel": T("none", "none", 128)}
+
+
+def test_a_kernel_is_slow_for_what_its_ptx_shows():
+  def status(**fields):
+    k = compile_h200.KernelStats("k", **fields)
+    return compile_h200._status(k)
+  assert status(tensor_cores="wgmma", async_copies="tma", global_load_bits=0) == "ok"
+  assert status(tensor_cores="mma", async_copies="cp.async", global_load_bits=32) == "ok"
+  assert status(tensor_cores="none", async_copies="none", global_load_bits=128) == "ok"
+  assert status(tensor_cores="wgmma", async_copies="none", global_load_bits=128) == "NOT PIPELINED"
+  assert status(tensor_cores="none", async_copies="none", global_load_bits=64) == "NARROW LOADS"
+  assert status(tensor_cores="wgmma", async_copies="cp.async", spill_stores=8,
+                remarks=["C7515 wgmma.mma_async instructions are serialized due to x"]) == (
+                    "SPILLS, WGMMA SERIALIZED")
+  assert status() == "ok"  # no PTX seen: nothing to say
 
 
 @pytest.mark.skipif(shutil.which("sh") is None, reason="the ptxas wrapper is a shell script")
