@@ -4,9 +4,10 @@ Numerics run in Pallas interpret mode on the CPU against float64 NumPy loops ove
 the groups (no compile, so the file stays fast), and once each against the
 project's float32 HIGHEST references (`reference.py`) and `jax.lax.ragged_dot` with
 its VJP, which pin the semantics. Interpret mode runs grid steps one after another,
-so it cannot reveal races; the invariants that make the kernels race-free on a GPU
-(work items partition the rows, the program order covers every tile once) are
-tested directly. Lowering is checked for a simulated H200.
+so a race shows only when the order changes (tests/ops/test_grid_order.py); the
+invariants that make the kernels race-free on a GPU (work items partition the rows,
+the program order covers every tile once) are also tested directly. Lowering is
+checked for a simulated H200.
 """
 
 from __future__ import annotations
