@@ -146,7 +146,7 @@ def _site() -> str:
                      for f in frames) or "unknown"
 
 
-def _check(access: str, ref_value, transforms, mask=None) -> None:
+def _check(access: str, ref_value, transforms, mask) -> None:
   """Adds to the traced kernel a check of one access (see the module docstring)."""
   global checked, unchecked
   shape = tuple(ref_value.shape)
@@ -184,51 +184,35 @@ def _interpreting_kernel() -> bool:
   return getattr(_interpreting, "active", False)
 
 
-def _state_transforms(idx, tree):
-  return tuple(jax.tree_util.tree_unflatten(tree, idx))
+# How each primitive's discharge rule receives an access: (ref, transforms, mask) from
+# the rule's positional arguments and keyword parameters.
+def _state_access(args, params, has_value):
+  ref, *idx = args[:1] + args[1 + has_value:]
+  return ref, tuple(jax.tree_util.tree_unflatten(params["tree"], idx)), None
 
 
-def _checked_state_get(rule: Callable) -> Callable:
-  def checked(ctx, x, *idx, tree):
-    if _interpreting_kernel():
-      _check("read", x, _state_transforms(idx, tree))
-    return rule(ctx, x, *idx, tree=tree)
-  return checked
+def _pallas_access(args, params, mask_position):
+  parts = params["args_tree"].unflatten(args)
+  return parts[0], tuple(parts[1] or ()), parts[mask_position]
 
 
-def _checked_state_update(rule: Callable) -> Callable:  # swap and add-update
-  def checked(ctx, x, val, *idx, tree):
-    if _interpreting_kernel():
-      _check("write", x, _state_transforms(idx, tree))
-    return rule(ctx, x, val, *idx, tree=tree)
-  return checked
-
-
-def _checked_pallas_load(rule: Callable) -> Callable:
-  def checked(ctx, *args_flat, args_tree, **params):
-    if _interpreting_kernel():
-      ref, transforms, mask, _ = args_tree.unflatten(args_flat)
-      _check("read", ref, tuple(transforms or ()), mask)
-    return rule(ctx, *args_flat, args_tree=args_tree, **params)
-  return checked
-
-
-def _checked_pallas_swap(rule: Callable) -> Callable:
-  def checked(ctx, *args_flat, args_tree, **params):
-    if _interpreting_kernel():
-      ref, transforms, _, mask = args_tree.unflatten(args_flat)
-      _check("write", ref, tuple(transforms or ()), mask)
-    return rule(ctx, *args_flat, args_tree=args_tree, **params)
-  return checked
-
-
-_WRAPPERS = {
-    state_primitives.get_p: _checked_state_get,
-    state_primitives.swap_p: _checked_state_update,
-    state_primitives.addupdate_p: _checked_state_update,
-    pallas_primitives.load_p: _checked_pallas_load,
-    pallas_primitives.swap_p: _checked_pallas_swap,
+_ACCESSES = {  # primitive: (read or write, its access's unpacker)
+    state_primitives.get_p: ("read", functools.partial(_state_access, has_value=False)),
+    state_primitives.swap_p: ("write", functools.partial(_state_access, has_value=True)),
+    state_primitives.addupdate_p: ("write", functools.partial(_state_access, has_value=True)),
+    pallas_primitives.load_p: ("read", functools.partial(_pallas_access, mask_position=2)),
+    pallas_primitives.swap_p: ("write", functools.partial(_pallas_access, mask_position=3)),
 }
+
+
+def _checked(rule: Callable, access: str, unpack: Callable) -> Callable:
+  """`rule`, checking the access first while interpret mode discharges a kernel."""
+  def checked(ctx, *args, **params):
+    if _interpreting_kernel():
+      _check(access, *unpack(args, params))
+    return rule(ctx, *args, **params)
+  checked.checks_bounds = True
+  return checked
 
 
 def _checking_while_interpreting(to_hlo_jaxpr: Callable) -> Callable:
@@ -256,19 +240,17 @@ def install() -> None:
   if not getattr(hlo_interpreter.kernel_to_hlo_jaxpr, "checks_bounds", False):
     hlo_interpreter.kernel_to_hlo_jaxpr = _checking_while_interpreting(
         hlo_interpreter.kernel_to_hlo_jaxpr)
-  for primitive, wrap in _WRAPPERS.items():
+  for primitive, (access, unpack) in _ACCESSES.items():
     rule = state_discharge._discharge_rules.get(primitive)
     if rule is None:
       raise RuntimeError(f"interpret_bounds: no discharge rule for {primitive}; jax changed.")
     if not getattr(rule, "checks_bounds", False):
-      wrapped = wrap(rule)
-      wrapped.checks_bounds = True
-      state_discharge._discharge_rules[primitive] = wrapped
+      state_discharge._discharge_rules[primitive] = _checked(rule, access, unpack)
 
 
 def installed() -> bool:
   """Whether every access's discharge rule, and interpret mode's discharge, is wrapped."""
   wrapped = [hlo_interpreter.kernel_to_hlo_jaxpr,
-             *(state_discharge._discharge_rules.get(p) for p in _WRAPPERS)]
+             *(state_discharge._discharge_rules.get(p) for p in _ACCESSES)]
   return all(getattr(w, "checks_bounds", False) for w in wrapped)
 

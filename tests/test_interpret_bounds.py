@@ -55,6 +55,14 @@ def test_an_out_of_bounds_write_is_caught():
   assert [(v.access, v.element) for v in found] == [("write", "[16]")]
 
 
+def test_an_out_of_bounds_read_modify_write_is_caught_twice():
+  def accumulate(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+    o_ref[pl.ds(pl.program_id(0) * 8 + 2, 8)] += x_ref[pl.ds(0, 8)]
+  _, found = _run(accumulate)  # `+=` reads, then writes
+  assert [(v.access, v.element) for v in found] == [("read", "[16]"), ("write", "[16]")]
+
+
 def test_an_integer_index_past_the_end_is_caught():
   def last(x_ref, o_ref):
     o_ref[...] = jnp.full((16,), x_ref[pl.program_id(0) + 15])
