@@ -189,10 +189,10 @@ def _acc_fits(rows: int, cols: int, num_warps: int) -> bool:
 
 def _drhs_fits(t: dict[str, int], itemsize: int) -> bool:
   """Whether a tiling also fits the rhs-gradient kernel, which pipelines block_m rows of
-  lhs and dout (block_m x (block_k + block_n) a stage) into a block_k x block_n
-  accumulator."""
+  lhs and dout into a block_k x block_n accumulator: a matmul whose output tile is
+  block_k x block_n, stepped by block_m."""
   bm, bn, bk = t["block_m"], t["block_n"], t["block_k"]
-  return (t["num_stages"] * bm * (bk + bn) * itemsize <= _SMEM_BYTES
+  return (_smem_bytes(bk, bn, bm, t["num_stages"], itemsize) <= _SMEM_BYTES
           and _acc_fits(bk, bn, t["num_warps"]))
 
 
