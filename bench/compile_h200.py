@@ -1,7 +1,7 @@
 """Compile every Pallas kernel for an NVIDIA H200 on a machine with no GPU, and report
 what ptxas says of each: registers, spills, shared memory.
 
-    make compile-h200                                   # .venv-h200, heuristic configs
+    make compile-h200                  # .venv-h200, heuristic configs and switched variants
     .venv-h200/bin/python bench/compile_h200.py --out results/compile-h200 [--space]
         [--only ragged_dot,attention]
 
@@ -17,7 +17,9 @@ slow there. Mosaic GPU's compile asks the CUDA driver which GPU it compiles for,
 
 For each workload of `bench/gpu_check.py` (the speed-target shapes) and each Pallas
 implementation, the op calls of the forward (and gradient) program are captured, and each
-call's heuristic config (with --space: every config of its search space) is compiled alone.
+call's heuristic config is compiled alone, with, for each boolean tunable (a switch of
+code path, e.g. attention's fused dQ), the first config of the space that flips it (with
+--space: every config of its search space).
 Each kernel's row also says what its PTX shows (a ptxas wrapper keeps the PTX XLA
 compiles): its tensor-core instruction (wgmma, the warp-level mma.sync, or none), how it
 copies operands to shared memory (TMA, cp.async, or not asynchronously), and its widest
@@ -52,7 +54,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 HERE = Path(__file__).resolve().parent
 TARGET_CONFIG = HERE / "h200_target_config.txtpb"
@@ -298,7 +300,8 @@ def _cuda_root_keeping_ptx(real: Path, work: Path) -> Path:
   """A CUDA folder like `real` whose bin/ptxas keeps a copy of each PTX module in
   work/ptx (see _PTXAS_WRAPPER); everything else links to `real`."""
   root = work / "cuda"
-  (root / "bin").mkdir(parents=True, exist_ok=True)
+  shutil.rmtree(root, ignore_errors=True)  # A work folder of an earlier run is reused.
+  (root / "bin").mkdir(parents=True)
   (work / "ptx").mkdir(exist_ok=True)
   for entry in real.iterdir():
     if entry.name != "bin":
@@ -618,13 +621,38 @@ def run(args, work: Path) -> list[Row]:
           continue
         seen.add(identity)
         heuristic = ba.heuristics_config
-        configs = [heuristic] + (sorted((c for c in ba.autotuning_configs if c != heuristic), key=str)
-                                 if args.space else [])
+        space = ba.autotuning_configs
+        configs = [heuristic] + (sorted((c for c in space if c != heuristic), key=str)
+                                 if args.space else switched_variants(heuristic, space))
         for config in configs:
           new = _compile_one(compiler, w.name, ba, config, config == heuristic, target)
           rows.extend(new)
           _print_rows(new)
   return rows
+
+
+def switched_variants(heuristic: Any, space: Sequence[Any]) -> list[Any]:
+  """For each boolean tunable (a switch between code paths, e.g. a fused dQ or a split
+  dK/dV), the first config of `space` that sets it otherwise than `heuristic`: so that
+  every code path the tuner may pick compiles in the default run, not only under
+  --space.
+
+  Args:
+    heuristic: a config dataclass instance.
+    space: configs of the same class, in the space's order.
+
+  Returns:
+    Distinct configs, none equal to `heuristic`, in the order of the switches.
+  """
+  out: list[Any] = []
+  for field in dataclasses.fields(heuristic):
+    value = getattr(heuristic, field.name)
+    if not isinstance(value, bool):
+      continue
+    other = next((c for c in space if getattr(c, field.name) != value), None)
+    if other is not None and other not in out:
+      out.append(other)
+  return out
 
 
 def _compile_one(compiler, workload, ba, config, heuristic, target) -> list[Row]:

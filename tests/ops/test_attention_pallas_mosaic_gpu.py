@@ -42,7 +42,7 @@ def _run(fn, *args):
 
 _FWD_64 = dict(block_q=64, block_kv=64, num_compute_wgs=2, num_stages=2, schedule_barrier=True)
 _BWD_64 = dict(block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64,
-               num_compute_wgs=2, num_stages=2, split_dkdv=False)
+               num_compute_wgs=2, num_stages=2, split_dkdv=False, fuse_dq=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +76,17 @@ CASES = [
     # Causal with T > S: the last rows see every key, padded keys must stay masked.
     Case("causal_t_gt_s_h256", b=1, t=96, s=70, n=2, k=1, h=256, dtype=jnp.bfloat16,
          causal=True, fwd=_FWD_64, bwd=dict(_BWD_64, num_compute_wgs=1, split_dkdv=True)),
+    # dQ fused into the dK/dV launch: the two warpgroups' keys start seeing query
+    # rows at different steps (one adds zeros on the steps it skips), the group's
+    # second query head reuses the dS^T buffers, and only warpgroup 0 has a 64-column
+    # dQ chunk at head dim 64.
+    Case("causal_gqa_fused_dq", b=2, t=100, s=150, n=4, k=2, h=64, dtype=jnp.bfloat16,
+         causal=True, fwd=_FWD_64, bwd=dict(_BWD_64, fuse_dq=True)),
+    # Fused dQ in the dK launch of a split backward: one warpgroup, two 64-column
+    # chunks a step through two alternating staging tiles.
+    Case("full_mqa_fp16_h128_split_fused_dq", b=1, t=130, s=200, n=2, k=1, h=128,
+         dtype=jnp.float16, causal=False, fwd=_FWD_64,
+         bwd=dict(_BWD_64, num_compute_wgs=1, split_dkdv=True, fuse_dq=True)),
 ]
 
 
@@ -211,9 +222,10 @@ MASK_CASES = [
                   fwd=_FWD_64, bwd=_BWD_64),
              dict(bias=(1, 2, 96, 130), mask=(2, 1, 1, 130), local_window_size=(30, 10))),
     # Key padding (the same for every query row): a per-key vector, not tiles.
-    MaskCase("per_key_bias_and_mask_causal",
+    # ... with dQ fused into the dK launch (of two warpgroups) of a split backward.
+    MaskCase("per_key_bias_and_mask_causal_fused_dq",
              Case("pk", b=2, t=100, s=140, n=4, k=2, h=64, dtype=jnp.bfloat16, causal=True,
-                  fwd=_FWD_64, bwd=dict(_BWD_64, split_dkdv=True)),
+                  fwd=_FWD_64, bwd=dict(_BWD_64, split_dkdv=True, fuse_dq=True)),
              dict(bias=(1, 4, 1, 140), mask=(2, 1, 1, 140), key_value_seq_lengths=(140, 120))),
     MaskCase("kv_lengths_only",
              Case("k", b=2, t=64, s=200, n=2, k=2, h=64, dtype=jnp.bfloat16, causal=False,
@@ -295,18 +307,21 @@ def test_race_detector_finds_no_races_under_masking():
   out, lse = _run(lambda q, k, v: pm.attention_fwd_pallas_mosaic_gpu(
       q, k, v, bias, mask, **options, **case.fwd, interpret=races), q, k, v)
   assert not get_races().races_found
-  grads = _run(lambda q, k, v, out, lse, do: pm.attention_bwd_pallas_mosaic_gpu(
-      q, k, v, bias, mask, out, lse, do, **options, **case.bwd, interpret=races),
-      q, k, v, out, lse, do)
-  assert not get_races().races_found
+  all_grads = []
+  for fuse_dq in (False, True):  # The dK/dV kernel, then the one that also sums dQ.
+    all_grads.append(_run(lambda q, k, v, out, lse, do: pm.attention_bwd_pallas_mosaic_gpu(
+        q, k, v, bias, mask, out, lse, do, **options, **(case.bwd | dict(fuse_dq=fuse_dq)),
+        interpret=races), q, k, v, out, lse, do))
+    assert not get_races().races_found, fuse_dq
   f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
   with jax.default_matmul_precision("highest"):
     attend = lambda q, k, v: reference.attention_reference(q, k, v, bias, mask, **options)
     ref_out, vjp = jax.vjp(attend, *f32[:3])
     ref_grads = vjp(f32[3])
   _close("out", out, ref_out, _FWD_TOL[case.dtype])
-  for name, g, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
-    _close(name, g, ref, _BWD_TOL[case.dtype])
+  for grads in all_grads:
+    for name, g, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
+      _close(name, g, ref, _BWD_TOL[case.dtype])
 
 
 @pytest.mark.mosaic_interpret
@@ -396,6 +411,7 @@ def test_dispatch_falls_back_for_what_it_lacks():
     (PallasMosaicGpuAttentionVjpConfig, dict(block_q_dq=192), "block_q_dq=192"),
     (PallasMosaicGpuAttentionVjpConfig, dict(num_stages=5), "num_stages=5"),
     (PallasMosaicGpuAttentionVjpConfig, dict(split_dkdv="no"), "split_dkdv='no'"),
+    (PallasMosaicGpuAttentionVjpConfig, dict(fuse_dq=1), "fuse_dq=1"),
 ])
 def test_invalid_configs_raise_clear_errors(cls, changes, match):
   base = _FWD_64 if cls is PallasMosaicGpuAttentionConfig else _BWD_64
@@ -447,6 +463,17 @@ def test_tunable_spaces_are_valid_and_fit_an_sm90(h, t, backward, with_pair):
     assert (5 if with_pair else 10) <= len(configs) <= 40, len(configs)
   if not backward:  # key blocks over 128 spilled registers on an H200
     assert max(c["block_kv"] for c in configs) <= 128
+  else:
+    # A fused dQ: at head dim 128 only with dK split from dV (both accumulators and a
+    # dQ chunk spilled on an H200); at 256 it does not fit shared memory.
+    fused = [c for c in configs if c["fuse_dq"]]
+    assert all(c["block_q_dq"] == c["block_kv_dq"] == 64 for c in fused), fused
+    if h == 64:
+      assert any(not c["split_dkdv"] for c in fused), configs
+    if h == 128:
+      assert fused and all(c["split_dkdv"] for c in fused), configs
+    if h == 256:
+      assert not fused, fused
 
 
 def test_tunables_of_the_target_shape():
@@ -485,8 +512,8 @@ def test_lowers_for_simulated_h200(masked):
         query_seq_lengths=q_len if masked else None,
         key_value_seq_lengths=kv_len if masked else None, **fwd_cfg)
 
-  def bwd(split):
-    config = bwd_cfg | dict(split_dkdv=split)
+  def bwd(split, fuse_dq=False):
+    config = bwd_cfg | dict(split_dkdv=split, fuse_dq=fuse_dq)
     return lambda q, k, v, bias, mask, out, lse, dout, q_len, kv_len: (
         pm.attention_bwd_pallas_mosaic_gpu(
         q, k, v, bias if masked else None, mask if masked else None, out, lse, dout,
@@ -501,7 +528,20 @@ def test_lowers_for_simulated_h200(masked):
     fwd_text = lower(fwd, q, k, k, bias, mask, lengths, lengths)
     bwd_text = lower(bwd(False), q, k, k, bias, mask, q, lse, q, lengths, lengths)
     split_text = lower(bwd(True), q, k, k, bias, mask, q, lse, q, lengths, lengths)
+    fused_text = lower(bwd(True, fuse_dq=True), q, k, k, bias, mask, q, lse, q, lengths,
+                       lengths)
   target = "@mosaic_gpu_v2"
   assert fwd_text.count(target) == 1
   assert bwd_text.count(target) == 2  # dQ, dK/dV
   assert split_text.count(target) == 3  # dQ, dV, dK
+  assert fused_text.count(target) == 2  # dV, dK with dQ
+
+
+def test_backward_configs_saved_before_fuse_dq_still_load():
+  """Caches and shipped configs written before the fuse_dq tunable existed keep their
+  meaning: the separate dQ kernel."""
+  from stellarax.core.config import config_from_json, config_to_json
+  old = {k: v for k, v in _BWD_64.items() if k != "fuse_dq"}
+  config = config_from_json(PallasMosaicGpuAttentionVjpConfig, old)
+  assert config.fuse_dq is False
+  assert config_to_json(config) == _BWD_64

@@ -31,7 +31,7 @@ warpgroups' key blocks, and each warpgroup passes over the blocks it does not ne
 
 Backward. delta = rowsum(O * dO) and the base-2 log-sum-exp are computed in XLA (they
 are cheap and memory bound); then two kernels, no atomics, so gradients are bit
-reproducible:
+reproducible (unless `fuse_dq`):
 - dK/dV: one CTA per (key tile, kv head, batch). Each compute warpgroup owns
   `block_kv_dkv` keys and loops over every query head of its GQA group and every query
   tile that sees those keys; the memory warpgroup streams Q, dO, lse and delta tiles.
@@ -39,6 +39,10 @@ reproducible:
   compute dV and dK apart (one accumulator each), for head dim 256, whose two
   accumulators do not fit in registers together.
 - dQ: one CTA per (query tile, head, batch), streaming K and V like the forward.
+  It recomputes S and dP: 7 matmuls per (query block, key block) in all, where 5
+  would do. With `fuse_dq` the dK launch instead adds dS K to a float32 dQ in global
+  memory with TMA reduce-adds (see _FusedDq): 5 matmuls (6 with `split_dkdv`) and one
+  launch fewer, but floating-point sums in no fixed order (not bit reproducible).
 
 Sequence lengths that are not multiples of the blocks are padded in the wrapper (only
 then): padded keys are masked like keys past the key length; padded query rows, rows
@@ -159,7 +163,7 @@ def check_fwd_tunables(*, block_q: int, block_kv: int, num_compute_wgs: int, num
 
 def check_bwd_tunables(*, block_q_dkv: int, block_kv_dkv: int, block_q_dq: int,
                        block_kv_dq: int, num_compute_wgs: int, num_stages: int,
-                       split_dkdv: bool) -> None:
+                       split_dkdv: bool, fuse_dq: bool = False) -> None:
   """Checks backward tunables, independent of the input shape.
 
   Args:
@@ -170,6 +174,10 @@ def check_bwd_tunables(*, block_q_dkv: int, block_kv_dkv: int, block_q_dq: int,
     num_compute_wgs: compute warpgroups per CTA of both kernels (1 or 2).
     num_stages: shared-memory ring slots of both kernels (2 to 4).
     split_dkdv: compute dV and dK in two launches with one accumulator each.
+    fuse_dq: the dK kernel also sums dQ into float32 global memory (TMA reduce-add),
+      instead of a separate dQ kernel recomputing S and dP: 5 matmuls a block pair
+      instead of 7, but dQ's float32 sums then run in no fixed order (not bitwise
+      reproducible). The dQ kernel's blocks are then unused.
 
   Raises:
     ValueError: naming the bad value and the accepted ones.
@@ -184,6 +192,7 @@ def check_bwd_tunables(*, block_q_dkv: int, block_kv_dkv: int, block_q_dq: int,
                 "keys per step, whole 64-row swizzled tiles, at most the 256 wgmma columns")
   _check_common(num_compute_wgs, num_stages)
   _check_bool("split_dkdv", split_dkdv)
+  _check_bool("fuse_dq", fuse_dq)
 
 
 @config_dataclass
@@ -211,6 +220,9 @@ class PallasMosaicGpuAttentionVjpConfig:
   num_compute_wgs: int
   num_stages: int
   split_dkdv: bool
+  # Defaults to the separate, bitwise-reproducible dQ kernel, so that configs saved
+  # before this tunable existed still load.
+  fuse_dq: bool = False
 
   def __post_init__(self):
     check_bwd_tunables(**pallas_common.tunables_of(self))
@@ -381,24 +393,38 @@ class _Mma:
               while_running: Callable[[], None] | None = None) -> jax.Array:
     """a @ b in float32 for shared-memory operands; `while_running` runs between
     issuing the wgmma and waiting for it."""
+    return self.product_sum([(a, b)], shape, while_running)
+
+  def product_sum(self, pairs: Sequence[tuple[Any, Any]], shape: tuple[int, int],
+                  while_running: Callable[[], None] | None = None) -> jax.Array:
+    """sum(a @ b for a, b in pairs) in float32 for shared-memory operands: one
+    accumulator on the GPU, one product each when staged."""
+    if self.staged and len(pairs) > 1:
+      products = [self.product(a, b, shape) for a, b in pairs]
+      return functools.reduce(jnp.add, products)
 
     def body(acc_ref):
-      plgpu.wgmma(acc_ref, a, b)
+      for a, b in pairs:
+        plgpu.wgmma(acc_ref, a, b)
       if while_running is not None:
         while_running()
       return acc_ref[...]
 
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
-  def accumulate(self, acc: jax.Array, a: jax.Array, b: Any, stage: Any) -> jax.Array:
-    """acc + a @ b for a register tile `a`, a shared-memory `b` and a float32 `acc`.
+  def accumulate(self, acc: jax.Array, a: Any, b: Any, stage: Any = None) -> jax.Array:
+    """acc + a @ b for a register or shared-memory tile `a`, a shared-memory `b` and a
+    float32 `acc`.
 
-    `stage` is a shared-memory tile of a's shape and dtype, used only when staged.
+    `stage` is a shared-memory tile of a's shape and dtype, used only when staged and
+    `a` is in registers.
     """
     if self.staged:
-      stage[...] = a
-      plgpu.commit_smem()  # Make the stores visible to wgmma (the async proxy).
-      return acc + self.product(stage, b, acc.shape)
+      if isinstance(a, jax.Array):
+        stage[...] = a
+        plgpu.commit_smem()  # Make the stores visible to wgmma (the async proxy).
+        a = stage
+      return acc + self.product(a, b, acc.shape)
 
     def body(acc_ref):
       plgpu.wgmma(acc_ref, a, b)
@@ -934,16 +960,126 @@ def _dq_kernel(*refs, q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, pai
     _produce([k_stream, v_stream], cta.hi - cta.lo, stages)
 
 
+# dQ columns one fused-dQ product and TMA reduce-add covers (a 128-byte swizzle
+# unit of the 16-bit K tile, so column slices of it are whole swizzle tiles).
+_DQ_CHUNK = 64
+
+
+def _dq_staging_slots(head_dim: int, num_wgs: int) -> int:
+  """Float32 staging tiles per warpgroup of the fused dQ: two alternate when it sends
+  several 64-column chunks a step (one is filled while TMA still reads the other),
+  else one (its reduce-add had a whole step to finish reading it)."""
+  return 2 if head_dim > num_wgs * _DQ_CHUNK else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _FusedDq:
+  """dQ summed into float32 global memory by the dK kernel (`fuse_dq=True`).
+
+  At every step of the CTA (one query block of one head) each compute warpgroup
+  writes its 16-bit dS^T tile (zeros on steps it skips) to shared memory, the
+  warpgroups meet at a barrier, and each sums dS K over all the CTA's keys for its
+  64-column chunks of dQ: sum over warpgroups w of dS_w (block_q x block_kv) @
+  K_w[:, chunk]. A chunk goes from a float32 staging tile to global memory with a
+  TMA reduce-add (`cp.reduce.async.bulk.tensor ... add.f32`), which adds atomically in
+  L2, so CTAs of different key tiles may add to one dQ row in any order. One
+  reduce-add per (query block, chunk) per CTA, not per warpgroup, halves that traffic
+  with two warpgroups. dS^T tiles are double-buffered by step parity: a warpgroup
+  rewrites a buffer two steps later, after the other passed the next step's barrier,
+  so after it finished reading. The interpreter has no TMA reductions: there each
+  CTA stores its sums into its own slice of a float32 buffer (one slice per key tile
+  of CTAs), summed after the kernel; every (slice, query block, head, chunk) is
+  written once, so that is race-free too.
+
+  Attributes:
+    acc_ref: float32 (B, T_pad, N, H) accumulator in global memory, zeros at launch;
+      interpret mode (num_kv_ctas, B, T_pad, N, H).
+    ds_smem: (2, num_wgs, block_kv, block_q) 16-bit dS^T tiles.
+    staging: (num_wgs, slots, block_q, 64) float32 tiles for the reduce-adds.
+    ds_ready: barrier with one arrival per compute warpgroup (None with one).
+    reduce: TMA reduce-add (the GPU path); else plain stores into slices.
+  """
+
+  acc_ref: Any
+  ds_smem: Any
+  staging: Any
+  ds_ready: Any
+  reduce: bool
+
+  def share(self, step: Any, ds_t: jax.Array | None, *, wg: Any) -> Any:
+    """Stores this warpgroup's (block_kv, block_q) 16-bit dS^T of step `step` (zeros for
+    None: a step whose rows see none of its keys) and waits for the others'.
+
+    Returns:
+      The shared-memory tile holding it.
+    """
+    ds_tile = self.ds_smem.at[lax.rem(step, 2), wg]
+    if ds_t is None:
+      ds_t = plgpu.layout_cast(jnp.zeros(ds_tile.shape, ds_tile.dtype), plgpu.Layout.WGMMA)
+    ds_tile[...] = ds_t
+    plgpu.commit_smem()  # Make the stores visible to wgmma (the async proxy).
+    if self.ds_ready is not None:
+      plgpu.barrier_arrive(self.ds_ready)
+      plgpu.barrier_wait(self.ds_ready)
+    return ds_tile
+
+  def send(self, step: Any, *, wg: Any, num_wgs: int, k_smem: Any, b: Any, head: Any,
+           q0: Any, cta: Any, mma: _Mma) -> None:
+    """Adds step `step`'s dS K (after `share`) to dQ rows [q0, q0 + block_q) of `head`:
+    this warpgroup's chunks of columns, over the keys of every warpgroup."""
+    buffer = lax.rem(step, 2)
+    bq = self.ds_smem.shape[-1]
+    head_dim = k_smem.shape[-1]
+    slots = self.staging.shape[1]
+    # Chunk n of warpgroup wg starts at column (n * num_wgs + wg) * 64. The offset is
+    # traced (a multiple of the swizzle unit): one code path for all warpgroups, where a
+    # branch per warpgroup spilled registers on an H200 (bench/compile_h200.py).
+    for n in range(-(-head_dim // (num_wgs * _DQ_CHUNK))):
+      col = pl.multiple_of((n * num_wgs + wg) * _DQ_CHUNK, _DQ_CHUNK)
+
+      def _chunk(n=n, col=col):
+        pairs = [(self.ds_smem.at[buffer, src].T, k_smem.at[src, :, pl.ds(col, _DQ_CHUNK)])
+                 for src in range(num_wgs)]
+        part = mma.product_sum(pairs, (bq, _DQ_CHUNK))
+        tile = self.staging.at[wg, n % slots]
+        plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)  # Tile's last send read.
+        tile[...] = part
+        plgpu.commit_smem()
+        cols = pl.ds(col, _DQ_CHUNK)
+        if self.reduce:
+          plgpu.copy_smem_to_gmem(tile, self.acc_ref.at[b, pl.ds(q0, bq), head, cols],
+                                  reduction_op="add")
+        else:
+          plgpu.copy_smem_to_gmem(tile, self.acc_ref.at[cta, b, pl.ds(q0, bq), head, cols])
+
+      if head_dim % (num_wgs * _DQ_CHUNK):
+        pl.when(col < head_dim)(_chunk)  # Fewer chunks than warpgroups (head dim 64).
+      else:
+        _chunk()
+
+  def finish(self) -> None:
+    """Waits until every warpgroup is past its last step: the others read this one's K
+    tile for their dQ chunks, and the epilogue overwrites it with dK."""
+    if self.ds_ready is not None:
+      plgpu.barrier_arrive(self.ds_ready)
+      plgpu.barrier_wait(self.ds_ready)
+
+
 def _dkdv_kernel(*refs, k_smem, v_smem, dv0_smem, q_ring, do_ring, lse_ring, delta_ring,
-                 pair_ring, stage, kv_ready, ready, free, p: _Problem,
-                 c: PallasMosaicGpuAttentionVjpConfig, mma: _Mma, grads: tuple[str, ...]):
-  """dK and/or dV (`grads`) of one key tile per compute warpgroup, summed over the group."""
+                 pair_ring, stage, kv_ready, ready, free, ds_smem, dq_staging, ds_ready,
+                 p: _Problem, c: PallasMosaicGpuAttentionVjpConfig, mma: _Mma,
+                 grads: tuple[str, ...], fused_dq: bool):
+  """dK and/or dV (`grads`) of one key tile per compute warpgroup, summed over the group;
+  with `fused_dq` (and dK) also the CTA's dQ sums (see _FusedDq)."""
   want_dk, want_dv = "dk" in grads, "dv" in grads
   with_dv0 = want_dv and p.may_fully_mask
   (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, pair_t_ref, q_len_ref, kv_len_ref,
-   dv0_ref, *out_refs) = unpack_refs(
-       refs, (True,) * 6 + (p.has_pair, p.has_q_len, p.has_kv_len, with_dv0)
+   dv0_ref, dq_acc_ref, *out_refs) = unpack_refs(
+       refs, (True,) * 6 + (p.has_pair, p.has_q_len, p.has_kv_len, with_dv0, fused_dq)
        + (True,) * len(grads))
+  dq = None
+  if fused_dq:
+    dq = _FusedDq(dq_acc_ref, ds_smem, dq_staging, ds_ready, reduce=not mma.staged)
   num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q_dkv, c.block_kv_dkv, c.num_stages
   b, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   t_eff, s_eff = _lengths(p, q_len_ref, kv_len_ref, b)
@@ -984,7 +1120,7 @@ def _dkdv_kernel(*refs, k_smem, v_smem, dv0_smem, q_ring, do_ring, lse_ring, del
       plgpu.copy_gmem_to_smem(dv0_ref.at[b, kv_head], dv0_smem.at[wg], kv_ready.at[wg])
     plgpu.barrier_wait(kv_ready.at[wg])
 
-    def step(i, carry, base, masked):
+    def step(i, carry, base, head, masked):
       dk, dv = carry
       slot = lax.rem(i, stages)
       stream.acquire(slot)
@@ -1001,24 +1137,40 @@ def _dkdv_kernel(*refs, k_smem, v_smem, dv0_smem, q_ring, do_ring, lse_ring, del
       if dk is not None:
         dp_t = mma.product(v_tile, do_ring.at[slot].T, (bk, bq))
         delta = plgpu.load(delta_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-        ds_t = p_t * (dp_t - _cols(delta, dp_t.shape))
-        dk = mma.accumulate(dk, ds_t.astype(p.dtype), q_ring.at[slot], _stage(stage, wg))
+        ds_t = (p_t * (dp_t - _cols(delta, dp_t.shape))).astype(p.dtype)
+        if dq is None:
+          dk = mma.accumulate(dk, ds_t, q_ring.at[slot], _stage(stage, wg))
+        else:
+          # dS^T goes to shared memory for the dQ sums anyway: dK's wgmma reads it
+          # there too, so its registers are free before the dQ products.
+          ds_tile = dq.share(i, ds_t, wg=wg)
+          dk = mma.accumulate(dk, ds_tile, q_ring.at[slot])
+          dq.send(i, **dq_step(i, base, head))
       stream.release(slot, after_loads=True)  # lse, delta (and bias/mask) were loaded
       return dk, dv
 
-    def skip(i, _):
+    def skip(i, _, base, head):
       slot = lax.rem(i, stages)
       stream.acquire(slot)
       stream.release(slot)
+      if dq is not None and num_wgs > 1:
+        # The other warpgroups' dQ sums of this step still add dS K over these keys.
+        dq.share(i, None, wg=wg)
+        dq.send(i, **dq_step(i, base, head))
+
+    def dq_step(i, base, head):
+      """Where step i's dQ sums go (query block i - base of `head`)."""
+      return dict(wg=wg, num_wgs=num_wgs, k_smem=k_smem, b=b, head=head, q0=(i - base) * bq,
+                  cta=lax.axis_index("kv_tiles"), mma=mma)
 
     ranges = flash_blocks.query_block_range(p, k0, bq, bk, t_eff, s_eff)
 
     def head(g, carry):
       base = g * per_head - cta_lo  # Step of query block j of this head: base + j.
       shifted = tuple(base + r for r in ranges)
-      return _walk(shifted, base + cta_lo, base + cta_hi,
-                   functools.partial(step, base=base), skip, carry,
-                   masked_head=p.right_reach is not None)
+      at = dict(base=base, head=kv_head * p.group + g)
+      return _walk(shifted, base + cta_lo, base + cta_hi, functools.partial(step, **at),
+                   functools.partial(skip, **at), carry, masked_head=p.right_reach is not None)
 
     zeros = _zeros((bk, p.head_dim))
     dv = zeros
@@ -1028,6 +1180,8 @@ def _dkdv_kernel(*refs, k_smem, v_smem, dv0_smem, q_ring, do_ring, lse_ring, del
       dv = _cols(dv0, zeros.shape)
     dk, dv = lax.fori_loop(0, p.group, head,
                            (zeros if want_dk else None, dv if want_dv else None))
+    if dq is not None:
+      dq.finish()
     # dK and dV reuse the K and V tiles' shared memory (dV-only runs keep V out of it).
     finals = {"dk": lambda: (k_tile, (dk * p.scale).astype(p.dtype)),
               "dv": lambda: (k_tile if v_tile is None else v_tile, dv.astype(p.dtype))}
@@ -1071,8 +1225,14 @@ def _dq_call(q, k, v, do, lse2, delta, pair, lengths, *, p: _Problem,
   )(q, k, v, do, lse2, delta, *([pair] if p.has_pair else []), *lengths)
 
 
-def _dkdv_call(q, k, v, do, lse2, delta, pair_t, lengths, dv0, *, grads: tuple[str, ...],
-               p: _Problem, c: PallasMosaicGpuAttentionVjpConfig, interpret: Interpret):
+def _dkdv_call(q, k, v, do, lse2, delta, pair_t, lengths, dv0, dq_acc=None, *,
+               grads: tuple[str, ...], p: _Problem, c: PallasMosaicGpuAttentionVjpConfig,
+               interpret: Interpret):
+  """dK and/or dV (`grads`); with `dq_acc` (a float32 Ref, see _FusedDq) also dQ's sums.
+
+  Returns:
+    {"dk": ..., "dv": ...} for `grads`, padded like k and v.
+  """
   b, t_pad, _, h = q.shape
   s_pad, kh = k.shape[1], k.shape[2]
   num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q_dkv, c.block_kv_dkv, c.num_stages
@@ -1081,6 +1241,9 @@ def _dkdv_call(q, k, v, do, lse2, delta, pair_t, lengths, dv0, *, grads: tuple[s
   vec_ring = plgpu.SMEM((stages, bq), jnp.float32)
   want_dk = "dk" in grads
   with_dv0 = "dv" in grads and dv0 is not None
+  fused_dq = dq_acc is not None
+  if fused_dq and not want_dk:
+    raise ValueError("dQ sums are fused into the launch that computes dK (it has dS).")
   scratch = dict(
       k_smem=keys_tile, v_smem=keys_tile if want_dk else None,
       dv0_smem=plgpu.SMEM((num_wgs, h), jnp.float32) if with_dv0 else None,
@@ -1091,8 +1254,15 @@ def _dkdv_call(q, k, v, do, lse2, delta, pair_t, lengths, dv0, *, grads: tuple[s
       kv_ready=_barrier(num_wgs, 1 + want_dk + with_dv0),
       ready=_barrier(stages, 3 + want_dk + p.has_pair),
       free=_barrier(stages, num_wgs),
+      ds_smem=(plgpu.SMEM((2, num_wgs, bk, bq), p.dtype, transforms=_tiled(p.dtype, bq))
+               if fused_dq else None),
+      dq_staging=(plgpu.SMEM((num_wgs, _dq_staging_slots(h, num_wgs), bq, _DQ_CHUNK),
+                             jnp.float32, transforms=_tiled(jnp.float32, _DQ_CHUNK))
+                  if fused_dq else None),
+      ds_ready=_barrier(1, num_wgs) if fused_dq and num_wgs > 1 else None,
   )
-  kernel = functools.partial(_dkdv_kernel, p=p, c=c, mma=_Mma(staged=bool(interpret)), grads=grads)
+  kernel = functools.partial(_dkdv_kernel, p=p, c=c, mma=_Mma(staged=bool(interpret)),
+                             grads=grads, fused_dq=fused_dq)
   out_type = {"dk": jax.ShapeDtypeStruct(k.shape, p.dtype),
               "dv": jax.ShapeDtypeStruct(v.shape, p.dtype)}
   outs = plgpu.kernel(
@@ -1107,7 +1277,7 @@ def _dkdv_call(q, k, v, do, lse2, delta, pair_t, lengths, dv0, *, grads: tuple[s
       interpret=_interpret_params(interpret),
       kernel_name="stellarax_attention_bwd_" + "".join(grads),
   )(q, k, v, do, lse2, delta, *([pair_t] if p.has_pair else []), *lengths,
-    *([dv0] if with_dv0 else []))
+    *([dv0] if with_dv0 else []), *([dq_acc] if fused_dq else []))
   return dict(zip(grads, outs))
 
 
@@ -1117,8 +1287,11 @@ def _bwd(query, key, value, bias, mask, out, lse, dout, q_len, kv_len, *, p: _Pr
   # An elementwise product and sum, not a dot: exact float32 (no TF32) on every backend.
   delta = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)
   delta = delta.transpose(0, 2, 1)
-  t_pad = _round_up(p.t, math.lcm(c.num_compute_wgs * c.block_q_dq, c.block_q_dkv))
-  s_pad = _round_up(p.s, math.lcm(c.num_compute_wgs * c.block_kv_dkv, c.block_kv_dq))
+  # Rows and keys are padded to whole CTA tiles of each kernel that runs.
+  dq_kernel_rows, dq_kernel_keys = (
+      (1, 1) if c.fuse_dq else (c.num_compute_wgs * c.block_q_dq, c.block_kv_dq))
+  t_pad = _round_up(p.t, math.lcm(dq_kernel_rows, c.block_q_dkv))
+  s_pad = _round_up(p.s, math.lcm(c.num_compute_wgs * c.block_kv_dkv, dq_kernel_keys))
   # lse = +inf gives probability 0 for every key: rows past the query length and rows
   # that keep no key add nothing to dQ/dK/dV through the kernels (the latter add their
   # dV term through dv0), nor do padded rows.
@@ -1135,12 +1308,48 @@ def _bwd(query, key, value, bias, mask, out, lse, dout, q_len, kv_len, *, p: _Pr
   pair = _pair_operand(bias, mask, p, t_pad, s_pad)
   pair_t = pair if p.pair_per_key else _pair_operand(bias, mask, p, t_pad, s_pad,
                                                      transposed=True)
-  dq = _dq_call(*args, pair, lengths, p=p, c=c, interpret=interpret)
-  grads = {}
-  for part in ((("dv",), ("dk",)) if c.split_dkdv else (("dk", "dv"),)):
-    grads.update(_dkdv_call(*args, pair_t, lengths, dv0, grads=part, p=p, c=c,
-                            interpret=interpret))
+  parts = (("dv",), ("dk",)) if c.split_dkdv else (("dk", "dv"),)
+  if c.fuse_dq:
+    dq_sums, grads = _launch_fused_dq(args, pair_t, lengths, dv0, parts, p=p, c=c,
+                                      interpret=interpret)
+    dq = (dq_sums * p.scale).astype(p.dtype)
+  else:
+    dq = _dq_call(*args, pair, lengths, p=p, c=c, interpret=interpret)
+    grads = {}
+    for part in parts:
+      grads.update(_dkdv_call(*args, pair_t, lengths, dv0, grads=part, p=p, c=c,
+                              interpret=interpret))
   return dq[:, :p.t], grads["dk"][:, :p.s], grads["dv"][:, :p.s]
+
+
+def _launch_fused_dq(args, pair_t, lengths, dv0, parts, *, p: _Problem,
+                     c: PallasMosaicGpuAttentionVjpConfig, interpret: Interpret):
+  """The dK/dV launches (`parts`), the dK one also summing dQ (see _FusedDq).
+
+  Returns:
+    (dQ's float32 sums (B, T_pad, N, H), unscaled; {"dk": ..., "dv": ...}).
+  """
+  q, k, v = args[:3]
+  # Zeros the dK launch adds dQ's float32 sums to: one buffer on the GPU (TMA
+  # reduce-add), one slice per key tile of CTAs in the interpreter.
+  num_kv_ctas = k.shape[1] // (c.num_compute_wgs * c.block_kv_dkv)
+  slices = (num_kv_ctas,) if interpret else ()
+
+  def launches(refs):
+    # The kernel adds to the buffer as a Ref (an aliased operand). run_state keeps that
+    # effect inside this function, away from the transformations around the op (which
+    # have no rule for it); dK and dV leave it as Refs too (their initial values, k and
+    # v, are never read).
+    dq_acc, out_refs = refs
+    for part in parts:
+      outs = _dkdv_call(*args, pair_t, lengths, dv0, dq_acc if "dk" in part else None,
+                        grads=part, p=p, c=c, interpret=interpret)
+      for name, value in outs.items():
+        out_refs[name][...] = value
+
+  sums, grads = pl.run_state(launches)(
+      (jnp.zeros((*slices, *q.shape), jnp.float32), {"dk": k, "dv": v}))
+  return (jnp.sum(sums, axis=0) if interpret else sums), grads
 
 
 def _check_residuals(query, out, lse, dout) -> None:
@@ -1161,7 +1370,7 @@ def attention_bwd_pallas_mosaic_gpu(query, key, value, bias, mask, out, lse, dou
                                     local_window_size=None, block_q_dkv: int,
                                     block_kv_dkv: int, block_q_dq: int, block_kv_dq: int,
                                     num_compute_wgs: int, num_stages: int, split_dkdv: bool,
-                                    interpret: Interpret = False):
+                                    fuse_dq: bool = False, interpret: Interpret = False):
   """Flash attention backward for attention_fwd_pallas_mosaic_gpu.
 
   Gradients match jax.vjp of jax.nn.dot_product_attention, rows that keep no key
@@ -1176,7 +1385,7 @@ def attention_bwd_pallas_mosaic_gpu(query, key, value, bias, mask, out, lse, dou
     scale, is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size: the
       forward's options.
     block_q_dkv, block_kv_dkv, block_q_dq, block_kv_dq, num_compute_wgs, num_stages,
-      split_dkdv: tunables, see check_bwd_tunables.
+      split_dkdv, fuse_dq: tunables, see check_bwd_tunables.
     interpret: as in the forward.
 
   Returns:
@@ -1188,7 +1397,7 @@ def attention_bwd_pallas_mosaic_gpu(query, key, value, bias, mask, out, lse, dou
   c = PallasMosaicGpuAttentionVjpConfig(
       block_q_dkv=block_q_dkv, block_kv_dkv=block_kv_dkv, block_q_dq=block_q_dq,
       block_kv_dq=block_kv_dq, num_compute_wgs=num_compute_wgs, num_stages=num_stages,
-      split_dkdv=split_dkdv)
+      split_dkdv=split_dkdv, fuse_dq=fuse_dq)
   p = _make_problem(query, key, value, scale, is_causal, local_window_size,
                     query_seq_lengths, key_value_seq_lengths, bias, mask)
   _check_residuals(query, out, lse, dout)
@@ -1228,6 +1437,14 @@ def _bwd_fits(h: int, e: int, c: dict[str, Any], pe: int = 0) -> bool:
   # Peak live tiles: the accumulators with P^T and dP^T (dS^T and the 16-bit operands
   # replace them), in the dQ kernel the accumulator with P and dP.
   dkdv_regs = accumulators * _tile_regs(bk, h) + 2 * _tile_regs(bk, bq)
+  if c.get("fuse_dq", False):
+    # Double-buffered dS^T tiles and the float32 staging of the reduce-adds; a dQ
+    # chunk's accumulator on top. Checked against ptxas (bench/compile_h200.py): head
+    # dim 128 with both dK and dV accumulators spills 0.2-0.5 KB, which this rejects;
+    # split (dK alone) or head dim 64 do not spill.
+    dkdv_smem += 2 * wgs * bk * bq * e + wgs * _dq_staging_slots(h, wgs) * bq * _DQ_CHUNK * 4
+    dkdv_regs += _tile_regs(bq, _DQ_CHUNK)
+    return _fits(dkdv_smem, dkdv_regs, wgs)  # The dQ kernel does not run.
   bq2, bk2 = c["block_q_dq"], c["block_kv_dq"]
   dq_smem = wgs * bq2 * (2 * h * e + 8) + stages * bk2 * (2 * h * e + wgs * bq2 * pe)
   dq_regs = _tile_regs(bq2, h) + 2 * _tile_regs(bq2, bk2)
@@ -1290,13 +1507,15 @@ def _bwd_heuristic(t: int, s: int, h: int, e: int = 2, pe: int = 0) -> dict[str,
     # Two 64x256 float32 accumulators need 256 registers a thread: split dK from dV,
     # and one compute warpgroup so that the 256-wide tiles fit in shared memory.
     c = dict(block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64,
-             num_compute_wgs=1, num_stages=2, split_dkdv=True)
+             num_compute_wgs=1, num_stages=2, split_dkdv=True, fuse_dq=False)
   else:
+    # The separate dQ kernel (bitwise reproducible) until the H200 has measured the
+    # fused one, which the search space offers (see check_bwd_tunables).
     c = dict(block_q_dkv=64, block_kv_dkv=64, block_q_dq=64,
              block_kv_dq=128 if h == 64 else 64, num_compute_wgs=2, num_stages=2,
-             split_dkdv=False)
+             split_dkdv=False, fuse_dq=False)
   small = dict(block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64,
-               num_compute_wgs=1, num_stages=2, split_dkdv=True)
+               num_compute_wgs=1, num_stages=2, split_dkdv=True, fuse_dq=False)
   c = _first_fitting([c, small], lambda c: _bwd_fits(h, e, c, pe))
   return _clamp_bwd(c, t, s)
 
@@ -1349,10 +1568,13 @@ def _bwd_space(t: int, s: int, h: int, e: int, pe: int) -> list[dict[str, Any]]:
   configs = [_bwd_heuristic(t, s, h, e, pe)]
   dkdv_tiles = ((64, 64), (128, 64), (64, 128))  # (block_q_dkv, block_kv_dkv)
   dq_tiles = ((64, 64), (64, 128), (128, 64))  # (block_q_dq, block_kv_dq)
-  for (bq, bk), (bq2, bk2), wgs, stages in itertools.product(
-      dkdv_tiles, dq_tiles, _NUM_COMPUTE_WGS_CHOICES, (2, 3)):
+  for (bq, bk), dq_tile, wgs, stages in itertools.product(
+      dkdv_tiles, (*dq_tiles, "fused"), _NUM_COMPUTE_WGS_CHOICES, (2, 3)):
+    # A fused dQ has no dQ kernel: its blocks stay at the smallest, not varied.
+    bq2, bk2 = (64, 64) if dq_tile == "fused" else dq_tile
     c = dict(block_q_dkv=bq, block_kv_dkv=bk, block_q_dq=bq2, block_kv_dq=bk2,
-             num_compute_wgs=wgs, num_stages=stages, split_dkdv=False)
+             num_compute_wgs=wgs, num_stages=stages, split_dkdv=False,
+             fuse_dq=dq_tile == "fused")
     # Splitting dK from dV recomputes S^T; it pays only where the two accumulators do
     # not fit in registers together.
     for c in (c, {**c, "split_dkdv": True}):
