@@ -17,9 +17,9 @@ slow there. Mosaic GPU's compile asks the CUDA driver which GPU it compiles for,
 
 For each workload of `bench/gpu_check.py` (the speed-target shapes) and each Pallas
 implementation, the op calls of the forward (and gradient) program are captured, and each
-call's heuristic config is compiled alone, with, for each boolean tunable (a switch of
-code path, e.g. attention's fused dQ), the first config of the space that flips it (with
---space: every config of its search space).
+call's heuristic config is compiled alone, with, for each value of a bool or str tunable
+(a switch of code path, e.g. attention's fused dQ), the first config of the space that
+takes it (`search.code_path_variants`; with --space: every config of its search space).
 Each kernel's row also says what its PTX shows (a ptxas wrapper keeps the PTX XLA
 compiles): its tensor-core instruction (wgmma, the warp-level mma.sync, or none), how it
 copies operands to shared memory (TMA, cp.async, or not asynchronously), and its widest
@@ -54,7 +54,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 HERE = Path(__file__).resolve().parent
 TARGET_CONFIG = HERE / "h200_target_config.txtpb"
@@ -597,6 +597,7 @@ def _program_of(workload, op):
 def run(args, work: Path) -> list[Row]:
   sys.path.insert(0, str(HERE))
   import gpu_check
+  from stellarax.autotuning import search
 
   compiler = H200Compiler(work)
   only = [s.strip() for s in (args.only or "").split(",") if s.strip()]
@@ -623,36 +624,12 @@ def run(args, work: Path) -> list[Row]:
         heuristic = ba.heuristics_config
         space = ba.autotuning_configs
         configs = [heuristic] + (sorted((c for c in space if c != heuristic), key=str)
-                                 if args.space else switched_variants(heuristic, space))
+                                 if args.space else search.code_path_variants(heuristic, space))
         for config in configs:
           new = _compile_one(compiler, w.name, ba, config, config == heuristic, target)
           rows.extend(new)
           _print_rows(new)
   return rows
-
-
-def switched_variants(heuristic: Any, space: Sequence[Any]) -> list[Any]:
-  """For each boolean tunable (a switch between code paths, e.g. a fused dQ or a split
-  dK/dV), the first config of `space` that sets it otherwise than `heuristic`: so that
-  every code path the tuner may pick compiles in the default run, not only under
-  --space.
-
-  Args:
-    heuristic: a config dataclass instance.
-    space: configs of the same class, in the space's order.
-
-  Returns:
-    Distinct configs, none equal to `heuristic`, in the order of the switches.
-  """
-  out: list[Any] = []
-  for field in dataclasses.fields(heuristic):
-    value = getattr(heuristic, field.name)
-    if not isinstance(value, bool):
-      continue
-    other = next((c for c in space if getattr(c, field.name) != value), None)
-    if other is not None and other not in out:
-      out.append(other)
-  return out
 
 
 def _compile_one(compiler, workload, ba, config, heuristic, target) -> list[Row]:

@@ -454,6 +454,31 @@ def target_lines(rows: list[Row]) -> list[str]:
   ]
 
 
+def code_path_lines(result) -> list[str]:
+  """Per tuned op call: the heuristic's time, each measured code-path variant's (one
+  config per value of a bool or str tunable that the heuristic does not take, see
+  `search.code_path_variants`) and the best: what says whether a heuristic should take
+  the other code path (e.g. attention's fused dQ)."""
+  from stellarax.autotuning import search
+
+  def ms(t):
+    return "-" if t is None else f"{t * 1e3:.3f} ms"
+
+  lines = []
+  for entry in result:
+    h = entry.heuristic_config
+    measured = [c for c, _ in entry.measurements]
+    parts = [f"heuristic {ms(entry.heuristic_time)}"]
+    for variant in search.code_path_variants(h, measured):
+      flipped = ", ".join(f"{f.name}={getattr(variant, f.name)}" for f in dataclasses.fields(h)
+                          if getattr(variant, f.name) != getattr(h, f.name))
+      parts.append(f"{flipped}: {ms(entry.time_of(variant))}")
+    parts.append(f"best {ms(entry.best_time)}")
+    shapes = " ".join(str(tuple(a.shape)) for a in entry.bound_args.array_specs())
+    lines.append(f"{entry.bound_args.op.name} {shapes}: " + "; ".join(parts))
+  return lines
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True, help="results folder")
@@ -473,6 +498,11 @@ def main(argv=None) -> int:
   rows = run(args)
   print("\n== all workloads ==")
   print_table(rows)
+  tuned = Path(args.out) / "tuned.json"
+  if tuned.exists():
+    print("\n== code paths (tuning measurements of one op call) ==")
+    for line in code_path_lines(stellarax.AutotuningResult.load(tuned)):
+      print(line)
   print("\n== targets ==")
   for line in target_lines(rows):
     print(line)

@@ -221,3 +221,49 @@ def test_bad_strategy_arguments_are_rejected():
     search.exhaustive([], replay)
   with pytest.raises(TypeError, match="hashable"):
     search.exhaustive([[1, 2]], replay)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Paths:
+  """A config with switches between code paths (a bool, a str) besides a tile."""
+  block: int
+  split: bool
+  fused: bool
+  order: str = "m"
+
+
+def test_code_path_variants_take_each_other_value_of_each_switch_once():
+  heuristic = Paths(block=64, split=False, fused=False)
+  space = [heuristic, Paths(block=128, split=False, fused=False),
+           Paths(block=64, split=True, fused=False), Paths(block=64, split=True, fused=True),
+           Paths(block=128, split=False, fused=True), Paths(block=64, split=False, fused=False,
+                                                              order="n"),
+           Paths(block=64, split=False, fused=False, order="k"),
+           Paths(block=128, split=False, fused=False, order="n")]
+  # In field order, per field in space order: the first config that flips `split`, the
+  # first that flips `fused`, the first of each other `order`. Ints are not switches.
+  assert search.code_path_variants(heuristic, space) == [space[2], space[3], space[5],
+                                                          space[6]]
+  both = Paths(block=64, split=True, fused=True)
+  assert search.code_path_variants(heuristic, [heuristic, both]) == [both]
+  assert search.code_path_variants(heuristic, [heuristic]) == []
+  assert search.code_path_variants(HEURISTIC, SWEEP) == []  # No switches.
+  assert search.code_path_variants((1, True), [(1, False)]) == []  # Not dataclasses.
+
+
+def test_strategies_measure_code_path_variants_right_after_the_heuristic():
+  """With budget for two configs, the second one measured is the variant that runs the
+  other code path, though the space lists it last and a shuffle would rarely draw it."""
+  heuristic = Paths(block=64, split=False, fused=False)
+  tiles = [Paths(block=b, split=False, fused=False) for b in range(65, 125)]
+  fused = Paths(block=64, split=False, fused=True)
+  times = {heuristic: 2e-3, fused: 1e-3, **{c: 3e-3 for c in tiles}}
+  space = [heuristic, *tiles, fused]
+  for strategy in (search.exhaustive, search.random_search):
+    replay = search.ReplayMeasure(times)
+    outcome = strategy(space, replay, heuristic=heuristic, budget_s=2.5, clock=replay.clock)
+    assert set(outcome.measurements) == {heuristic, fused}, strategy
+    assert outcome.best == fused
+  replay = search.ReplayMeasure(times)
+  outcome = search.racing(space, replay, heuristic=heuristic, budget_s=6.0, clock=replay.clock)
+  assert fused in outcome.measurements and outcome.best == fused

@@ -193,17 +193,3 @@ def test_pallas_calls_finds_the_triton_kernels_of_a_program():
   triton, mosaic = compile_h200._pallas_calls(lowered)
   assert triton == ["rms_norm_fwd"] and mosaic == []
 
-
-def test_switched_variants_flip_each_boolean_tunable_once():
-  from stellarax.ops.attention.pallas_mosaic_gpu import PallasMosaicGpuAttentionVjpConfig as C
-  base = dict(block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64,
-              num_compute_wgs=2, num_stages=2)
-  heuristic = C(**base, split_dkdv=False, fuse_dq=False)
-  space = [heuristic, C(**base | dict(num_stages=3), split_dkdv=False, fuse_dq=False),
-           C(**base, split_dkdv=True, fuse_dq=False), C(**base, split_dkdv=True, fuse_dq=True),
-           C(**base, split_dkdv=False, fuse_dq=True)]
-  # One config per switch, in field order; integers (stages) are not switches.
-  assert compile_h200.switched_variants(heuristic, space) == [space[2], space[3]]
-  assert compile_h200.switched_variants(heuristic, [heuristic]) == []
-  both = C(**base, split_dkdv=True, fuse_dq=True)
-  assert compile_h200.switched_variants(heuristic, [heuristic, both]) == [both]

@@ -25,9 +25,14 @@ def test_gpu_check_smoke_run(tmp_path):
   assert checked and all(r["max_rel_err"] < 1e-3 for r in checked), [r for r in checked if r["max_rel_err"] >= 1e-3]
   assert (tmp_path / "tuned.json").exists()
   lines = proc.stdout.strip().splitlines()
-  table = lines[lines.index("== all workloads ==") + 1:lines.index("== targets ==")]
-  # The whole table (the sliding-window attention last in smoke runs), then the targets.
+  paths = lines.index("== code paths (tuning measurements of one op call) ==")
+  table = lines[lines.index("== all workloads ==") + 1:paths]
+  # The whole table (the sliding-window attention last in smoke runs), the code paths of
+  # every tuned op call, then the targets.
   assert table[-2].startswith("attention") and "window=32" in table[-2]
+  code_paths = lines[paths + 1:lines.index("== targets ==") - 1]
+  assert any(line.startswith("ragged_dot.pallas_triton (") for line in code_paths), code_paths
+  assert all("heuristic" in line and "best" in line for line in code_paths), code_paths
   local = [r for r in checked if "window" in r["workload"]]
   assert any(r["impl"].startswith("attention.pallas_triton") for r in local), local
   assert lines[-1] == "rms_norm forward bandwidth: not measured"  # interpret mode: no copy baseline row
@@ -105,3 +110,25 @@ def test_target_workloads_give_their_input_specs_without_making_inputs():
     assert specs and all(isinstance(s, jax.ShapeDtypeStruct) for s in specs), w.name
   ragged = next(w for w in workloads if w.name.startswith("ragged_dot G=8 M=8192"))
   assert [s.shape for s in ragged.input_specs()] == [(8192, 4096), (8, 4096, 14336), (8,)]
+
+
+def test_code_path_lines_compare_the_heuristic_with_its_other_code_paths():
+  from stellarax.autotuning.result import Entry
+  from stellarax.core.specs import ArraySpec
+  from stellarax.ops.attention.pallas_mosaic_gpu import PallasMosaicGpuAttentionVjpConfig as C
+  gpu_check = _gpu_check()
+  base = dict(block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64,
+              num_compute_wgs=2, num_stages=2)
+  heuristic = C(**base, split_dkdv=False, fuse_dq=False)
+  fused = C(**base, split_dkdv=True, fuse_dq=True)
+  tiles = C(**base | dict(num_stages=3), split_dkdv=False, fuse_dq=False)
+  timed = lambda ms: Measurement(status="ok", median_s=ms * 1e-3, ci_low_s=ms * 1e-3,
+                                 ci_high_s=ms * 1e-3, num_samples=5)
+  call = SimpleNamespace(op=SimpleNamespace(name="attention.pallas_mosaic_gpu_vjp"),
+                         array_specs=lambda: [ArraySpec((2, 8192, 16, 128), "bfloat16")])
+  entry = Entry(bound_args=call, best_config=fused, heuristic_config=heuristic,
+                measurements=((heuristic, timed(4.0)), (tiles, timed(4.5)), (fused, timed(3.0))))
+  # The fused config flips both switches: it is the variant of each.
+  assert gpu_check.code_path_lines([entry]) == [
+      "attention.pallas_mosaic_gpu_vjp (2, 8192, 16, 128): heuristic 4.000 ms;"
+      " split_dkdv=True, fuse_dq=True: 3.000 ms; best 3.000 ms"]

@@ -26,6 +26,11 @@ Time. Strategies read an injectable `clock` (default `time.perf_counter`); `Repl
 replays a recorded sweep and advances a fake clock, so strategies are tested and compared
 on any machine, deterministically.
 
+Order. Every strategy measures the heuristic first and then its code-path variants
+(`code_path_variants`: one config per value of each bool or str tunable that the
+heuristic does not take), so that a small budget still compares the kernels' different
+code paths.
+
 The choice. Every strategy ends with `measure.pick_best` over its finalists with
 `prefer=heuristic` and the space's order: a config replaces the heuristic one only when it
 is faster beyond noise.
@@ -198,14 +203,52 @@ class _CostModel:
     return self.scale * (self.fixed_s * new + self.per_effort_s * effort_total)
 
 
+def code_path_variants(heuristic: Any, space: Iterable[Any]) -> list[Any]:
+  """For each categorical field of a dataclass config (a bool or str: a switch between
+  code paths, e.g. a fused dQ, a split dK/dV, which warpgroup split a tile) and each value
+  of it in `space` other than the heuristic's, the first config of `space` with that
+  value.
+
+  Strategies measure these right after the heuristic: under a tight budget a config
+  that runs other kernel code says more than one that only changes a tile.
+
+  Args:
+    heuristic: a config; one that is not a dataclass has no switches.
+    space: configs of the same class, in the space's order.
+
+  Returns:
+    Distinct configs, none equal to `heuristic`, in the order of the fields and, per
+    field, of the space.
+  """
+  if not dataclasses.is_dataclass(heuristic):
+    return []
+  space = [c for c in space if type(c) is type(heuristic)]
+  out: list[Any] = []
+  for field in dataclasses.fields(heuristic):
+    value = getattr(heuristic, field.name)
+    if not isinstance(value, (bool, str)):
+      continue
+    seen = {value}
+    for c in space:
+      other = getattr(c, field.name)
+      if other not in seen:
+        seen.add(other)
+        if c not in out:
+          out.append(c)
+  return out
+
+
 def _configs(space: Iterable[C], heuristic: C | None) -> list[C]:
-  """The space without duplicates, in its order, with the heuristic first."""
+  """The space without duplicates with the heuristic first, then its code-path
+  variants (see `code_path_variants`), then the rest in the space's order."""
   try:
     configs = list(dict.fromkeys(space))
   except TypeError as exc:
     raise TypeError(f"Configs must be hashable (frozen dataclasses, tuples): {exc}") from exc
   if heuristic is not None:
-    configs = [heuristic] + [c for c in configs if c != heuristic]
+    variants = code_path_variants(heuristic, configs)
+    configs = [heuristic, *variants] + [c for c in configs
+                                        if c != heuristic and c not in variants]
   if not configs:
     raise ValueError("The search space is empty and there is no heuristic config: nothing to"
                      " measure. Give the op at least one config.")
@@ -278,7 +321,8 @@ def random_search(space: Iterable[C], measure: Measure[C], *, heuristic: C,
                   num_samples: int | None = None, budget_s: float | None = None,
                   rng_seed: int = 0, chunk_size: int = _CHUNK,
                   clock: Callable[[], float] = time.perf_counter) -> SearchOutcome[C]:
-  """Measures the heuristic, then configs drawn at random without replacement.
+  """Measures the heuristic, its code-path variants, then configs drawn at random
+  without replacement.
 
   Args:
     space: the configs.
@@ -305,9 +349,10 @@ def random_search(space: Iterable[C], measure: Measure[C], *, heuristic: C,
     raise ValueError(f"{num_samples=} must be None or an int >= 0.")
   _check_chunk_size(chunk_size)
   configs = _configs(space, heuristic)
-  pool = configs[1:]
+  variants = code_path_variants(heuristic, configs)
+  pool = [c for c in configs[1:] if c not in variants]
   random.Random(rng_seed).shuffle(pool)
-  pool = pool[:num_samples]
+  pool = (variants + pool)[:num_samples]
   session = _Session(measure, clock, budget_s)
   session.measure([heuristic], 1.0)
   _sweep(session, pool, chunk_size)
@@ -458,7 +503,8 @@ def racing(space: Iterable[C], measure: Measure[C], *, heuristic: C,
      worse than untuned beyond noise, and the first data point of the cost model.
      With a budget it is measured again at `min_effort`, which tells apart the cost of a
      config's first measurement (compilation) from the cost per unit of effort.
-  2. The pool: the other configs in an order shuffled by `rng_seed`, cut to the most
+  2. The pool: the heuristic's code-path variants (`code_path_variants`), then the
+     other configs in an order shuffled by `rng_seed`, cut to the most
      whose whole race the cost model (see `_CostModel`) predicts to fit the budget. When
      the whole space fits with time to spare, the rounds before the last are measured
      more thoroughly (their efforts multiplied by one factor, up to 1) to use it.
@@ -503,8 +549,11 @@ def racing(space: Iterable[C], measure: Measure[C], *, heuristic: C,
   configs = _configs(space, heuristic)
   session = _Session(measure, clock, budget_s)
   session.measure([heuristic], 1.0)
-  pool = configs[1:]
+  # The heuristic's code-path variants lead the pool, so a cut pool keeps them.
+  variants = code_path_variants(heuristic, configs)
+  pool = [c for c in configs[1:] if c not in variants]
   random.Random(rng_seed).shuffle(pool)
+  pool = variants + pool
   if budget_s is None:
     schedule = _schedule(len(pool), eta, min_effort)
   else:
