@@ -169,11 +169,17 @@ def test_scale_and_keys_no_query_sees():
 
 
 @pytest.mark.mosaic_interpret
-def test_gradients_through_dot_product_attention():
+@pytest.mark.parametrize("fuse_dq", [False, True])
+def test_gradients_through_dot_product_attention(fuse_dq, monkeypatch):
   """jax.grad through the public function: forward op with a pinned config, its VJP
-  op with the heuristic one, both visible to capture."""
+  op with the heuristic one (made to fuse dQ: its Ref stays inside the backward, away
+  from the op's custom_vjp and markers), both visible to capture."""
   case = Case("grad", b=1, t=128, s=128, n=2, k=1, h=64, dtype=jnp.bfloat16, causal=True,
               fwd=_FWD_64, bwd=_BWD_64)
+  if fuse_dq:
+    heuristic = PallasMosaicGpuAttentionVjp._get_heuristics_config
+    monkeypatch.setattr(PallasMosaicGpuAttentionVjp, "_get_heuristics_config",
+                        lambda self, ba: dataclasses.replace(heuristic(self, ba), fuse_dq=True))
   q, k, v, do = _inputs(case, seed=2)
   op = PallasMosaicGpuAttention(interpret=True, config=PallasMosaicGpuAttentionConfig(**_FWD_64))
 
@@ -189,8 +195,10 @@ def test_gradients_through_dot_product_attention():
   for name, g, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
     assert g.dtype == jnp.bfloat16
     _close(name, g, ref, _BWD_TOL[jnp.bfloat16])
-  names = [b.op.name for b in autotuning.get_bound_args(jax.grad(loss(ours)), q, k, v)]
-  assert names == ["attention.pallas_mosaic_gpu", "attention.pallas_mosaic_gpu_vjp"]
+  calls = autotuning.get_bound_args(jax.grad(loss(ours)), q, k, v)
+  assert [b.op.name for b in calls] == ["attention.pallas_mosaic_gpu",
+                                        "attention.pallas_mosaic_gpu_vjp"]
+  assert calls[1].heuristics_config.fuse_dq is fuse_dq
 
 
 @dataclasses.dataclass(frozen=True)
@@ -545,3 +553,27 @@ def test_backward_configs_saved_before_fuse_dq_still_load():
   config = config_from_json(PallasMosaicGpuAttentionVjpConfig, old)
   assert config.fuse_dq is False
   assert config_to_json(config) == _BWD_64
+
+
+@pytest.mark.mosaic_interpret
+def test_fused_dq_backward_under_vmap():
+  """The fused dQ's buffer lives in run_state, which jax cannot batch: under jax.vmap
+  the backward runs the separate dQ kernel instead (batched as a grid dimension), and
+  the gradients still match per example."""
+  case = Case("vmap", b=1, t=64, s=100, n=2, k=1, h=64, dtype=jnp.bfloat16, causal=True,
+              fwd=_FWD_64 | dict(num_compute_wgs=1, schedule_barrier=False),
+              bwd=_BWD_64 | dict(num_compute_wgs=1, fuse_dq=True))
+  examples = [_inputs(case, seed) for seed in (11, 12)]
+  q, k, v, do = (jnp.stack(x) for x in zip(*examples))
+
+  def one(q, k, v, do):
+    out, lse = pm.attention_fwd_pallas_mosaic_gpu(q, k, v, is_causal=True, **case.fwd,
+                                                  interpret=True)
+    return pm.attention_bwd_pallas_mosaic_gpu(q, k, v, None, None, out, lse, do,
+                                              is_causal=True, **case.bwd, interpret=True)
+
+  grads = _run(jax.vmap(one), q, k, v, do)
+  for i, example in enumerate(examples):
+    _, _, ref_grads = _reference(*example, causal=True)
+    for name, g, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
+      _close(f"{name}[{i}]", g[i], ref, _BWD_TOL[case.dtype])

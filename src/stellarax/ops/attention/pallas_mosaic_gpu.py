@@ -1401,8 +1401,33 @@ def attention_bwd_pallas_mosaic_gpu(query, key, value, bias, mask, out, lse, dou
   p = _make_problem(query, key, value, scale, is_causal, local_window_size,
                     query_seq_lengths, key_value_seq_lengths, bias, mask)
   _check_residuals(query, out, lse, dout)
-  return _bwd(query, key, value, bias, mask, out, lse, dout, query_seq_lengths,
-              key_value_seq_lengths, p=p, c=c, interpret=_as_interpret(interpret))
+  args = (query, key, value, bias, mask, out, lse, dout, query_seq_lengths,
+          key_value_seq_lengths)
+  return _bwd_batchable(args, p=p, c=c, interpret=_as_interpret(interpret))
+
+
+def _bwd_batchable(args: tuple[Any, ...], *, p: _Problem, c: PallasMosaicGpuAttentionVjpConfig,
+                   interpret: Interpret):
+  """_bwd(*args); under jax.vmap a fused-dQ config runs as the separate dQ kernel: the
+  fused launch adds to a Ref inside run_state, which has no batching rule, while the
+  separate kernels batch as one more grid dimension (same gradients, other rounding)."""
+  if not c.fuse_dq:
+    return _bwd(*args, p=p, c=c, interpret=interpret)
+
+  @jax.custom_batching.custom_vmap
+  def fused(*args):
+    return _bwd(*args, p=p, c=c, interpret=interpret)
+
+  @fused.def_vmap
+  def _separate_when_batched(axis_size, in_batched, *args):
+    del axis_size
+    separate = functools.partial(_bwd, p=p, c=dataclasses.replace(c, fuse_dq=False),
+                                 interpret=interpret)
+    in_axes = tuple(jax.tree.map(lambda batched: 0 if batched else None, in_batched))
+    grads = jax.vmap(separate, in_axes=in_axes)(*args)
+    return grads, (True, True, True)
+
+  return fused(*args)
 
 
 # --------------------------------------------------------------------------------------
