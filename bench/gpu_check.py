@@ -461,19 +461,22 @@ def code_path_lines(result) -> list[str]:
   the other code path (e.g. attention's fused dQ)."""
   from stellarax.autotuning import search
 
-  def ms(t):
-    return "-" if t is None else f"{t * 1e3:.3f} ms"
+  def timing(entry, config):
+    """The config's time, or why it has none (e.g. wrong_result: a kernel bug)."""
+    statuses = [m.status for c, m in entry.measurements if c == config]
+    t = entry.time_of(config)
+    return f"{t * 1e3:.3f} ms" if t is not None else (statuses[-1] if statuses else "-")
 
   lines = []
   for entry in result:
     h = entry.heuristic_config
     measured = [c for c, _ in entry.measurements]
-    parts = [f"heuristic {ms(entry.heuristic_time)}"]
+    parts = [f"heuristic {timing(entry, h)}"]
     for variant in search.code_path_variants(h, measured):
       flipped = ", ".join(f"{f.name}={getattr(variant, f.name)}" for f in dataclasses.fields(h)
                           if getattr(variant, f.name) != getattr(h, f.name))
-      parts.append(f"{flipped}: {ms(entry.time_of(variant))}")
-    parts.append(f"best {ms(entry.best_time)}")
+      parts.append(f"{flipped}: {timing(entry, variant)}")
+    parts.append(f"best {timing(entry, entry.best_config)}")
     shapes = " ".join(str(tuple(a.shape)) for a in entry.bound_args.array_specs())
     lines.append(f"{entry.bound_args.op.name} {shapes}: " + "; ".join(parts))
   return lines

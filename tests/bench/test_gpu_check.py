@@ -132,3 +132,9 @@ def test_code_path_lines_compare_the_heuristic_with_its_other_code_paths():
   assert gpu_check.code_path_lines([entry]) == [
       "attention.pallas_mosaic_gpu_vjp (2, 8192, 16, 128): heuristic 4.000 ms;"
       " split_dkdv=True, fuse_dq=True: 3.000 ms; best 3.000 ms"]
+  wrong = Measurement(status="wrong_result", error="max abs error 3.2")
+  entry = Entry(bound_args=call, best_config=heuristic, heuristic_config=heuristic,
+                measurements=((heuristic, timed(4.0)), (fused, wrong)))
+  assert gpu_check.code_path_lines([entry]) == [
+      "attention.pallas_mosaic_gpu_vjp (2, 8192, 16, 128): heuristic 4.000 ms;"
+      " split_dkdv=True, fuse_dq=True: wrong_result; best 4.000 ms"]
