@@ -42,7 +42,8 @@ def _run(fn, *args):
 
 _FWD_64 = dict(block_q=64, block_kv=64, num_compute_wgs=2, num_stages=2, schedule_barrier=True)
 _BWD_64 = dict(block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64,
-               num_compute_wgs=2, num_stages=2, split_dkdv=False, fuse_dq=False)
+               num_compute_wgs=2, num_stages=2, split_dkdv=False, fuse_dq=False,
+               head_split=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +88,11 @@ CASES = [
     Case("full_mqa_fp16_h128_split_fused_dq", b=1, t=130, s=200, n=2, k=1, h=128,
          dtype=jnp.float16, causal=False, fwd=_FWD_64,
          bwd=dict(_BWD_64, num_compute_wgs=1, split_dkdv=True, fuse_dq=True)),
+    # Head dim 256 split between two warpgroups in the dQ and dK kernels (which trade dP
+    # and dS tiles each step), causal GQA, sizes no block divides.
+    Case("causal_gqa_h256_head_split", b=1, t=100, s=150, n=4, k=2, h=256,
+         dtype=jnp.bfloat16, causal=True, fwd=_FWD_64,
+         bwd=dict(_BWD_64, split_dkdv=True, head_split=True)),
 ]
 
 
@@ -235,6 +241,12 @@ MASK_CASES = [
              Case("pk", b=2, t=100, s=140, n=4, k=2, h=64, dtype=jnp.bfloat16, causal=True,
                   fwd=_FWD_64, bwd=dict(_BWD_64, split_dkdv=True, fuse_dq=True)),
              dict(bias=(1, 4, 1, 140), mask=(2, 1, 1, 140), key_value_seq_lengths=(140, 120))),
+    # Head split with bias/mask tiles, a window and both lengths.
+    MaskCase("bias_window_lengths_head_split",
+             Case("hs", b=2, t=96, s=130, n=2, k=1, h=128, dtype=jnp.bfloat16, causal=False,
+                  fwd=_FWD_64, bwd=dict(_BWD_64, split_dkdv=True, head_split=True)),
+             dict(bias=(1, 2, 96, 130), local_window_size=(30, 10),
+                  query_seq_lengths=(90, 50), key_value_seq_lengths=(130, 100))),
     MaskCase("kv_lengths_only",
              Case("k", b=2, t=64, s=200, n=2, k=2, h=64, dtype=jnp.bfloat16, causal=False,
                   fwd=dict(_FWD_64, block_kv=128), bwd=_BWD_64),
@@ -316,11 +328,13 @@ def test_race_detector_finds_no_races_under_masking():
       q, k, v, bias, mask, **options, **case.fwd, interpret=races), q, k, v)
   assert not get_races().races_found
   all_grads = []
-  for fuse_dq in (False, True):  # The dK/dV kernel, then the one that also sums dQ.
+  # The dK/dV kernel, the one that also sums dQ, and the head-split dK kernel.
+  variants = [dict(), dict(fuse_dq=True), dict(split_dkdv=True, head_split=True)]
+  for variant in variants:
     all_grads.append(_run(lambda q, k, v, out, lse, do: pm.attention_bwd_pallas_mosaic_gpu(
-        q, k, v, bias, mask, out, lse, do, **options, **(case.bwd | dict(fuse_dq=fuse_dq)),
+        q, k, v, bias, mask, out, lse, do, **options, **(case.bwd | variant),
         interpret=races), q, k, v, out, lse, do))
-    assert not get_races().races_found, fuse_dq
+    assert not get_races().races_found, variant
   f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
   with jax.default_matmul_precision("highest"):
     attend = lambda q, k, v: reference.attention_reference(q, k, v, bias, mask, **options)
@@ -420,6 +434,9 @@ def test_dispatch_falls_back_for_what_it_lacks():
     (PallasMosaicGpuAttentionVjpConfig, dict(num_stages=5), "num_stages=5"),
     (PallasMosaicGpuAttentionVjpConfig, dict(split_dkdv="no"), "split_dkdv='no'"),
     (PallasMosaicGpuAttentionVjpConfig, dict(fuse_dq=1), "fuse_dq=1"),
+    (PallasMosaicGpuAttentionVjpConfig, dict(head_split=True), "needs num_compute_wgs=2, split"),
+    (PallasMosaicGpuAttentionVjpConfig, dict(head_split=True, split_dkdv=True,
+                                             num_compute_wgs=1), "num_compute_wgs=1"),
 ])
 def test_invalid_configs_raise_clear_errors(cls, changes, match):
   base = _FWD_64 if cls is PallasMosaicGpuAttentionConfig else _BWD_64
@@ -464,9 +481,10 @@ def test_tunable_spaces_are_valid_and_fit_an_sm90(h, t, backward, with_pair):
     cls(**c)
     # Bias/mask tiles (2 bytes an element) take shared memory too.
     assert fits(h, 2, c, 2 if with_pair else 0), c
-    if t <= 64:  # Short sequences: one warpgroup of 64 rows, no wasted padding.
+    if t <= 64:  # Short sequences: one warpgroup of 64 rows, no wasted padding
+      # (head-split warpgroups share their 64 rows).
       assert all(v == 64 for name, v in c.items() if name.startswith("block")), c
-      assert c["num_compute_wgs"] == 1, c
+      assert c["num_compute_wgs"] == 1 or c.get("head_split"), c
   if (h, t) == (128, 8192):
     assert (5 if with_pair else 10) <= len(configs) <= 40, len(configs)
   if not backward:  # key blocks over 128 spilled registers on an H200
@@ -482,6 +500,11 @@ def test_tunable_spaces_are_valid_and_fit_an_sm90(h, t, backward, with_pair):
       assert fused and all(c["split_dkdv"] for c in fused), configs
     if h == 256:
       assert not fused, fused
+    split = [c for c in configs if c["head_split"]]
+    assert all(c["num_compute_wgs"] == 2 and c["split_dkdv"] and not c["fuse_dq"]
+               for c in split), split
+    if h == 256 and not with_pair:  # One warpgroup on 64 x 256 spilled 0.6 KB.
+      assert configs[0]["head_split"], configs[0]
 
 
 def test_tunables_of_the_target_shape():
@@ -520,8 +543,8 @@ def test_lowers_for_simulated_h200(masked):
         query_seq_lengths=q_len if masked else None,
         key_value_seq_lengths=kv_len if masked else None, **fwd_cfg)
 
-  def bwd(split, fuse_dq=False):
-    config = bwd_cfg | dict(split_dkdv=split, fuse_dq=fuse_dq)
+  def bwd(split, fuse_dq=False, head_split=False):
+    config = bwd_cfg | dict(split_dkdv=split, fuse_dq=fuse_dq, head_split=head_split)
     return lambda q, k, v, bias, mask, out, lse, dout, q_len, kv_len: (
         pm.attention_bwd_pallas_mosaic_gpu(
         q, k, v, bias if masked else None, mask if masked else None, out, lse, dout,
@@ -538,11 +561,14 @@ def test_lowers_for_simulated_h200(masked):
     split_text = lower(bwd(True), q, k, k, bias, mask, q, lse, q, lengths, lengths)
     fused_text = lower(bwd(True, fuse_dq=True), q, k, k, bias, mask, q, lse, q, lengths,
                        lengths)
+    head_split_text = lower(bwd(True, head_split=True), q, k, k, bias, mask, q, lse, q,
+                            lengths, lengths)
   target = "@mosaic_gpu_v2"
   assert fwd_text.count(target) == 1
   assert bwd_text.count(target) == 2  # dQ, dK/dV
   assert split_text.count(target) == 3  # dQ, dV, dK
   assert fused_text.count(target) == 2  # dV, dK with dQ
+  assert head_split_text.count(target) == 3  # dQ and dK split, dV
 
 
 def test_backward_configs_saved_before_fuse_dq_still_load():

@@ -163,7 +163,8 @@ def check_fwd_tunables(*, block_q: int, block_kv: int, num_compute_wgs: int, num
 
 def check_bwd_tunables(*, block_q_dkv: int, block_kv_dkv: int, block_q_dq: int,
                        block_kv_dq: int, num_compute_wgs: int, num_stages: int,
-                       split_dkdv: bool, fuse_dq: bool = False) -> None:
+                       split_dkdv: bool, fuse_dq: bool = False,
+                       head_split: bool = False) -> None:
   """Checks backward tunables, independent of the input shape.
 
   Args:
@@ -178,6 +179,12 @@ def check_bwd_tunables(*, block_q_dkv: int, block_kv_dkv: int, block_q_dq: int,
       instead of a separate dQ kernel recomputing S and dP: 5 matmuls a block pair
       instead of 7, but dQ's float32 sums then run in no fixed order (not bitwise
       reproducible). The dQ kernel's blocks are then unused.
+    head_split: in the dQ kernel and the dK launch the two compute warpgroups own the
+      same rows and half the head dim each: one computes S and dS, the other dP, and
+      they trade dP and dS through shared memory (see _HeadSplit). Halves the
+      accumulator a warpgroup holds, for head dim 256, whose 64 x 256 float32
+      accumulator spills otherwise. Needs num_compute_wgs=2 and split_dkdv=True, not
+      fuse_dq; the dV launch is unchanged.
 
   Raises:
     ValueError: naming the bad value and the accepted ones.
@@ -193,6 +200,13 @@ def check_bwd_tunables(*, block_q_dkv: int, block_kv_dkv: int, block_q_dq: int,
   _check_common(num_compute_wgs, num_stages)
   _check_bool("split_dkdv", split_dkdv)
   _check_bool("fuse_dq", fuse_dq)
+  _check_bool("head_split", head_split)
+  if head_split and (num_compute_wgs != 2 or not split_dkdv or fuse_dq):
+    raise ValueError(
+        f"head_split=True splits the head dim of the dQ and dK accumulators between two"
+        f" compute warpgroups of a dK launch apart from dV, so it needs"
+        f" num_compute_wgs=2, split_dkdv=True and fuse_dq=False; got {num_compute_wgs=},"
+        f" {split_dkdv=}, {fuse_dq=}.")
 
 
 @config_dataclass
@@ -223,6 +237,7 @@ class PallasMosaicGpuAttentionVjpConfig:
   # Defaults to the separate, bitwise-reproducible dQ kernel, so that configs saved
   # before this tunable existed still load.
   fuse_dq: bool = False
+  head_split: bool = False
 
   def __post_init__(self):
     check_bwd_tunables(**pallas_common.tunables_of(self))
@@ -1193,6 +1208,291 @@ def _dkdv_kernel(*refs, k_smem, v_smem, dv0_smem, q_ring, do_ring, lse_ring, del
     _produce([stream], p.group * per_head, stages)
 
 
+@dataclasses.dataclass(frozen=True)
+class _HeadSplit:
+  """What the two compute warpgroups of a head-split kernel trade each step.
+
+  Both own the same rows (query rows in the dQ kernel, keys in the dK launch) and half
+  the head dim of the accumulator each. Warpgroup 0 ("scores") computes S and P,
+  warpgroup 1 ("grads") dP - delta; warpgroup 1 hands dP - delta over in float32,
+  warpgroup 0 forms dS = P (dP - delta) and hands it back in the input dtype, and each
+  adds dS times its half of K (dQ) or of Q (dK) to its accumulator. One tile of each
+  is enough: a warpgroup writes its tile of step i + 1 only after waiting for the
+  other's tile of step i + 1, which the other sends after it is done with step i.
+
+  Attributes:
+    dp_smem: float32 tile of dP - delta (rows, keys or queries).
+    ds_smem: input-dtype tile of dS, the wgmma left operand of both warpgroups.
+    dp_ready, ds_ready: barriers of one arrival: the tile is written.
+  """
+
+  dp_smem: Any
+  ds_smem: Any
+  dp_ready: Any
+  ds_ready: Any
+
+  def send_dp(self, dp_minus_delta: jax.Array) -> None:
+    self.dp_smem[...] = dp_minus_delta
+    plgpu.barrier_arrive(self.dp_ready)
+
+  def receive_dp(self) -> jax.Array:
+    plgpu.barrier_wait(self.dp_ready)
+    return plgpu.load(self.dp_smem, layout=plgpu.Layout.WGMMA)
+
+  def send_ds(self, ds: jax.Array) -> Any:
+    self.ds_smem[...] = ds
+    plgpu.commit_smem()  # Both warpgroups' wgmma (the async proxy) read it.
+    plgpu.barrier_arrive(self.ds_ready)
+    return self.ds_smem
+
+  def receive_ds(self) -> Any:
+    plgpu.barrier_wait(self.ds_ready)
+    return self.ds_smem
+
+
+def _head_split_scratch(p: _Problem, rows: int, cols: int) -> dict[str, Any]:
+  """Shared memory and barriers of _HeadSplit for (rows, cols) tiles."""
+  return dict(dp_smem=plgpu.SMEM((rows, cols), jnp.float32, transforms=_tiled(jnp.float32, cols)),
+              ds_smem=plgpu.SMEM((rows, cols), p.dtype, transforms=_tiled(p.dtype, cols)),
+              dp_ready=_barrier(1), ds_ready=_barrier(1))
+
+
+def _halves(ref: Any, index: tuple[Any, ...], half: int, tiles: Any) -> list[tuple[Any, Any]]:
+  """TMA copies of the two head-dim halves of ref[index] into tiles(j), j = 0, 1.
+
+  Head-split kernels keep (query or key, head dim) tiles as (2, rows, H / 2) (rings as
+  (2, stages, rows, H / 2)): each
+  half is contiguous, so a warpgroup's half of the result leaves by TMA from its own
+  tile, and a product over the whole head dim is two wgmma on the halves."""
+  return [(ref.at[(*index, pl.ds(j * half, half))], tiles(j)) for j in range(2)]
+
+
+def _dq_head_split_kernel(*refs, q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring,
+                          pair_ring, rows_ready, k_ready, v_ready, k_free, v_free, dp_smem,
+                          ds_smem, dp_ready, ds_ready, p: _Problem,
+                          c: PallasMosaicGpuAttentionVjpConfig, mma: _Mma):
+  """dQ of one query tile of one head, its head dim split between two warpgroups."""
+  (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, pair_ref, q_len_ref, kv_len_ref,
+   dq_ref) = unpack_refs(refs, (True,) * 6 + (p.has_pair, p.has_q_len, p.has_kv_len, True))
+  bq, bk, stages = c.block_q_dq, c.block_kv_dq, c.num_stages
+  half = p.head_dim // 2
+  # Both compute warpgroups own the CTA's rows: its blocks are theirs, none is skipped.
+  cta, _, _ = _query_tile_cta(
+      p, q_ref, k_ref, v_ref, pair_ref, (q_len_ref, kv_len_ref), num_wgs=1, bq=bq, bk=bk,
+      k_ring=k_ring, v_ring=v_ring, pair_ring=pair_ring, k_ready=k_ready, v_ready=v_ready,
+      k_free=k_free, v_free=v_free)
+  b, h, wg, q0 = cta.b, cta.head, cta.wg, cta.start
+  kv_rows = lambda step: (b, pl.ds((cta.lo + step) * bk, bk), lax.div(h, p.group))
+
+  def k_sources(step):
+    tiles = _halves(k_ref, kv_rows(step), half, lambda j: k_ring.at[j])
+    if pair_ref is not None:
+      keys = pl.ds((cta.lo + step) * bk, bk)
+      at = (keys,) if p.pair_per_key else (pl.ds(q0, bq), keys)
+      tiles.append((pair_ref.at[(*p.pair_index(b, h), *at)], pair_ring))
+    return tiles
+
+  k_stream = _Stream(k_sources, k_ready, k_free)
+  v_stream = _Stream(lambda step: _halves(v_ref, kv_rows(step), half, lambda j: v_ring.at[j]),
+                     v_ready, v_free)
+  trade = _HeadSplit(dp_smem, ds_smem, dp_ready, ds_ready)
+  rows = (b, pl.ds(q0, bq), h)
+  ranges = flash_blocks.key_block_range(p, q0, bq, bk, cta.t_eff, cta.s_eff)
+
+  def skip(kb, _):
+    slot = cta.slot(kb, stages)
+    for stream in (k_stream, v_stream):
+      stream.acquire(slot)
+      stream.release(slot)
+
+  def run(tile_ref, tile, vec_ref, vec, step):
+    plgpu.set_max_registers(_COMPUTE_REGISTERS[2], action="increase")
+    for src, dst in (*_halves(tile_ref, rows, half, lambda j: tile.at[j]),
+                     (vec_ref.at[b, h, pl.ds(q0, bq)], vec)):
+      plgpu.copy_gmem_to_smem(src, dst, rows_ready.at[wg])
+    plgpu.barrier_wait(rows_ready.at[wg])
+    vector = plgpu.load(vec, layout=plgpu.Layout.WGMMA.reduce(1))
+    dq = _walk(ranges, cta.lo, cta.hi, functools.partial(step, vector=vector), skip,
+               _zeros((bq, half)), masked_head=p.left_reach is not None)
+    # Out through this warpgroup's own half tile (the other never reads it).
+    cols = pl.ds(wg * half, half)
+    _store_tiles([(tile.at[wg], (dq * p.scale).astype(p.dtype), dq_ref.at[(*rows, cols)])])
+
+  def scores(kb, dq, masked, vector):
+    slot = cta.slot(kb, stages)
+    k_stream.acquire(slot)
+    s = mma.product_sum([(q_smem.at[j], k_ring.at[j, slot].T) for j in range(2)], (bq, bk))
+    s = _add_pair(p, s * (p.scale * _LOG2E), pair_ring, slot, 0)
+    probs = jnp.exp2(s - _rows(vector, s.shape))  # vector: lse2 (+inf: no gradient)
+    if masked:
+      probs = jnp.where(_kept(p, (bq, bk), q0, kb * bk, cta.s_eff, rows_are_queries=True),
+                        probs, 0.0)
+    ds_tile = trade.send_ds((probs * trade.receive_dp()).astype(p.dtype))
+    v_stream.acquire(slot)  # Not read here; freed for the memory warpgroup's count.
+    v_stream.release(slot)
+    dq = mma.accumulate(dq, ds_tile, k_ring.at[wg, slot])  # wg: this one's half
+    k_stream.release(slot, after_loads=p.has_pair)
+    return dq
+
+  def grads(kb, dq, masked, vector):
+    del masked  # dS is zero where P is.
+    slot = cta.slot(kb, stages)
+    v_stream.acquire(slot)
+    dp = mma.product_sum([(do_smem.at[j], v_ring.at[j, slot].T) for j in range(2)], (bq, bk))
+    v_stream.release(slot)
+    trade.send_dp(dp - _rows(vector, dp.shape))  # vector: delta
+    ds_tile = trade.receive_ds()
+    k_stream.acquire(slot)
+    dq = mma.accumulate(dq, ds_tile, k_ring.at[wg, slot])
+    k_stream.release(slot)
+    return dq
+
+  pl.when(wg == 0)(lambda: run(q_ref, q_smem, lse2_ref, lse_smem, scores))
+  pl.when(wg == 1)(lambda: run(do_ref, do_smem, delta_ref, delta_smem, grads))
+
+  @pl.when(wg == 2)
+  def _memory():
+    plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+    _produce([k_stream, v_stream], cta.hi - cta.lo, stages)
+
+
+def _dk_head_split_kernel(*refs, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring,
+                          pair_ring, kv_ready, ready, free, dp_smem, ds_smem, dp_ready,
+                          ds_ready, p: _Problem, c: PallasMosaicGpuAttentionVjpConfig,
+                          mma: _Mma):
+  """dK of one key tile, summed over the group, its head dim split between two
+  warpgroups (the dK launch of a split backward)."""
+  (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, pair_t_ref, q_len_ref, kv_len_ref,
+   dk_ref) = unpack_refs(refs, (True,) * 6 + (p.has_pair, p.has_q_len, p.has_kv_len, True))
+  bq, bk, stages = c.block_q_dkv, c.block_kv_dkv, c.num_stages
+  half = p.head_dim // 2
+  b, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+  t_eff, s_eff = _lengths(p, q_len_ref, kv_len_ref, b)
+  k0 = lax.axis_index("kv_tiles") * bk
+  lo, full_lo, full_hi, hi = flash_blocks.query_block_range(p, k0, bq, bk, t_eff, s_eff)
+  per_head = hi - lo
+  trade = _HeadSplit(dp_smem, ds_smem, dp_ready, ds_ready)
+  keys = (b, pl.ds(k0, bk), kv_head)
+
+  def sources(step):
+    g = lax.div(step, per_head)
+    q0 = (lo + step - g * per_head) * bq
+    head = kv_head * p.group + g
+    rows, vec = (b, pl.ds(q0, bq), head), (b, head, pl.ds(q0, bq))
+    tiles = [*_halves(q_ref, rows, half, lambda j: q_ring.at[j]),
+             *_halves(do_ref, rows, half, lambda j: do_ring.at[j]),
+             (lse2_ref.at[vec], lse_ring), (delta_ref.at[vec], delta_ring)]
+    if pair_t_ref is not None:
+      at = (pl.ds(k0, bk),) if p.pair_per_key else (pl.ds(k0, bk), pl.ds(q0, bq))
+      tiles.append((pair_t_ref.at[(*p.pair_index(b, head), *at)], pair_ring))
+    return tiles
+
+  stream = _Stream(sources, ready, free)
+
+  def skip(i, _):  # Not reached: both warpgroups own the CTA's keys and blocks.
+    stream.acquire(lax.rem(i, stages))
+    stream.release(lax.rem(i, stages))
+
+  def run(tile_ref, tile, step):
+    plgpu.set_max_registers(_COMPUTE_REGISTERS[2], action="increase")
+    for src, dst in _halves(tile_ref, keys, half, lambda j: tile.at[j]):
+      plgpu.copy_gmem_to_smem(src, dst, kv_ready.at[wg])
+    plgpu.barrier_wait(kv_ready.at[wg])
+
+    def head(g, dk):
+      base = g * per_head - lo  # Step of query block j of this head: base + j.
+      shifted = tuple(base + r for r in (lo, full_lo, full_hi, hi))
+      return _walk(shifted, base + lo, base + hi, functools.partial(step, base=base), skip,
+                   dk, masked_head=p.right_reach is not None)
+
+    dk = lax.fori_loop(0, p.group, head, _zeros((bk, half)))
+    # Out through this warpgroup's own half tile of K or V (the other never reads it).
+    cols = pl.ds(wg * half, half)
+    _store_tiles([(tile.at[wg], (dk * p.scale).astype(p.dtype), dk_ref.at[(*keys, cols)])])
+
+  def scores(i, dk, base, masked):
+    slot = lax.rem(i, stages)
+    stream.acquire(slot)
+    s_t = mma.product_sum([(k_smem.at[j], q_ring.at[j, slot].T) for j in range(2)], (bk, bq))
+    s_t = _add_pair(p, s_t * (p.scale * _LOG2E), pair_ring, slot, 0, rows_are_queries=False)
+    lse2 = plgpu.load(lse_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+    p_t = jnp.exp2(s_t - _cols(lse2, s_t.shape))
+    if masked:
+      keep = _kept(p, (bk, bq), k0, (i - base) * bq, s_eff, rows_are_queries=False)
+      p_t = jnp.where(keep, p_t, 0.0)
+    ds_tile = trade.send_ds((p_t * trade.receive_dp()).astype(p.dtype))
+    dk = mma.accumulate(dk, ds_tile, q_ring.at[wg, slot])  # wg: this one's half
+    stream.release(slot, after_loads=True)  # lse (and bias/mask) were loaded
+    return dk
+
+  def grads(i, dk, base, masked):
+    del base, masked  # dS is zero where P is.
+    slot = lax.rem(i, stages)
+    stream.acquire(slot)
+    dp_t = mma.product_sum([(v_smem.at[j], do_ring.at[j, slot].T) for j in range(2)], (bk, bq))
+    delta = plgpu.load(delta_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+    trade.send_dp(dp_t - _cols(delta, dp_t.shape))
+    dk = mma.accumulate(dk, trade.receive_ds(), q_ring.at[wg, slot])
+    stream.release(slot, after_loads=True)  # delta was loaded
+    return dk
+
+  pl.when(wg == 0)(lambda: run(k_ref, k_smem, scores))
+  pl.when(wg == 1)(lambda: run(v_ref, v_smem, grads))
+
+  @pl.when(wg == 2)
+  def _memory():
+    plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+    _produce([stream], p.group * per_head, stages)
+
+
+def _dq_head_split_call(q, k, v, do, lse2, delta, pair, lengths, *, p: _Problem,
+                        c: PallasMosaicGpuAttentionVjpConfig, interpret: Interpret):
+  b, t_pad, n, h = q.shape
+  bq, bk, stages = c.block_q_dq, c.block_kv_dq, c.num_stages
+  rows_tile = plgpu.SMEM((2, bq, h // 2), p.dtype, transforms=_tiled(p.dtype, h // 2))
+  ring = plgpu.SMEM((2, stages, bk, h // 2), p.dtype, transforms=_tiled(p.dtype, h // 2))
+  scratch = dict(
+      q_smem=rows_tile, do_smem=rows_tile, lse_smem=plgpu.SMEM((bq,), jnp.float32),
+      delta_smem=plgpu.SMEM((bq,), jnp.float32), k_ring=ring, v_ring=ring,
+      pair_ring=_pair_ring(p, stages, bq, bk, keys=bk),
+      rows_ready=_barrier(2, 3),  # two halves and a vector each
+      k_ready=_barrier(stages, 2 + p.has_pair), v_ready=_barrier(stages, 2),
+      k_free=_barrier(stages, 2), v_free=_barrier(stages, 2),
+      **_head_split_scratch(p, bq, bk),
+  )
+  kernel = functools.partial(_dq_head_split_kernel, p=p, c=c, mma=_Mma(staged=bool(interpret)))
+  return plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct(q.shape, p.dtype), scratch_types=scratch,
+      grid=(n, b, t_pad // bq), grid_names=("heads", "batch", "q_tiles"), num_threads=3,
+      thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=_interpret_params(interpret), kernel_name="stellarax_attention_bwd_dq_split",
+  )(q, k, v, do, lse2, delta, *([pair] if p.has_pair else []), *lengths)
+
+
+def _dk_head_split_call(q, k, v, do, lse2, delta, pair_t, lengths, *, p: _Problem,
+                        c: PallasMosaicGpuAttentionVjpConfig, interpret: Interpret):
+  b, t_pad, _, h = q.shape
+  s_pad, kh = k.shape[1], k.shape[2]
+  bq, bk, stages = c.block_q_dkv, c.block_kv_dkv, c.num_stages
+  keys_tile = plgpu.SMEM((2, bk, h // 2), p.dtype, transforms=_tiled(p.dtype, h // 2))
+  ring = plgpu.SMEM((2, stages, bq, h // 2), p.dtype, transforms=_tiled(p.dtype, h // 2))
+  vec_ring = plgpu.SMEM((stages, bq), jnp.float32)
+  scratch = dict(
+      k_smem=keys_tile, v_smem=keys_tile, q_ring=ring, do_ring=ring, lse_ring=vec_ring,
+      delta_ring=vec_ring, pair_ring=_pair_ring(p, stages, bk, bq, keys=bk),
+      kv_ready=_barrier(2, 2),  # two halves of K (warpgroup 0) or V (warpgroup 1)
+      ready=_barrier(stages, 6 + p.has_pair), free=_barrier(stages, 2),
+      **_head_split_scratch(p, bk, bq),
+  )
+  kernel = functools.partial(_dk_head_split_kernel, p=p, c=c, mma=_Mma(staged=bool(interpret)))
+  return plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct(k.shape, p.dtype), scratch_types=scratch,
+      grid=(kh, b, s_pad // bk), grid_names=("heads", "batch", "kv_tiles"), num_threads=3,
+      thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=_interpret_params(interpret), kernel_name="stellarax_attention_bwd_dk_split",
+  )(q, k, v, do, lse2, delta, *([pair_t] if p.has_pair else []), *lengths)
+
+
 def _dq_call(q, k, v, do, lse2, delta, pair, lengths, *, p: _Problem,
              c: PallasMosaicGpuAttentionVjpConfig, interpret: Interpret):
   b, t_pad, n, h = q.shape
@@ -1289,7 +1589,9 @@ def _bwd(query, key, value, bias, mask, out, lse, dout, q_len, kv_len, *, p: _Pr
   delta = delta.transpose(0, 2, 1)
   # Rows and keys are padded to whole CTA tiles of each kernel that runs.
   dq_kernel_rows, dq_kernel_keys = (
-      (1, 1) if c.fuse_dq else (c.num_compute_wgs * c.block_q_dq, c.block_kv_dq))
+      (1, 1) if c.fuse_dq
+      else (c.block_q_dq if c.head_split else c.num_compute_wgs * c.block_q_dq,
+            c.block_kv_dq))
   t_pad = _round_up(p.t, math.lcm(dq_kernel_rows, c.block_q_dkv))
   s_pad = _round_up(p.s, math.lcm(c.num_compute_wgs * c.block_kv_dkv, dq_kernel_keys))
   # lse = +inf gives probability 0 for every key: rows past the query length and rows
@@ -1313,6 +1615,11 @@ def _bwd(query, key, value, bias, mask, out, lse, dout, q_len, kv_len, *, p: _Pr
     dq_sums, grads = _launch_fused_dq(args, pair_t, lengths, dv0, parts, p=p, c=c,
                                       interpret=interpret)
     dq = (dq_sums * p.scale).astype(p.dtype)
+  elif c.head_split:
+    dq = _dq_head_split_call(*args, pair, lengths, p=p, c=c, interpret=interpret)
+    grads = _dkdv_call(*args, pair_t, lengths, dv0, grads=("dv",), p=p, c=c,
+                       interpret=interpret)
+    grads["dk"] = _dk_head_split_call(*args, pair_t, lengths, p=p, c=c, interpret=interpret)
   else:
     dq = _dq_call(*args, pair, lengths, p=p, c=c, interpret=interpret)
     grads = {}
@@ -1370,7 +1677,8 @@ def attention_bwd_pallas_mosaic_gpu(query, key, value, bias, mask, out, lse, dou
                                     local_window_size=None, block_q_dkv: int,
                                     block_kv_dkv: int, block_q_dq: int, block_kv_dq: int,
                                     num_compute_wgs: int, num_stages: int, split_dkdv: bool,
-                                    fuse_dq: bool = False, interpret: Interpret = False):
+                                    fuse_dq: bool = False, head_split: bool = False,
+                                    interpret: Interpret = False):
   """Flash attention backward for attention_fwd_pallas_mosaic_gpu.
 
   Gradients match jax.vjp of jax.nn.dot_product_attention, rows that keep no key
@@ -1385,7 +1693,7 @@ def attention_bwd_pallas_mosaic_gpu(query, key, value, bias, mask, out, lse, dou
     scale, is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size: the
       forward's options.
     block_q_dkv, block_kv_dkv, block_q_dq, block_kv_dq, num_compute_wgs, num_stages,
-      split_dkdv, fuse_dq: tunables, see check_bwd_tunables.
+      split_dkdv, fuse_dq, head_split: tunables, see check_bwd_tunables.
     interpret: as in the forward.
 
   Returns:
@@ -1397,7 +1705,7 @@ def attention_bwd_pallas_mosaic_gpu(query, key, value, bias, mask, out, lse, dou
   c = PallasMosaicGpuAttentionVjpConfig(
       block_q_dkv=block_q_dkv, block_kv_dkv=block_kv_dkv, block_q_dq=block_q_dq,
       block_kv_dq=block_kv_dq, num_compute_wgs=num_compute_wgs, num_stages=num_stages,
-      split_dkdv=split_dkdv, fuse_dq=fuse_dq)
+      split_dkdv=split_dkdv, fuse_dq=fuse_dq, head_split=head_split)
   p = _make_problem(query, key, value, scale, is_causal, local_window_size,
                     query_seq_lengths, key_value_seq_lengths, bias, mask)
   _check_residuals(query, out, lse, dout)
@@ -1462,6 +1770,8 @@ def _bwd_fits(h: int, e: int, c: dict[str, Any], pe: int = 0) -> bool:
   # Peak live tiles: the accumulators with P^T and dP^T (dS^T and the 16-bit operands
   # replace them), in the dQ kernel the accumulator with P and dP.
   dkdv_regs = accumulators * _tile_regs(bk, h) + 2 * _tile_regs(bk, bq)
+  if c.get("head_split", False):
+    return _head_split_fits(h, e, c, pe)
   if c.get("fuse_dq", False):
     # Double-buffered dS^T tiles and the float32 staging of the reduce-adds; a dQ
     # chunk's accumulator on top. Checked against ptxas (bench/compile_h200.py): head
@@ -1474,6 +1784,22 @@ def _bwd_fits(h: int, e: int, c: dict[str, Any], pe: int = 0) -> bool:
   dq_smem = wgs * bq2 * (2 * h * e + 8) + stages * bk2 * (2 * h * e + wgs * bq2 * pe)
   dq_regs = _tile_regs(bq2, h) + 2 * _tile_regs(bq2, bk2)
   return _fits(dkdv_smem, dkdv_regs, wgs) and _fits(dq_smem, dq_regs, wgs)
+
+
+def _head_split_fits(h: int, e: int, c: dict[str, Any], pe: int) -> bool:
+  """Whether a head-split backward fits: the dV launch (the dK/dV kernel keeping no V
+  tiles), and the dK and dQ kernels, whose two warpgroups share the rows, hold half the
+  head dim each and trade a float32 dP and a dS tile."""
+  stages = c["num_stages"]
+  bq, bk, bq2, bk2 = c["block_q_dkv"], c["block_kv_dkv"], c["block_q_dq"], c["block_kv_dq"]
+  trade = lambda rows, cols: rows * cols * (4 + e)
+  dv = (2 * bk * h * e + stages * bq * (2 * h * e + 8 + 2 * bk * pe),
+        _tile_regs(bk, h) + 2 * _tile_regs(bk, bq))
+  dk = (2 * bk * h * e + stages * bq * (2 * h * e + 8 + bk * pe) + trade(bk, bq),
+        _tile_regs(bk, h // 2) + 2 * _tile_regs(bk, bq))
+  dq = (bq2 * (2 * h * e + 8) + stages * bk2 * (2 * h * e + bq2 * pe) + trade(bq2, bk2),
+        _tile_regs(bq2, h // 2) + 2 * _tile_regs(bq2, bk2))
+  return all(_fits(smem, regs, 2) for smem, regs in (dv, dk, dq))
 
 
 def _problem_of(query: Any, key: Any) -> tuple[int, int, int, int]:
@@ -1500,10 +1826,12 @@ def _clamp_fwd(c: dict[str, Any], t: int, s: int) -> dict[str, Any]:
 
 
 def _clamp_bwd(c: dict[str, Any], t: int, s: int) -> dict[str, Any]:
-  bq_dq, wgs_q = _fit_rows(c["block_q_dq"], c["num_compute_wgs"], t)
-  bk_dkv, wgs_k = _fit_rows(c["block_kv_dkv"], c["num_compute_wgs"], s)
+  # Head-split warpgroups share their rows: a CTA is one block long whatever their number.
+  wgs = 1 if c.get("head_split", False) else c["num_compute_wgs"]
+  bq_dq, wgs_q = _fit_rows(c["block_q_dq"], wgs, t)
+  bk_dkv, wgs_k = _fit_rows(c["block_kv_dkv"], wgs, s)
   return {**c, "block_q_dq": bq_dq, "block_kv_dkv": bk_dkv,
-          "num_compute_wgs": min(wgs_q, wgs_k),
+          "num_compute_wgs": c["num_compute_wgs"] if c.get("head_split") else min(wgs_q, wgs_k),
           "block_q_dkv": min(c["block_q_dkv"], _round_up(t, 64)),
           "block_kv_dq": min(c["block_kv_dq"], _round_up(s, 64))}
 
@@ -1529,18 +1857,21 @@ def _fwd_heuristic(t: int, s: int, h: int, e: int = 2, pe: int = 0) -> dict[str,
 
 def _bwd_heuristic(t: int, s: int, h: int, e: int = 2, pe: int = 0) -> dict[str, Any]:
   if h == 256:
-    # Two 64x256 float32 accumulators need 256 registers a thread: split dK from dV,
-    # and one compute warpgroup so that the 256-wide tiles fit in shared memory.
+    # A 64 x 256 float32 accumulator and the S and dP tiles spilled 0.6 KB a thread in
+    # one warpgroup (bench/compile_h200.py): split dK from dV, and split the dQ and dK
+    # accumulators' head dim between two warpgroups (none spills).
     c = dict(block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64,
-             num_compute_wgs=1, num_stages=2, split_dkdv=True, fuse_dq=False)
+             num_compute_wgs=2, num_stages=2, split_dkdv=True, fuse_dq=False,
+             head_split=True)
   else:
     # The separate dQ kernel (bitwise reproducible) until the H200 has measured the
     # fused one, which the search space offers (see check_bwd_tunables).
     c = dict(block_q_dkv=64, block_kv_dkv=64, block_q_dq=64,
              block_kv_dq=128 if h == 64 else 64, num_compute_wgs=2, num_stages=2,
-             split_dkdv=False, fuse_dq=False)
+             split_dkdv=False, fuse_dq=False, head_split=False)
   small = dict(block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64,
-               num_compute_wgs=1, num_stages=2, split_dkdv=True, fuse_dq=False)
+               num_compute_wgs=1, num_stages=2, split_dkdv=True, fuse_dq=False,
+               head_split=False)
   c = _first_fitting([c, small], lambda c: _bwd_fits(h, e, c, pe))
   return _clamp_bwd(c, t, s)
 
@@ -1599,10 +1930,13 @@ def _bwd_space(t: int, s: int, h: int, e: int, pe: int) -> list[dict[str, Any]]:
     bq2, bk2 = (64, 64) if dq_tile == "fused" else dq_tile
     c = dict(block_q_dkv=bq, block_kv_dkv=bk, block_q_dq=bq2, block_kv_dq=bk2,
              num_compute_wgs=wgs, num_stages=stages, split_dkdv=False,
-             fuse_dq=dq_tile == "fused")
-    # Splitting dK from dV recomputes S^T; it pays only where the two accumulators do
-    # not fit in registers together.
-    for c in (c, {**c, "split_dkdv": True}):
+             fuse_dq=dq_tile == "fused", head_split=False)
+    # Splitting dK from dV recomputes S^T, and splitting the head dim recomputes it
+    # once more for dV; each pays only where the config does not fit without it.
+    candidates = [c, {**c, "split_dkdv": True}]
+    if wgs == 2 and dq_tile != "fused":
+      candidates.append({**c, "split_dkdv": True, "head_split": True})
+    for c in candidates:
       if _bwd_fits(h, e, c, pe):
         configs.append(_clamp_bwd(c, t, s))
         break
