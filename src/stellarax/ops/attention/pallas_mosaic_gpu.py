@@ -37,7 +37,11 @@ reproducible (unless `fuse_dq`):
   tile that sees those keys; the memory warpgroup streams Q, dO, lse and delta tiles.
   dK and dV are summed over the group in registers. With `split_dkdv` two launches
   compute dV and dK apart (one accumulator each), for head dim 256, whose two
-  accumulators do not fit in registers together.
+  accumulators do not fit in registers together. With `head_split` as well, the dK
+  launch and the dQ kernel run two compute warpgroups on the same rows, each holding
+  half the head dim of the accumulator: one computes S and dS, the other dP, and they
+  trade dP and dS through shared memory (see _HeadSplit); at head dim 256 a whole
+  64 x 256 accumulator with S and dP spilled 0.6 KB a thread.
 - dQ: one CTA per (query tile, head, batch), streaming K and V like the forward.
   It recomputes S and dP: 7 matmuls per (query block, key block) in all, where 5
   would do. With `fuse_dq` the dK launch instead adds dS K to a float32 dQ in global
@@ -1792,6 +1796,11 @@ def _head_split_fits(h: int, e: int, c: dict[str, Any], pe: int) -> bool:
   head dim each and trade a float32 dP and a dS tile."""
   stages = c["num_stages"]
   bq, bk, bq2, bk2 = c["block_q_dkv"], c["block_kv_dkv"], c["block_q_dq"], c["block_kv_dq"]
+  if (bq, bk, bq2, bk2) != (64, 64, 64, 64):
+    # Checked against ptxas (bench/compile_h200.py): 64-row and -column blocks do not
+    # spill at head dims 128 and 256; 128-row dQ blocks spilled 212 B, though this
+    # estimate lets them through.
+    return False
   trade = lambda rows, cols: rows * cols * (4 + e)
   dv = (2 * bk * h * e + stages * bq * (2 * h * e + 8 + 2 * bk * pe),
         _tile_regs(bk, h) + 2 * _tile_regs(bk, bq))
