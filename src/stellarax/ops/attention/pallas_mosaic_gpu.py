@@ -711,6 +711,18 @@ def _as_interpret(interpret: Any) -> Interpret:
   return interpret if isinstance(interpret, plgpu.InterpretGPUParams) else bool(interpret)
 
 
+def _kernel(body: Callable[..., None], *, out_type: Any, scratch: dict[str, Any],
+            grid: tuple[int, int, int], tiles: str, num_compute_wgs: int, name: str,
+            interpret: Interpret) -> Callable[..., Any]:
+  """The launcher of one of this file's kernels: grid (heads, batch, `tiles`), the
+  compute warpgroups and one memory warpgroup (thread axis "wg")."""
+  return plgpu.kernel(
+      body, out_type=out_type, scratch_types=scratch, grid=grid,
+      grid_names=("heads", "batch", tiles), num_threads=num_compute_wgs + 1,
+      thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=_interpret_params(interpret), kernel_name="stellarax_attention_" + name)
+
+
 # --------------------------------------------------------------------------------------
 # Forward kernel
 # --------------------------------------------------------------------------------------
@@ -851,19 +863,11 @@ def _fwd(query, key, value, bias, mask, q_len, kv_len, *, p: _Problem,
       sched=_barrier(1, 2) if c.schedule_barrier else None,
   )
   kernel = functools.partial(_fwd_kernel, p=p, c=c, mma=_Mma(staged=bool(interpret)))
-  out, lse = plgpu.kernel(
-      kernel,
-      out_type=(jax.ShapeDtypeStruct(q.shape, p.dtype),
-                jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32)),
-      scratch_types=scratch,
-      grid=(n, b, t_pad // (num_wgs * bq)),
-      grid_names=("heads", "batch", "q_tiles"),
-      num_threads=num_wgs + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=_interpret_params(interpret),
-      kernel_name="stellarax_attention_fwd",
-  )(*args)
+  out, lse = _kernel(
+      kernel, out_type=(jax.ShapeDtypeStruct(q.shape, p.dtype),
+                        jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32)),
+      scratch=scratch, grid=(n, b, t_pad // (num_wgs * bq)), tiles="q_tiles",
+      num_compute_wgs=num_wgs, name="fwd", interpret=interpret)(*args)
   return out[:, :p.t], lse[:, :, :p.t]
 
 
@@ -1465,12 +1469,10 @@ def _dq_head_split_call(q, k, v, do, lse2, delta, pair, lengths, *, p: _Problem,
       **_head_split_scratch(p, bq, bk),
   )
   kernel = functools.partial(_dq_head_split_kernel, p=p, c=c, mma=_Mma(staged=bool(interpret)))
-  return plgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct(q.shape, p.dtype), scratch_types=scratch,
-      grid=(n, b, t_pad // bq), grid_names=("heads", "batch", "q_tiles"), num_threads=3,
-      thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=_interpret_params(interpret), kernel_name="stellarax_attention_bwd_dq_split",
-  )(q, k, v, do, lse2, delta, *([pair] if p.has_pair else []), *lengths)
+  return _kernel(kernel, out_type=jax.ShapeDtypeStruct(q.shape, p.dtype), scratch=scratch,
+                 grid=(n, b, t_pad // bq), tiles="q_tiles", num_compute_wgs=2,
+                 name="bwd_dq_split", interpret=interpret,
+                 )(q, k, v, do, lse2, delta, *([pair] if p.has_pair else []), *lengths)
 
 
 def _dk_head_split_call(q, k, v, do, lse2, delta, pair_t, lengths, *, p: _Problem,
@@ -1489,12 +1491,10 @@ def _dk_head_split_call(q, k, v, do, lse2, delta, pair_t, lengths, *, p: _Proble
       **_head_split_scratch(p, bk, bq),
   )
   kernel = functools.partial(_dk_head_split_kernel, p=p, c=c, mma=_Mma(staged=bool(interpret)))
-  return plgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct(k.shape, p.dtype), scratch_types=scratch,
-      grid=(kh, b, s_pad // bk), grid_names=("heads", "batch", "kv_tiles"), num_threads=3,
-      thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=_interpret_params(interpret), kernel_name="stellarax_attention_bwd_dk_split",
-  )(q, k, v, do, lse2, delta, *([pair_t] if p.has_pair else []), *lengths)
+  return _kernel(kernel, out_type=jax.ShapeDtypeStruct(k.shape, p.dtype), scratch=scratch,
+                 grid=(kh, b, s_pad // bk), tiles="kv_tiles", num_compute_wgs=2,
+                 name="bwd_dk_split", interpret=interpret,
+                 )(q, k, v, do, lse2, delta, *([pair_t] if p.has_pair else []), *lengths)
 
 
 def _dq_call(q, k, v, do, lse2, delta, pair, lengths, *, p: _Problem,
@@ -1515,18 +1515,10 @@ def _dq_call(q, k, v, do, lse2, delta, pair, lengths, *, p: _Problem,
       k_free=_barrier(stages, num_wgs), v_free=_barrier(stages, num_wgs),
   )
   kernel = functools.partial(_dq_kernel, p=p, c=c, mma=_Mma(staged=bool(interpret)))
-  return plgpu.kernel(
-      kernel,
-      out_type=jax.ShapeDtypeStruct(q.shape, p.dtype),
-      scratch_types=scratch,
-      grid=(n, b, t_pad // (num_wgs * bq)),
-      grid_names=("heads", "batch", "q_tiles"),
-      num_threads=num_wgs + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=_interpret_params(interpret),
-      kernel_name="stellarax_attention_bwd_dq",
-  )(q, k, v, do, lse2, delta, *([pair] if p.has_pair else []), *lengths)
+  return _kernel(kernel, out_type=jax.ShapeDtypeStruct(q.shape, p.dtype), scratch=scratch,
+                 grid=(n, b, t_pad // (num_wgs * bq)), tiles="q_tiles",
+                 num_compute_wgs=num_wgs, name="bwd_dq", interpret=interpret,
+                 )(q, k, v, do, lse2, delta, *([pair] if p.has_pair else []), *lengths)
 
 
 def _dkdv_call(q, k, v, do, lse2, delta, pair_t, lengths, dv0, dq_acc=None, *,
@@ -1569,17 +1561,10 @@ def _dkdv_call(q, k, v, do, lse2, delta, pair_t, lengths, dv0, dq_acc=None, *,
                              grads=grads, fused_dq=fused_dq)
   out_type = {"dk": jax.ShapeDtypeStruct(k.shape, p.dtype),
               "dv": jax.ShapeDtypeStruct(v.shape, p.dtype)}
-  outs = plgpu.kernel(
-      kernel,
-      out_type=[out_type[g] for g in grads],
-      scratch_types=scratch,
-      grid=(kh, b, s_pad // (num_wgs * bk)),
-      grid_names=("heads", "batch", "kv_tiles"),
-      num_threads=num_wgs + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=_interpret_params(interpret),
-      kernel_name="stellarax_attention_bwd_" + "".join(grads),
+  outs = _kernel(
+      kernel, out_type=[out_type[g] for g in grads], scratch=scratch,
+      grid=(kh, b, s_pad // (num_wgs * bk)), tiles="kv_tiles", num_compute_wgs=num_wgs,
+      name="bwd_" + "".join(grads), interpret=interpret,
   )(q, k, v, do, lse2, delta, *([pair_t] if p.has_pair else []), *lengths,
     *([dv0] if with_dv0 else []), *([dq_acc] if fused_dq else []))
   return dict(zip(grads, outs))
