@@ -622,9 +622,10 @@ def run(args, work: Path) -> list[Row]:
           continue
         seen.add(identity)
         heuristic = ba.heuristics_config
-        space = ba.autotuning_configs
-        configs = [heuristic] + (sorted((c for c in space if c != heuristic), key=str)
-                                 if args.space else search.code_path_variants(heuristic, space))
+        # A fixed order (the space is a set): the same variants compile in every run.
+        space = sorted(ba.autotuning_configs, key=str)
+        configs = [heuristic] + ([c for c in space if c != heuristic] if args.space
+                                 else search.code_path_variants(heuristic, space))
         for config in configs:
           new = _compile_one(compiler, w.name, ba, config, config == heuristic, target)
           rows.extend(new)
