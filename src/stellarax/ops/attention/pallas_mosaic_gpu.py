@@ -589,10 +589,59 @@ def _walk(ranges: tuple[Any, Any, Any, Any], cta_lo: Any, cta_hi: Any, step, ski
   return carry
 
 
+def _whole(ref: Any, index: tuple[Any, ...], tile: Any) -> list[tuple[Any, Any]]:
+  """The TMA copy of ref[index] into `tile` (of a ring: the slot is picked at fill time)."""
+  return [(ref.at[index], tile)]
+
+
+def _halves(ref: Any, index: tuple[Any, ...], tile: Any) -> list[tuple[Any, Any]]:
+  """TMA copies of the two head-dim halves of ref[index] into tile.at[0] and tile.at[1].
+
+  Head-split kernels keep (query or key, head dim) tiles as (2, rows, H / 2) (rings as
+  (2, stages, rows, H / 2)): each half is contiguous, so a warpgroup's half of the
+  result leaves by TMA from its own tile, and a product over the whole head dim is two
+  wgmma on the halves."""
+  half = tile.shape[-1]
+  return [(ref.at[(*index, pl.ds(j * half, half))], tile.at[j]) for j in range(2)]
+
+
+def _query_block_stream(p: _Problem, tiles: dict[str, tuple[Any, Any]], ready: Any, free: Any,
+                        *, b: Any, kv_head: Any, lo: Any, per_head: Any, bq: int, keys: Any,
+                        copies: Callable[..., list[tuple[Any, Any]]] = _whole) -> _Stream:
+  """The stream of a dK kernel's CTA: step s brings query block lo + s mod per_head of
+  query head kv_head * group + s // per_head.
+
+  Args:
+    tiles: {name: (GMEM ref, SMEM ring)} for "q", "do" (copied by `copies`), "lse",
+      and where present "delta" and "pair" (the transposed bias/mask tile of the CTA's
+      `keys` and these query rows, or the CTA's keys of the per-key vector).
+  """
+
+  def sources(step):
+    g = lax.div(step, per_head)
+    q0 = (lo + step - g * per_head) * bq
+    head = kv_head * p.group + g
+    rows, vec = (b, pl.ds(q0, bq), head), (b, head, pl.ds(q0, bq))
+    out = [copy for name in ("q", "do") for copy in copies(tiles[name][0], rows, tiles[name][1])]
+    out += [(tiles[name][0].at[vec], tiles[name][1]) for name in ("lse", "delta")
+            if name in tiles]
+    if "pair" in tiles:
+      pair_ref, pair_ring = tiles["pair"]
+      at = (keys,) if p.pair_per_key else (keys, pl.ds(q0, bq))
+      out.append((pair_ref.at[(*p.pair_index(b, head), *at)], pair_ring))
+    return out
+
+  return _Stream(sources, ready, free)
+
+
 def _query_tile_cta(p: _Problem, q_ref, k_ref, v_ref, pair_ref, lengths: tuple[Any, Any], *,
                     num_wgs: int, bq: int, bk: int, k_ring, v_ring, pair_ring, k_ready,
-                    v_ready, k_free, v_free) -> tuple[_Cta, _Stream, _Stream]:
+                    v_ready, k_free, v_free,
+                    copies: Callable[..., list[tuple[Any, Any]]] = _whole
+                    ) -> tuple[_Cta, _Stream, _Stream]:
   """Where a CTA of the forward or dQ kernel (one query tile of one head) works.
+
+  `copies` (_whole or _halves) says how K and V tiles land in their rings.
 
   Returns:
     (cta, k_stream, v_stream): the CTA (its key blocks) and the K and V streams of its
@@ -612,7 +661,7 @@ def _query_tile_cta(p: _Problem, q_ref, k_ref, v_ref, pair_ref, lengths: tuple[A
   kv_rows = lambda step: (b, pl.ds((lo + step) * bk, bk), kv_head)
 
   def k_sources(step):
-    tiles = [(k_ref.at[kv_rows(step)], k_ring)]
+    tiles = copies(k_ref, kv_rows(step), k_ring)
     if pair_ref is not None:
       keys = pl.ds((lo + step) * bk, bk)
       at = (keys,) if p.pair_per_key else (pl.ds(cta_q0, rows), keys)
@@ -620,7 +669,7 @@ def _query_tile_cta(p: _Problem, q_ref, k_ref, v_ref, pair_ref, lengths: tuple[A
     return tiles
 
   k_stream = _Stream(k_sources, k_ready, k_free)
-  v_stream = _Stream(lambda step: [(v_ref.at[kv_rows(step)], v_ring)], v_ready, v_free)
+  v_stream = _Stream(lambda step: copies(v_ref, kv_rows(step), v_ring), v_ready, v_free)
   return cta, k_stream, v_stream
 
 
@@ -1020,23 +1069,29 @@ class _FusedDq:
     ds_smem: (2, num_wgs, block_kv, block_q) 16-bit dS^T tiles.
     staging: (num_wgs, slots, block_q, 64) float32 tiles for the reduce-adds.
     ds_ready: barrier with one arrival per compute warpgroup (None with one).
-    reduce: TMA reduce-add (the GPU path); else plain stores into slices.
+    k_smem: (num_wgs, block_kv, H) the CTA's K tiles.
+    mma: how tiles reach wgmma; staged (interpret mode) means no TMA reductions.
+    b, cta, wg: batch, key tile of CTAs and warpgroup indices.
   """
 
   acc_ref: Any
   ds_smem: Any
   staging: Any
   ds_ready: Any
-  reduce: bool
+  k_smem: Any
+  mma: _Mma
+  b: Any
+  cta: Any
+  wg: Any
 
-  def share(self, step: Any, ds_t: jax.Array | None, *, wg: Any) -> Any:
+  def share(self, step: Any, ds_t: jax.Array | None) -> Any:
     """Stores this warpgroup's (block_kv, block_q) 16-bit dS^T of step `step` (zeros for
     None: a step whose rows see none of its keys) and waits for the others'.
 
     Returns:
       The shared-memory tile holding it.
     """
-    ds_tile = self.ds_smem.at[lax.rem(step, 2), wg]
+    ds_tile = self.ds_smem.at[lax.rem(step, 2), self.wg]
     if ds_t is None:
       ds_t = plgpu.layout_cast(jnp.zeros(ds_tile.shape, ds_tile.dtype), plgpu.Layout.WGMMA)
     ds_tile[...] = ds_t
@@ -1046,14 +1101,14 @@ class _FusedDq:
       plgpu.barrier_wait(self.ds_ready)
     return ds_tile
 
-  def send(self, step: Any, *, wg: Any, num_wgs: int, k_smem: Any, b: Any, head: Any,
-           q0: Any, cta: Any, mma: _Mma) -> None:
+  def send(self, step: Any, head: Any, q0: Any) -> None:
     """Adds step `step`'s dS K (after `share`) to dQ rows [q0, q0 + block_q) of `head`:
     this warpgroup's chunks of columns, over the keys of every warpgroup."""
     buffer = lax.rem(step, 2)
-    bq = self.ds_smem.shape[-1]
-    head_dim = k_smem.shape[-1]
+    _, num_wgs, _, bq = self.ds_smem.shape
+    head_dim = self.k_smem.shape[-1]
     slots = self.staging.shape[1]
+    wg, b = self.wg, self.b
     # Chunk n of warpgroup wg starts at column (n * num_wgs + wg) * 64. The offset is
     # traced (a multiple of the swizzle unit): one code path for all warpgroups, where a
     # branch per warpgroup spilled registers on an H200 (bench/compile_h200.py).
@@ -1061,19 +1116,19 @@ class _FusedDq:
       col = pl.multiple_of((n * num_wgs + wg) * _DQ_CHUNK, _DQ_CHUNK)
 
       def _chunk(n=n, col=col):
-        pairs = [(self.ds_smem.at[buffer, src].T, k_smem.at[src, :, pl.ds(col, _DQ_CHUNK)])
-                 for src in range(num_wgs)]
-        part = mma.product_sum(pairs, (bq, _DQ_CHUNK))
+        pairs = [(self.ds_smem.at[buffer, src].T,
+                  self.k_smem.at[src, :, pl.ds(col, _DQ_CHUNK)]) for src in range(num_wgs)]
+        part = self.mma.product_sum(pairs, (bq, _DQ_CHUNK))
         tile = self.staging.at[wg, n % slots]
         plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)  # Tile's last send read.
         tile[...] = part
         plgpu.commit_smem()
         cols = pl.ds(col, _DQ_CHUNK)
-        if self.reduce:
+        if self.mma.staged:  # The interpreter: no reductions, the CTA's own slice.
+          plgpu.copy_smem_to_gmem(tile, self.acc_ref.at[self.cta, b, pl.ds(q0, bq), head, cols])
+        else:
           plgpu.copy_smem_to_gmem(tile, self.acc_ref.at[b, pl.ds(q0, bq), head, cols],
                                   reduction_op="add")
-        else:
-          plgpu.copy_smem_to_gmem(tile, self.acc_ref.at[cta, b, pl.ds(q0, bq), head, cols])
 
       if head_dim % (num_wgs * _DQ_CHUNK):
         pl.when(col < head_dim)(_chunk)  # Fewer chunks than warpgroups (head dim 64).
@@ -1100,11 +1155,12 @@ def _dkdv_kernel(*refs, k_smem, v_smem, dv0_smem, q_ring, do_ring, lse_ring, del
    dv0_ref, dq_acc_ref, *out_refs) = unpack_refs(
        refs, (True,) * 6 + (p.has_pair, p.has_q_len, p.has_kv_len, with_dv0, fused_dq)
        + (True,) * len(grads))
-  dq = None
-  if fused_dq:
-    dq = _FusedDq(dq_acc_ref, ds_smem, dq_staging, ds_ready, reduce=not mma.staged)
   num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q_dkv, c.block_kv_dkv, c.num_stages
   b, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+  dq = None
+  if fused_dq:
+    dq = _FusedDq(dq_acc_ref, ds_smem, dq_staging, ds_ready, k_smem, mma, b=b,
+                  cta=lax.axis_index("kv_tiles"), wg=wg)
   t_eff, s_eff = _lengths(p, q_len_ref, kv_len_ref, b)
   cta_k0 = lax.axis_index("kv_tiles") * (num_wgs * bk)
   cta_lo, _, _, cta_hi = flash_blocks.query_block_range(p, cta_k0, bq, num_wgs * bk,
@@ -1112,23 +1168,13 @@ def _dkdv_kernel(*refs, k_smem, v_smem, dv0_smem, q_ring, do_ring, lse_ring, del
   # The CTA's steps run over (query head g of the group, query block in [lo, hi)).
   per_head = cta_hi - cta_lo
 
-  def sources(step):
-    g = lax.div(step, per_head)
-    q0 = (cta_lo + step - g * per_head) * bq
-    head = kv_head * p.group + g
-    rows, vec = (b, pl.ds(q0, bq), head), (b, head, pl.ds(q0, bq))
-    tiles = [(q_ref.at[rows], q_ring), (do_ref.at[rows], do_ring), (lse2_ref.at[vec], lse_ring)]
-    if want_dk:
-      tiles.append((delta_ref.at[vec], delta_ring))
-    if pair_t_ref is not None:
-      # The transposed bias/mask tile of the CTA's keys and these query rows (or the
-      # CTA's keys of the per-key vector).
-      keys = pl.ds(cta_k0, num_wgs * bk)
-      at = (keys,) if p.pair_per_key else (keys, pl.ds(q0, bq))
-      tiles.append((pair_t_ref.at[(*p.pair_index(b, head), *at)], pair_ring))
-    return tiles
-
-  stream = _Stream(sources, ready, free)
+  tiles = dict(q=(q_ref, q_ring), do=(do_ref, do_ring), lse=(lse2_ref, lse_ring))
+  if want_dk:
+    tiles["delta"] = (delta_ref, delta_ring)
+  if pair_t_ref is not None:
+    tiles["pair"] = (pair_t_ref, pair_ring)
+  stream = _query_block_stream(p, tiles, ready, free, b=b, kv_head=kv_head, lo=cta_lo,
+                               per_head=per_head, bq=bq, keys=pl.ds(cta_k0, num_wgs * bk))
 
   @pl.when(wg < num_wgs)
   def _compute():
@@ -1166,9 +1212,8 @@ def _dkdv_kernel(*refs, k_smem, v_smem, dv0_smem, q_ring, do_ring, lse_ring, del
         else:
           # dS^T goes to shared memory for the dQ sums anyway: dK's wgmma reads it
           # there too, so its registers are free before the dQ products.
-          ds_tile = dq.share(i, ds_t, wg=wg)
-          dk = mma.accumulate(dk, ds_tile, q_ring.at[slot])
-          dq.send(i, **dq_step(i, base, head))
+          dk = mma.accumulate(dk, dq.share(i, ds_t), q_ring.at[slot])
+          dq.send(i, head, (i - base) * bq)
       stream.release(slot, after_loads=True)  # lse, delta (and bias/mask) were loaded
       return dk, dv
 
@@ -1178,13 +1223,8 @@ def _dkdv_kernel(*refs, k_smem, v_smem, dv0_smem, q_ring, do_ring, lse_ring, del
       stream.release(slot)
       if dq is not None and num_wgs > 1:
         # The other warpgroups' dQ sums of this step still add dS K over these keys.
-        dq.share(i, None, wg=wg)
-        dq.send(i, **dq_step(i, base, head))
-
-    def dq_step(i, base, head):
-      """Where step i's dQ sums go (query block i - base of `head`)."""
-      return dict(wg=wg, num_wgs=num_wgs, k_smem=k_smem, b=b, head=head, q0=(i - base) * bq,
-                  cta=lax.axis_index("kv_tiles"), mma=mma)
+        dq.share(i, None)
+        dq.send(i, head, (i - base) * bq)
 
     ranges = flash_blocks.query_block_range(p, k0, bq, bk, t_eff, s_eff)
 
@@ -1265,16 +1305,6 @@ def _head_split_scratch(p: _Problem, rows: int, cols: int) -> dict[str, Any]:
               dp_ready=_barrier(1), ds_ready=_barrier(1))
 
 
-def _halves(ref: Any, index: tuple[Any, ...], half: int, tiles: Any) -> list[tuple[Any, Any]]:
-  """TMA copies of the two head-dim halves of ref[index] into tiles(j), j = 0, 1.
-
-  Head-split kernels keep (query or key, head dim) tiles as (2, rows, H / 2) (rings as
-  (2, stages, rows, H / 2)): each
-  half is contiguous, so a warpgroup's half of the result leaves by TMA from its own
-  tile, and a product over the whole head dim is two wgmma on the halves."""
-  return [(ref.at[(*index, pl.ds(j * half, half))], tiles(j)) for j in range(2)]
-
-
 def _dq_head_split_kernel(*refs, q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring,
                           pair_ring, rows_ready, k_ready, v_ready, k_free, v_free, dp_smem,
                           ds_smem, dp_ready, ds_ready, p: _Problem,
@@ -1285,24 +1315,11 @@ def _dq_head_split_kernel(*refs, q_smem, do_smem, lse_smem, delta_smem, k_ring, 
   bq, bk, stages = c.block_q_dq, c.block_kv_dq, c.num_stages
   half = p.head_dim // 2
   # Both compute warpgroups own the CTA's rows: its blocks are theirs, none is skipped.
-  cta, _, _ = _query_tile_cta(
+  cta, k_stream, v_stream = _query_tile_cta(
       p, q_ref, k_ref, v_ref, pair_ref, (q_len_ref, kv_len_ref), num_wgs=1, bq=bq, bk=bk,
       k_ring=k_ring, v_ring=v_ring, pair_ring=pair_ring, k_ready=k_ready, v_ready=v_ready,
-      k_free=k_free, v_free=v_free)
+      k_free=k_free, v_free=v_free, copies=_halves)
   b, h, wg, q0 = cta.b, cta.head, cta.wg, cta.start
-  kv_rows = lambda step: (b, pl.ds((cta.lo + step) * bk, bk), lax.div(h, p.group))
-
-  def k_sources(step):
-    tiles = _halves(k_ref, kv_rows(step), half, lambda j: k_ring.at[j])
-    if pair_ref is not None:
-      keys = pl.ds((cta.lo + step) * bk, bk)
-      at = (keys,) if p.pair_per_key else (pl.ds(q0, bq), keys)
-      tiles.append((pair_ref.at[(*p.pair_index(b, h), *at)], pair_ring))
-    return tiles
-
-  k_stream = _Stream(k_sources, k_ready, k_free)
-  v_stream = _Stream(lambda step: _halves(v_ref, kv_rows(step), half, lambda j: v_ring.at[j]),
-                     v_ready, v_free)
   trade = _HeadSplit(dp_smem, ds_smem, dp_ready, ds_ready)
   rows = (b, pl.ds(q0, bq), h)
   ranges = flash_blocks.key_block_range(p, q0, bq, bk, cta.t_eff, cta.s_eff)
@@ -1315,7 +1332,7 @@ def _dq_head_split_kernel(*refs, q_smem, do_smem, lse_smem, delta_smem, k_ring, 
 
   def run(tile_ref, tile, vec_ref, vec, step):
     plgpu.set_max_registers(_COMPUTE_REGISTERS[2], action="increase")
-    for src, dst in (*_halves(tile_ref, rows, half, lambda j: tile.at[j]),
+    for src, dst in (*_halves(tile_ref, rows, tile),
                      (vec_ref.at[b, h, pl.ds(q0, bq)], vec)):
       plgpu.copy_gmem_to_smem(src, dst, rows_ready.at[wg])
     plgpu.barrier_wait(rows_ready.at[wg])
@@ -1382,20 +1399,12 @@ def _dk_head_split_kernel(*refs, k_smem, v_smem, q_ring, do_ring, lse_ring, delt
   trade = _HeadSplit(dp_smem, ds_smem, dp_ready, ds_ready)
   keys = (b, pl.ds(k0, bk), kv_head)
 
-  def sources(step):
-    g = lax.div(step, per_head)
-    q0 = (lo + step - g * per_head) * bq
-    head = kv_head * p.group + g
-    rows, vec = (b, pl.ds(q0, bq), head), (b, head, pl.ds(q0, bq))
-    tiles = [*_halves(q_ref, rows, half, lambda j: q_ring.at[j]),
-             *_halves(do_ref, rows, half, lambda j: do_ring.at[j]),
-             (lse2_ref.at[vec], lse_ring), (delta_ref.at[vec], delta_ring)]
-    if pair_t_ref is not None:
-      at = (pl.ds(k0, bk),) if p.pair_per_key else (pl.ds(k0, bk), pl.ds(q0, bq))
-      tiles.append((pair_t_ref.at[(*p.pair_index(b, head), *at)], pair_ring))
-    return tiles
-
-  stream = _Stream(sources, ready, free)
+  tiles = dict(q=(q_ref, q_ring), do=(do_ref, do_ring), lse=(lse2_ref, lse_ring),
+               delta=(delta_ref, delta_ring))
+  if pair_t_ref is not None:
+    tiles["pair"] = (pair_t_ref, pair_ring)
+  stream = _query_block_stream(p, tiles, ready, free, b=b, kv_head=kv_head, lo=lo,
+                               per_head=per_head, bq=bq, keys=pl.ds(k0, bk), copies=_halves)
 
   def skip(i, _):  # Not reached: both warpgroups own the CTA's keys and blocks.
     stream.acquire(lax.rem(i, stages))
@@ -1403,7 +1412,7 @@ def _dk_head_split_kernel(*refs, k_smem, v_smem, q_ring, do_ring, lse_ring, delt
 
   def run(tile_ref, tile, step):
     plgpu.set_max_registers(_COMPUTE_REGISTERS[2], action="increase")
-    for src, dst in _halves(tile_ref, keys, half, lambda j: tile.at[j]):
+    for src, dst in _halves(tile_ref, keys, tile):
       plgpu.copy_gmem_to_smem(src, dst, kv_ready.at[wg])
     plgpu.barrier_wait(kv_ready.at[wg])
 
@@ -1752,6 +1761,8 @@ def _fwd_fits(h: int, e: int, c: dict[str, Any], pe: int = 0) -> bool:
 
 def _bwd_fits(h: int, e: int, c: dict[str, Any], pe: int = 0) -> bool:
   """Whether a backward config fits an sm_90 SM; pe: bytes per bias/mask element (0: none)."""
+  if c.get("head_split", False):
+    return _head_split_fits(h, e, c, pe)
   wgs, stages = c["num_compute_wgs"], c["num_stages"]
   bq, bk = c["block_q_dkv"], c["block_kv_dkv"]
   dkdv_smem = wgs * 2 * bk * h * e + stages * bq * (2 * h * e + 8 + wgs * bk * pe)
@@ -1759,13 +1770,11 @@ def _bwd_fits(h: int, e: int, c: dict[str, Any], pe: int = 0) -> bool:
   # Peak live tiles: the accumulators with P^T and dP^T (dS^T and the 16-bit operands
   # replace them), in the dQ kernel the accumulator with P and dP.
   dkdv_regs = accumulators * _tile_regs(bk, h) + 2 * _tile_regs(bk, bq)
-  if c.get("head_split", False):
-    return _head_split_fits(h, e, c, pe)
   if c.get("fuse_dq", False):
     # Double-buffered dS^T tiles and the float32 staging of the reduce-adds; a dQ
     # chunk's accumulator on top. Checked against ptxas (bench/compile_h200.py): head
-    # dim 128 with both dK and dV accumulators spills 0.2-0.5 KB, which this rejects;
-    # split (dK alone) or head dim 64 do not spill.
+    # dim 128 with both dK and dV accumulators spills 0.2-0.7 KB, which this rejects;
+    # split (dK alone) or head dim 64 spill at most 16 B.
     dkdv_smem += 2 * wgs * bk * bq * e + wgs * _dq_staging_slots(h, wgs) * bq * _DQ_CHUNK * 4
     dkdv_regs += _tile_regs(bq, _DQ_CHUNK)
     return _fits(dkdv_smem, dkdv_regs, wgs)  # The dQ kernel does not run.
