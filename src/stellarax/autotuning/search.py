@@ -255,6 +255,15 @@ def _configs(space: Iterable[C], heuristic: C | None) -> list[C]:
   return configs
 
 
+def _pool(configs: Sequence[C], heuristic: C, rng_seed: int) -> list[C]:
+  """The configs after the heuristic (`_configs` order) for sampling: the heuristic's
+  code-path variants first, then the rest in an order shuffled by `rng_seed`."""
+  variants = code_path_variants(heuristic, configs)
+  rest = [c for c in configs[1:] if c not in variants]
+  random.Random(rng_seed).shuffle(rest)
+  return variants + rest
+
+
 def _check_chunk_size(chunk_size: int):
   if not isinstance(chunk_size, int) or chunk_size < 1:
     raise ValueError(f"{chunk_size=} must be an int >= 1.")
@@ -349,10 +358,7 @@ def random_search(space: Iterable[C], measure: Measure[C], *, heuristic: C,
     raise ValueError(f"{num_samples=} must be None or an int >= 0.")
   _check_chunk_size(chunk_size)
   configs = _configs(space, heuristic)
-  variants = code_path_variants(heuristic, configs)
-  pool = [c for c in configs[1:] if c not in variants]
-  random.Random(rng_seed).shuffle(pool)
-  pool = (variants + pool)[:num_samples]
+  pool = _pool(configs, heuristic, rng_seed)[:num_samples]
   session = _Session(measure, clock, budget_s)
   session.measure([heuristic], 1.0)
   _sweep(session, pool, chunk_size)
@@ -549,11 +555,7 @@ def racing(space: Iterable[C], measure: Measure[C], *, heuristic: C,
   configs = _configs(space, heuristic)
   session = _Session(measure, clock, budget_s)
   session.measure([heuristic], 1.0)
-  # The heuristic's code-path variants lead the pool, so a cut pool keeps them.
-  variants = code_path_variants(heuristic, configs)
-  pool = [c for c in configs[1:] if c not in variants]
-  random.Random(rng_seed).shuffle(pool)
-  pool = variants + pool
+  pool = _pool(configs, heuristic, rng_seed)  # Variants lead: a cut pool keeps them.
   if budget_s is None:
     schedule = _schedule(len(pool), eta, min_effort)
   else:
