@@ -240,10 +240,16 @@ def test_code_path_variants_take_each_other_value_of_each_switch_once():
                                                               order="n"),
            Paths(block=64, split=False, fused=False, order="k"),
            Paths(block=128, split=False, fused=False, order="n")]
-  # In field order, per field in space order: the first config that flips `split`, the
-  # first that flips `fused`, the first of each other `order`. Ints are not switches.
+  # In field order, per other value in space order: the config with that value nearest
+  # the heuristic (fewest other fields changed, then first in the space): `split`
+  # flipped alone, `fused` flipped alone where the space has it (space[4] changes the
+  # block too, space[3] the split too: a tie, the first wins), each other `order`.
+  # Ints are not switches.
   assert search.code_path_variants(heuristic, space) == [space[2], space[3], space[5],
                                                           space[6]]
+  fused_alone = Paths(block=64, split=False, fused=True)
+  assert search.code_path_variants(heuristic, [*space, fused_alone]) == [
+      space[2], fused_alone, space[5], space[6]]
   both = Paths(block=64, split=True, fused=True)
   assert search.code_path_variants(heuristic, [heuristic, both]) == [both]
   assert search.code_path_variants(heuristic, [heuristic]) == []

@@ -6,6 +6,7 @@ H200 without a GPU.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -310,6 +311,53 @@ def test_windows_and_sequence_lengths_match_reference(mc):
   assert np.all(np.asarray(lse)[empty] <= 0.5 * reference.MASKED_LOGIT)
 
 
+_OVERLAP = dict(overlap_softmax=True)
+
+# The pipelined forward (overlap_softmax): each turn issues S of a key block and P V of
+# the block before, the softmax runs while P V does.
+OVERLAP_CASES = [
+    # Two ping-ponging warpgroups with causal key ranges of different lengths (one
+    # skips a block the other computes), T < S, neither a multiple of the blocks.
+    MaskCase("causal_gqa",
+             Case("oc", b=2, t=100, s=150, n=4, k=2, h=64, dtype=jnp.bfloat16, causal=True,
+                  fwd=_FWD_64 | _OVERLAP, bwd=_BWD_64), {}),
+    # A window and both lengths: in batch element 1 one warpgroup's rows are all past
+    # the query length (an empty range: an idle turn) while the other's see one key
+    # block (no pipelined step); rows past the query length.
+    MaskCase("window_lengths_gqa",
+             Case("ow", b=2, t=100, s=150, n=4, k=2, h=64, dtype=jnp.bfloat16, causal=False,
+                  fwd=_FWD_64 | _OVERLAP, bwd=_BWD_64),
+             dict(local_window_size=(20, 5), query_seq_lengths=(90, 30),
+                  key_value_seq_lengths=(140, 20))),
+    # Bias and mask tiles, one warpgroup, 128-key blocks, head dim 128, three stages.
+    MaskCase("bias_mask_h128_one_wg",
+             Case("ob", b=2, t=96, s=300, n=2, k=1, h=128, dtype=jnp.float16, causal=False,
+                  fwd=dict(block_q=64, block_kv=128, num_compute_wgs=1, num_stages=3,
+                           schedule_barrier=False, overlap_softmax=True), bwd=_BWD_64),
+             dict(bias=(1, 2, 96, 300), mask=(2, 1, 1, 300))),
+]
+
+
+@pytest.mark.parametrize("mc", OVERLAP_CASES, ids=lambda mc: mc.name)
+@pytest.mark.mosaic_interpret
+def test_overlapped_softmax_forward_matches_reference(mc):
+  """The pipelined forward against the float32 reference, under the race detector."""
+  case, options = mc.case, _mask_options(mc.options) | dict(is_causal=mc.case.causal)
+  q, k, v, _ = _inputs(case, seed=9)
+  bias, mask = options.pop("bias", None), options.pop("mask", None)
+  races = plgpu.InterpretGPUParams(detect_races=True)
+  out, lse = _run(lambda q, k, v: pm.attention_fwd_pallas_mosaic_gpu(
+      q, k, v, bias, mask, **options, **case.fwd, interpret=races), q, k, v)
+  assert not get_races().races_found
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  with jax.default_matmul_precision("highest"):
+    ref_out, ref_lse = reference.attention_reference_with_lse(*f32, bias, mask, **options)
+  _close("out", out, ref_out, _FWD_TOL[case.dtype])
+  kept = ref_lse > 0.5 * reference.MASKED_LOGIT
+  np.testing.assert_allclose(np.where(kept, lse, 0.0), np.where(kept, ref_lse, 0.0),
+                             atol=1e-3 if bias is None else 1.5e-2, rtol=1e-5, err_msg="lse")
+
+
 @pytest.mark.mosaic_interpret
 def test_race_detector_finds_no_races_under_masking(monkeypatch):
   """The interpreter's happens-before race detector (warpgroups, TMA, barriers) on the
@@ -522,9 +570,16 @@ def test_tunable_spaces_are_valid_and_fit_an_sm90(h, t, backward, with_pair):
 def test_tunables_of_the_target_shape():
   """B=2, T=8192, 16 heads of 128, bf16: the shape the H200 targets are set for."""
   q, k = _TARGET
-  assert pm.heuristic_tunables(q, k) == dict(
-      block_q=64, block_kv=128, num_compute_wgs=2, num_stages=2, schedule_barrier=True)
+  heuristic = dict(block_q=64, block_kv=128, num_compute_wgs=2, num_stages=2,
+                   schedule_barrier=True, overlap_softmax=True)
+  assert pm.heuristic_tunables(q, k) == heuristic
   assert pm.heuristic_tunables(q, k, backward=True) == _BWD_64
+  # Tuning measures the plain softmax loop right after the heuristic: the same config
+  # with the switch flipped.
+  space = [PallasMosaicGpuAttentionConfig(**c) for c in pm.tunable_space(q, k)]
+  from stellarax.autotuning import search
+  variants = search.code_path_variants(PallasMosaicGpuAttentionConfig(**heuristic), space)
+  assert PallasMosaicGpuAttentionConfig(**(heuristic | dict(overlap_softmax=False))) in variants
   with pytest.raises(ValueError, match="head dim 96"):
     pm.tunable_space(jax.ShapeDtypeStruct((1, 8, 1, 96), jnp.bfloat16), k)
 
@@ -548,12 +603,13 @@ def test_lowers_for_simulated_h200(masked):
   bwd_cfg = pm.heuristic_tunables(q, k, backward=True, with_pair=with_pair)
   window = (1024, 0) if masked else None
 
-  def fwd(q, k, v, bias, mask, q_len, kv_len):
+  def fwd(q, k, v, bias, mask, q_len, kv_len, overlap_softmax=True):
     return pm.attention_fwd_pallas_mosaic_gpu(
         q, k, v, bias if masked else None, mask if masked else None, is_causal=True,
         local_window_size=window,
         query_seq_lengths=q_len if masked else None,
-        key_value_seq_lengths=kv_len if masked else None, **fwd_cfg)
+        key_value_seq_lengths=kv_len if masked else None,
+        **(fwd_cfg | dict(overlap_softmax=overlap_softmax)))
 
   def bwd(split, fuse_dq=False, head_split=False):
     config = bwd_cfg | dict(split_dkdv=split, fuse_dq=fuse_dq, head_split=head_split)
@@ -569,6 +625,8 @@ def test_lowers_for_simulated_h200(masked):
 
   with jax.sharding.use_abstract_mesh(mesh):
     fwd_text = lower(fwd, q, k, k, bias, mask, lengths, lengths)
+    plain_fwd_text = lower(functools.partial(fwd, overlap_softmax=False), q, k, k, bias, mask,
+                           lengths, lengths)
     bwd_text = lower(bwd(False), q, k, k, bias, mask, q, lse, q, lengths, lengths)
     split_text = lower(bwd(True), q, k, k, bias, mask, q, lse, q, lengths, lengths)
     fused_text = lower(bwd(True, fuse_dq=True), q, k, k, bias, mask, q, lse, q, lengths,
@@ -576,11 +634,22 @@ def test_lowers_for_simulated_h200(masked):
     head_split_text = lower(bwd(True, head_split=True), q, k, k, bias, mask, q, lse, q,
                             lengths, lengths)
   target = "@mosaic_gpu_v2"
-  assert fwd_text.count(target) == 1
+  assert fwd_text.count(target) == 1 and plain_fwd_text.count(target) == 1
   assert bwd_text.count(target) == 2  # dQ, dK/dV
   assert split_text.count(target) == 3  # dQ, dV, dK
   assert fused_text.count(target) == 2  # dV, dK with dQ
   assert head_split_text.count(target) == 3  # dQ and dK split, dV
+
+
+def test_forward_configs_saved_before_overlap_softmax_still_load():
+  """Configs written before the overlap_softmax tunable existed keep their meaning: the
+  plain softmax loop."""
+  from stellarax.core.config import config_from_json, config_to_json
+  config = config_from_json(PallasMosaicGpuAttentionConfig, _FWD_64)
+  assert config.overlap_softmax is False
+  assert config_to_json(config) == _FWD_64 | dict(overlap_softmax=False)
+  with pytest.raises(ValueError, match="overlap_softmax=1 must be a bool"):
+    PallasMosaicGpuAttentionConfig(**_FWD_64, overlap_softmax=1)
 
 
 def test_backward_configs_saved_before_fuse_dq_still_load():

@@ -206,11 +206,13 @@ class _CostModel:
 def code_path_variants(heuristic: Any, space: Iterable[Any]) -> list[Any]:
   """For each categorical field of a dataclass config (a bool or str: a switch between
   code paths, e.g. a fused dQ, a split dK/dV, which warpgroup split a tile) and each value
-  of it in `space` other than the heuristic's, the first config of `space` with that
-  value.
+  of it in `space` other than the heuristic's, the config of `space` with that value
+  that differs from the heuristic in the fewest other fields (the first such in the
+  space's order): the heuristic with the switch flipped where the space has that.
 
   Strategies measure these right after the heuristic: under a tight budget a config
-  that runs other kernel code says more than one that only changes a tile.
+  that runs other kernel code says more than one that only changes a tile, and the
+  fewer other changes, the more the difference in time is the code path's.
 
   Args:
     heuristic: a config; one that is not a dataclass has no switches.
@@ -218,23 +220,23 @@ def code_path_variants(heuristic: Any, space: Iterable[Any]) -> list[Any]:
 
   Returns:
     Distinct configs, none equal to `heuristic`, in the order of the fields and, per
-    field, of the space.
+    field, of the values' first appearance in the space.
   """
   if not dataclasses.is_dataclass(heuristic):
     return []
   space = [c for c in space if type(c) is type(heuristic)]
+  fields = [f.name for f in dataclasses.fields(heuristic)]
+  distance = lambda c: sum(getattr(c, f) != getattr(heuristic, f) for f in fields)
   out: list[Any] = []
-  for field in dataclasses.fields(heuristic):
-    value = getattr(heuristic, field.name)
+  for name in fields:
+    value = getattr(heuristic, name)
     if not isinstance(value, (bool, str)):
       continue
-    seen = {value}
-    for c in space:
-      other = getattr(c, field.name)
-      if other not in seen:
-        seen.add(other)
-        if c not in out:
-          out.append(c)
+    others = dict.fromkeys(getattr(c, name) for c in space if getattr(c, name) != value)
+    for other in others:
+      nearest = min((c for c in space if getattr(c, name) == other), key=distance)
+      if nearest not in out:
+        out.append(nearest)
   return out
 
 
