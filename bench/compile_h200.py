@@ -18,22 +18,27 @@ slow there. Mosaic GPU's compile asks the CUDA driver which GPU it compiles for,
 For each workload of `bench/gpu_check.py` (the speed-target shapes) and each Pallas
 implementation, the op calls of the forward (and gradient) program are captured, and each
 call's heuristic config is compiled alone, with, for each value of a bool or str tunable
-(a switch of code path, e.g. attention's fused dQ), the first config of the space that
-takes it (`search.code_path_variants`; with --space: every config of its search space).
-Each kernel's row also says what its PTX shows (a ptxas wrapper keeps the PTX XLA
-compiles): its tensor-core instruction (wgmma, the warp-level mma.sync, or none), how it
-copies operands to shared memory (TMA, cp.async, or not asynchronously), and its widest
-global load. Compile-only workloads (`more_workloads`) add attention's other head dims
-and float16, and sizes no tile divides. Writes `<out>/kernels.json` (a row per compiled
-kernel, XLA's own fusions included) and prints the Pallas kernels' rows, grouped by
-workload, last. Exits 1 when a config fails to compile, or when a heuristic config at a
-speed target is slow: it spills registers, has its wgmma serialized, multiplies without
-asynchronous copies (nothing overlaps its loads), or streams memory without 16-byte
-loads. (mma.sync is shown, not failed on: Triton takes it for tiles under 64 rows.)
+(a switch of code path, e.g. attention's fused dQ), the config of the space nearest the
+heuristic that takes it (`search.code_path_variants`; with --space: every config of its
+search space).
+A kernel that spills is disassembled (ptxas again, then nvdisasm) to see whether any
+spill instruction lies inside a loop, where it costs every iteration; spills all outside
+loops (set-up, between loops) are shown but not counted as slow. Each kernel's row also
+says what its PTX shows (a ptxas wrapper keeps the PTX XLA compiles): its tensor-core
+instruction (wgmma, the warp-level mma.sync, or none), how it copies operands to shared
+memory (TMA, cp.async, or not asynchronously), and its widest global load. Compile-only
+workloads (`more_workloads`) add attention's other head dims and float16, and sizes no
+tile divides. Writes `<out>/kernels.json` (a row per compiled kernel, XLA's own fusions
+included) and prints the Pallas kernels' rows, grouped by workload, last. Exits 1 when a
+config fails to compile, or when a heuristic config at a speed target is slow: it spills
+registers inside a loop, has its wgmma serialized, multiplies without asynchronous
+copies (nothing overlaps its loads), or streams memory without 16-byte loads. (mma.sync
+is shown, not failed on: Triton takes it for tiles under 64 rows.)
 
 Needs (the `compile-h200` make target installs them, requirements/h200-compile.txt):
 jax-cuda13-plugin and -pjrt of the pinned jax version, ptxas and libdevice from
-nvidia-cuda-nvcc (else a ptxas on PATH), and gcc.
+nvidia-cuda-nvcc (else a ptxas on PATH), nvdisasm from nvidia-cuda-nvdisasm (without it
+spills are not located, so all count as slow), and gcc.
 """
 
 from __future__ import annotations
@@ -95,6 +100,11 @@ class KernelStats(_SpilledBytes):
   # memory-bound kernel needs for full bandwidth; 0: none, e.g. only TMA).
   global_load_bits: int | None = None
   pallas: bool = False  # a Pallas (Triton or Mosaic GPU) kernel, not one of XLA's own
+  # Spill instructions (local stores and loads ptxas marks as spill refills) inside loops
+  # of the kernel's SASS, where they cost every iteration; 0 when every spill lies
+  # outside them (set up, between loops, the epilogue: a few accesses per kernel). None
+  # where not disassembled (no spills, or no nvdisasm). See sass_spills_in_loops.
+  spills_in_loops: int | None = None
   # ptxas's numbered performance remarks, e.g. "C7515 Potential Performance Loss:
   # wgmma.mma_async instructions are serialized due to ..." (C7510 to C7515 name the
   # causes: the tensor cores' pipeline is lost) or "C7519 warpgroup.arrive is injected
@@ -197,6 +207,139 @@ def ptx_traits(ptx: str) -> dict[str, PtxTraits]:
                       else "cp.async" if re.search(r"\bcp\.async\.c[ag]\b", body) else "none"),
         global_load_bits=max(loads, default=0))
   return out
+
+
+_SASS_LINE = re.compile(r"^\s*(?:\.(?P<label>L_x_\d+):|/\*(?P<addr>[0-9a-f]+)\*/\s+(?P<instr>.*?);)")
+_SASS_BRANCH = re.compile(r"^(?P<pred>@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+`\(\.(?P<target>L_x_\d+)\)")
+_SASS_EXIT = re.compile(r"^(?P<pred>@!?U?P\w+\s+)?EXIT\b")
+_SASS_SPILL = re.compile(r"^(?:@!?P\w+\s+)?(?:STL|LDL)\b")
+
+
+def sass_spills_in_loops(sass: str) -> tuple[int, int]:
+  """(spill instructions inside loops, spill instructions) of one function's SASS
+  (`nvdisasm -c` output).
+
+  Spills are the local stores and loads ptxas marks `"SpillRefill"`. Loops are natural
+  loops of the control-flow graph: a branch back to a block that dominates it. The
+  out-of-line retry blocks of mbarrier waits at a function's end branch back into the
+  body, but not to a block dominating them, so they do not make the body a loop.
+  """
+  instrs: list[str] = []  # in address order
+  labels: dict[str, int] = {}  # label -> index of the instruction it names
+  for line in sass.splitlines():
+    m = _SASS_LINE.match(line)
+    if m and m.group("label"):
+      labels[m.group("label")] = len(instrs)
+    elif m:
+      instrs.append(m.group("instr").strip())
+  if not instrs:
+    return 0, 0
+  # Basic blocks: leaders are the first instruction, branch targets and what follows a
+  # branch or an exit.
+  leaders = {0, *labels.values()}
+  for i, ins in enumerate(instrs):
+    if _SASS_BRANCH.match(ins) or _SASS_EXIT.match(ins):
+      leaders.add(i + 1)
+  starts = sorted(x for x in leaders if x < len(instrs))
+  block_of = {}
+  for b, (lo, hi) in enumerate(zip(starts, [*starts[1:], len(instrs)])):
+    for i in range(lo, hi):
+      block_of[i] = b
+  ends = [hi - 1 for hi in [*starts[1:], len(instrs)]]
+  succ: list[set[int]] = []
+  for b, last in enumerate(ends):
+    ins, out = instrs[last], set()
+    branch, exit_ = _SASS_BRANCH.match(ins), _SASS_EXIT.match(ins)
+    if branch and branch.group("target") in labels:
+      out.add(block_of[labels[branch.group("target")]])
+    falls_through = not ((branch and not branch.group("pred")) or (exit_ and not exit_.group("pred")))
+    if falls_through and b + 1 < len(starts):
+      out.add(b + 1)
+    succ.append(out)
+  pred: list[set[int]] = [set() for _ in starts]
+  for b, out in enumerate(succ):
+    for t in out:
+      pred[t].add(b)
+  # Dominators, by the iterative data-flow method (block 0 is the entry).
+  everything = set(range(len(starts)))
+  dom = [everything.copy() for _ in starts]
+  dom[0] = {0}
+  changed = True
+  while changed:
+    changed = False
+    for b in range(1, len(starts)):
+      new = {b} | (set.intersection(*(dom[p] for p in pred[b])) if pred[b] else set())
+      if new != dom[b]:
+        dom[b], changed = new, True
+  in_loop: set[int] = set()
+  for tail, out in enumerate(succ):
+    for head in out:
+      if head in dom[tail]:  # a back edge: its natural loop is head and what reaches tail
+        body, stack = {head}, []
+        if tail != head:  # (a block branching to itself is its own loop)
+          body.add(tail)
+          stack.append(tail)
+        while stack:
+          for p in pred[stack.pop()]:
+            if p not in body:
+              body.add(p)
+              stack.append(p)
+        in_loop |= body
+  spills = [i for i, ins in enumerate(instrs) if _SASS_SPILL.match(ins) and "SpillRefill" in ins]
+  return sum(block_of[i] in in_loop for i in spills), len(spills)
+
+
+def sass_functions(disassembly: str) -> dict[str, str]:
+  """`nvdisasm -c` output of a module, split per function: {name: its SASS}."""
+  parts = re.split(r"^//-+ \.text\.(\S+) -+\s*$", disassembly, flags=re.M)
+  return {name: body for name, body in zip(parts[1::2], parts[2::2])}
+
+
+def _printed_ptx(printed: str) -> str:
+  """The PTX module in Mosaic GPU's printed dump (MOSAIC_GPU_DUMP_PTX), without the
+  ptxas report that follows it."""
+  start = printed.find("//\n// Generated by LLVM NVPTX")
+  if start < 0:
+    return ""
+  end = printed.find("\nptxas ", start)
+  return printed[start:] if end < 0 else printed[start:end + 1]
+
+
+def _cuda_tool(name: str) -> str | None:
+  """A CUDA binary next to the ptxas that compiles here (nvidia-cuda-* wheels install
+  into one bin folder), else on PATH."""
+  try:
+    beside = _ptxas_dir() / name
+  except SystemExit:
+    beside = None
+  if beside is not None and beside.exists():
+    return str(beside)
+  return shutil.which(name)
+
+
+def locate_spills(k: KernelStats, ptx: str, work: Path) -> None:
+  """Sets k.spills_in_loops from the SASS of its PTX module (ptxas for sm_90a, then
+  nvdisasm); leaves it None without nvdisasm, or when this recompile does not spill."""
+  nvdisasm, ptxas = _cuda_tool("nvdisasm"), _cuda_tool("ptxas")
+  if not (nvdisasm and ptxas and ptx):
+    return
+  folder = Path(tempfile.mkdtemp(dir=work))
+  try:
+    (folder / "m.ptx").write_text(ptx)
+    compiled = subprocess.run([ptxas, "-arch=sm_90a", "-v", "-o", str(folder / "m.cubin"),
+                               str(folder / "m.ptx")], capture_output=True, text=True)
+    again = parse_ptxas(compiled.stdout + compiled.stderr).get(k.name)
+    # ptxas's spills vary a little from run to run (a few bytes); a recompile that does
+    # not spill at all says nothing of where the real compile's spills are.
+    if compiled.returncode or again is None or not again.spills:
+      return
+    sass = subprocess.run([nvdisasm, "-c", str(folder / "m.cubin")], capture_output=True,
+                          text=True).stdout
+    function = sass_functions(sass).get(k.name)
+    if function is not None:
+      k.spills_in_loops = sass_spills_in_loops(function)[0]
+  finally:
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 # Installed as `ptxas` ahead of the real one on PATH: keeps a copy of each PTX module XLA
@@ -428,10 +571,13 @@ class H200Compiler:
         lowered.compile()
     resources = [int(m) for m in _SMEM_SCRATCH.findall(printed[0])]
     stats = parse_ptxas(log[0])
+    ptx_of: dict[str, str] = {}  # entry function -> its PTX module
     for path in (self.work / "ptx").glob("*.ptx"):
-      for name, traits in ptx_traits(path.read_text(errors="replace")).items():
+      ptx = path.read_text(errors="replace")
+      for name, traits in ptx_traits(ptx).items():
         if name in stats:
           stats[name].apply(traits)
+          ptx_of[name] = ptx
     launches: dict[str, Any] = {}
     for path in (self.work / "xla").glob("*thunk_sequence.txt"):
       launches.update(parse_thunk_sequence(path.read_text()))
@@ -442,6 +588,8 @@ class H200Compiler:
     pallas = [stats.pop(name) for name in triton_names if name in stats]
     for k in pallas:
       k.pallas = True
+      if k.spills:
+        locate_spills(k, ptx_of[k.name], self.work)
     mosaic = self._compile_mosaic(mosaic_modules, resources)
     mosaic_names = {k.name for k in mosaic}
     xla_own = [k for name, k in stats.items() if name not in mosaic_names]
@@ -463,6 +611,8 @@ class H200Compiler:
         k.shared_memory = resources[i] if len(resources) == len(modules) else None
         k.apply(traits.get(k.name))
         k.pallas = True
+        if k.spills:
+          locate_spills(k, _printed_ptx(printed[0]), self.work)
       out.extend(found.values())
     return out
 
@@ -518,6 +668,7 @@ class Row(_SpilledBytes):
   tensor_cores: str | None = None
   async_copies: str | None = None
   global_load_bits: int | None = None
+  spills_in_loops: int | None = None
   pallas: bool = True  # False for XLA's own kernels (fusions) in the same program
   heuristic: bool = False
   target: bool = True  # a speed-target workload of bench/gpu_check.py
@@ -648,15 +799,17 @@ def _compile_one(compiler, workload, ba, config, heuristic, target) -> list[Row]
 
 
 def _status(k: KernelStats) -> str:
-  """"ok", or what makes the kernel slow: spills, serialized wgmma, a matmul that
-  copies no operand asynchronously (nothing overlaps its loads), or a memory-bound
-  kernel without 16-byte loads."""
+  """"ok", or what makes the kernel slow: spills (unless the SASS shows them all outside
+  loops), serialized wgmma, a matmul that copies no operand asynchronously (nothing
+  overlaps its loads), or a memory-bound kernel without 16-byte loads."""
   # mma.sync is not a fault by itself: Triton takes it for tiles of fewer than 64 rows
   # (wgmma's smallest), e.g. the 16-row tiles of decode-sized ragged_dot.
   matmul = k.tensor_cores in ("wgmma", "mma")
   streams = k.tensor_cores == "none" and k.async_copies == "none"
+  # Spills that the SASS shows outside every loop cost a few accesses per kernel.
+  spills = k.spills and k.spills_in_loops != 0
   bad = [flag for flag, on in (
-      ("SPILLS", k.spills),
+      ("SPILLS", spills),
       ("WGMMA SERIALIZED", k.wgmma_serialized),
       ("NOT PIPELINED", matmul and k.async_copies == "none"),
       ("NARROW LOADS", streams and 0 < (k.global_load_bits or 0) < 128),
@@ -671,9 +824,11 @@ def _print_rows(rows: list[Row]) -> None:
       continue
     smem = f"{r.shared_memory / 1024:.0f}K" if r.shared_memory is not None else "-"
     spills = f"{r.spill_stores}/{r.spill_loads}" if r.spills else "0"
+    if r.spills and r.spills_in_loops is not None:
+      spills += f" L{r.spills_in_loops}"
     remarks = ",".join(sorted({m.split()[0] for m in r.remarks}))
     loads = f"{r.async_copies or '-'}/{r.global_load_bits or 0}"
-    print(f"{r.op:34s} {r.kernel[:40]:40s} {str(r.registers or '-'):>4s} {spills:>9s} {smem:>6s} "
+    print(f"{r.op:34s} {r.kernel[:40]:40s} {str(r.registers or '-'):>4s} {spills:>12s} {smem:>6s} "
           f"{r.tensor_cores or '-':5s} {loads:12s} {'H' if r.heuristic else ' '} {r.status[:60]:12s} "
           f"{remarks:11s} {r.config[:110]}", flush=True)
 
@@ -690,9 +845,10 @@ def main(argv=None) -> int:
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   (out / "kernels.json").write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
-  print("\n== kernels (H = heuristic config; spills = bytes stored/loaded; loads = async copy"
-        " kind / widest global load in bits) ==")
-  print(f"{'op':34s} {'kernel':40s} {'regs':>4s} {'spills':>9s} {'smem':>6s} {'mma':5s} "
+  print("\n== kernels (H = heuristic config; spills = bytes stored/loaded, Ln = n spill"
+        " instructions inside loops of the SASS; loads = async copy kind / widest global load"
+        " in bits) ==")
+  print(f"{'op':34s} {'kernel':40s} {'regs':>4s} {'spills':>12s} {'smem':>6s} {'mma':5s} "
         f"{'loads':12s}   {'status':12s} {'ptxas':11s} config")
   for workload in dict.fromkeys(r.workload for r in rows):
     print(f"-- {workload}")
@@ -703,7 +859,7 @@ def main(argv=None) -> int:
           and not r.status.startswith(("compile error", "not supported"))]
   slow_defaults = [r for r in slow if r.heuristic and r.target]
   print(f"\n{len(rows)} kernels compiled for an H200: {len(failed)} failed to compile, "
-        f"{len(slow)} slow (spilled registers, serialized wgmma, unpipelined matmul or "
+        f"{len(slow)} slow (spills in loops or unlocated, serialized wgmma, unpipelined matmul or "
         f"narrow loads; "
         f"{sum(r.heuristic for r in slow)} with a heuristic config, {len(slow_defaults)} of them "
         f"at a speed target)")

@@ -2055,8 +2055,10 @@ def _fwd_heuristic(t: int, s: int, h: int, e: int = 2, pe: int = 0) -> dict[str,
   # logits, probabilities and accumulator stay in registers, with K/V double-buffered.
   # Bias/mask tiles take shared memory: then smaller key blocks, or one warpgroup.
   # The softmax overlaps P V (FlashAttention-3's ablation on an H100, head dim 128:
-  # 661 TFLOP/s with it, 582 without; the H200 has not timed ours yet): ptxas compiles
-  # every such config below without spills or serialized wgmma (bench/compile_h200.py).
+  # 661 TFLOP/s with it, 582 without; the H200 has not timed ours yet). ptxas compiles
+  # these configs without serialized wgmma and without spills inside loops
+  # (bench/compile_h200.py: head dim 256 with a window and key lengths spills 8 B, all
+  # outside the loops).
   bk, stages = {64: (128, 3), 128: (128, 2), 256: (64, 2)}[h]
   c = dict(block_q=64, block_kv=bk, num_compute_wgs=2, num_stages=stages,
            schedule_barrier=True, overlap_softmax=True)
