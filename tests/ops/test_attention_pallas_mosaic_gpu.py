@@ -274,12 +274,27 @@ def _mask_options(options: dict, seed: int = 6) -> dict:
   return out
 
 
+def _mask_case_inputs(mc: MaskCase, seed: int):
+  """(options without bias and mask, [q, k, v, dout], bias, mask) of a MaskCase."""
+  options = _mask_options(mc.options) | dict(is_causal=mc.case.causal)
+  bias, mask = options.pop("bias", None), options.pop("mask", None)
+  return options, _inputs(mc.case, seed=seed), bias, mask
+
+
+def _check_lse(lse, ref_lse, with_bias: bool) -> np.ndarray:
+  """lse agrees with the reference's on rows that keep a key (the kernels round a bias to
+  the input dtype); returns those rows (the others are marked for the backward pass)."""
+  kept = np.asarray(ref_lse > 0.5 * reference.MASKED_LOGIT)
+  np.testing.assert_allclose(np.where(kept, lse, 0.0), np.where(kept, ref_lse, 0.0),
+                             atol=1.5e-2 if with_bias else 1e-3, rtol=1e-5, err_msg="lse")
+  return kept
+
+
 @pytest.mark.parametrize("mc", MASK_CASES, ids=lambda mc: mc.name)
 @pytest.mark.mosaic_interpret
 def test_windows_and_sequence_lengths_match_reference(mc):
-  case, options = mc.case, _mask_options(mc.options) | dict(is_causal=mc.case.causal)
-  q, k, v, do = _inputs(case, seed=4)
-  bias, mask = options.pop("bias", None), options.pop("mask", None)
+  case = mc.case
+  options, (q, k, v, do), bias, mask = _mask_case_inputs(mc, seed=4)
 
   def run(q, k, v, do):
     out, lse = pm.attention_fwd_pallas_mosaic_gpu(q, k, v, bias, mask, **options, **case.fwd,
@@ -298,16 +313,12 @@ def test_windows_and_sequence_lengths_match_reference(mc):
   _close("out", out, ref_out, _FWD_TOL[case.dtype])
   for name, g, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
     _close(name, g, ref, _BWD_TOL[case.dtype])
-  # lse agrees on rows that keep a key (the kernels round the bias to the input dtype);
-  # the others are marked for the backward pass.
-  kept = ref_lse > 0.5 * reference.MASKED_LOGIT
-  np.testing.assert_allclose(np.where(kept, lse, 0.0), np.where(kept, ref_lse, 0.0),
-                             atol=1e-3 if bias is None else 1.5e-2, rtol=1e-5, err_msg="lse")
+  kept = _check_lse(lse, ref_lse, with_bias=bias is not None)
   live = np.ones(kept.shape, bool)  # Rows before the query length (B, N, T).
   for b, length in enumerate(np.asarray(options.get("query_seq_lengths", [case.t] * case.b))):
     live[b, :, length:] = False
     assert not np.any(np.asarray(out[b, length:], np.float32))
-  empty = live & ~np.asarray(kept)
+  empty = live & ~kept
   assert np.all(np.asarray(lse)[empty] <= 0.5 * reference.MASKED_LOGIT)
 
 
@@ -342,9 +353,8 @@ OVERLAP_CASES = [
 @pytest.mark.mosaic_interpret
 def test_overlapped_softmax_forward_matches_reference(mc):
   """The pipelined forward against the float32 reference, under the race detector."""
-  case, options = mc.case, _mask_options(mc.options) | dict(is_causal=mc.case.causal)
-  q, k, v, _ = _inputs(case, seed=9)
-  bias, mask = options.pop("bias", None), options.pop("mask", None)
+  case = mc.case
+  options, (q, k, v, _), bias, mask = _mask_case_inputs(mc, seed=9)
   races = plgpu.InterpretGPUParams(detect_races=True)
   out, lse = _run(lambda q, k, v: pm.attention_fwd_pallas_mosaic_gpu(
       q, k, v, bias, mask, **options, **case.fwd, interpret=races), q, k, v)
@@ -353,9 +363,7 @@ def test_overlapped_softmax_forward_matches_reference(mc):
   with jax.default_matmul_precision("highest"):
     ref_out, ref_lse = reference.attention_reference_with_lse(*f32, bias, mask, **options)
   _close("out", out, ref_out, _FWD_TOL[case.dtype])
-  kept = ref_lse > 0.5 * reference.MASKED_LOGIT
-  np.testing.assert_allclose(np.where(kept, lse, 0.0), np.where(kept, ref_lse, 0.0),
-                             atol=1e-3 if bias is None else 1.5e-2, rtol=1e-5, err_msg="lse")
+  _check_lse(lse, ref_lse, with_bias=bias is not None)
 
 
 @pytest.mark.mosaic_interpret
