@@ -176,6 +176,26 @@ def test_scale_and_keys_no_query_sees():
 
 
 @pytest.mark.mosaic_interpret
+@pytest.mark.parametrize("overlap_softmax", [False, True])
+def test_negative_scale_forward(overlap_softmax):
+  """A negative scale turns the row maximum of S into a minimum: the softmax then
+  scales the logits before taking it (with a positive scale it scales late, one FFMA
+  a probability)."""
+  case = Case("neg", b=1, t=64, s=130, n=2, k=1, h=64, dtype=jnp.bfloat16, causal=False,
+              fwd=_FWD_64, bwd=_BWD_64)
+  q, k, v, _ = _inputs(case, seed=3)
+  fwd_cfg = _FWD_64 | dict(num_compute_wgs=1, schedule_barrier=False,
+                           overlap_softmax=overlap_softmax)
+  out, lse = _run(lambda q, k, v: pm.attention_fwd_pallas_mosaic_gpu(
+      q, k, v, scale=-0.2, interpret=True, **fwd_cfg), q, k, v)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  with jax.default_matmul_precision("highest"):
+    ref_out, ref_lse = reference.attention_reference_with_lse(*f32, None, None, scale=-0.2)
+  _close("out", out, ref_out, _FWD_TOL[jnp.bfloat16])
+  _check_lse(lse, ref_lse, with_bias=False)
+
+
+@pytest.mark.mosaic_interpret
 @pytest.mark.parametrize("fuse_dq", [False, True])
 def test_gradients_through_dot_product_attention(fuse_dq, monkeypatch):
   """jax.grad through the public function: forward op with a pinned config, its VJP

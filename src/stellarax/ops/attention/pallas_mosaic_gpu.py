@@ -915,11 +915,21 @@ class _FwdWalker:
     return self.mma.product(self.q_tile, self.k_ring.at[slot].T,
                             (self.c.block_q, self.c.block_kv), while_running=while_running)
 
+  @property
+  def _late_scale(self) -> float | None:
+    """The factor from raw S to base-2 logits when the softmax may apply it late (no
+    bias, a positive scale, so max(c S) = c max(S)): the row maximum is then taken of S
+    and each probability is one FFMA, exp2(S c - m), instead of a multiply for the
+    maximum and another for the exponent. None: the logits are scaled first."""
+    return None if self.p.has_pair or self.p.scale <= 0 else self.p.scale * _LOG2E
+
   def _logits(self, s: jax.Array, kb: Any, masked: bool) -> jax.Array:
-    """Base-2 logits of key block kb from its raw S; frees the block's K slot."""
+    """Base-2 logits of key block kb from its raw S (still to be multiplied by
+    `_late_scale` when that is set), masked; frees the block's K slot."""
     p, slot = self.p, self._slot(kb)
-    s = s * (p.scale * _LOG2E)  # base-2 logits: exp2 is the native instruction.
-    s = _add_pair(p, s, self.pair_ring, slot, self.cta.wg * self.c.block_q)
+    if self._late_scale is None:
+      s = s * (p.scale * _LOG2E)  # base-2 logits: exp2 is the native instruction.
+      s = _add_pair(p, s, self.pair_ring, slot, self.cta.wg * self.c.block_q)
     self.k_stream.release(slot, after_loads=p.has_pair)
     if masked:
       keep = _kept(p, s.shape, self.q0, kb * self.c.block_kv, self.cta.s_eff,
@@ -928,13 +938,18 @@ class _FwdWalker:
     return s
 
   def _softmax(self, s: jax.Array, m: jax.Array, l: jax.Array):
-    """Online softmax of base-2 logits: (float32 probabilities, m, l, alpha), alpha
-    rescaling what was summed before."""
+    """Online softmax of `_logits`: (float32 probabilities, m, l, alpha), m the base-2
+    row maxima, alpha rescaling what was summed before."""
     # m starts at MASK_VALUE, finite: a block with every key of a row masked then
     # gives that row probabilities exp2(-inf) = 0 and alpha = 1, not NaN.
-    m_new = jnp.maximum(m, s.max(axis=1))
+    c = self._late_scale
+    if c is None:
+      m_new = jnp.maximum(m, s.max(axis=1))
+      probs = jnp.exp2(s - _rows(m_new, s.shape))
+    else:
+      m_new = jnp.maximum(m, s.max(axis=1) * c)
+      probs = jnp.exp2(s * c - _rows(m_new, s.shape))
     alpha = jnp.exp2(m - m_new)
-    probs = jnp.exp2(s - _rows(m_new, s.shape))
     l = l * alpha + probs.sum(axis=1)
     return probs, m_new, l, alpha
 
