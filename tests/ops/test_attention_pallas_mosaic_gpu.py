@@ -44,7 +44,7 @@ def _run(fn, *args):
 _FWD_64 = dict(block_q=64, block_kv=64, num_compute_wgs=2, num_stages=2, schedule_barrier=True)
 _BWD_64 = dict(block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64,
                num_compute_wgs=2, num_stages=2, split_dkdv=False, fuse_dq=False,
-               head_split=False)
+               head_split=False, overlap_softmax=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,6 +386,48 @@ def test_overlapped_softmax_forward_matches_reference(mc):
   _check_lse(lse, ref_lse, with_bias=bias is not None)
 
 
+# The pipelined dQ kernel (backward overlap_softmax): S and dP of a key block issued with
+# dQ += dS K of the block before, dS computed while that runs.
+OVERLAP_DQ_CASES = [
+    MaskCase("causal_gqa_two_wgs",
+             Case("dq", b=2, t=100, s=150, n=4, k=2, h=64, dtype=jnp.bfloat16, causal=True,
+                  fwd=_FWD_64, bwd=_BWD_64 | dict(num_stages=3, overlap_softmax=True)), {}),
+    # One warpgroup, 128-key blocks at head dim 128, bias tiles (read from the K slot
+    # held a step longer), a window and both lengths (empty and one-block ranges).
+    MaskCase("bias_window_lengths_one_wg",
+             Case("dqb", b=2, t=96, s=300, n=2, k=1, h=128, dtype=jnp.float16, causal=False,
+                  fwd=_FWD_64, bwd=_BWD_64 | dict(num_compute_wgs=1, block_kv_dq=128,
+                                                  num_stages=3, overlap_softmax=True)),
+             dict(bias=(1, 2, 96, 300), local_window_size=(70, 10),
+                  query_seq_lengths=(90, 30), key_value_seq_lengths=(300, 20))),
+]
+
+
+@pytest.mark.parametrize("mc", OVERLAP_DQ_CASES, ids=lambda mc: mc.name)
+@pytest.mark.mosaic_interpret
+def test_overlapped_dq_kernel_matches_reference(mc, monkeypatch):
+  """The pipelined dQ kernel alone (the dK/dV launch stubbed out, so that the race
+  detector, which keeps the last kernel's findings, sees it) against the reference."""
+  case = mc.case
+  options, (q, k, v, do), bias, mask = _mask_case_inputs(mc, seed=11)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+  with jax.default_matmul_precision("highest"):
+    attend = lambda q, k, v: reference.attention_reference(q, k, v, bias, mask, **options)
+    _, vjp = jax.vjp(attend, *f32[:3])
+    ref_dq = vjp(f32[3])[0]
+  out, lse = _run(lambda q, k, v: pm.attention_fwd_pallas_mosaic_gpu(
+      q, k, v, bias, mask, **options, **case.fwd, interpret=True), q, k, v)
+  monkeypatch.setattr(pm, "_dkdv_call", lambda q, k, v, *a, **kw: {"dv": jnp.zeros_like(v),
+                                                                    "dk": jnp.zeros_like(k)})
+  races = plgpu.InterpretGPUParams(detect_races=True)
+  dq, dk, _ = _run(lambda q, k, v, out, lse, do: pm.attention_bwd_pallas_mosaic_gpu(
+      q, k, v, bias, mask, out, lse, do, **options, **case.bwd, interpret=races),
+      q, k, v, out, lse, do)
+  assert not get_races().races_found
+  assert not np.any(np.asarray(dk, np.float32))  # The stand-in ran.
+  _close("dq", dq, ref_dq, _BWD_TOL[case.dtype])
+
+
 @pytest.mark.mosaic_interpret
 def test_race_detector_finds_no_races_under_masking(monkeypatch):
   """The interpreter's happens-before race detector (warpgroups, TMA, barriers) on the
@@ -639,8 +681,9 @@ def test_lowers_for_simulated_h200(masked):
         key_value_seq_lengths=kv_len if masked else None,
         **(fwd_cfg | dict(overlap_softmax=overlap_softmax)))
 
-  def bwd(split, fuse_dq=False, head_split=False):
-    config = bwd_cfg | dict(split_dkdv=split, fuse_dq=fuse_dq, head_split=head_split)
+  def bwd(split, fuse_dq=False, head_split=False, overlap_softmax=False):
+    config = bwd_cfg | dict(split_dkdv=split, fuse_dq=fuse_dq, head_split=head_split,
+                            overlap_softmax=overlap_softmax)
     return lambda q, k, v, bias, mask, out, lse, dout, q_len, kv_len: (
         pm.attention_bwd_pallas_mosaic_gpu(
         q, k, v, bias if masked else None, mask if masked else None, out, lse, dout,
@@ -661,12 +704,15 @@ def test_lowers_for_simulated_h200(masked):
                        lengths)
     head_split_text = lower(bwd(True, head_split=True), q, k, k, bias, mask, q, lse, q,
                             lengths, lengths)
+    overlap_text = lower(bwd(False, overlap_softmax=True), q, k, k, bias, mask, q, lse, q,
+                         lengths, lengths)
   target = "@mosaic_gpu_v2"
   assert fwd_text.count(target) == 1 and plain_fwd_text.count(target) == 1
   assert bwd_text.count(target) == 2  # dQ, dK/dV
   assert split_text.count(target) == 3  # dQ, dV, dK
   assert fused_text.count(target) == 2  # dV, dK with dQ
   assert head_split_text.count(target) == 3  # dQ and dK split, dV
+  assert overlap_text.count(target) == 2  # pipelined dQ, dK/dV
 
 
 def test_forward_configs_saved_before_overlap_softmax_still_load():
@@ -684,7 +730,8 @@ def test_backward_configs_saved_before_fuse_dq_still_load():
   """Caches and shipped configs written before the fuse_dq tunable existed keep their
   meaning: the separate dQ kernel."""
   from stellarax.core.config import config_from_json, config_to_json
-  old = {k: v for k, v in _BWD_64.items() if k != "fuse_dq"}
+  old = {k: v for k, v in _BWD_64.items()
+         if k not in ("fuse_dq", "head_split", "overlap_softmax")}
   config = config_from_json(PallasMosaicGpuAttentionVjpConfig, old)
   assert config.fuse_dq is False
   assert config_to_json(config) == _BWD_64

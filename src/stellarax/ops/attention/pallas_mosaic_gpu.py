@@ -25,7 +25,7 @@ from registers. With two compute warpgroups a shared "schedule" barrier makes th
 turns (ping-pong), so one's softmax overlaps the other's matmuls. With
 `overlap_softmax` a warpgroup's turn issues S of key block j and P V of block j - 1
 together, and block j's softmax runs while P V does (intra-warpgroup pipelining; see
-_FwdWalker). Causal masking visits
+_FwdWalker, and `_Mma.products_then_accumulate`). Causal masking visits
 only the key blocks up to the diagonal, and only the blocks that cross it are masked;
 the grid runs the longest query tiles first so the short ones fill the tail of the
 launch. Windows and key lengths skip blocks the same way (flash_blocks.py: the same block
@@ -47,7 +47,9 @@ reproducible (unless `fuse_dq`):
   64 x 256 accumulator with S and dP spilled 0.6 KB a thread.
 - dQ: one CTA per (query tile, head, batch), streaming K and V like the forward.
   It recomputes S and dP: 7 matmuls per (query block, key block) in all, where 5
-  would do. With `fuse_dq` the dK launch instead adds dS K to a float32 dQ in global
+  would do. With `overlap_softmax` it pipelines like the forward: S and dP of key
+  block j are issued with dQ += dS K of block j - 1, and block j's dS is computed
+  while that runs (K of block j - 1 is freed a step later). With `fuse_dq` the dK launch instead adds dS K to a float32 dQ in global
   memory with TMA reduce-adds (see _FusedDq): 5 matmuls (6 with `split_dkdv`) and one
   launch fewer, but floating-point sums in no fixed order (not bit reproducible).
 
@@ -175,7 +177,7 @@ def check_fwd_tunables(*, block_q: int, block_kv: int, num_compute_wgs: int, num
 def check_bwd_tunables(*, block_q_dkv: int, block_kv_dkv: int, block_q_dq: int,
                        block_kv_dq: int, num_compute_wgs: int, num_stages: int,
                        split_dkdv: bool, fuse_dq: bool = False,
-                       head_split: bool = False) -> None:
+                       head_split: bool = False, overlap_softmax: bool = False) -> None:
   """Checks backward tunables, independent of the input shape.
 
   Args:
@@ -196,6 +198,10 @@ def check_bwd_tunables(*, block_q_dkv: int, block_kv_dkv: int, block_q_dq: int,
       accumulator a warpgroup holds, for head dim 256, whose 64 x 256 float32
       accumulator spills otherwise. Needs num_compute_wgs=2 and split_dkdv=True, not
       fuse_dq; the dV launch is unchanged.
+    overlap_softmax: in the dQ kernel, issue S and dP of the next key block with
+      dQ += dS K of the current one and compute the next dS while that runs (as the
+      forward's). It holds two K tiles a warpgroup, so it wants 3 stages or more. Not
+      with fuse_dq or head_split (no such dQ kernel).
 
   Raises:
     ValueError: naming the bad value and the accepted ones.
@@ -212,6 +218,11 @@ def check_bwd_tunables(*, block_q_dkv: int, block_kv_dkv: int, block_q_dq: int,
   _check_bool("split_dkdv", split_dkdv)
   _check_bool("fuse_dq", fuse_dq)
   _check_bool("head_split", head_split)
+  _check_bool("overlap_softmax", overlap_softmax)
+  if overlap_softmax and (fuse_dq or head_split):
+    raise ValueError(
+        f"overlap_softmax=True pipelines the separate dQ kernel, which {fuse_dq=} and"
+        f" {head_split=} replace; pass overlap_softmax=False or neither of them.")
   if head_split and (num_compute_wgs != 2 or not split_dkdv or fuse_dq):
     raise ValueError(
         f"head_split=True splits the head dim of the dQ and dK accumulators between two"
@@ -251,6 +262,7 @@ class PallasMosaicGpuAttentionVjpConfig:
   # before this tunable existed still load.
   fuse_dq: bool = False
   head_split: bool = False
+  overlap_softmax: bool = False
 
   def __post_init__(self):
     check_bwd_tunables(**pallas_common.tunables_of(self))
@@ -459,53 +471,60 @@ class _Mma:
 
     return pl.run_state(body)(plgpu.ACC.init(acc))
 
-  def product_then_accumulate(self, a: Any, b: Any, shape: tuple[int, int], acc: jax.Array,
-                              c: Any, d: Any, *, stage: Any,
-                              after_issue: Callable[[], None],
-                              on_product: Callable[[jax.Array], Any], like: Any
-                              ) -> tuple[Any, jax.Array]:
-    """Issues s = a @ b and then acc + c @ d, and works on s while the second runs.
+  def products_then_accumulate(self, products: Sequence[tuple[Any, Any]],
+                               shape: tuple[int, int], acc: jax.Array, c: Any, d: Any, *,
+                               stage: Any, after_issue: Callable[[], None],
+                               on_products: Callable[..., Any], like: Any
+                               ) -> tuple[Any, jax.Array]:
+    """Issues each a @ b of `products` and then acc + c @ d, and works on the products
+    while the sum runs.
 
-    FlashAttention-3's intra-warpgroup overlap: on the GPU both wgmma are issued (so
+    FlashAttention-3's intra-warpgroup overlap: on the GPU all wgmma are issued (so
     they run back to back on the tensor cores), `after_issue()` runs, then the
-    warpgroup waits for s alone (wgmma groups complete in issue order) and runs
-    `on_product(s)` while c @ d may still run; the sum is awaited last.
+    warpgroup waits for the products alone (wgmma groups complete in issue order: at
+    most one in flight means all but the sum are done) and runs `on_products(*them)`
+    while c @ d may still run; the sum is awaited last.
 
-    on_product must not compute the next operand of a wgmma (c's successor): the
+    on_products must not compute the next operand of a wgmma (c's successor): the
     registers LLVM gives it may be c's own, which the running wgmma still reads (ptxas
     then serializes every wgmma of the kernel, C7513). Its results pass an
     optimization barrier after the wait, so such work done on them afterwards (the
     16-bit cast of probabilities) stays there.
 
     Args:
-      a, b: shared-memory operands of s (float32, `shape`).
+      products: [(a, b)] shared-memory operands; each product is float32 of `shape`.
       acc, c, d, stage: as for `accumulate` (c may be in registers).
-      after_issue: runs once both products are issued.
-      on_product: s -> a pytree of arrays.
-      like: a pytree of arrays with on_product's result's structure, shapes, dtypes
+      after_issue: runs once all products and the sum are issued.
+      on_products: (*products) -> a pytree of arrays.
+      like: a pytree of arrays with on_products' result's structure, shapes, dtypes
         and layouts (only its values' types are used).
 
     Returns:
-      (on_product(s), acc + c @ d).
+      (on_products(*products), acc + c @ d).
     """
     if self.staged:
-      s = self.product(a, b, shape)
+      values = [self.product(a, b, shape) for a, b in products]
       acc = self.accumulate(acc, c, d, stage)
       after_issue()
-      return on_product(s), acc
+      return on_products(*values), acc
     leaves, tree = jax.tree.flatten(like)
+    n = len(products)
 
     def body(refs):
-      acc_ref, s_ref, *out_refs = refs
-      plgpu.wgmma(s_ref, a, b)
+      acc_ref, prod_refs, out_refs = refs[0], refs[1:n + 1], refs[n + 1:]
+      for ref, (a, b) in zip(prod_refs, products):
+        plgpu.wgmma(ref, a, b)
       plgpu.wgmma(acc_ref, c, d)
       after_issue()
-      s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # s done; c @ d may still run.
-      for ref, value in zip(out_refs, jax.tree.leaves(on_product(s)), strict=True):
+      # The first load waits until only the sum may be in flight; the others need not.
+      values = [plgpu.wgmma_accumulator_load(ref, wait_n=1 if i == 0 else None)
+                for i, ref in enumerate(prod_refs)]
+      for ref, value in zip(out_refs, jax.tree.leaves(on_products(*values)), strict=True):
         ref[...] = value
 
-    acc, _, *outs = pl.run_state(body)(
-        (plgpu.ACC.init(acc), plgpu.ACC.init(_zeros(shape)), *leaves))
+    acc, *rest = pl.run_state(body)(
+        (plgpu.ACC.init(acc), *(plgpu.ACC.init(_zeros(shape)) for _ in products), *leaves))
+    outs = rest[n:]
     acc, outs = lax.optimization_barrier((acc, outs))  # Ordered after the wait.
     return jax.tree.unflatten(tree, outs), acc
 
@@ -1008,9 +1027,9 @@ class _FwdWalker:
     self.pingpong.sync()
     shape = (self.c.block_q, self.c.block_kv)
     softmax = lambda s: self._softmax(self._logits(s, kb, masked), m, l)
-    (probs, m, l, alpha), acc = self.mma.product_then_accumulate(
-        self.q_tile, self.k_ring.at[slot].T, shape, acc, probs, self.v_ring.at[prev],
-        stage=self.stage, after_issue=self.pingpong.arrive, on_product=softmax,
+    (probs, m, l, alpha), acc = self.mma.products_then_accumulate(
+        [(self.q_tile, self.k_ring.at[slot].T)], shape, acc, probs, self.v_ring.at[prev],
+        stage=self.stage, after_issue=self.pingpong.arrive, on_products=softmax,
         like=(_zeros(shape), m, l, m))
     self.v_stream.release(prev)
     self.pingpong.wait()
@@ -1216,23 +1235,72 @@ def _dq_kernel(*refs, q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, pai
     lse2 = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
     delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
 
-    def step(kb, dq, masked):
-      slot = cta.slot(kb, stages)
-      k_stream.acquire(slot)
-      s = mma.product(q_tile, k_ring.at[slot].T, (bq, bk))
-      v_stream.acquire(slot)
-      dp = mma.product(do_tile, v_ring.at[slot].T, (bq, bk))
-      v_stream.release(slot)
+    def d_scores(s, dp, kb, masked):
+      """dS = P (dP - delta) in float32 from the raw S and dP of key block kb."""
+      s = _add_pair(p, s * (p.scale * _LOG2E), pair_ring, cta.slot(kb, stages), wg * bq)
       # lse2 is +inf on rows that feed no gradient: probabilities 0 there.
-      s = _add_pair(p, s * (p.scale * _LOG2E), pair_ring, slot, wg * bq)
       probs = jnp.exp2(s - _rows(lse2, s.shape))
       if masked:
         keep = _kept(p, (bq, bk), q0, kb * bk, cta.s_eff, rows_are_queries=True)
         probs = jnp.where(keep, probs, 0.0)
-      ds = probs * (dp - _rows(delta, dp.shape))
+      return probs * (dp - _rows(delta, dp.shape))
+
+    def products(slot):
+      return [(q_tile, k_ring.at[slot].T), (do_tile, v_ring.at[slot].T)]
+
+    def step(kb, dq, masked):
+      slot = cta.slot(kb, stages)
+      k_stream.acquire(slot)
+      s = mma.product(*products(slot)[0], (bq, bk))
+      v_stream.acquire(slot)
+      dp = mma.product(*products(slot)[1], (bq, bk))
+      v_stream.release(slot)
+      ds = d_scores(s, dp, kb, masked)
       dq = mma.accumulate(dq, ds.astype(p.dtype), k_ring.at[slot], _stage(stage, wg))
       k_stream.release(slot, after_loads=p.has_pair)
       return dq
+
+    # With overlap_softmax a step issues S and dP of block j and dQ += dS K of block j - 1
+    # together and computes block j's dS while that runs; K of block j - 1 is freed once
+    # its product is done.
+    def first(lo, hi, carry):
+      def run(carry):
+        dq, _ = carry
+        slot = cta.slot(lo, stages)
+        k_stream.acquire(slot)
+        v_stream.acquire(slot)
+        s, dp = (mma.product(a, b, (bq, bk)) for a, b in products(slot))
+        v_stream.release(slot)
+        return dq, d_scores(s, dp, lo, masked=True).astype(p.dtype)
+
+      return lax.cond(lo < hi, run, lambda carry: carry, carry)
+
+    def pipelined_step(kb, carry, masked):
+      dq, ds = carry
+      slot, prev = cta.slot(kb, stages), cta.slot(kb - 1, stages)
+      k_stream.acquire(slot)
+      v_stream.acquire(slot)
+
+      def on_products(s, dp):
+        v_stream.release(slot)
+        return d_scores(s, dp, kb, masked)
+
+      ds_next, dq = mma.products_then_accumulate(
+          products(slot), (bq, bk), dq, ds, k_ring.at[prev], stage=_stage(stage, wg),
+          after_issue=lambda: None, on_products=on_products, like=_zeros((bq, bk)))
+      k_stream.release(prev, after_loads=p.has_pair)
+      # Cast only now: the product just awaited read the previous dS's registers.
+      return dq, ds_next.astype(p.dtype)
+
+    def last(lo, hi, carry):
+      def run(carry):
+        dq, ds = carry
+        prev = cta.slot(hi - 1, stages)
+        dq = mma.accumulate(dq, ds, k_ring.at[prev], _stage(stage, wg))
+        k_stream.release(prev, after_loads=p.has_pair)
+        return dq, ds
+
+      return lax.cond(lo < hi, run, lambda carry: carry, carry)
 
     def skip(kb, _):
       slot = cta.slot(kb, stages)
@@ -1241,8 +1309,13 @@ def _dq_kernel(*refs, q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, pai
         stream.release(slot)
 
     ranges = flash_blocks.key_block_range(p, q0, bq, bk, cta.t_eff, cta.s_eff)
-    dq = _walk(ranges, cta.lo, cta.hi, step, skip, _zeros((bq, p.head_dim)),
-               masked_head=p.left_reach is not None)
+    dq0 = _zeros((bq, p.head_dim))
+    if c.overlap_softmax:
+      ds0 = plgpu.layout_cast(jnp.zeros((bq, bk), p.dtype), plgpu.Layout.WGMMA)
+      dq, _ = _walk(ranges, cta.lo, cta.hi, pipelined_step, skip, (dq0, ds0),
+                    masked_head=p.left_reach is not None, first=first, last=last)
+    else:
+      dq = _walk(ranges, cta.lo, cta.hi, step, skip, dq0, masked_head=p.left_reach is not None)
     _store_tiles([(q_tile, (dq * p.scale).astype(p.dtype), dq_ref.at[row_slice])])
 
   @pl.when(wg == num_wgs)
@@ -1895,6 +1968,7 @@ def attention_bwd_pallas_mosaic_gpu(query, key, value, bias, mask, out, lse, dou
                                     block_kv_dkv: int, block_q_dq: int, block_kv_dq: int,
                                     num_compute_wgs: int, num_stages: int, split_dkdv: bool,
                                     fuse_dq: bool = False, head_split: bool = False,
+                                    overlap_softmax: bool = False,
                                     interpret: Interpret = False):
   """Flash attention backward for attention_fwd_pallas_mosaic_gpu.
 
@@ -1910,7 +1984,8 @@ def attention_bwd_pallas_mosaic_gpu(query, key, value, bias, mask, out, lse, dou
     scale, is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size: the
       forward's options.
     block_q_dkv, block_kv_dkv, block_q_dq, block_kv_dq, num_compute_wgs, num_stages,
-      split_dkdv, fuse_dq, head_split: tunables, see check_bwd_tunables.
+      split_dkdv, fuse_dq, head_split, overlap_softmax: tunables, see
+      check_bwd_tunables.
     interpret: as in the forward.
 
   Returns:
@@ -1922,7 +1997,8 @@ def attention_bwd_pallas_mosaic_gpu(query, key, value, bias, mask, out, lse, dou
   c = PallasMosaicGpuAttentionVjpConfig(
       block_q_dkv=block_q_dkv, block_kv_dkv=block_kv_dkv, block_q_dq=block_q_dq,
       block_kv_dq=block_kv_dq, num_compute_wgs=num_compute_wgs, num_stages=num_stages,
-      split_dkdv=split_dkdv, fuse_dq=fuse_dq, head_split=head_split)
+      split_dkdv=split_dkdv, fuse_dq=fuse_dq, head_split=head_split,
+      overlap_softmax=overlap_softmax)
   p = _make_problem(query, key, value, scale, is_causal, local_window_size,
                     query_seq_lengths, key_value_seq_lengths, bias, mask)
   _check_residuals(query, out, lse, dout)
@@ -2002,6 +2078,11 @@ def _bwd_fits(h: int, e: int, c: dict[str, Any], pe: int = 0) -> bool:
   bq2, bk2 = c["block_q_dq"], c["block_kv_dq"]
   dq_smem = wgs * bq2 * (2 * h * e + 8) + stages * bk2 * (2 * h * e + wgs * bq2 * pe)
   dq_regs = _tile_regs(bq2, h) + 2 * _tile_regs(bq2, bk2)
+  if c.get("overlap_softmax", False):
+    # The previous block's 16-bit dS (the running wgmma reads it) and the next one's in
+    # float32. Checked against ptxas: head dim 64 with 128-key blocks and two
+    # warpgroups spilled 24 B (inside the loop) without the float32 tile counted.
+    dq_regs += _tile_regs(bq2, bk2, e) + _tile_regs(bq2, bk2)
   return _fits(dkdv_smem, dkdv_regs, wgs) and _fits(dq_smem, dq_regs, wgs)
 
 
@@ -2091,16 +2172,16 @@ def _bwd_heuristic(t: int, s: int, h: int, e: int = 2, pe: int = 0) -> dict[str,
     # accumulators' head dim between two warpgroups (none spills).
     c = dict(block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64,
              num_compute_wgs=2, num_stages=2, split_dkdv=True, fuse_dq=False,
-             head_split=True)
+             head_split=True, overlap_softmax=False)
   else:
     # The separate dQ kernel (bitwise reproducible) until the H200 has measured the
     # fused one, which the search space offers (see check_bwd_tunables).
     c = dict(block_q_dkv=64, block_kv_dkv=64, block_q_dq=64,
              block_kv_dq=128 if h == 64 else 64, num_compute_wgs=2, num_stages=2,
-             split_dkdv=False, fuse_dq=False, head_split=False)
+             split_dkdv=False, fuse_dq=False, head_split=False, overlap_softmax=False)
   small = dict(block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64,
                num_compute_wgs=1, num_stages=2, split_dkdv=True, fuse_dq=False,
-               head_split=False)
+               head_split=False, overlap_softmax=False)
   c = _first_fitting([c, small], lambda c: _bwd_fits(h, e, c, pe))
   return _clamp_bwd(c, t, s)
 
@@ -2160,7 +2241,7 @@ def _bwd_space(t: int, s: int, h: int, e: int, pe: int) -> list[dict[str, Any]]:
     bq2, bk2 = (64, 64) if dq_tile == "fused" else dq_tile
     c = dict(block_q_dkv=bq, block_kv_dkv=bk, block_q_dq=bq2, block_kv_dq=bk2,
              num_compute_wgs=wgs, num_stages=stages, split_dkdv=False,
-             fuse_dq=dq_tile == "fused", head_split=False)
+             fuse_dq=dq_tile == "fused", head_split=False, overlap_softmax=False)
     # Splitting dK from dV recomputes S^T, and splitting the head dim recomputes it
     # once more for dV; each pays only where the config does not fit without it.
     candidates = [c, {**c, "split_dkdv": True}]
@@ -2169,6 +2250,12 @@ def _bwd_space(t: int, s: int, h: int, e: int, pe: int) -> list[dict[str, Any]]:
     for c in candidates:
       if _bwd_fits(h, e, c, pe):
         configs.append(_clamp_bwd(c, t, s))
+        # The pipelined dQ kernel holds two K tiles a warpgroup: with two stages the
+        # next K could not land before it is needed.
+        overlapped = {**c, "overlap_softmax": True}
+        if stages >= 3 and not (c["fuse_dq"] or c["head_split"]) and _bwd_fits(
+            h, e, overlapped, pe):
+          configs.append(_clamp_bwd(overlapped, t, s))
         break
   return _unique(configs)
 
