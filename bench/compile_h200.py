@@ -209,7 +209,8 @@ def ptx_traits(ptx: str) -> dict[str, PtxTraits]:
   return out
 
 
-_SASS_LINE = re.compile(r"^\s*(?:\.(?P<label>L_x_\d+):|/\*(?P<addr>[0-9a-f]+)\*/\s+(?P<instr>.*?);)")
+_SASS_LINE = re.compile(
+    r"^\s*(?:\.(?P<label>L_x_\d+):|/\*(?P<addr>[0-9a-f]+)\*/\s+(?P<instr>.*?);)")
 _SASS_BRANCH = re.compile(r"^(?P<pred>@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+`\(\.(?P<target>L_x_\d+)\)")
 _SASS_EXIT = re.compile(r"^(?P<pred>@!?U?P\w+\s+)?EXIT\b")
 _SASS_SPILL = re.compile(r"^(?:@!?P\w+\s+)?(?:STL|LDL)\b")
@@ -252,7 +253,8 @@ def sass_spills_in_loops(sass: str) -> tuple[int, int]:
     branch, exit_ = _SASS_BRANCH.match(ins), _SASS_EXIT.match(ins)
     if branch and branch.group("target") in labels:
       out.add(block_of[labels[branch.group("target")]])
-    falls_through = not ((branch and not branch.group("pred")) or (exit_ and not exit_.group("pred")))
+    always = lambda m: m is not None and not m.group("pred")  # an unconditional jump
+    falls_through = not (always(branch) or always(exit_))
     if falls_through and b + 1 < len(starts):
       out.add(b + 1)
     succ.append(out)

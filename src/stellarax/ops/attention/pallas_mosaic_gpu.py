@@ -25,12 +25,12 @@ from registers. With two compute warpgroups a shared "schedule" barrier makes th
 turns (ping-pong), so one's softmax overlaps the other's matmuls. With
 `overlap_softmax` a warpgroup's turn issues S of key block j and P V of block j - 1
 together, and block j's softmax runs while P V does (intra-warpgroup pipelining; see
-_FwdWalker, and `_Mma.products_then_accumulate`). Causal masking visits
-only the key blocks up to the diagonal, and only the blocks that cross it are masked;
-the grid runs the longest query tiles first so the short ones fill the tail of the
-launch. Windows and key lengths skip blocks the same way (flash_blocks.py: the same block
-arithmetic as the Triton kernels); the memory warpgroup streams the union of its compute
-warpgroups' key blocks, and each warpgroup passes over the blocks it does not need.
+_FwdWalker, and `_Mma.products_then_accumulate`). Causal masking visits only the key
+blocks up to the diagonal, and only the blocks that cross it are masked; the grid runs
+the longest query tiles first so the short ones fill the tail of the launch. Windows
+and key lengths skip blocks the same way (flash_blocks.py: the same block arithmetic as
+the Triton kernels); the memory warpgroup streams the union of its compute warpgroups'
+key blocks, and each warpgroup passes over the blocks it does not need.
 
 Backward. delta = rowsum(O * dO) and the base-2 log-sum-exp are computed in XLA (they
 are cheap and memory bound); then two kernels, no atomics, so gradients are bit
@@ -49,9 +49,10 @@ reproducible (unless `fuse_dq`):
   It recomputes S and dP: 7 matmuls per (query block, key block) in all, where 5
   would do. With `overlap_softmax` it pipelines like the forward: S and dP of key
   block j are issued with dQ += dS K of block j - 1, and block j's dS is computed
-  while that runs (K of block j - 1 is freed a step later). With `fuse_dq` the dK launch instead adds dS K to a float32 dQ in global
-  memory with TMA reduce-adds (see _FusedDq): 5 matmuls (6 with `split_dkdv`) and one
-  launch fewer, but floating-point sums in no fixed order (not bit reproducible).
+  while that runs (K of block j - 1 is freed a step later). With `fuse_dq` the dK
+  launch instead adds dS K to a float32 dQ in global memory with TMA reduce-adds (see
+  _FusedDq): 5 matmuls (6 with `split_dkdv`) and one launch fewer, but floating-point
+  sums in no fixed order (not bit reproducible).
 
 Sequence lengths that are not multiples of the blocks are padded in the wrapper (only
 then): padded keys are masked like keys past the key length; padded query rows, rows
@@ -461,7 +462,10 @@ class _Mma:
     `a` is in registers.
     """
     if self.staged:
-      a = self._staged_operand(a, stage)
+      if isinstance(a, jax.Array):
+        stage[...] = a
+        plgpu.commit_smem()  # Make the stores visible to wgmma (the async proxy).
+        a = stage
       return acc + self.product(a, b, acc.shape, while_running)
 
     def body(acc_ref):
@@ -527,16 +531,6 @@ class _Mma:
     outs = rest[n:]
     acc, outs = lax.optimization_barrier((acc, outs))  # Ordered after the wait.
     return jax.tree.unflatten(tree, outs), acc
-
-  @staticmethod
-  def _staged_operand(a: Any, stage: Any) -> Any:
-    """A register tile stored to its staging tile (the interpreter's wgmma reads shared
-    memory only); a shared-memory tile as is."""
-    if not isinstance(a, jax.Array):
-      return a
-    stage[...] = a
-    plgpu.commit_smem()  # Make the stores visible to wgmma (the async proxy).
-    return stage
 
 
 class _PingPong:
@@ -860,11 +854,15 @@ def _as_interpret(interpret: Any) -> Interpret:
   return interpret if isinstance(interpret, plgpu.InterpretGPUParams) else bool(interpret)
 
 
-def _kernel(body: Callable[..., None], *, out_type: Any, scratch: dict[str, Any],
-            grid: tuple[int, int, int], tiles: str, num_compute_wgs: int, name: str,
-            interpret: Interpret) -> Callable[..., Any]:
+def _kernel(body: Callable[..., None], *, p: _Problem, c: Any, out_type: Any,
+            scratch: dict[str, Any], grid: tuple[int, int, int], tiles: str,
+            num_compute_wgs: int, name: str, interpret: Interpret,
+            **options: Any) -> Callable[..., Any]:
   """The launcher of one of this file's kernels: grid (heads, batch, `tiles`), the
-  compute warpgroups and one memory warpgroup (thread axis "wg")."""
+  compute warpgroups and one memory warpgroup (thread axis "wg"). The body gets the
+  problem `p`, the config `c`, how tiles reach wgmma (`mma`: staged when interpreting)
+  and `options`."""
+  body = functools.partial(body, p=p, c=c, mma=_Mma(staged=bool(interpret)), **options)
   return plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=grid,
       grid_names=("heads", "batch", tiles), num_threads=num_compute_wgs + 1,
@@ -1147,9 +1145,8 @@ def _fwd(query, key, value, bias, mask, q_len, kv_len, *, p: _Problem,
       k_free=_barrier(stages, num_wgs), v_free=_barrier(stages, num_wgs),
       sched=_barrier(1, 2) if c.schedule_barrier else None,
   )
-  kernel = functools.partial(_fwd_kernel, p=p, c=c, mma=_Mma(staged=bool(interpret)))
   out, lse = _kernel(
-      kernel, out_type=(jax.ShapeDtypeStruct(q.shape, p.dtype),
+      _fwd_kernel, p=p, c=c, out_type=(jax.ShapeDtypeStruct(q.shape, p.dtype),
                         jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32)),
       scratch=scratch, grid=(n, b, t_pad // (num_wgs * bq)), tiles="q_tiles",
       num_compute_wgs=num_wgs, name="fwd", interpret=interpret)(*args)
@@ -1250,10 +1247,11 @@ def _dq_kernel(*refs, q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, pai
 
     def step(kb, dq, masked):
       slot = cta.slot(kb, stages)
+      (q_k, do_v) = products(slot)
       k_stream.acquire(slot)
-      s = mma.product(*products(slot)[0], (bq, bk))
+      s = mma.product(*q_k, (bq, bk))
       v_stream.acquire(slot)
-      dp = mma.product(*products(slot)[1], (bq, bk))
+      dp = mma.product(*do_v, (bq, bk))
       v_stream.release(slot)
       ds = d_scores(s, dp, kb, masked)
       dq = mma.accumulate(dq, ds.astype(p.dtype), k_ring.at[slot], _stage(stage, wg))
@@ -1309,13 +1307,13 @@ def _dq_kernel(*refs, q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, pai
         stream.release(slot)
 
     ranges = flash_blocks.key_block_range(p, q0, bq, bk, cta.t_eff, cta.s_eff)
-    dq0 = _zeros((bq, p.head_dim))
+    dq0, masked_head = _zeros((bq, p.head_dim)), p.left_reach is not None
     if c.overlap_softmax:
       ds0 = plgpu.layout_cast(jnp.zeros((bq, bk), p.dtype), plgpu.Layout.WGMMA)
       dq, _ = _walk(ranges, cta.lo, cta.hi, pipelined_step, skip, (dq0, ds0),
-                    masked_head=p.left_reach is not None, first=first, last=last)
+                    masked_head=masked_head, first=first, last=last)
     else:
-      dq = _walk(ranges, cta.lo, cta.hi, step, skip, dq0, masked_head=p.left_reach is not None)
+      dq = _walk(ranges, cta.lo, cta.hi, step, skip, dq0, masked_head=masked_head)
     _store_tiles([(q_tile, (dq * p.scale).astype(p.dtype), dq_ref.at[row_slice])])
 
   @pl.when(wg == num_wgs)
@@ -1769,9 +1767,8 @@ def _dq_head_split_call(q, k, v, do, lse2, delta, pair, lengths, *, p: _Problem,
       k_free=_barrier(stages, 2), v_free=_barrier(stages, 2),
       **_head_split_scratch(p, bq, bk),
   )
-  kernel = functools.partial(_dq_head_split_kernel, p=p, c=c, mma=_Mma(staged=bool(interpret)))
-  return _kernel(kernel, out_type=jax.ShapeDtypeStruct(q.shape, p.dtype), scratch=scratch,
-                 grid=(n, b, t_pad // bq), tiles="q_tiles", num_compute_wgs=2,
+  return _kernel(_dq_head_split_kernel, p=p, c=c, out_type=jax.ShapeDtypeStruct(q.shape, p.dtype),
+                 scratch=scratch, grid=(n, b, t_pad // bq), tiles="q_tiles", num_compute_wgs=2,
                  name="bwd_dq_split", interpret=interpret,
                  )(q, k, v, do, lse2, delta, *([pair] if p.has_pair else []), *lengths)
 
@@ -1791,9 +1788,8 @@ def _dk_head_split_call(q, k, v, do, lse2, delta, pair_t, lengths, *, p: _Proble
       ready=_barrier(stages, 6 + p.has_pair), free=_barrier(stages, 2),
       **_head_split_scratch(p, bk, bq),
   )
-  kernel = functools.partial(_dk_head_split_kernel, p=p, c=c, mma=_Mma(staged=bool(interpret)))
-  return _kernel(kernel, out_type=jax.ShapeDtypeStruct(k.shape, p.dtype), scratch=scratch,
-                 grid=(kh, b, s_pad // bk), tiles="kv_tiles", num_compute_wgs=2,
+  return _kernel(_dk_head_split_kernel, p=p, c=c, out_type=jax.ShapeDtypeStruct(k.shape, p.dtype),
+                 scratch=scratch, grid=(kh, b, s_pad // bk), tiles="kv_tiles", num_compute_wgs=2,
                  name="bwd_dk_split", interpret=interpret,
                  )(q, k, v, do, lse2, delta, *([pair_t] if p.has_pair else []), *lengths)
 
@@ -1815,9 +1811,8 @@ def _dq_call(q, k, v, do, lse2, delta, pair, lengths, *, p: _Problem,
       k_ready=_barrier(stages, 1 + p.has_pair), v_ready=_barrier(stages),
       k_free=_barrier(stages, num_wgs), v_free=_barrier(stages, num_wgs),
   )
-  kernel = functools.partial(_dq_kernel, p=p, c=c, mma=_Mma(staged=bool(interpret)))
-  return _kernel(kernel, out_type=jax.ShapeDtypeStruct(q.shape, p.dtype), scratch=scratch,
-                 grid=(n, b, t_pad // (num_wgs * bq)), tiles="q_tiles",
+  return _kernel(_dq_kernel, p=p, c=c, out_type=jax.ShapeDtypeStruct(q.shape, p.dtype),
+                 scratch=scratch, grid=(n, b, t_pad // (num_wgs * bq)), tiles="q_tiles",
                  num_compute_wgs=num_wgs, name="bwd_dq", interpret=interpret,
                  )(q, k, v, do, lse2, delta, *([pair] if p.has_pair else []), *lengths)
 
@@ -1858,14 +1853,12 @@ def _dkdv_call(q, k, v, do, lse2, delta, pair_t, lengths, dv0, dq_acc=None, *,
                   if fused_dq else None),
       ds_ready=_barrier(1, num_wgs) if fused_dq and num_wgs > 1 else None,
   )
-  kernel = functools.partial(_dkdv_kernel, p=p, c=c, mma=_Mma(staged=bool(interpret)),
-                             grads=grads, fused_dq=fused_dq)
   out_type = {"dk": jax.ShapeDtypeStruct(k.shape, p.dtype),
               "dv": jax.ShapeDtypeStruct(v.shape, p.dtype)}
   outs = _kernel(
-      kernel, out_type=[out_type[g] for g in grads], scratch=scratch,
+      _dkdv_kernel, p=p, c=c, out_type=[out_type[g] for g in grads], scratch=scratch,
       grid=(kh, b, s_pad // (num_wgs * bk)), tiles="kv_tiles", num_compute_wgs=num_wgs,
-      name="bwd_" + "".join(grads), interpret=interpret,
+      name="bwd_" + "".join(grads), interpret=interpret, grads=grads, fused_dq=fused_dq,
   )(q, k, v, do, lse2, delta, *([pair_t] if p.has_pair else []), *lengths,
     *([dv0] if with_dv0 else []), *([dq_acc] if fused_dq else []))
   return dict(zip(grads, outs))
