@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 # The race detector's findings are not exported by jax.experimental yet.
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
@@ -389,8 +391,10 @@ def test_overlapped_softmax_forward_matches_reference(mc):
 # The pipelined dQ kernel (backward overlap_softmax): S and dP of a key block issued with
 # dQ += dS K of the block before, dS computed while that runs.
 OVERLAP_DQ_CASES = [
+    # Up to 5 key blocks in 3 stages: slots are refilled while the warpgroups still
+    # work (an early release is a race the detector sees).
     MaskCase("causal_gqa_two_wgs",
-             Case("dq", b=2, t=100, s=150, n=4, k=2, h=64, dtype=jnp.bfloat16, causal=True,
+             Case("dq", b=1, t=300, s=330, n=4, k=2, h=64, dtype=jnp.bfloat16, causal=True,
                   fwd=_FWD_64, bwd=_BWD_64 | dict(num_stages=3, overlap_softmax=True)), {}),
     # One warpgroup, 128-key blocks at head dim 128, bias tiles (read from the K slot
     # held a step longer), a window and both lengths (empty and one-block ranges).
@@ -759,3 +763,63 @@ def test_fused_dq_backward_under_vmap():
     _, _, ref_grads = _reference(*example, causal=True)
     for name, g, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
       _close(f"{name}[{i}]", g[i], ref, _BWD_TOL[case.dtype])
+
+
+def _ring_products(a, b, *, release_early: bool, check_reads: bool):
+  """sum_j a @ b[j] by a compute warpgroup that takes b[j] from a 2-slot TMA ring which
+  a memory warpgroup refills (pm._Stream, pm._produce), with the wgmma staged as in
+  interpret mode; `release_early` frees each slot while its product may still run."""
+  steps, stages = b.shape[0], 2
+  mma = pm._Mma(staged=True, check_reads=check_reads)
+
+  def body(a_ref, b_ref, out_ref, a_smem, ring, a_ready, ready, free):
+    stream = pm._Stream(lambda step: [(b_ref.at[step], ring)], ready, free)
+
+    @pl.when(lax.axis_index("wg") == 0)
+    def _compute():
+      plgpu.copy_gmem_to_smem(a_ref, a_smem, a_ready.at[0])
+      plgpu.barrier_wait(a_ready.at[0])
+
+      def step(j, acc):
+        slot = lax.rem(j, stages)
+        stream.acquire(slot)
+        while_running = (lambda: stream.release(slot)) if release_early else None
+        acc = acc + mma.product(a_smem, ring.at[slot], acc.shape, while_running)
+        if not release_early:
+          stream.release(slot)
+        return acc
+
+      out_ref[...] = lax.fori_loop(0, steps, step, jnp.zeros(out_ref.shape, jnp.float32))
+
+    @pl.when(lax.axis_index("wg") == 1)
+    def _memory():
+      pm._produce([stream], steps, stages)
+
+  shape = (a.shape[0], b.shape[2])
+  scratch = dict(a_smem=plgpu.SMEM(a.shape, a.dtype, transforms=pm._tiled(a.dtype, a.shape[1])),
+                 ring=plgpu.SMEM((stages, *b.shape[1:]), b.dtype,
+                                 transforms=pm._tiled(b.dtype, b.shape[2])),
+                 a_ready=pm._barrier(1), ready=pm._barrier(stages), free=pm._barrier(stages))
+  call = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(shape, jnp.float32),
+                      scratch_types=scratch, num_threads=2, thread_name="wg",
+                      interpret=plgpu.InterpretGPUParams(detect_races=True))
+  return jax.jit(call)(a, b)
+
+
+@pytest.mark.parametrize("release_early", [False, True])
+@pytest.mark.mosaic_interpret
+def test_staged_wgmma_reads_are_race_checked(release_early):
+  """The interpreter runs wgmma at once and its race detector does not see wgmma's
+  reads; `_Mma(check_reads=True)` reads the operands again where the GPU's wgmma may
+  still read them, so a slot freed while its product may still run is a race (and one
+  freed after it is not). Without the check the early release passes unnoticed."""
+  ka, kb = jax.random.split(jax.random.key(3))
+  a = jax.random.normal(ka, (64, 64), jnp.float32).astype(jnp.bfloat16)
+  b = jax.random.normal(kb, (5, 64, 64), jnp.float32).astype(jnp.bfloat16)
+  want = jnp.einsum("ik,jkn->in", a.astype(jnp.float32), b.astype(jnp.float32))
+  out = _ring_products(a, b, release_early=release_early, check_reads=True)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-2, atol=1e-2)
+  assert get_races().races_found == release_early
+  if release_early:  # What the interpreter alone would say.
+    _ring_products(a, b, release_early=True, check_reads=False)
+    assert not get_races().races_found

@@ -67,7 +67,11 @@ runs wgmma only with both operands in shared memory and only into a fresh accumu
 (it cannot interpret `pl.run_state` nor a register left-hand operand). In interpret mode
 register operands (P, dS) are therefore first stored to a shared-memory tile and each
 product is added to the accumulator in registers (`_Mma(staged=True)`); on the GPU they
-go to wgmma directly and accumulate in place.
+go to wgmma directly and accumulate in place. The interpreter also runs each wgmma at
+once and its race detector does not see wgmma's reads; under the race detector the
+staged products therefore read their shared-memory operands again with ordinary loads
+where the GPU's wgmma may still be reading them (the wait that completes it), so a tile
+freed before its product is done is a race the detector reports.
 """
 
 from __future__ import annotations
@@ -426,9 +430,15 @@ class _Mma:
     staged: store register left operands to shared memory and add every product to
       the accumulator in registers (what the interpreter supports); otherwise feed
       registers to wgmma directly and accumulate in place (the GPU path).
+    check_reads: staged only, under the interpreter's race detector: read every
+      shared-memory operand again with ordinary loads where the GPU's wgmma may still
+      be reading it (at the wait that completes it). The interpreter runs wgmma at
+      once and its race detector does not see wgmma's reads, so without these loads a
+      tile freed before an asynchronous product is done with it passes unnoticed.
   """
 
   staged: bool
+  check_reads: bool = False
 
   def product(self, a: Any, b: Any, shape: tuple[int, int],
               while_running: Callable[[], None] | None = None) -> jax.Array:
@@ -440,9 +450,12 @@ class _Mma:
                   while_running: Callable[[], None] | None = None) -> jax.Array:
     """sum(a @ b for a, b in pairs) in float32 for shared-memory operands: one
     accumulator on the GPU, one product each when staged."""
-    if self.staged and len(pairs) > 1:
-      products = [self.product(a, b, shape) for a, b in pairs]
-      return functools.reduce(jnp.add, products)
+    if self.staged:
+      total = functools.reduce(jnp.add, [self._staged_product(a, b, shape)
+                                         for a, b in pairs])
+      if while_running is not None:
+        while_running()
+      return self._completed(total, *itertools.chain.from_iterable(pairs))
 
     def body(acc_ref):
       for a, b in pairs:
@@ -462,11 +475,7 @@ class _Mma:
     `a` is in registers.
     """
     if self.staged:
-      if isinstance(a, jax.Array):
-        stage[...] = a
-        plgpu.commit_smem()  # Make the stores visible to wgmma (the async proxy).
-        a = stage
-      return acc + self.product(a, b, acc.shape, while_running)
+      return acc + self.product(self._in_smem(a, stage), b, acc.shape, while_running)
 
     def body(acc_ref):
       plgpu.wgmma(acc_ref, a, b)
@@ -474,6 +483,37 @@ class _Mma:
         while_running()
 
     return pl.run_state(body)(plgpu.ACC.init(acc))
+
+  @staticmethod
+  def _staged_product(a: Any, b: Any, shape: tuple[int, int]) -> jax.Array:
+    """a @ b for shared-memory operands, one wgmma into a fresh accumulator (what the
+    interpreter runs), awaited at once."""
+    def body(acc_ref):
+      plgpu.wgmma(acc_ref, a, b)
+      return acc_ref[...]
+
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+  @staticmethod
+  def _in_smem(a: Any, stage: Any) -> Any:
+    """A register tile stored to shared-memory `stage` (a shared-memory tile as is)."""
+    if not isinstance(a, jax.Array):
+      return a
+    stage[...] = a
+    plgpu.commit_smem()  # Make the stores visible to wgmma (the async proxy).
+    return stage
+
+  def _completed(self, result: Any, *operands: Any) -> Any:
+    """Staged: `result` of the wgmma reading `operands`, now done (see `check_reads`)."""
+    if not self.check_reads:
+      return result
+    # Reads the race detector orders against the slot's refill; tied to the result so
+    # that dead-code elimination keeps them.
+    result, _ = lax.optimization_barrier((result, [operand[...] for operand in operands]))
+    # The refill is a TMA (async-proxy) write: order these generic-proxy reads before
+    # it, as `_Stream.release(after_loads=True)` does.
+    plgpu.commit_smem()
+    return result
 
   def products_then_accumulate(self, products: Sequence[tuple[Any, Any]],
                                shape: tuple[int, int], acc: jax.Array, c: Any, d: Any, *,
@@ -506,11 +546,14 @@ class _Mma:
     Returns:
       (on_products(*products), acc + c @ d).
     """
-    if self.staged:
-      values = [self.product(a, b, shape) for a, b in products]
-      acc = self.accumulate(acc, c, d, stage)
+    if self.staged:  # As the GPU completes them: the products, then the sum.
+      values = [self._staged_product(a, b, shape) for a, b in products]
+      c = self._in_smem(c, stage)
+      acc = acc + self._staged_product(c, d, acc.shape)
       after_issue()
-      return on_products(*values), acc
+      values = self._completed(values, *itertools.chain.from_iterable(products))
+      out = on_products(*values)
+      return self._completed((out, acc), c, d)
     leaves, tree = jax.tree.flatten(like)
     n = len(products)
 
@@ -862,12 +905,15 @@ def _kernel(body: Callable[..., None], *, p: _Problem, c: Any, out_type: Any,
   compute warpgroups and one memory warpgroup (thread axis "wg"). The body gets the
   problem `p`, the config `c`, how tiles reach wgmma (`mma`: staged when interpreting)
   and `options`."""
-  body = functools.partial(body, p=p, c=c, mma=_Mma(staged=bool(interpret)), **options)
+  params = _interpret_params(interpret)
+  mma = _Mma(staged=params is not None,
+             check_reads=params is not None and bool(params.detect_races))
+  body = functools.partial(body, p=p, c=c, mma=mma, **options)
   return plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=grid,
       grid_names=("heads", "batch", tiles), num_threads=num_compute_wgs + 1,
       thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=_interpret_params(interpret), kernel_name="stellarax_attention_" + name)
+      interpret=params, kernel_name="stellarax_attention_" + name)
 
 
 # --------------------------------------------------------------------------------------
