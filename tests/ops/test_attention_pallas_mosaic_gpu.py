@@ -439,11 +439,12 @@ def test_race_detector_finds_no_races_under_masking(monkeypatch):
   keeps the last kernel's findings), with tiles of bias and mask, a window and both
   sequence lengths; the results still match the reference. The head-split dQ kernel,
   which launches first, is checked alone."""
-  case = Case("races", b=2, t=96, s=130, n=2, k=1, h=64, dtype=jnp.bfloat16, causal=False,
+  # Key blocks see up to 4 query blocks: the dK/dV kernel's 2-slot rings are refilled.
+  case = Case("races", b=2, t=200, s=130, n=2, k=1, h=64, dtype=jnp.bfloat16, causal=False,
               fwd=_FWD_64, bwd=_BWD_64)
-  options = _mask_options(dict(bias=(1, 2, 96, 130), mask=(2, 1, 1, 130),
-                               query_seq_lengths=(90, 50), key_value_seq_lengths=(130, 100)))
-  options |= dict(local_window_size=(30, 10))
+  options = _mask_options(dict(bias=(1, 2, 200, 130), mask=(2, 1, 1, 130),
+                               query_seq_lengths=(190, 50), key_value_seq_lengths=(130, 100)))
+  options |= dict(local_window_size=(100, 10))
   bias, mask = options.pop("bias"), options.pop("mask")
   q, k, v, do = _inputs(case, seed=8)
   races = plgpu.InterpretGPUParams(detect_races=True)
