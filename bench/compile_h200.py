@@ -100,11 +100,13 @@ class KernelStats(_SpilledBytes):
   # memory-bound kernel needs for full bandwidth; 0: none, e.g. only TMA).
   global_load_bits: int | None = None
   pallas: bool = False  # a Pallas (Triton or Mosaic GPU) kernel, not one of XLA's own
-  # Spill instructions (local stores and loads ptxas marks as spill refills) inside loops
-  # of the kernel's SASS, where they cost every iteration; 0 when every spill lies
-  # outside them (set up, between loops, the epilogue: a few accesses per kernel). None
-  # where not disassembled (no spills, or no nvdisasm). See sass_spills_in_loops.
+  # Spill instructions (local stores and loads ptxas marks as spill refills) inside the
+  # loops that do the kernel's steps, where every step pays them; 0 when every spill
+  # lies outside them (set up, between loops, the epilogue: a few accesses per kernel,
+  # or once per tile of a persistent kernel: spills_in_outer_loops). None where not
+  # disassembled (no spills, or no nvdisasm). See sass_spill_sites.
   spills_in_loops: int | None = None
+  spills_in_outer_loops: int | None = None
   # ptxas's numbered performance remarks, e.g. "C7515 Potential Performance Loss:
   # wgmma.mma_async instructions are serialized due to ..." (C7510 to C7515 name the
   # causes: the tensor cores' pipeline is lost) or "C7519 warpgroup.arrive is injected
@@ -214,16 +216,36 @@ _SASS_LINE = re.compile(
 _SASS_BRANCH = re.compile(r"^(?P<pred>@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+`\(\.(?P<target>L_x_\d+)\)")
 _SASS_EXIT = re.compile(r"^(?P<pred>@!?U?P\w+\s+)?EXIT\b")
 _SASS_SPILL = re.compile(r"^(?:@!?P\w+\s+)?(?:STL|LDL)\b")
+_SASS_MMA = re.compile(r"\bHG?MMA\b")
 
 
-def sass_spills_in_loops(sass: str) -> tuple[int, int]:
-  """(spill instructions inside loops, spill instructions) of one function's SASS
-  (`nvdisasm -c` output).
+@dataclasses.dataclass(frozen=True)
+class SpillSites:
+  """Where a function's spill instructions are (see sass_spill_sites).
+
+  Attributes:
+    in_loops: inside loops that do the kernel's steps (every iteration pays them).
+    in_outer_loops: inside a loop only around such a loop (e.g. a persistent kernel's
+      tile loop around its contraction loop): once per outer iteration.
+    total: all spill instructions.
+  """
+
+  in_loops: int
+  in_outer_loops: int
+  total: int
+
+
+def sass_spill_sites(sass: str) -> SpillSites:
+  """Where the spills of one function's SASS (`nvdisasm -c` output) are.
 
   Spills are the local stores and loads ptxas marks `"SpillRefill"`. Loops are natural
-  loops of the control-flow graph: a branch back to a block that dominates it. The
-  out-of-line retry blocks of mbarrier waits at a function's end branch back into the
-  body, but not to a block dominating them, so they do not make the body a loop.
+  loops of the control-flow graph (a branch back to a block that dominates it; loops
+  with one head are one loop). The out-of-line retry blocks of mbarrier waits at a
+  function's end branch back into the body, but not to a block dominating them, so
+  they do not make the body a loop. A spill is in an outer loop when the smallest loop
+  around it holds a tensor-core loop (HGMMA or HMMA) that does not hold the spill: it
+  runs once per outer iteration, not once a step. Kernels without tensor-core loops
+  count every spill in a loop as a step's.
   """
   instrs: list[str] = []  # in address order
   labels: dict[str, int] = {}  # label -> index of the instruction it names
@@ -234,7 +256,7 @@ def sass_spills_in_loops(sass: str) -> tuple[int, int]:
     elif m:
       instrs.append(m.group("instr").strip())
   if not instrs:
-    return 0, 0
+    return SpillSites(0, 0, 0)
   # Basic blocks: leaders are the first instruction, branch targets and what follows a
   # branch or an exit.
   leaders = {0, *labels.values()}
@@ -273,12 +295,12 @@ def sass_spills_in_loops(sass: str) -> tuple[int, int]:
       new = {b} | (set.intersection(*(dom[p] for p in pred[b])) if pred[b] else set())
       if new != dom[b]:
         dom[b], changed = new, True
-  in_loop: set[int] = set()
+  loops: dict[int, set[int]] = {}  # head -> body
   for tail, out in enumerate(succ):
     for head in out:
       if head in dom[tail]:  # a back edge: its natural loop is head and what reaches tail
-        body, stack = {head}, []
-        if tail != head:  # (a block branching to itself is its own loop)
+        body, stack = loops.setdefault(head, {head}), []
+        if tail not in body:  # (a block branching to itself is its own loop)
           body.add(tail)
           stack.append(tail)
         while stack:
@@ -286,9 +308,20 @@ def sass_spills_in_loops(sass: str) -> tuple[int, int]:
             if p not in body:
               body.add(p)
               stack.append(p)
-        in_loop |= body
+  tensor_core_blocks = {block_of[i] for i, ins in enumerate(instrs) if _SASS_MMA.search(ins)}
+  mma_loops = [body for body in loops.values() if body & tensor_core_blocks]
+  in_loops = in_outer = 0
   spills = [i for i, ins in enumerate(instrs) if _SASS_SPILL.match(ins) and "SpillRefill" in ins]
-  return sum(block_of[i] in in_loop for i in spills), len(spills)
+  for i in spills:
+    around = [body for body in loops.values() if block_of[i] in body]
+    if not around:
+      continue
+    smallest = min(around, key=len)
+    if any(inner < smallest and block_of[i] not in inner for inner in mma_loops):
+      in_outer += 1
+    else:
+      in_loops += 1
+  return SpillSites(in_loops, in_outer, len(spills))
 
 
 def sass_functions(disassembly: str) -> dict[str, str]:
@@ -320,8 +353,9 @@ def _cuda_tool(name: str) -> str | None:
 
 
 def locate_spills(k: KernelStats, ptx: str, work: Path) -> None:
-  """Sets k.spills_in_loops from the SASS of its PTX module (ptxas for sm_90a, then
-  nvdisasm); leaves it None without nvdisasm, or when this recompile does not spill."""
+  """Sets k.spills_in_loops and k.spills_in_outer_loops from the SASS of its PTX module
+  (ptxas for sm_90a, then nvdisasm); leaves them None without nvdisasm, or when this
+  recompile does not spill."""
   nvdisasm, ptxas = _cuda_tool("nvdisasm"), _cuda_tool("ptxas")
   if not (nvdisasm and ptxas and ptx):
     return
@@ -339,7 +373,8 @@ def locate_spills(k: KernelStats, ptx: str, work: Path) -> None:
                           text=True).stdout
     function = sass_functions(sass).get(k.name)
     if function is not None:
-      k.spills_in_loops = sass_spills_in_loops(function)[0]
+      sites = sass_spill_sites(function)
+      k.spills_in_loops, k.spills_in_outer_loops = sites.in_loops, sites.in_outer_loops
   finally:
     shutil.rmtree(folder, ignore_errors=True)
 
@@ -671,6 +706,7 @@ class Row(_SpilledBytes):
   async_copies: str | None = None
   global_load_bits: int | None = None
   spills_in_loops: int | None = None
+  spills_in_outer_loops: int | None = None
   pallas: bool = True  # False for XLA's own kernels (fusions) in the same program
   heuristic: bool = False
   target: bool = True  # a speed-target workload of bench/gpu_check.py
@@ -808,7 +844,8 @@ def _status(k: KernelStats) -> str:
   # (wgmma's smallest), e.g. the 16-row tiles of decode-sized ragged_dot.
   matmul = k.tensor_cores in ("wgmma", "mma")
   streams = k.tensor_cores == "none" and k.async_copies == "none"
-  # Spills that the SASS shows outside every loop cost a few accesses per kernel.
+  # Spills that the SASS shows outside the step loops cost a few accesses per kernel
+  # (or per tile).
   spills = k.spills and k.spills_in_loops != 0
   bad = [flag for flag, on in (
       ("SPILLS", spills),
@@ -828,6 +865,8 @@ def _print_rows(rows: list[Row]) -> None:
     spills = f"{r.spill_stores}/{r.spill_loads}" if r.spills else "0"
     if r.spills and r.spills_in_loops is not None:
       spills += f" L{r.spills_in_loops}"
+      if r.spills_in_outer_loops:
+        spills += f"+{r.spills_in_outer_loops}o"
     remarks = ",".join(sorted({m.split()[0] for m in r.remarks}))
     loads = f"{r.async_copies or '-'}/{r.global_load_bits or 0}"
     print(f"{r.op:34s} {r.kernel[:40]:40s} {str(r.registers or '-'):>4s} {spills:>12s} {smem:>6s} "
@@ -848,7 +887,7 @@ def main(argv=None) -> int:
   out.mkdir(parents=True, exist_ok=True)
   (out / "kernels.json").write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
   print("\n== kernels (H = heuristic config; spills = bytes stored/loaded, Ln = n spill"
-        " instructions inside loops of the SASS; loads = async copy kind / widest global load"
+        " instructions inside the SASS's step loops, +mo: m in outer (per-tile) loops; loads = async copy kind / widest global load"
         " in bits) ==")
   print(f"{'op':34s} {'kernel':40s} {'regs':>4s} {'spills':>12s} {'smem':>6s} {'mma':5s} "
         f"{'loads':12s}   {'status':12s} {'ptxas':11s} config")

@@ -225,16 +225,53 @@ _SASS = """\
 """
 
 
-def test_sass_spills_in_loops_counts_only_spills_inside_natural_loops():
+def test_sass_spill_sites_counts_only_spills_inside_natural_loops():
   functions = compile_h200.sass_functions(_SASS)
   assert list(functions) == ["k", "j"]
   # The LDL in the loop; not the spills before and after it, nor the unmarked STL.
-  assert compile_h200.sass_spills_in_loops(functions["k"]) == (1, 3)
-  assert compile_h200.sass_spills_in_loops(functions["j"]) == (0, 0)
+  assert compile_h200.sass_spill_sites(functions["k"]) == compile_h200.SpillSites(1, 0, 3)
+  assert compile_h200.sass_spill_sites(functions["j"]) == compile_h200.SpillSites(0, 0, 0)
   # The same loop without its spill: every spill is outside loops.
   no_loop_spill = functions["k"].replace('LDL R3, [R1]                  (*"SpillRefill"*)',
                                          "IADD3 R3, R3, 0x1, RZ")
-  assert compile_h200.sass_spills_in_loops(no_loop_spill) == (0, 2)
+  assert compile_h200.sass_spill_sites(no_loop_spill) == compile_h200.SpillSites(0, 0, 2)
+
+
+# A persistent kernel's shape: a tile loop (.L_x_1) around a contraction loop of wgmma
+# (.L_x_2) whose mbarrier wait retries in a block of its own (.L_x_3, a loop too). One
+# spill per tile (before the contraction loop), one a step.
+_SASS_NESTED = """\
+//--------------------- .text.p --------------------------
+.text.p:
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   STL [R1], R2                  (*"SpillRefill"*);
+.L_x_2:
+        /*0020*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R5 ;
+        /*0030*/              @!P0 BRA `(.L_x_3) ;
+.L_x_4:
+        /*0040*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;
+        /*0050*/                   LDL R3, [R1+0x4]              (*"SpillRefill"*);
+        /*0060*/               @P1 BRA `(.L_x_2) ;
+        /*0070*/                   LDL R2, [R1]                  (*"SpillRefill"*);
+        /*0080*/               @P2 BRA `(.L_x_1) ;
+        /*0090*/                   EXIT ;
+.L_x_3:
+        /*00a0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R5 ;
+        /*00b0*/              @!P0 BRA `(.L_x_3) ;
+        /*00c0*/                   BRA `(.L_x_4) ;
+//--------------------- SYMBOLS --------------------------
+"""
+
+
+def test_sass_spill_sites_tells_per_tile_spills_from_per_step_ones():
+  p = compile_h200.sass_functions(_SASS_NESTED)["p"]
+  # The LDL next to the wgmma is a step's; the STL and LDL around the contraction loop
+  # are the tile loop's.
+  assert compile_h200.sass_spill_sites(p) == compile_h200.SpillSites(1, 2, 3)
+  # Without tensor cores nothing tells a step loop apart: every spill in a loop counts.
+  assert (compile_h200.sass_spill_sites(p.replace("HGMMA.64x128x16.F32.BF16", "FFMA"))
+          == compile_h200.SpillSites(3, 0, 3))
 
 
 def test_spills_outside_loops_are_not_slow():
@@ -244,6 +281,8 @@ def test_spills_outside_loops_are_not_slow():
   k.spills_in_loops = 2
   assert compile_h200._status(k) == "SPILLS"
   k.spills_in_loops = 0
+  assert compile_h200._status(k) == "ok"
+  k.spills_in_outer_loops = 2  # Once per tile of a persistent kernel: not slow either.
   assert compile_h200._status(k) == "ok"
 
 
