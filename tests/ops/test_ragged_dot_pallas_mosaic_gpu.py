@@ -76,6 +76,9 @@ CONFIG_A = dict(block_m=128, block_n=64, block_k=64, max_concurrent_steps=2, wg_
                 grid_minor_dim="m", grid_tile_width=2)
 CONFIG_B = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=3, wg_split="n",
                 grid_minor_dim="n", grid_tile_width=1)
+# 64 x 128 warpgroup tiles stored in two 64-column slabs.
+CONFIG_SLABS = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=2, wg_split="m",
+                    grid_minor_dim="m", grid_tile_width=2, epilogue_slabs=2)
 
 
 def _inputs(w: Workload, dtype, seed: int = 0):
@@ -193,6 +196,33 @@ def test_split_k_forward_and_dlhs_match_reference():
 
 
 @pytest.mark.mosaic_interpret
+def test_epilogue_slabs_match_reference():
+  """Output tiles stored one 64-column slab at a time (ragged rows: each slab's own
+  ladder of boxes), in the forward (16-bit, and float32 split-K partials), the lhs
+  gradient and the rhs gradient."""
+  w = WORKLOADS["small"]  # K = 128, N = 256; M below one tile, an empty first group
+  lhs, rhs, dout, sizes = _inputs(w, jnp.bfloat16, seed=8)
+  out = pm.ragged_dot_pallas_mosaic_gpu(lhs, rhs, sizes, interpret=RACE_CHECK, **CONFIG_SLABS)
+  assert _no_races()
+  _assert_close(out, ragged_dot_reference(_f32(lhs), _f32(rhs), sizes), jnp.bfloat16)
+  assert np.all(np.asarray(out[_total_rows(w):], np.float32) == 0.0)
+  split = pm.ragged_dot_pallas_mosaic_gpu(lhs, rhs, sizes, preferred_element_type=jnp.float32,
+                                          interpret=RACE_CHECK, **(CONFIG_SLABS | dict(split_k=2)))
+  assert split.dtype == jnp.float32 and _no_races()
+  _assert_close(split, ragged_dot_reference(_f32(lhs), _f32(rhs), sizes), jnp.float32)
+  dlhs = pm.ragged_dot_dlhs_pallas_mosaic_gpu(dout, rhs, sizes, interpret=RACE_CHECK,
+                                              **CONFIG_SLABS)
+  assert _no_races()
+  expected = ragged_dot_reference(_f32(dout), jnp.swapaxes(_f32(rhs), 1, 2), sizes)
+  _assert_close(dlhs, expected, jnp.bfloat16)
+  drhs = pm.ragged_dot_drhs_pallas_mosaic_gpu(lhs, dout, sizes, w.g, interpret=RACE_CHECK,
+                                              **CONFIG_SLABS)
+  assert _no_races()
+  _assert_close(drhs, ragged_dot_rhs_grad_reference(_f32(lhs), _f32(dout), sizes, w.g),
+                jnp.bfloat16)
+
+
+@pytest.mark.mosaic_interpret
 def test_group_sizes_are_runtime_values():
   """One compiled kernel serves different group sizes (they are traced, not static)."""
   w = WORKLOADS["ragged"]
@@ -287,6 +317,9 @@ def test_tile_order_covers_every_tile_once(minor, width, grid_m, grid_n):
     (dict(block_m=192), r"gives each of the 2 compute warpgroups a 96x64 tile"),
     (dict(block_m=256, block_n=256), r"a 128x256 float32 accumulator"),
     (dict(split_k=3), r"split_k=3 must be a power of two >= 1 and <= 16"),
+    (dict(epilogue_slabs=2), r"epilogue_slabs=2 must be a power of two of at most 1: each "
+                             r"compute warpgroup stores its 64x64 tile in slabs of at least 64"),
+    (dict(epilogue_slabs=0), r"epilogue_slabs=0 must be a power of two"),
 ])
 def test_invalid_tunables_are_rejected(changes, message):
   pm.validate_tunables(**CONFIG_A)
@@ -385,16 +418,26 @@ def test_tunable_space_is_valid_for_the_shape(shape, product):
     pm.check_tunables_fit(config, k=k, n=n, product=product)
   if min(m, k, n) >= 1024:
     assert len(space) >= 20
+  # Every config fits an H200 CTA's shared memory with its epilogue slabs, and the
+  # heuristic tile is also offered with its epilogue whole.
+  heuristic = space[0]
+  whole = [c for c in space[1:] if c | dict(max_concurrent_steps=0, epilogue_slabs=0)
+           == heuristic | dict(max_concurrent_steps=0, epilogue_slabs=0)]
+  assert heuristic["epilogue_slabs"] == 1 or any(c["epilogue_slabs"] == 1 for c in whole)
 
 
 def test_heuristic_tunables():
-  # The G=8 target: 128 x 256 CTA tiles (two 128 x 128 warpgroup tiles), 3 stages.
+  # The G=8 target: 128 x 256 CTA tiles (two 128 x 128 warpgroup tiles), 4 stages, the
+  # epilogue in two slabs (224 KiB of shared memory).
   assert pm.heuristic_tunables(8192, 4096, 14336, 8, jnp.bfloat16) == dict(
-      block_m=128, block_n=256, block_k=64, max_concurrent_steps=3, wg_split="n",
-      grid_minor_dim="m", grid_tile_width=8, split_k=1)
+      block_m=128, block_n=256, block_k=64, max_concurrent_steps=4, wg_split="n",
+      grid_minor_dim="m", grid_tile_width=8, split_k=1, epilogue_slabs=2)
   # A float32 output tile takes more shared memory: fewer stages.
   wide = pm.heuristic_tunables(8192, 4096, 14336, 8, jnp.bfloat16, out_dtype=jnp.float32)
-  assert wide["max_concurrent_steps"] == 2
+  assert (wide["max_concurrent_steps"], wide["epilogue_slabs"]) == (3, 2)
+  # Decode-sized M: 64 x 256 tiles, 3 stages (4 spilled in ptxas), the epilogue whole.
+  decode = pm.heuristic_tunables(128, 4096, 14336, 8, jnp.bfloat16)
+  assert (decode["block_m"], decode["max_concurrent_steps"], decode["epilogue_slabs"]) == (64, 3, 1)
   # Groups of 8 rows: 64-row tiles waste less.
   assert pm.heuristic_tunables(4096, 1024, 2048, 512, jnp.bfloat16)["block_m"] == 64
   with pytest.raises(ValueError, match=r"dtype=float32 is not supported"):

@@ -132,7 +132,10 @@ _INTERPRET_PROGRAMS = 2
 _ROW_ALIGN = 8
 _MAX_SPACE = 60
 _TUNABLE_NAMES = ("block_m", "block_n", "block_k", "max_concurrent_steps", "wg_split",
-                  "grid_minor_dim", "grid_tile_width", "split_k")
+                  "grid_minor_dim", "grid_tile_width", "split_k", "epilogue_slabs")
+# The narrowest column slab of the epilogue: a wgmma-layout register tile is sliced
+# and stored in whole 64-column granules.
+_MIN_SLAB = 64
 
 
 # --------------------------------------------------------------------------- configs
@@ -152,7 +155,7 @@ def _wg_tile(block_m: int, block_n: int, wg_split: str) -> tuple[int, int]:
 
 def validate_tunables(*, block_m: int, block_n: int, block_k: int, max_concurrent_steps: int,
                       wg_split: str, grid_minor_dim: str, grid_tile_width: int,
-                      split_k: int = 1) -> None:
+                      split_k: int = 1, epilogue_slabs: int = 1) -> None:
   """Checks the tunables of the three ragged_dot Mosaic GPU kernels.
 
   Args:
@@ -167,6 +170,10 @@ def validate_tunables(*, block_m: int, block_n: int, block_k: int, max_concurren
     split_k: CTAs that share one output tile's contraction in the forward and
       lhs-gradient kernels (split-K: each writes a float32 partial, XLA sums them), a
       power of two in [1, 16]; the rhs-gradient kernel does not split.
+    epilogue_slabs: column slabs in which a compute warpgroup stores its output tile
+      (a power of two; slabs at least 64 columns wide). Its shared-memory buffer
+      holds one slab, so more slabs leave room for more pipeline stages; each slab
+      waits until the previous one's store has read the buffer.
 
   Raises:
     ValueError: naming the first tunable the kernels cannot use, what was given and
@@ -201,13 +208,21 @@ def validate_tunables(*, block_m: int, block_n: int, block_k: int, max_concurren
         f"block_m={block_m}, block_n={block_n} with wg_split={wg_split!r} gives each compute "
         f"warpgroup a {wm}x{wn} float32 accumulator; at most {_MAX_WG_ACC} elements "
         "(128 x 128) fit in registers. Use smaller blocks.")
+  _check_int("epilogue_slabs", epilogue_slabs)
+  if epilogue_slabs < 1 or epilogue_slabs & (epilogue_slabs - 1) or (
+      wn // epilogue_slabs < _MIN_SLAB):
+    raise ValueError(
+        f"epilogue_slabs={epilogue_slabs!r} must be a power of two of at most "
+        f"{wn // _MIN_SLAB}: each compute warpgroup stores its {wm}x{wn} tile in slabs of at "
+        f"least {_MIN_SLAB} columns.")
 
 
 def _smem_bytes(*, block_m: int, block_n: int, block_k: int, max_concurrent_steps: int,
-                out_itemsize: int = 2) -> int:
-  """Shared memory of a CTA: the pipelined 16-bit operand tiles and the epilogue tile."""
+                epilogue_slabs: int = 1, out_itemsize: int = 2) -> int:
+  """Shared memory of a CTA: the pipelined 16-bit operand tiles and the epilogue
+  buffers (one column slab of each compute warpgroup's output tile)."""
   stages = max_concurrent_steps * (block_m + block_n) * block_k * 2
-  return stages + block_m * block_n * out_itemsize
+  return stages + block_m * block_n * out_itemsize // epilogue_slabs
 
 
 # The dimensions each product's blocks tile: (name, size index in (k, n)). Rows of the
@@ -253,15 +268,17 @@ def check_tunables_fit(tunables: dict[str, Any], *, k: int, n: int, product: str
             f" steps.")
   if product != "drhs":
     out_itemsize = _epilogue_itemsize(split, out_itemsize)
+  slabs = tunables.get("epilogue_slabs", 1)
   used = _smem_bytes(**{key: tunables[key] for key in ("block_m", "block_n", "block_k",
                                                       "max_concurrent_steps")},
-                    out_itemsize=out_itemsize)
+                    epilogue_slabs=slabs, out_itemsize=out_itemsize)
   if used > _SMEM_BYTES:
     raise ValueError(
         f"block_m={tunables['block_m']}, block_n={tunables['block_n']}, "
         f"block_k={tunables['block_k']} with max_concurrent_steps="
-        f"{tunables['max_concurrent_steps']} need {used} bytes of shared memory; an H200 CTA "
-        f"has {_SMEM_BYTES}. Use fewer stages or smaller blocks.")
+        f"{tunables['max_concurrent_steps']} and epilogue_slabs={slabs} need {used} bytes of "
+        f"shared memory; an H200 CTA has {_SMEM_BYTES}. Use fewer stages, more epilogue "
+        "slabs or smaller blocks.")
 
 
 def _check_sizes(m: int, k: int, n: int, g: int) -> None:
@@ -285,12 +302,21 @@ def _largest_dividing(dim: int, choices: tuple[int, ...]) -> int | None:
   return max((c for c in choices if dim % c == 0), default=None)
 
 
-def _deepest_pipeline(tiles: dict[str, Any], out_itemsize: int, cap: int) -> int | None:
-  """The most stages (<= cap, >= 2) whose shared memory fits, or None."""
+def _deepest_pipeline(tiles: dict[str, Any], out_itemsize: int, cap: int,
+                      max_slabs: int | None = None) -> dict[str, int] | None:
+  """The most stages (<= cap, >= 2) whose shared memory fits, with the fewest epilogue
+  slabs (<= max_slabs, default: the most the tile allows) that make them fit, as
+  {"max_concurrent_steps", "epilogue_slabs"}; None if nothing fits."""
+  _, wn = _wg_tile(tiles["block_m"], tiles["block_n"], tiles["wg_split"])
+  slab_choices = [1 << i for i in range((wn // _MIN_SLAB).bit_length())]
+  if max_slabs is not None:
+    slab_choices = [x for x in slab_choices if x <= max_slabs]
   for stages in range(cap, 1, -1):
-    if _smem_bytes(block_m=tiles["block_m"], block_n=tiles["block_n"], block_k=tiles["block_k"],
-                  max_concurrent_steps=stages, out_itemsize=out_itemsize) <= _SMEM_BYTES:
-      return stages
+    for slabs in slab_choices:
+      if _smem_bytes(block_m=tiles["block_m"], block_n=tiles["block_n"],
+                     block_k=tiles["block_k"], max_concurrent_steps=stages,
+                     epilogue_slabs=slabs, out_itemsize=out_itemsize) <= _SMEM_BYTES:
+        return dict(max_concurrent_steps=stages, epilogue_slabs=slabs)
   return None
 
 
@@ -308,8 +334,9 @@ def heuristic_tunables(m: int, k: int, n: int, g: int, dtype: Any, *, product: s
   Hopper matmuls) with block_k = 64 and as many stages (up to 3) as shared memory
   holds; block_m drops to 64 when groups average fewer than 128 rows (each group
   wastes part of a tile), and block_n to the largest of 256, 128, 64 that divides
-  the output columns. Tiles run in bands of 8 m-tiles (L2 reuse of lhs rows and rhs
-  columns). Outputs with fewer tiles than an H200 has SMs (decode-sized M) split the
+  the output columns. Pipelines are 4 stages deep for 128-row tiles (3 for 64-row
+  ones), the epilogue stored in as few column slabs as make them fit. Tiles run in
+  bands of 8 m-tiles (L2 reuse of lhs rows and rhs columns). Outputs with fewer tiles than an H200 has SMs (decode-sized M) split the
   contraction (split_k, see split_k.split_choices).
 
   Args:
@@ -345,11 +372,14 @@ def heuristic_tunables(m: int, k: int, n: int, g: int, dtype: Any, *, product: s
   tiles = dict(block_m=block_m, block_n=block_n, block_k=64,
                wg_split="n" if block_n >= 128 else "m", grid_minor_dim="m", grid_tile_width=8)
   tiles["split_k"] = _split_choices(m, k, n, g, tiles, product)[0]
-  # Three stages: compiled for an H200 (bench/compile_h200.py), the 64 x 256 tile of
-  # decode-sized M spilled registers with 2 or 4 stages and not with 3, nor did the
-  # 128 x 256 tile; the search space keeps deeper pipelines for the tuner to measure.
-  tiles["max_concurrent_steps"] = _deepest_pipeline(
-      tiles, _epilogue_itemsize(tiles["split_k"], out_itemsize), cap=3)
+  # Stages: CUTLASS's Hopper kernels run this tile 4 deep; its 64 KiB epilogue buffer
+  # left room for 3, so the epilogue is stored in as few column slabs as make room for
+  # 4 (2 for a 16-bit output: 224 KiB in all). Compiled for an H200
+  # (bench/compile_h200.py, 2026-11-30), 128 x 256 with 4 stages and 2 slabs spills
+  # nothing, but the 64 x 256 tile of decode-sized M spills inside its loop with 4
+  # (and with 2) stages and not with 3. The space keeps other depths for the tuner.
+  cap = 4 if block_m == 128 else 3
+  tiles |= _deepest_pipeline(tiles, _epilogue_itemsize(tiles["split_k"], out_itemsize), cap=cap)
   return {name: tiles[name] for name in _TUNABLE_NAMES}
 
 
@@ -403,11 +433,12 @@ def tunable_space(m: int, k: int, n: int, g: int, dtype: Any, *, product: str = 
   Tiles: block_m and block_n of 64 to 256 (block_m, over ragged rows, at most twice
   the average group and at least 128), block_k of 64 or 128, both warpgroup splits;
   every one that divides the shape and fits the registers, with the deepest pipeline
-  (up to 6 stages) that fits shared memory, and for 64-wide block_k also one stage
-  less. The heuristic tile also runs with other split-K factors (only where the output
-  has fewer tiles than an H200 has SMs) and other tile orders (bands of 4 or 16
-  m-tiles, or n-minor bands); the other tiles take the heuristic's split where their
-  shares still divide the contraction. The heuristic config comes first, then the
+  (up to 6 stages) that fits shared memory (with the fewest epilogue slabs that make
+  it fit), and for 64-wide block_k also one stage less. The heuristic tile also runs
+  with its epilogue whole (and the stages that then fit), with other split-K factors
+  (only where the output has fewer tiles than an H200 has SMs) and other tile orders
+  (bands of 4 or 16 m-tiles, or n-minor bands); the other tiles take the heuristic's
+  split where their shares still divide the contraction. The heuristic config comes first, then the
   tiles by CTA tile size, largest first (the list is cut there when it grows past 60).
 
   Args:
@@ -426,11 +457,17 @@ def tunable_space(m: int, k: int, n: int, g: int, dtype: Any, *, product: str = 
   heuristic = heuristic_tunables(m, k, n, g, dtype, product=product, out_dtype=out_dtype)
   out_itemsize = _out_itemsize(product, dtype, out_dtype)
   space = [heuristic]
+  # The heuristic tile with its epilogue whole and the stages that then fit.
+  itemsize = _epilogue_itemsize(heuristic["split_k"], out_itemsize)
+  whole = _deepest_pipeline(heuristic, itemsize, cap=heuristic["max_concurrent_steps"],
+                            max_slabs=1)
+  if whole is not None:
+    space.append(heuristic | whole)
   # The heuristic tile with the other splits (where the output has few tiles).
   for split in _split_choices(m, k, n, g, heuristic, product)[1:]:
-    stages = _deepest_pipeline(heuristic, _epilogue_itemsize(split, out_itemsize), cap=4)
-    if stages is not None:
-      space.append(heuristic | dict(split_k=split, max_concurrent_steps=stages))
+    pipeline = _deepest_pipeline(heuristic, _epilogue_itemsize(split, out_itemsize), cap=4)
+    if pipeline is not None:
+      space.append(heuristic | dict(split_k=split) | pipeline)
   for order in (("m", 4), ("m", 16), ("n", 4), ("n", 8)):
     space.append(heuristic | dict(grid_minor_dim=order[0], grid_tile_width=order[1]))
   candidates = sorted(_tile_candidates(m, k, n, g, product),
@@ -441,12 +478,14 @@ def tunable_space(m: int, k: int, n: int, g: int, dtype: Any, *, product: str = 
     choices = _split_choices(m, k, n, g, tiles, product)
     split = heuristic["split_k"] if heuristic["split_k"] in choices else choices[0]
     tiles = tiles | dict(split_k=split)
-    deepest = _deepest_pipeline(tiles, _epilogue_itemsize(split, out_itemsize), cap=6)
+    itemsize = _epilogue_itemsize(split, out_itemsize)
+    deepest = _deepest_pipeline(tiles, itemsize, cap=6)
     if deepest is None:
       continue
-    space.append(tiles | dict(max_concurrent_steps=deepest))
-    if tiles["block_k"] == 64 and deepest > 2:
-      space.append(tiles | dict(max_concurrent_steps=deepest - 1))
+    space.append(tiles | deepest)
+    stages = deepest["max_concurrent_steps"]
+    if tiles["block_k"] == 64 and stages > 2:
+      space.append(tiles | _deepest_pipeline(tiles, itemsize, cap=stages - 1))
   keys = dict.fromkeys(tuple(t[name] for name in _TUNABLE_NAMES) for t in space)
   return [dict(zip(_TUNABLE_NAMES, key)) for key in list(keys)[:_MAX_SPACE]]
 
@@ -567,10 +606,16 @@ class _Tiles:
   grid_minor_dim: str
   grid_tile_width: int
   split_k: int = 1
+  epilogue_slabs: int = 1
 
   @property
   def wg_shape(self) -> tuple[int, int]:
     return _wg_tile(self.block_m, self.block_n, self.wg_split)
+
+  def epilogue_buffer(self, dtype: Any) -> Any:
+    """The compute warpgroups' epilogue buffers: one column slab of each one's tile."""
+    wm, wn = self.wg_shape
+    return plgpu.SMEM((_NUM_COMPUTE_WGS * wm, wn // self.epilogue_slabs), dtype)
 
   def tile_order(self, linear: jax.Array, grid_m: int, grid_n: int) -> tuple[jax.Array, jax.Array]:
     """Maps a linear tile index to (m-tile, n-tile), bijectively, in L2-friendly order."""
@@ -597,30 +642,34 @@ def _store_rows(tile: jax.Array, o_smem: Any, out_gmem: Any, *, first: jax.Array
                 count: jax.Array) -> None:
   """Stores rows [first, first + count) of a register tile to the same rows of out_gmem.
 
-  The tile goes to this warpgroup's shared-memory buffer and then to GMEM with TMA.
-  A TMA box has a static size, so `count` (a runtime value in [0, rows]) is stored
-  as a ladder of power-of-two boxes, largest first: its binary digits.
+  The tile goes to this warpgroup's shared-memory buffer and then to GMEM with TMA,
+  one column slab of the buffer's width at a time. A TMA box has a static size, so
+  `count` (a runtime value in [0, rows]) is stored as a ladder of power-of-two boxes,
+  largest first: its binary digits.
 
   Args:
     tile: (rows, cols) values in registers.
-    o_smem: (rows, cols) shared-memory buffer of this warpgroup, unswizzled so that
-      a box may start at any row.
+    o_smem: (rows, slab) shared-memory buffer of this warpgroup, slab dividing cols,
+      unswizzled so that a box may start at any row.
     out_gmem: (rows, cols) GMEM window of the output, aligned with the tile.
     first, count: the rows to store.
   """
-  # The previous tile's stores must have finished reading the buffer.
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  o_smem[...] = tile.astype(o_smem.dtype)
-  plgpu.commit_smem()
-  start = first
-  for bit in reversed(range(o_smem.shape[0].bit_length())):
-    box = 1 << bit
+  slab = o_smem.shape[1]
+  for col in range(0, tile.shape[1], slab):
+    # The previous slab's (or tile's) stores must have finished reading the buffer.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    o_smem[...] = (tile if slab == tile.shape[1] else tile[:, col:col + slab]).astype(o_smem.dtype)
+    plgpu.commit_smem()
+    start = first
+    for bit in reversed(range(o_smem.shape[0].bit_length())):
+      box = 1 << bit
 
-    @pl.when((count & box) != 0)
-    def _store():
-      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(start, box)], out_gmem.at[pl.ds(start, box)])
+      @pl.when((count & box) != 0)
+      def _store():
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(start, box)],
+                                out_gmem.at[pl.ds(start, box), pl.ds(col, slab)])
 
-    start = start + (count & box)
+      start = start + (count & box)
 
 
 def _wgmma_step(acc_ref: Any, a: Any, b: Any) -> Any:
@@ -733,7 +782,7 @@ def _forward_kernel(items_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: _Tiles,
       pl.run_scoped,
       # One set of pipeline buffers and barriers serves every tile of the loop.
       allocs=pipeline(_ignore, _ignore).get_allocations(lhs_gmem, rhs_gmem.at[0]),
-      o_smem=plgpu.SMEM((_NUM_COMPUTE_WGS * wm, wn), out_gmem.dtype),
+      o_smem=tiles.epilogue_buffer(out_gmem.dtype),
       collective_axes="wg",
   )
   def _scope(allocs, o_smem):
@@ -911,7 +960,7 @@ def _drhs_kernel(offsets_gmem, lhs_gmem, dout_gmem, out_gmem, *, tiles: _Tiles):
       # steps as stages, so that the allocations keep every stage.
       allocs=pipeline(_ignore, _ignore, tiles.max_concurrent_steps,
                       lambda s: (s, 0)).get_allocations(lhs_gmem, dout_gmem),
-      o_smem=plgpu.SMEM((_NUM_COMPUTE_WGS * wm, wn), out_gmem.dtype),
+      o_smem=tiles.epilogue_buffer(out_gmem.dtype),
       collective_axes="wg",
   )
   def _scope(allocs, o_smem):
@@ -994,6 +1043,7 @@ def ragged_dot_pallas_mosaic_gpu(
     grid_minor_dim: str,
     grid_tile_width: int,
     split_k: int = 1,
+    epilogue_slabs: int = 1,
     preferred_element_type: Any = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
     num_programs: int | None = None,
@@ -1006,7 +1056,7 @@ def ragged_dot_pallas_mosaic_gpu(
     group_sizes: (G,) integer array (a runtime value); group g is the next
       group_sizes[g] rows of lhs.
     block_m, block_n, block_k, max_concurrent_steps, wg_split, grid_minor_dim,
-      grid_tile_width, split_k: the tunables (see `validate_tunables`).
+      grid_tile_width, split_k, epilogue_slabs: the tunables (see `validate_tunables`).
     preferred_element_type: output dtype (bfloat16, float16 or float32); defaults
       to lhs.dtype. Accumulation is always float32.
     interpret: run in Mosaic GPU interpret mode on any backend (True, or
@@ -1024,7 +1074,7 @@ def ragged_dot_pallas_mosaic_gpu(
   tunables = dict(block_m=block_m, block_n=block_n, block_k=block_k,
                   max_concurrent_steps=max_concurrent_steps, wg_split=wg_split,
                   grid_minor_dim=grid_minor_dim, grid_tile_width=grid_tile_width,
-                  split_k=split_k)
+                  split_k=split_k, epilogue_slabs=epilogue_slabs)
   check_ragged_dot_shapes(lhs, rhs, group_sizes)
   tiles, out_dtype = _prepare(tunables, k=lhs.shape[1], n=rhs.shape[2], product="forward",
                               operands=(("lhs", lhs), ("rhs", rhs)),
@@ -1048,6 +1098,7 @@ def ragged_dot_dlhs_pallas_mosaic_gpu(
     grid_minor_dim: str,
     grid_tile_width: int,
     split_k: int = 1,
+    epilogue_slabs: int = 1,
     preferred_element_type: Any = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
     num_programs: int | None = None,
@@ -1063,7 +1114,8 @@ def ragged_dot_dlhs_pallas_mosaic_gpu(
     rhs: (G, K, N) forward rhs; K a multiple of block_n, N of block_k * split_k.
     group_sizes: (G,) integer array, as in the forward call.
     block_m, block_n, block_k, max_concurrent_steps, wg_split, grid_minor_dim,
-      grid_tile_width, split_k, interpret, num_programs: as in the forward call.
+      grid_tile_width, split_k, epilogue_slabs, interpret, num_programs: as in the
+      forward call.
     preferred_element_type: output dtype; defaults to dout.dtype.
 
   Returns:
@@ -1075,7 +1127,7 @@ def ragged_dot_dlhs_pallas_mosaic_gpu(
   tunables = dict(block_m=block_m, block_n=block_n, block_k=block_k,
                   max_concurrent_steps=max_concurrent_steps, wg_split=wg_split,
                   grid_minor_dim=grid_minor_dim, grid_tile_width=grid_tile_width,
-                  split_k=split_k)
+                  split_k=split_k, epilogue_slabs=epilogue_slabs)
   if dout.ndim != 2 or rhs.ndim != 3 or dout.shape[1] != rhs.shape[2]:
     raise ValueError(
         f"The lhs gradient needs dout (M, N) and rhs (G, K, N) with the same N; got "
@@ -1103,6 +1155,7 @@ def ragged_dot_drhs_pallas_mosaic_gpu(
     wg_split: str,
     grid_minor_dim: str,
     grid_tile_width: int,
+    epilogue_slabs: int = 1,
     preferred_element_type: Any = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
     num_programs: int | None = None,
@@ -1119,8 +1172,8 @@ def ragged_dot_drhs_pallas_mosaic_gpu(
     group_sizes: (num_groups,) integer array, as in the forward call.
     num_groups: G (static).
     block_m, block_n: the drhs[g] tile (K x N); block_k: rows per pipelined step;
-      max_concurrent_steps, wg_split, grid_minor_dim, grid_tile_width, interpret,
-      num_programs: as in the forward call.
+      max_concurrent_steps, wg_split, grid_minor_dim, grid_tile_width, epilogue_slabs,
+      interpret, num_programs: as in the forward call.
     preferred_element_type: output dtype; defaults to lhs.dtype.
 
   Returns:
@@ -1131,7 +1184,8 @@ def ragged_dot_drhs_pallas_mosaic_gpu(
   """
   tunables = dict(block_m=block_m, block_n=block_n, block_k=block_k,
                   max_concurrent_steps=max_concurrent_steps, wg_split=wg_split,
-                  grid_minor_dim=grid_minor_dim, grid_tile_width=grid_tile_width)
+                  grid_minor_dim=grid_minor_dim, grid_tile_width=grid_tile_width,
+                  epilogue_slabs=epilogue_slabs)
   if lhs.ndim != 2 or dout.ndim != 2 or lhs.shape[0] != dout.shape[0]:
     raise ValueError(
         f"The rhs gradient needs lhs (M, K) and dout (M, N) with the same M; got "
@@ -1154,9 +1208,10 @@ from stellarax.ops.ragged_dot import base as _base  # noqa: E402
 
 @config_dataclass
 class PallasMosaicGpuRaggedDotConfig:
-  """Tiles, pipelining, tile order and split-K of the Mosaic GPU ragged_dot kernels (see
-  `validate_tunables`). The backward uses one config for both products (split_k
-  shares the lhs gradient's contraction; the rhs gradient does not split)."""
+  """Tiles, pipelining, tile order, split-K and epilogue slabs of the Mosaic GPU
+  ragged_dot kernels (see `validate_tunables`). The backward uses one config for both
+  products (split_k shares the lhs gradient's contraction; the rhs gradient does not
+  split)."""
 
   block_m: int
   block_n: int
@@ -1166,6 +1221,7 @@ class PallasMosaicGpuRaggedDotConfig:
   grid_minor_dim: str
   grid_tile_width: int
   split_k: int = 1
+  epilogue_slabs: int = 1
 
   def __post_init__(self):
     validate_tunables(**pallas_common.tunables_of(self))
