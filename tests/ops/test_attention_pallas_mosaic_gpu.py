@@ -432,6 +432,7 @@ def test_overlapped_dq_kernel_matches_reference(mc, monkeypatch):
   _close("dq", dq, ref_dq, _BWD_TOL[case.dtype])
 
 
+@pytest.mark.slow  # ~27 s on 2 cores: four kernels and the head-split dQ under the detector
 @pytest.mark.mosaic_interpret
 def test_race_detector_finds_no_races_under_masking(monkeypatch):
   """The interpreter's happens-before race detector (warpgroups, TMA, barriers) on the

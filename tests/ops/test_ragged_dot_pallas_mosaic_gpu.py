@@ -195,31 +195,78 @@ def test_split_k_forward_and_dlhs_match_reference():
   _assert_close(dlhs, expected, jnp.float32)
 
 
-@pytest.mark.mosaic_interpret
-def test_epilogue_slabs_match_reference():
-  """Output tiles stored one 64-column slab at a time (ragged rows: each slab's own
-  ladder of boxes), in the forward (16-bit, and float32 split-K partials), the lhs
-  gradient and the rhs gradient."""
-  w = WORKLOADS["small"]  # K = 128, N = 256; M below one tile, an empty first group
-  lhs, rhs, dout, sizes = _inputs(w, jnp.bfloat16, seed=8)
-  out = pm.ragged_dot_pallas_mosaic_gpu(lhs, rhs, sizes, interpret=RACE_CHECK, **CONFIG_SLABS)
+def _check_three_products(w: Workload, config: dict, seed: int):
+  """The forward, lhs-gradient and rhs-gradient kernels with `config` on `w` (bfloat16)
+  against the references, under the race detector; returns (lhs, rhs, sizes)."""
+  lhs, rhs, dout, sizes = _inputs(w, jnp.bfloat16, seed=seed)
+  out = pm.ragged_dot_pallas_mosaic_gpu(lhs, rhs, sizes, interpret=RACE_CHECK, **config)
   assert _no_races()
   _assert_close(out, ragged_dot_reference(_f32(lhs), _f32(rhs), sizes), jnp.bfloat16)
   assert np.all(np.asarray(out[_total_rows(w):], np.float32) == 0.0)
-  split = pm.ragged_dot_pallas_mosaic_gpu(lhs, rhs, sizes, preferred_element_type=jnp.float32,
-                                          interpret=RACE_CHECK, **(CONFIG_SLABS | dict(split_k=2)))
-  assert split.dtype == jnp.float32 and _no_races()
-  _assert_close(split, ragged_dot_reference(_f32(lhs), _f32(rhs), sizes), jnp.float32)
-  dlhs = pm.ragged_dot_dlhs_pallas_mosaic_gpu(dout, rhs, sizes, interpret=RACE_CHECK,
-                                              **CONFIG_SLABS)
+  dlhs = pm.ragged_dot_dlhs_pallas_mosaic_gpu(dout, rhs, sizes, interpret=RACE_CHECK, **config)
   assert _no_races()
   expected = ragged_dot_reference(_f32(dout), jnp.swapaxes(_f32(rhs), 1, 2), sizes)
   _assert_close(dlhs, expected, jnp.bfloat16)
   drhs = pm.ragged_dot_drhs_pallas_mosaic_gpu(lhs, dout, sizes, w.g, interpret=RACE_CHECK,
-                                              **CONFIG_SLABS)
+                                              **config)
   assert _no_races()
   _assert_close(drhs, ragged_dot_rhs_grad_reference(_f32(lhs), _f32(dout), sizes, w.g),
                 jnp.bfloat16)
+  return lhs, rhs, sizes
+
+
+@pytest.mark.mosaic_interpret
+def test_epilogue_slabs_match_reference():
+  """Output tiles stored one 64-column slab at a time (ragged rows: each slab's own
+  ladder of boxes), in the three kernels and in float32 split-K partials."""
+  # K = 128, N = 256; M below one tile, an empty first group.
+  lhs, rhs, sizes = _check_three_products(WORKLOADS["small"], CONFIG_SLABS, seed=8)
+  split = pm.ragged_dot_pallas_mosaic_gpu(lhs, rhs, sizes, preferred_element_type=jnp.float32,
+                                          interpret=RACE_CHECK, **(CONFIG_SLABS | dict(split_k=2)))
+  assert split.dtype == jnp.float32 and _no_races()
+  _assert_close(split, ragged_dot_reference(_f32(lhs), _f32(rhs), sizes), jnp.float32)
+
+
+# K = 256: 4 contraction steps of 64 in 3 stages, so stages are refilled within a tile;
+# group 0 spans 4 row steps of the rhs gradient.
+_LONG = Workload(300, 256, 192, (200, 0, 90))
+CONFIG_DELAYED = CONFIG_A | dict(max_concurrent_steps=3, delay_release=True)
+
+
+@pytest.mark.mosaic_interpret
+def test_delayed_release_matches_reference():
+  """One wgmma kept in flight, each stage freed a step later (manual consumed barriers),
+  in all three kernels; the race detector (which, with check_reads, sees when a
+  stage's wgmma is done) finds nothing."""
+  _check_three_products(_LONG, CONFIG_DELAYED, seed=9)
+
+
+@pytest.mark.mosaic_interpret
+def test_a_stage_freed_before_its_wgmma_is_done_is_a_race(monkeypatch):
+  """The bug delay_release must not have, planted: each stage freed before its wgmma is
+  awaited. The interpreter runs wgmma at once, so only the reads `check_reads` adds
+  where the wgmma completes show the refill racing with it."""
+  free, wait = pm._StageRelease._free, pm._StageRelease._await
+
+  def free_then_wait(self, mma, step, in_flight):
+    free(self, step)
+    wait(self, mma, step, in_flight)
+
+  monkeypatch.setattr(pm._StageRelease, "_await", free_then_wait)
+  monkeypatch.setattr(pm._StageRelease, "_free", lambda self, step: None)
+  lhs, rhs, _, sizes = _inputs(_LONG, jnp.bfloat16, seed=9)
+  run = lambda: pm.ragged_dot_pallas_mosaic_gpu(lhs, rhs, sizes, interpret=RACE_CHECK,
+                                                **CONFIG_DELAYED)
+  try:
+    pm.ragged_dot_pallas_mosaic_gpu.clear_cache()  # (trace the planted bug)
+    run()
+    assert not _no_races()
+    monkeypatch.setattr(pm, "_detects_races", lambda interpret: False)
+    pm.ragged_dot_pallas_mosaic_gpu.clear_cache()
+    run()
+    assert _no_races()  # What the interpreter alone sees.
+  finally:
+    pm.ragged_dot_pallas_mosaic_gpu.clear_cache()  # (no test may reuse these kernels)
 
 
 @pytest.mark.mosaic_interpret
@@ -320,6 +367,7 @@ def test_tile_order_covers_every_tile_once(minor, width, grid_m, grid_n):
     (dict(epilogue_slabs=2), r"epilogue_slabs=2 must be a power of two of at most 1: each "
                              r"compute warpgroup stores its 64x64 tile in slabs of at least 64"),
     (dict(epilogue_slabs=0), r"epilogue_slabs=0 must be a power of two"),
+    (dict(delay_release=1), r"delay_release=1 must be a bool"),
 ])
 def test_invalid_tunables_are_rejected(changes, message):
   pm.validate_tunables(**CONFIG_A)
@@ -431,7 +479,7 @@ def test_heuristic_tunables():
   # epilogue in two slabs (224 KiB of shared memory).
   assert pm.heuristic_tunables(8192, 4096, 14336, 8, jnp.bfloat16) == dict(
       block_m=128, block_n=256, block_k=64, max_concurrent_steps=4, wg_split="n",
-      grid_minor_dim="m", grid_tile_width=8, split_k=1, epilogue_slabs=2)
+      grid_minor_dim="m", grid_tile_width=8, split_k=1, epilogue_slabs=2, delay_release=False)
   # A float32 output tile takes more shared memory: fewer stages.
   wide = pm.heuristic_tunables(8192, 4096, 14336, 8, jnp.bfloat16, out_dtype=jnp.float32)
   assert (wide["max_concurrent_steps"], wide["epilogue_slabs"]) == (3, 2)

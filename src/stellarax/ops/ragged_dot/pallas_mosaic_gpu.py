@@ -18,8 +18,13 @@ half of the block_m x block_n output tile (split along M or N, `wg_split`) and i
 wgmma on 128-byte-swizzled shared-memory tiles, and one memory warpgroup that issues
 the TMA loads of `max_concurrent_steps` pipelined block_k steps ahead
 (`plgpu.emit_pipeline_warp_specialized`). The accumulator is float32 in registers;
-the epilogue casts it, writes it to shared memory and stores it with TMA. In all
-three products block_m x block_n is the output tile and block_k the contraction step.
+the epilogue casts it, writes it to shared memory and stores it with TMA, one column
+slab at a time with `epilogue_slabs` (the buffer holds one slab, which leaves shared
+memory for more stages). A step waits for its wgmma before its stage is freed; with
+`delay_release` it waits only for the previous step's (one wgmma group stays in
+flight) and frees that step's stage itself, the last one after the loop (see
+_StageRelease). In all three products block_m x block_n is the output tile and block_k
+the contraction step.
 
 Scheduling of the forward (and lhs-gradient) kernel
 ---------------------------------------------------
@@ -46,7 +51,9 @@ is read back. Within a CTA the two compute warpgroups store disjoint halves of t
 tile from their own shared-memory buffers, and each waits for its previous TMA
 stores to finish reading its buffer before overwriting it; the memory warpgroup
 refills a pipeline stage only after both compute warpgroups released it (their
-wgmma on it completed). Interpret mode runs the CTAs one after another, which hides
+wgmma on it completed; with `delay_release` the interpreter's race detector checks
+this too, from reads of the stage where its wgmma completes, since the interpreter
+runs wgmma at once). Interpret mode runs the CTAs one after another, which hides
 races between them, so the tests check the partition and the bijection directly
 and also run the interpreter's race detector (which gives each CTA fresh clocks,
 so conflicting writes of two CTAs are reported).
@@ -88,6 +95,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -132,7 +140,8 @@ _INTERPRET_PROGRAMS = 2
 _ROW_ALIGN = 8
 _MAX_SPACE = 60
 _TUNABLE_NAMES = ("block_m", "block_n", "block_k", "max_concurrent_steps", "wg_split",
-                  "grid_minor_dim", "grid_tile_width", "split_k", "epilogue_slabs")
+                  "grid_minor_dim", "grid_tile_width", "split_k", "epilogue_slabs",
+                  "delay_release")
 # The narrowest column slab of the epilogue: a wgmma-layout register tile is sliced
 # and stored in whole 64-column granules.
 _MIN_SLAB = 64
@@ -155,7 +164,8 @@ def _wg_tile(block_m: int, block_n: int, wg_split: str) -> tuple[int, int]:
 
 def validate_tunables(*, block_m: int, block_n: int, block_k: int, max_concurrent_steps: int,
                       wg_split: str, grid_minor_dim: str, grid_tile_width: int,
-                      split_k: int = 1, epilogue_slabs: int = 1) -> None:
+                      split_k: int = 1, epilogue_slabs: int = 1,
+                      delay_release: bool = False) -> None:
   """Checks the tunables of the three ragged_dot Mosaic GPU kernels.
 
   Args:
@@ -174,6 +184,9 @@ def validate_tunables(*, block_m: int, block_n: int, block_k: int, max_concurren
       (a power of two; slabs at least 64 columns wide). Its shared-memory buffer
       holds one slab, so more slabs leave room for more pipeline stages; each slab
       waits until the previous one's store has read the buffer.
+    delay_release: keep one wgmma in flight: a step waits only for the previous
+      step's wgmma and frees that step's stage, so a stage is refilled a step later
+      (the loads run one step less far ahead).
 
   Raises:
     ValueError: naming the first tunable the kernels cannot use, what was given and
@@ -208,6 +221,8 @@ def validate_tunables(*, block_m: int, block_n: int, block_k: int, max_concurren
         f"block_m={block_m}, block_n={block_n} with wg_split={wg_split!r} gives each compute "
         f"warpgroup a {wm}x{wn} float32 accumulator; at most {_MAX_WG_ACC} elements "
         "(128 x 128) fit in registers. Use smaller blocks.")
+  if not isinstance(delay_release, bool):
+    raise ValueError(f"delay_release={delay_release!r} must be a bool.")
   _check_int("epilogue_slabs", epilogue_slabs)
   if epilogue_slabs < 1 or epilogue_slabs & (epilogue_slabs - 1) or (
       wn // epilogue_slabs < _MIN_SLAB):
@@ -370,7 +385,8 @@ def heuristic_tunables(m: int, k: int, n: int, g: int, dtype: Any, *, product: s
   # A 64-wide block_n leaves only M to split between the warpgroups.
   block_m = 128 if m // g >= 128 or block_n == 64 else 64
   tiles = dict(block_m=block_m, block_n=block_n, block_k=64,
-               wg_split="n" if block_n >= 128 else "m", grid_minor_dim="m", grid_tile_width=8)
+               wg_split="n" if block_n >= 128 else "m", grid_minor_dim="m", grid_tile_width=8,
+               delay_release=False)
   tiles["split_k"] = _split_choices(m, k, n, g, tiles, product)[0]
   # Stages: CUTLASS's Hopper kernels run this tile 4 deep; its 64 KiB epilogue buffer
   # left room for 3, so the epilogue is stored in as few column slabs as make room for
@@ -415,7 +431,8 @@ def _tile_candidates(m: int, k: int, n: int, g: int, product: str) -> list[dict[
       for bk in BLOCK_K_CHOICES:
         for split in WG_SPLITS:
           tiles = dict(block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=2,
-                       wg_split=split, grid_minor_dim="m", grid_tile_width=8)
+                       wg_split=split, grid_minor_dim="m", grid_tile_width=8,
+                       delay_release=False)
           try:
             validate_tunables(**tiles)
             check_tunables_fit(tiles, k=k, n=n, product=product)
@@ -435,7 +452,8 @@ def tunable_space(m: int, k: int, n: int, g: int, dtype: Any, *, product: str = 
   every one that divides the shape and fits the registers, with the deepest pipeline
   (up to 6 stages) that fits shared memory (with the fewest epilogue slabs that make
   it fit), and for 64-wide block_k also one stage less. The heuristic tile also runs
-  with its epilogue whole (and the stages that then fit), with other split-K factors
+  with its stages released a step later (`delay_release`), with its epilogue whole
+  (and the stages that then fit), with other split-K factors
   (only where the output has fewer tiles than an H200 has SMs) and other tile orders
   (bands of 4 or 16 m-tiles, or n-minor bands); the other tiles take the heuristic's
   split where their shares still divide the contraction. The heuristic config comes first, then the
@@ -456,7 +474,9 @@ def tunable_space(m: int, k: int, n: int, g: int, dtype: Any, *, product: str = 
   """
   heuristic = heuristic_tunables(m, k, n, g, dtype, product=product, out_dtype=out_dtype)
   out_itemsize = _out_itemsize(product, dtype, out_dtype)
-  space = [heuristic]
+  # The heuristic with one wgmma kept in flight (jax's own ragged_dot kernel delays its
+  # releases; its Hopper matmul, like the heuristic, does not).
+  space = [heuristic, heuristic | dict(delay_release=True)]
   # The heuristic tile with its epilogue whole and the stages that then fit.
   itemsize = _epilogue_itemsize(heuristic["split_k"], out_itemsize)
   whole = _deepest_pipeline(heuristic, itemsize, cap=heuristic["max_concurrent_steps"],
@@ -607,6 +627,7 @@ class _Tiles:
   grid_tile_width: int
   split_k: int = 1
   epilogue_slabs: int = 1
+  delay_release: bool = False
 
   @property
   def wg_shape(self) -> tuple[int, int]:
@@ -672,12 +693,100 @@ def _store_rows(tile: jax.Array, o_smem: Any, out_gmem: Any, *, first: jax.Array
       start = start + (count & box)
 
 
-def _wgmma_step(acc_ref: Any, a: Any, b: Any) -> Any:
-  """One pipeline step: acc += a @ b on the tensor cores, completed before the stage is
-  released (the memory warpgroup may then overwrite its buffers)."""
-  plgpu.wgmma(acc_ref, a, b)
-  plgpu.wgmma_wait(0)
-  return acc_ref
+@dataclasses.dataclass(frozen=True)
+class _StepMma:
+  """A pipeline step's wgmma.
+
+  Attributes:
+    operands: (step, *stage tiles) -> (a, b), the shared-memory views this
+      warpgroup multiplies (pure: also used to name what a finished wgmma read).
+    prepare: (step, *stage tiles) -> None, run before the wgmma (e.g. zeroes rows).
+  """
+
+  operands: Callable[..., tuple[Any, Any]]
+  prepare: Callable[..., None] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _StageRelease:
+  """When a compute warpgroup frees a pipeline stage for the memory warpgroup to refill.
+
+  Plain: each step waits for its wgmma and the pipeline frees the stage at once. With
+  `delay_release`, a step issues its wgmma, waits only for the previous step's
+  (`wgmma.wait_group 1`: one group stays in flight, so the tensor cores have the next
+  step's work while this warpgroup waits for a stage) and frees the previous step's
+  stage on the pipeline's consumed barriers (manual: jax's own delayed release leaves
+  the last stage of every pipeline run unreleased, which a persistent kernel's next
+  tile would refill under a running wgmma); `finish` frees the last one.
+
+  Attributes:
+    delayed: the tiles' `delay_release`.
+    allocations: the pipeline's buffers and barriers (`get_allocations`).
+    check_reads: under the interpreter's race detector: read each stage's tiles again
+      with ordinary loads where its wgmma completes (the interpreter runs wgmma at
+      once and does not check its reads), so that a stage freed earlier is a race.
+  """
+
+  delayed: bool
+  allocations: dict[str, Any]
+  check_reads: bool = False
+
+  @property
+  def _stages(self) -> int:
+    return self.allocations["flat_in_smem_refs"][0].shape[0]
+
+  def body(self, mma: _StepMma) -> Callable[..., Any]:
+    """The pipeline body of the step's wgmma `mma`."""
+    def issue(step, tiles, acc_ref):
+      if mma.prepare is not None:
+        mma.prepare(step, *tiles)
+      plgpu.wgmma(acc_ref, *mma.operands(step, *tiles))
+
+    if not self.delayed:
+      def plain(idx, *refs):
+        issue(idx[0], refs[:-1], refs[-1])
+        plgpu.wgmma_wait(0)  # Done before the pipeline frees the stage.
+        return refs[-1]
+      return plain
+
+    def delayed(idx, *refs):
+      (step,), acc_ref = idx, refs[-1]
+      issue(step, refs[:-3], acc_ref)  # (the tiles, their 2 consumed barriers, the acc)
+      self._await(mma, step - 1, in_flight=1)
+      self._free(step - 1)
+      return acc_ref
+
+    return delayed
+
+  def finish(self, mma: _StepMma, num_steps: Any) -> None:
+    """After the pipeline's steps: waits for the last wgmma and frees its stage."""
+    if self.delayed:
+      self._await(mma, num_steps - 1, in_flight=0)
+      self._free(num_steps - 1)
+
+  def _slot(self, step: Any) -> Any:
+    return lax.rem(jnp.maximum(step, 0), self._stages)
+
+  def _await(self, mma: _StepMma, step: Any, in_flight: int) -> None:
+    """Waits until at most `in_flight` wgmma groups run, so that the one of `step` (if
+    >= 0) is done; under the race detector its operands are read here again."""
+    plgpu.wgmma_wait(in_flight)
+    if not self.check_reads:
+      return
+
+    @pl.when(step >= 0)
+    def _read_again():
+      tiles = [ring.at[self._slot(step)] for ring in self.allocations["flat_in_smem_refs"]]
+      reads = [operand[...] for operand in mma.operands(step, *tiles)]
+      jax.debug.callback(lambda *_: None, *reads)  # Keeps the reads (no dead code).
+      plgpu.commit_smem()  # Orders them before the TMA refill (the async proxy).
+
+  def _free(self, step: Any) -> None:
+    """Frees the stage of `step` (if >= 0) for the memory warpgroup to refill."""
+    @pl.when(step >= 0)
+    def _arrive():
+      for barrier in self.allocations["flat_consumed_barrier_refs"]:
+        plgpu.barrier_arrive(barrier.at[self._slot(step)])
 
 
 def _warp_specialized(body, *, tiles: _Tiles, num_steps, in_specs, compute_context):
@@ -690,6 +799,7 @@ def _warp_specialized(body, *, tiles: _Tiles, num_steps, in_specs, compute_conte
       wg_axis="wg",
       num_compute_wgs=_NUM_COMPUTE_WGS,
       max_concurrent_steps=tiles.max_concurrent_steps,
+      manual_consumed_barriers=tiles.delay_release,
       compute_context=compute_context,
   )
 
@@ -697,6 +807,11 @@ def _warp_specialized(body, *, tiles: _Tiles, num_steps, in_specs, compute_conte
 def _ignore(*args, **kwargs):
   """A pipeline body for `get_allocations`, which only needs the specs."""
   del args, kwargs
+
+
+def _detects_races(interpret: Any) -> bool:
+  """Whether `interpret` runs the interpreter's race detector."""
+  return isinstance(interpret, plgpu.InterpretGPUParams) and bool(interpret.detect_races)
 
 
 def _launch(body, out_shape: jax.ShapeDtypeStruct, operands, *, num_tiles: int,
@@ -737,25 +852,23 @@ def _forward_specs(tiles: _Tiles, dtype: Any, transpose_rhs: bool) -> list[Any]:
   return [lhs_spec, rhs_spec]
 
 
-def _forward_mma(tiles: _Tiles, transpose_rhs: bool):
-  """The pipeline body: this warpgroup's slice of lhs (M split) or rhs (N split)."""
+def _forward_mma(tiles: _Tiles, transpose_rhs: bool) -> _StepMma:
+  """A forward step's wgmma: this warpgroup's slice of lhs (M split) or rhs (N split)."""
   wm, wn = tiles.wg_shape
 
-  def mma(_, lhs_smem, rhs_smem, acc_ref):
+  def operands(_, lhs_smem, rhs_smem):
     wg_row, wg_col = tiles.wg_offsets(lax.axis_index("wg"))
     a = lhs_smem.at[pl.ds(wg_row, wm)] if tiles.wg_split == "m" else lhs_smem
     if transpose_rhs:  # rhs tiles are (cols, contraction): wgmma reads them transposed.
       b = rhs_smem.at[pl.ds(wg_col, wn)] if tiles.wg_split == "n" else rhs_smem
-      b = b.transpose((1, 0))
-    else:
-      b = rhs_smem.at[:, pl.ds(wg_col, wn)] if tiles.wg_split == "n" else rhs_smem
-    return _wgmma_step(acc_ref, a, b)
+      return a, b.transpose((1, 0))
+    return a, rhs_smem.at[:, pl.ds(wg_col, wn)] if tiles.wg_split == "n" else rhs_smem
 
-  return mma
+  return _StepMma(operands)
 
 
 def _forward_kernel(items_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: _Tiles,
-                    transpose_rhs: bool):
+                    transpose_rhs: bool, check_reads: bool):
   """Persistent loop over (split, work item, n-tile); see the module docstring.
 
   lhs is (M, C); rhs is (G, C, D), or (G, D, C) with transpose_rhs; out is (M, D), or
@@ -766,9 +879,10 @@ def _forward_kernel(items_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: _Tiles,
   num_groups = rhs_gmem.shape[0]
   num_items, grid_n = items_gmem.shape[1], out_gmem.shape[-1] // bn
   share = lhs_gmem.shape[1] // tiles.split_k  # contraction of one split
+  num_steps = share // tiles.block_k
 
   def pipeline(body, compute_context):
-    return _warp_specialized(body, tiles=tiles, num_steps=share // tiles.block_k,
+    return _warp_specialized(body, tiles=tiles, num_steps=num_steps,
                              in_specs=_forward_specs(tiles, lhs_gmem.dtype, transpose_rhs),
                              compute_context=compute_context)
 
@@ -788,6 +902,8 @@ def _forward_kernel(items_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: _Tiles,
   def _scope(allocs, o_smem):
     wg = lax.axis_index("wg")
     wg_row, wg_col = tiles.wg_offsets(wg)
+    release = _StageRelease(tiles.delay_release, allocs, check_reads)
+    mma = _forward_mma(tiles, transpose_rhs)
 
     def store(tile, row_start, row_end, tile_start, n0, split):
       # This warpgroup's rows of the tile, cut to the item's rows.
@@ -815,13 +931,14 @@ def _forward_kernel(items_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: _Tiles,
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), jnp.float32))
         def _acc_scope(acc_ref):
           run(acc_ref)
+          release.finish(mma, num_steps)
           store(acc_ref[...], *item)
 
       # All three warpgroups take the same branch: they read the same item.
       @pl.when(has_rows & (group < num_groups))
       def _matmul():
         rows = pl.ds(pl.multiple_of(tile_start, _ROW_ALIGN), bm)
-        pipeline(_forward_mma(tiles, transpose_rhs), compute_context)(
+        pipeline(release.body(mma), compute_context)(
             lhs_gmem.at[rows, pl.ds(k0, share)], rhs_window(group, n0, k0), allocations=allocs)
 
       # The rows past the last group: zeros, from the compute warpgroups only.
@@ -846,7 +963,8 @@ def _forward_call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, tiles: _Ti
   # Groups are cut at the real M; the padding rows fall in the zero tail and are dropped.
   padded = _pad_rows(lhs, padded_rows(num_rows, tiles.block_m))
   items = work_items(group_offsets(group_sizes, num_rows), padded.shape[0], tiles.block_m)
-  kernel = functools.partial(_forward_kernel, tiles=tiles, transpose_rhs=transpose_rhs)
+  kernel = functools.partial(_forward_kernel, tiles=tiles, transpose_rhs=transpose_rhs,
+                             check_reads=_detects_races(interpret))
   split = tiles.split_k
   out_shape = ((padded.shape[0], cols_out), out_dtype) if split == 1 else (
       (split, padded.shape[0], cols_out), jnp.float32)
@@ -914,16 +1032,23 @@ class _GroupSteps:
     return jnp.maximum(self.lo, self.aligned + step * self.block_k)
 
 
-def _drhs_mma(tiles: _Tiles, rows: _GroupSteps):
-  """The pipeline body: acc (K x N part) += lhs_tile.T @ dout_tile, rows outside the
-  group zeroed first (only a group's edge steps have any)."""
+def _drhs_mma(tiles: _Tiles, rows: _GroupSteps) -> _StepMma:
+  """An rhs-gradient step's wgmma: acc (K x N part) += lhs_tile.T @ dout_tile, rows
+  outside the group zeroed first (only a group's edge steps have any)."""
   wm, wn = tiles.wg_shape
 
-  def mma(idx, lhs_smem, dout_smem, acc_ref):
-    (step,) = idx
+  def slices(lhs_smem, dout_smem):
     wg_row, wg_col = tiles.wg_offsets(lax.axis_index("wg"))
     a = lhs_smem.at[:, pl.ds(wg_row, wm)] if tiles.wg_split == "m" else lhs_smem
     b = dout_smem.at[:, pl.ds(wg_col, wn)] if tiles.wg_split == "n" else dout_smem
+    return a, b
+
+  def operands(_, lhs_smem, dout_smem):
+    a, b = slices(lhs_smem, dout_smem)
+    return a.transpose((1, 0)), b
+
+  def prepare(step, lhs_smem, dout_smem):
+    a, b = slices(lhs_smem, dout_smem)
     first, valid = rows.first_row(step), rows.first_valid(step)
 
     # Each warpgroup zeroes only the slice that it alone reads (its lhs columns, or
@@ -933,12 +1058,11 @@ def _drhs_mma(tiles: _Tiles, rows: _GroupSteps):
       _zero_rows_outside(a if tiles.wg_split == "m" else b, first_row=first, lo=valid,
                          hi=rows.hi)
 
-    return _wgmma_step(acc_ref, a.transpose((1, 0)), b)
-
-  return mma
+  return _StepMma(operands, prepare)
 
 
-def _drhs_kernel(offsets_gmem, lhs_gmem, dout_gmem, out_gmem, *, tiles: _Tiles):
+def _drhs_kernel(offsets_gmem, lhs_gmem, dout_gmem, out_gmem, *, tiles: _Tiles,
+                 check_reads: bool):
   """Persistent loop over (group, K tile, N tile) of drhs; see the module docstring.
 
   lhs is (M, K) and dout (M, N), M padded to a multiple of 8 and at least block_k;
@@ -966,6 +1090,7 @@ def _drhs_kernel(offsets_gmem, lhs_gmem, dout_gmem, out_gmem, *, tiles: _Tiles):
   def _scope(allocs, o_smem):
     wg = lax.axis_index("wg")
     wg_row, wg_col = tiles.wg_offsets(wg)
+    release = _StageRelease(tiles.delay_release, allocs, check_reads)
 
     @plgpu.nd_loop((num_groups, grid_m * grid_n), collective_axes="sm")
     def _tile_loop(info):
@@ -980,11 +1105,13 @@ def _drhs_kernel(offsets_gmem, lhs_gmem, dout_gmem, out_gmem, *, tiles: _Tiles):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), jnp.float32))
         def _acc_scope(acc_ref):
           run(acc_ref)
+          release.finish(mma, rows.num_steps)
           window = out_gmem.at[group, pl.ds(m0 + wg_row, wm), pl.ds(n0 + wg_col, wn)]
           _store_rows(acc_ref[...], o_smem.at[pl.ds(wg * wm, wm)], window, first=0, count=wm)
 
       index_map = lambda step: (pl.multiple_of(rows.first_row(step), _ROW_ALIGN), 0)
-      pipeline(_drhs_mma(tiles, rows), compute_context, rows.num_steps, index_map)(
+      mma = _drhs_mma(tiles, rows)
+      pipeline(release.body(mma), compute_context, rows.num_steps, index_map)(
           lhs_gmem.at[:, pl.ds(m0, bm)], dout_gmem.at[:, pl.ds(n0, bn)], allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0)
@@ -997,7 +1124,7 @@ def _drhs_call(lhs, dout, group_sizes, num_groups, *, out_dtype, tiles: _Tiles, 
   cols_n = dout.shape[1]
   rows = padded_rows(num_rows, tiles.block_k)
   offsets = group_offsets(group_sizes, num_rows)
-  kernel = functools.partial(_drhs_kernel, tiles=tiles)
+  kernel = functools.partial(_drhs_kernel, tiles=tiles, check_reads=_detects_races(interpret))
   num_tiles = num_groups * (contract_k // tiles.block_m) * (cols_n // tiles.block_n)
   return _launch(kernel, jax.ShapeDtypeStruct((num_groups, contract_k, cols_n), out_dtype),
                  (offsets, _pad_rows(lhs, rows), _pad_rows(dout, rows)), num_tiles=num_tiles,
@@ -1044,6 +1171,7 @@ def ragged_dot_pallas_mosaic_gpu(
     grid_tile_width: int,
     split_k: int = 1,
     epilogue_slabs: int = 1,
+    delay_release: bool = False,
     preferred_element_type: Any = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
     num_programs: int | None = None,
@@ -1056,7 +1184,8 @@ def ragged_dot_pallas_mosaic_gpu(
     group_sizes: (G,) integer array (a runtime value); group g is the next
       group_sizes[g] rows of lhs.
     block_m, block_n, block_k, max_concurrent_steps, wg_split, grid_minor_dim,
-      grid_tile_width, split_k, epilogue_slabs: the tunables (see `validate_tunables`).
+      grid_tile_width, split_k, epilogue_slabs, delay_release: the tunables (see
+      `validate_tunables`).
     preferred_element_type: output dtype (bfloat16, float16 or float32); defaults
       to lhs.dtype. Accumulation is always float32.
     interpret: run in Mosaic GPU interpret mode on any backend (True, or
@@ -1074,7 +1203,8 @@ def ragged_dot_pallas_mosaic_gpu(
   tunables = dict(block_m=block_m, block_n=block_n, block_k=block_k,
                   max_concurrent_steps=max_concurrent_steps, wg_split=wg_split,
                   grid_minor_dim=grid_minor_dim, grid_tile_width=grid_tile_width,
-                  split_k=split_k, epilogue_slabs=epilogue_slabs)
+                  split_k=split_k, epilogue_slabs=epilogue_slabs,
+                  delay_release=delay_release)
   check_ragged_dot_shapes(lhs, rhs, group_sizes)
   tiles, out_dtype = _prepare(tunables, k=lhs.shape[1], n=rhs.shape[2], product="forward",
                               operands=(("lhs", lhs), ("rhs", rhs)),
@@ -1099,6 +1229,7 @@ def ragged_dot_dlhs_pallas_mosaic_gpu(
     grid_tile_width: int,
     split_k: int = 1,
     epilogue_slabs: int = 1,
+    delay_release: bool = False,
     preferred_element_type: Any = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
     num_programs: int | None = None,
@@ -1114,8 +1245,8 @@ def ragged_dot_dlhs_pallas_mosaic_gpu(
     rhs: (G, K, N) forward rhs; K a multiple of block_n, N of block_k * split_k.
     group_sizes: (G,) integer array, as in the forward call.
     block_m, block_n, block_k, max_concurrent_steps, wg_split, grid_minor_dim,
-      grid_tile_width, split_k, epilogue_slabs, interpret, num_programs: as in the
-      forward call.
+      grid_tile_width, split_k, epilogue_slabs, delay_release, interpret,
+      num_programs: as in the forward call.
     preferred_element_type: output dtype; defaults to dout.dtype.
 
   Returns:
@@ -1127,7 +1258,8 @@ def ragged_dot_dlhs_pallas_mosaic_gpu(
   tunables = dict(block_m=block_m, block_n=block_n, block_k=block_k,
                   max_concurrent_steps=max_concurrent_steps, wg_split=wg_split,
                   grid_minor_dim=grid_minor_dim, grid_tile_width=grid_tile_width,
-                  split_k=split_k, epilogue_slabs=epilogue_slabs)
+                  split_k=split_k, epilogue_slabs=epilogue_slabs,
+                  delay_release=delay_release)
   if dout.ndim != 2 or rhs.ndim != 3 or dout.shape[1] != rhs.shape[2]:
     raise ValueError(
         f"The lhs gradient needs dout (M, N) and rhs (G, K, N) with the same N; got "
@@ -1156,6 +1288,7 @@ def ragged_dot_drhs_pallas_mosaic_gpu(
     grid_minor_dim: str,
     grid_tile_width: int,
     epilogue_slabs: int = 1,
+    delay_release: bool = False,
     preferred_element_type: Any = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
     num_programs: int | None = None,
@@ -1173,7 +1306,7 @@ def ragged_dot_drhs_pallas_mosaic_gpu(
     num_groups: G (static).
     block_m, block_n: the drhs[g] tile (K x N); block_k: rows per pipelined step;
       max_concurrent_steps, wg_split, grid_minor_dim, grid_tile_width, epilogue_slabs,
-      interpret, num_programs: as in the forward call.
+      delay_release, interpret, num_programs: as in the forward call.
     preferred_element_type: output dtype; defaults to lhs.dtype.
 
   Returns:
@@ -1185,7 +1318,7 @@ def ragged_dot_drhs_pallas_mosaic_gpu(
   tunables = dict(block_m=block_m, block_n=block_n, block_k=block_k,
                   max_concurrent_steps=max_concurrent_steps, wg_split=wg_split,
                   grid_minor_dim=grid_minor_dim, grid_tile_width=grid_tile_width,
-                  epilogue_slabs=epilogue_slabs)
+                  epilogue_slabs=epilogue_slabs, delay_release=delay_release)
   if lhs.ndim != 2 or dout.ndim != 2 or lhs.shape[0] != dout.shape[0]:
     raise ValueError(
         f"The rhs gradient needs lhs (M, K) and dout (M, N) with the same M; got "
@@ -1208,8 +1341,8 @@ from stellarax.ops.ragged_dot import base as _base  # noqa: E402
 
 @config_dataclass
 class PallasMosaicGpuRaggedDotConfig:
-  """Tiles, pipelining, tile order, split-K and epilogue slabs of the Mosaic GPU
-  ragged_dot kernels (see `validate_tunables`). The backward uses one config for both
+  """Tiles, pipelining (stages, delayed release), tile order, split-K and epilogue slabs
+  of the Mosaic GPU ragged_dot kernels (see `validate_tunables`). The backward uses one config for both
   products (split_k shares the lhs gradient's contraction; the rhs gradient does not
   split)."""
 
@@ -1222,6 +1355,7 @@ class PallasMosaicGpuRaggedDotConfig:
   grid_tile_width: int
   split_k: int = 1
   epilogue_slabs: int = 1
+  delay_release: bool = False
 
   def __post_init__(self):
     validate_tunables(**pallas_common.tunables_of(self))
