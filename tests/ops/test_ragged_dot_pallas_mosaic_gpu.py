@@ -261,7 +261,7 @@ def test_a_stage_freed_before_its_wgmma_is_done_is_a_race(monkeypatch):
     pm.ragged_dot_pallas_mosaic_gpu.clear_cache()  # (trace the planted bug)
     run()
     assert not _no_races()
-    monkeypatch.setattr(pm, "_detects_races", lambda interpret: False)
+    monkeypatch.setattr(pm.pallas_common, "detects_races", lambda interpret: False)
     pm.ragged_dot_pallas_mosaic_gpu.clear_cache()
     run()
     assert _no_races()  # What the interpreter alone sees.

@@ -1,12 +1,15 @@
 """What every Pallas implementation shares: the interpret switch, where it
-runs, configs built from the kernels' tunable dicts, and the kernels' optional
-operands."""
+runs, configs built from the kernels' tunable dicts, the kernels' optional
+operands, and the Mosaic GPU kernels' help for the interpreter's race detector."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+import jax
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from stellarax.core.op import Op
 
@@ -62,6 +65,31 @@ def configs_from_tunables(config_cls: type, space: Iterable[Mapping[str, Any]]) 
 def tunables_of(config: Any) -> dict[str, Any]:
   """A config's fields as keyword arguments for a kernel wrapper."""
   return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+def detects_races(interpret: Any) -> bool:
+  """Whether a Mosaic GPU kernel's `interpret` option (False, True or
+  `plgpu.InterpretGPUParams`) runs the interpreter's race detector."""
+  return isinstance(interpret, plgpu.InterpretGPUParams) and bool(interpret.detect_races)
+
+
+def read_again_for_race_detector(operands: Iterable[Any]) -> None:
+  """Reads shared-memory `operands` with ordinary loads: call it where a wgmma that
+  reads them completes, in interpret mode under the race detector only.
+
+  The Mosaic GPU interpreter runs wgmma at once and its race detector does not check
+  wgmma's reads, so a tile freed (and refilled by TMA) before its asynchronous product
+  is done would pass unnoticed. These reads make such a release a race the detector
+  reports. A no-op debug callback consumes them, so that no dead-code elimination can
+  drop them (`pallas_call` applies one to kernel bodies; `plgpu.kernel` does not today),
+  and a fence orders them before the refill, a TMA (async-proxy) write.
+
+  Args:
+    operands: shared-memory refs (views such as slices or transposes too).
+  """
+  reads = [operand[...] for operand in operands]
+  jax.debug.callback(lambda *_: None, *reads)
+  plgpu.commit_smem()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -455,7 +455,8 @@ class _Mma:
                                          for a, b in pairs])
       if while_running is not None:
         while_running()
-      return self._completed(total, *itertools.chain.from_iterable(pairs))
+      self._completed(*itertools.chain.from_iterable(pairs))
+      return total
 
     def body(acc_ref):
       for a, b in pairs:
@@ -503,17 +504,10 @@ class _Mma:
     plgpu.commit_smem()  # Make the stores visible to wgmma (the async proxy).
     return stage
 
-  def _completed(self, result: Any, *operands: Any) -> Any:
-    """Staged: `result` of the wgmma reading `operands`, now done (see `check_reads`)."""
-    if not self.check_reads:
-      return result
-    # Reads the race detector orders against the slot's refill; tied to the result so
-    # that dead-code elimination keeps them.
-    result, _ = lax.optimization_barrier((result, [operand[...] for operand in operands]))
-    # The refill is a TMA (async-proxy) write: order these generic-proxy reads before
-    # it, as `_Stream.release(after_loads=True)` does.
-    plgpu.commit_smem()
-    return result
+  def _completed(self, *operands: Any) -> None:
+    """Staged: the wgmma reading `operands` is done (see `check_reads`)."""
+    if self.check_reads:
+      pallas_common.read_again_for_race_detector(operands)
 
   def products_then_accumulate(self, products: Sequence[tuple[Any, Any]],
                                shape: tuple[int, int], acc: jax.Array, c: Any, d: Any, *,
@@ -551,9 +545,10 @@ class _Mma:
       c = self._in_smem(c, stage)
       acc = acc + self._staged_product(c, d, acc.shape)
       after_issue()
-      values = self._completed(values, *itertools.chain.from_iterable(products))
+      self._completed(*itertools.chain.from_iterable(products))
       out = on_products(*values)
-      return self._completed((out, acc), c, d)
+      self._completed(c, d)
+      return out, acc
     leaves, tree = jax.tree.flatten(like)
     n = len(products)
 
@@ -906,8 +901,7 @@ def _kernel(body: Callable[..., None], *, p: _Problem, c: Any, out_type: Any,
   problem `p`, the config `c`, how tiles reach wgmma (`mma`: staged when interpreting)
   and `options`."""
   params = _interpret_params(interpret)
-  mma = _Mma(staged=params is not None,
-             check_reads=params is not None and bool(params.detect_races))
+  mma = _Mma(staged=params is not None, check_reads=pallas_common.detects_races(params))
   body = functools.partial(body, p=p, c=c, mma=mma, **options)
   return plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=grid,

@@ -105,6 +105,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from stellarax.core.config import check_choice, check_power_of_two
+from stellarax.ops import pallas_common
 from stellarax.ops.ragged_dot import split_k as _splits
 from stellarax.ops.ragged_dot.reference import (
     check_group_sizes,
@@ -777,9 +778,7 @@ class _StageRelease:
     @pl.when(step >= 0)
     def _read_again():
       tiles = [ring.at[self._slot(step)] for ring in self.allocations["flat_in_smem_refs"]]
-      reads = [operand[...] for operand in mma.operands(step, *tiles)]
-      jax.debug.callback(lambda *_: None, *reads)  # Keeps the reads (no dead code).
-      plgpu.commit_smem()  # Orders them before the TMA refill (the async proxy).
+      pallas_common.read_again_for_race_detector(mma.operands(step, *tiles))
 
   def _free(self, step: Any) -> None:
     """Frees the stage of `step` (if >= 0) for the memory warpgroup to refill."""
@@ -807,11 +806,6 @@ def _warp_specialized(body, *, tiles: _Tiles, num_steps, in_specs, compute_conte
 def _ignore(*args, **kwargs):
   """A pipeline body for `get_allocations`, which only needs the specs."""
   del args, kwargs
-
-
-def _detects_races(interpret: Any) -> bool:
-  """Whether `interpret` runs the interpreter's race detector."""
-  return isinstance(interpret, plgpu.InterpretGPUParams) and bool(interpret.detect_races)
 
 
 def _launch(body, out_shape: jax.ShapeDtypeStruct, operands, *, num_tiles: int,
@@ -964,7 +958,7 @@ def _forward_call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, tiles: _Ti
   padded = _pad_rows(lhs, padded_rows(num_rows, tiles.block_m))
   items = work_items(group_offsets(group_sizes, num_rows), padded.shape[0], tiles.block_m)
   kernel = functools.partial(_forward_kernel, tiles=tiles, transpose_rhs=transpose_rhs,
-                             check_reads=_detects_races(interpret))
+                             check_reads=pallas_common.detects_races(interpret))
   split = tiles.split_k
   out_shape = ((padded.shape[0], cols_out), out_dtype) if split == 1 else (
       (split, padded.shape[0], cols_out), jnp.float32)
@@ -1124,7 +1118,8 @@ def _drhs_call(lhs, dout, group_sizes, num_groups, *, out_dtype, tiles: _Tiles, 
   cols_n = dout.shape[1]
   rows = padded_rows(num_rows, tiles.block_k)
   offsets = group_offsets(group_sizes, num_rows)
-  kernel = functools.partial(_drhs_kernel, tiles=tiles, check_reads=_detects_races(interpret))
+  kernel = functools.partial(_drhs_kernel, tiles=tiles,
+                             check_reads=pallas_common.detects_races(interpret))
   num_tiles = num_groups * (contract_k // tiles.block_m) * (cols_n // tiles.block_n)
   return _launch(kernel, jax.ShapeDtypeStruct((num_groups, contract_k, cols_n), out_dtype),
                  (offsets, _pad_rows(lhs, rows), _pad_rows(dout, rows)), num_tiles=num_tiles,
@@ -1335,7 +1330,6 @@ def ragged_dot_drhs_pallas_mosaic_gpu(
 # Op classes: ragged_dot.pallas_mosaic_gpu and its VJP.
 
 from stellarax.core.config import config_dataclass  # noqa: E402
-from stellarax.ops import pallas_common  # noqa: E402
 from stellarax.ops.ragged_dot import base as _base  # noqa: E402
 
 
