@@ -660,7 +660,9 @@ def test_tunables_of_the_target_shape():
     pm.tunable_space(jax.ShapeDtypeStruct((1, 8, 1, 96), jnp.bfloat16), k)
 
 
-@pytest.mark.parametrize("masked", [False, "tiles", "keys"])
+# The masked variants lower every code path again (~9 s each): CI's slow set.
+@pytest.mark.parametrize("masked", [False, pytest.param("tiles", marks=pytest.mark.slow),
+                                    pytest.param("keys", marks=pytest.mark.slow)])
 def test_lowers_for_simulated_h200(masked):
   """The GPU path (register operands, in-place accumulation) of the forward and both
   backward variants lowers to Mosaic GPU custom calls for an H200, without a GPU; with
