@@ -389,6 +389,19 @@ def test_configs_are_keyword_only_frozen_and_hashable():
     config.block_m = 64
 
 
+def test_saved_configs_without_the_newer_tunables_keep_their_meaning():
+  """A config saved before epilogue_slabs and delay_release existed loads as the kernel
+  it named: a whole epilogue, each step's wgmma awaited."""
+  from stellarax.core.config import config_from_json, config_to_json
+  saved = dict(block_m=128, block_n=256, block_k=64, max_concurrent_steps=3, wg_split="n",
+               grid_minor_dim="m", grid_tile_width=8, split_k=1)
+  config = config_from_json(pm.PallasMosaicGpuRaggedDotConfig, saved)
+  assert (config.epilogue_slabs, config.delay_release) == (1, False)
+  assert config_to_json(config) == saved | dict(epilogue_slabs=1, delay_release=False)
+  pm.check_tunables_fit(pm.pallas_common.tunables_of(config), k=4096, n=14336,
+                        product="forward")
+
+
 def test_tunables_that_do_not_fit_the_shape_are_rejected():
   w = WORKLOADS["ragged"]  # K=128, N=192
   lhs, rhs, dout, sizes = _inputs(w, jnp.bfloat16)
