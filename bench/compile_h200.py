@@ -246,6 +246,12 @@ def sass_spill_sites(sass: str) -> SpillSites:
   around it holds a tensor-core loop (HGMMA or HMMA) that does not hold the spill: it
   runs once per outer iteration, not once a step. Kernels without tensor-core loops
   count every spill in a loop as a step's.
+
+  Args:
+    sass: one function's disassembly (see `sass_functions`).
+
+  Returns:
+    The counts of spill instructions in step loops, in outer loops only, and in all.
   """
   instrs: list[str] = []  # in address order
   labels: dict[str, int] = {}  # label -> index of the instruction it names
