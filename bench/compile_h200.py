@@ -253,7 +253,31 @@ def sass_spill_sites(sass: str) -> SpillSites:
   Returns:
     The counts of spill instructions in step loops, in outer loops only, and in all.
   """
-  instrs: list[str] = []  # in address order
+  instrs, block_of, succ, pred = _sass_cfg(sass)
+  loops = _natural_loops(succ, pred)
+  tensor_core_blocks = {block_of[i] for i, ins in enumerate(instrs) if _SASS_MMA.search(ins)}
+  mma_loops = [body for body in loops if body & tensor_core_blocks]
+  in_loops = in_outer = 0
+  spills = [i for i, ins in enumerate(instrs) if _SASS_SPILL.match(ins) and "SpillRefill" in ins]
+  for i in spills:
+    around = [body for body in loops if block_of[i] in body]
+    if not around:
+      continue
+    # (A tensor-core loop inside the smallest loop around the spill cannot hold it.)
+    smallest = min(around, key=len)
+    if any(inner < smallest for inner in mma_loops):
+      in_outer += 1
+    else:
+      in_loops += 1
+  return SpillSites(in_loops, in_outer, len(spills))
+
+
+def _sass_cfg(sass: str) -> tuple[list[str], dict[int, int], list[set[int]], list[set[int]]]:
+  """The control-flow graph of one function's SASS: (instructions in address order,
+  instruction -> its basic block, each block's successors, each block's predecessors).
+  Leaders of blocks are the first instruction, branch targets and what follows a branch
+  or an exit."""
+  instrs: list[str] = []
   labels: dict[str, int] = {}  # label -> index of the instruction it names
   for line in sass.splitlines():
     m = _SASS_LINE.match(line)
@@ -262,9 +286,7 @@ def sass_spill_sites(sass: str) -> SpillSites:
     elif m:
       instrs.append(m.group("instr").strip())
   if not instrs:
-    return SpillSites(0, 0, 0)
-  # Basic blocks: leaders are the first instruction, branch targets and what follows a
-  # branch or an exit.
+    return instrs, {}, [], []
   leaders = {0, *labels.values()}
   for i, ins in enumerate(instrs):
     if _SASS_BRANCH.match(ins) or _SASS_EXIT.match(ins):
@@ -290,21 +312,30 @@ def sass_spill_sites(sass: str) -> SpillSites:
   for b, out in enumerate(succ):
     for t in out:
       pred[t].add(b)
-  # Dominators, by the iterative data-flow method (block 0 is the entry).
-  everything = set(range(len(starts)))
-  dom = [everything.copy() for _ in starts]
+  return instrs, block_of, succ, pred
+
+
+def _natural_loops(succ: list[set[int]], pred: list[set[int]]) -> list[set[int]]:
+  """The natural loops of a control-flow graph whose entry is block 0, one body per
+  loop head: a back edge (tail -> head, head dominating tail) makes head, tail and
+  every block that reaches tail without passing head a loop."""
+  if not succ:
+    return []
+  # Dominators, by the iterative data-flow method.
+  everything = set(range(len(succ)))
+  dom = [everything.copy() for _ in succ]
   dom[0] = {0}
   changed = True
   while changed:
     changed = False
-    for b in range(1, len(starts)):
+    for b in range(1, len(succ)):
       new = {b} | (set.intersection(*(dom[p] for p in pred[b])) if pred[b] else set())
       if new != dom[b]:
         dom[b], changed = new, True
   loops: dict[int, set[int]] = {}  # head -> body
   for tail, out in enumerate(succ):
     for head in out:
-      if head in dom[tail]:  # a back edge: its natural loop is head and what reaches tail
+      if head in dom[tail]:
         body, stack = loops.setdefault(head, {head}), []
         if tail not in body:  # (a block branching to itself is its own loop)
           body.add(tail)
@@ -314,20 +345,7 @@ def sass_spill_sites(sass: str) -> SpillSites:
             if p not in body:
               body.add(p)
               stack.append(p)
-  tensor_core_blocks = {block_of[i] for i, ins in enumerate(instrs) if _SASS_MMA.search(ins)}
-  mma_loops = [body for body in loops.values() if body & tensor_core_blocks]
-  in_loops = in_outer = 0
-  spills = [i for i, ins in enumerate(instrs) if _SASS_SPILL.match(ins) and "SpillRefill" in ins]
-  for i in spills:
-    around = [body for body in loops.values() if block_of[i] in body]
-    if not around:
-      continue
-    smallest = min(around, key=len)
-    if any(inner < smallest and block_of[i] not in inner for inner in mma_loops):
-      in_outer += 1
-    else:
-      in_loops += 1
-  return SpillSites(in_loops, in_outer, len(spills))
+  return list(loops.values())
 
 
 def sass_functions(disassembly: str) -> dict[str, str]:

@@ -231,6 +231,7 @@ def test_sass_spill_sites_counts_only_spills_inside_natural_loops():
   # The LDL in the loop; not the spills before and after it, nor the unmarked STL.
   assert compile_h200.sass_spill_sites(functions["k"]) == compile_h200.SpillSites(1, 0, 3)
   assert compile_h200.sass_spill_sites(functions["j"]) == compile_h200.SpillSites(0, 0, 0)
+  assert compile_h200.sass_spill_sites("") == compile_h200.SpillSites(0, 0, 0)
   # The same loop without its spill: every spill is outside loops.
   no_loop_spill = functions["k"].replace('LDL R3, [R1]                  (*"SpillRefill"*)',
                                          "IADD3 R3, R3, 0x1, RZ")
