@@ -911,8 +911,8 @@ def main(argv=None) -> int:
   out.mkdir(parents=True, exist_ok=True)
   (out / "kernels.json").write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
   print("\n== kernels (H = heuristic config; spills = bytes stored/loaded, Ln = n spill"
-        " instructions inside the SASS's step loops, +mo: m in outer (per-tile) loops; loads = async copy kind / widest global load"
-        " in bits) ==")
+        " instructions inside the SASS's step loops, +mo: m in outer (per-tile) loops;"
+        " loads = async copy kind / widest global load in bits) ==")
   print(f"{'op':34s} {'kernel':40s} {'regs':>4s} {'spills':>12s} {'smem':>6s} {'mma':5s} "
         f"{'loads':12s}   {'status':12s} {'ptxas':11s} config")
   for workload in dict.fromkeys(r.workload for r in rows):

@@ -347,12 +347,12 @@ def heuristic_tunables(m: int, k: int, n: int, g: int, dtype: Any, *, product: s
   """Returns tunables that are a reasonable guess on an H200, without measuring.
 
   The CTA tile is 128 x 256 (two compute warpgroups of 128 x 128, the shape of fast
-  Hopper matmuls) with block_k = 64 and as many stages (up to 3) as shared memory
-  holds; block_m drops to 64 when groups average fewer than 128 rows (each group
-  wastes part of a tile), and block_n to the largest of 256, 128, 64 that divides
-  the output columns. Pipelines are 4 stages deep for 128-row tiles (3 for 64-row
-  ones), the epilogue stored in as few column slabs as make them fit. Tiles run in
-  bands of 8 m-tiles (L2 reuse of lhs rows and rhs columns). Outputs with fewer tiles than an H200 has SMs (decode-sized M) split the
+  Hopper matmuls) with block_k = 64; block_m drops to 64 when groups average fewer
+  than 128 rows (each group wastes part of a tile), and block_n to the largest of 256,
+  128, 64 that divides the output columns. Pipelines are as deep as shared memory holds, up to 4 stages
+  for 128-row tiles (3 for 64-row ones), the epilogue stored in as few column slabs
+  as make them fit. Tiles run in bands of 8 m-tiles (L2 reuse of lhs rows and rhs
+  columns). Outputs with fewer tiles than an H200 has SMs (decode-sized M) split the
   contraction (split_k, see split_k.split_choices).
 
   Args:
@@ -680,7 +680,8 @@ def _store_rows(tile: jax.Array, o_smem: Any, out_gmem: Any, *, first: jax.Array
   for col in range(0, tile.shape[1], slab):
     # The previous slab's (or tile's) stores must have finished reading the buffer.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    o_smem[...] = (tile if slab == tile.shape[1] else tile[:, col:col + slab]).astype(o_smem.dtype)
+    part = tile if slab == tile.shape[1] else tile[:, col:col + slab]
+    o_smem[...] = part.astype(o_smem.dtype)
     plgpu.commit_smem()
     start = first
     for bit in reversed(range(o_smem.shape[0].bit_length())):
@@ -699,8 +700,8 @@ class _StepMma:
   """A pipeline step's wgmma.
 
   Attributes:
-    operands: (step, *stage tiles) -> (a, b), the shared-memory views this
-      warpgroup multiplies (pure: also used to name what a finished wgmma read).
+    operands: (*stage tiles) -> (a, b), the shared-memory views this warpgroup
+      multiplies (pure: also used to name what a finished wgmma read).
     prepare: (step, *stage tiles) -> None, run before the wgmma (e.g. zeroes rows).
   """
 
@@ -741,7 +742,7 @@ class _StageRelease:
     def issue(step, tiles, acc_ref):
       if mma.prepare is not None:
         mma.prepare(step, *tiles)
-      plgpu.wgmma(acc_ref, *mma.operands(step, *tiles))
+      plgpu.wgmma(acc_ref, *mma.operands(*tiles))
 
     if not self.delayed:
       def plain(idx, *refs):
@@ -778,7 +779,7 @@ class _StageRelease:
     @pl.when(step >= 0)
     def _read_again():
       tiles = [ring.at[self._slot(step)] for ring in self.allocations["flat_in_smem_refs"]]
-      pallas_common.read_again_for_race_detector(mma.operands(step, *tiles))
+      pallas_common.read_again_for_race_detector(mma.operands(*tiles))
 
   def _free(self, step: Any) -> None:
     """Frees the stage of `step` (if >= 0) for the memory warpgroup to refill."""
@@ -850,7 +851,7 @@ def _forward_mma(tiles: _Tiles, transpose_rhs: bool) -> _StepMma:
   """A forward step's wgmma: this warpgroup's slice of lhs (M split) or rhs (N split)."""
   wm, wn = tiles.wg_shape
 
-  def operands(_, lhs_smem, rhs_smem):
+  def operands(lhs_smem, rhs_smem):
     wg_row, wg_col = tiles.wg_offsets(lax.axis_index("wg"))
     a = lhs_smem.at[pl.ds(wg_row, wm)] if tiles.wg_split == "m" else lhs_smem
     if transpose_rhs:  # rhs tiles are (cols, contraction): wgmma reads them transposed.
@@ -1037,7 +1038,7 @@ def _drhs_mma(tiles: _Tiles, rows: _GroupSteps) -> _StepMma:
     b = dout_smem.at[:, pl.ds(wg_col, wn)] if tiles.wg_split == "n" else dout_smem
     return a, b
 
-  def operands(_, lhs_smem, dout_smem):
+  def operands(lhs_smem, dout_smem):
     a, b = slices(lhs_smem, dout_smem)
     return a.transpose((1, 0)), b
 
@@ -1336,9 +1337,9 @@ from stellarax.ops.ragged_dot import base as _base  # noqa: E402
 @config_dataclass
 class PallasMosaicGpuRaggedDotConfig:
   """Tiles, pipelining (stages, delayed release), tile order, split-K and epilogue slabs
-  of the Mosaic GPU ragged_dot kernels (see `validate_tunables`). The backward uses one config for both
-  products (split_k shares the lhs gradient's contraction; the rhs gradient does not
-  split)."""
+  of the Mosaic GPU ragged_dot kernels (see `validate_tunables`). The backward uses one
+  config for both products (split_k shares the lhs gradient's contraction; the rhs
+  gradient does not split)."""
 
   block_m: int
   block_n: int
