@@ -216,7 +216,14 @@ _SASS_LINE = re.compile(
 _SASS_BRANCH = re.compile(r"^(?P<pred>@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+`\(\.(?P<target>L_x_\d+)\)")
 _SASS_EXIT = re.compile(r"^(?P<pred>@!?U?P\w+\s+)?EXIT\b")
 _SASS_SPILL = re.compile(r"^(?:@!?P\w+\s+)?(?:STL|LDL)\b")
-_SASS_MMA = re.compile(r"\bHG?MMA\b")
+# What a pipeline step does: tensor-core products (compute warpgroups) or TMA loads
+# (a memory warpgroup's loop).
+_SASS_STEP = re.compile(r"\bHG?MMA\b|\bUTMALDG\b")
+_SASS_WAIT = re.compile(r"\bSYNCS\.PHASECHK\b")
+# What an mbarrier wait's retry loop holds: the wait, a sleep, the branch, and moves or
+# spill reloads of the barrier's address.
+_SASS_SPIN = re.compile(
+    r"^(?:@!?U?P\w+\s+)?(?:SYNCS\.PHASECHK|NANOSLEEP|BRA|R2UR|IMAD\.(?:U32|MOV)|U?MOV|LDL)\b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,10 +249,13 @@ def sass_spill_sites(sass: str) -> SpillSites:
   loops of the control-flow graph (a branch back to a block that dominates it; loops
   with one head are one loop). The out-of-line retry blocks of mbarrier waits at a
   function's end branch back into the body, but not to a block dominating them, so
-  they do not make the body a loop. A spill is in an outer loop when the smallest loop
-  around it holds a tensor-core loop (HGMMA or HMMA) that does not hold the spill: it
-  runs once per outer iteration, not once a step. Kernels without tensor-core loops
-  count every spill in a loop as a step's.
+  they do not make the body a loop; a retry block that branches to itself is a spin
+  loop (an mbarrier wait and nothing but moves and reloads of its address), whose
+  spills run only while the wait does and count as the loops around it. A spill is in an outer loop
+  when the smallest loop around it holds a step loop (tensor-core products, HGMMA or
+  HMMA, or a memory warpgroup's TMA loads, UTMALDG) that does not hold the spill: it
+  runs once per outer iteration, not once a step. Kernels without step loops count
+  every spill in a loop as a step's.
 
   Args:
     sass: one function's disassembly (see `sass_functions`).
@@ -254,18 +264,22 @@ def sass_spill_sites(sass: str) -> SpillSites:
     The counts of spill instructions in step loops, in outer loops only, and in all.
   """
   instrs, block_of, succ, pred = _sass_cfg(sass)
-  loops = _natural_loops(succ, pred)
-  tensor_core_blocks = {block_of[i] for i, ins in enumerate(instrs) if _SASS_MMA.search(ins)}
-  mma_loops = [body for body in loops if body & tensor_core_blocks]
+  blocks_with = lambda pattern: {block_of[i] for i, ins in enumerate(instrs)
+                                 if pattern.search(ins)}
+  step_blocks, wait_blocks = blocks_with(_SASS_STEP), blocks_with(_SASS_WAIT)
+  busy_blocks = {block_of[i] for i, ins in enumerate(instrs) if not _SASS_SPIN.match(ins)}
+  loops = [body for body in _natural_loops(succ, pred)
+           if not (body & wait_blocks and not body & busy_blocks)]  # (not spin loops)
+  step_loops = [body for body in loops if body & step_blocks]
   in_loops = in_outer = 0
   spills = [i for i, ins in enumerate(instrs) if _SASS_SPILL.match(ins) and "SpillRefill" in ins]
   for i in spills:
     around = [body for body in loops if block_of[i] in body]
     if not around:
       continue
-    # (A tensor-core loop inside the smallest loop around the spill cannot hold it.)
+    # (A step loop inside the smallest loop around the spill cannot hold it.)
     smallest = min(around, key=len)
-    if any(inner < smallest for inner in mma_loops):
+    if any(inner < smallest for inner in step_loops):
       in_outer += 1
     else:
       in_loops += 1

@@ -275,6 +275,55 @@ def test_sass_spill_sites_tells_per_tile_spills_from_per_step_ones():
           == compile_h200.SpillSites(3, 0, 3))
 
 
+# A memory warpgroup's shape (the ragged_dot multicast kernel's, 2026-11-30): a tile loop
+# (.L_x_1) around a loop of TMA loads (.L_x_2); after it, a wait on a consumed barrier
+# whose address was spilled: reloaded before the wait (.L_x_5) and again in the wait's
+# retry loop (.L_x_6, reached only while the barrier is not ready).
+_SASS_MEMORY = """\
+//--------------------- .text.m --------------------------
+.text.m:
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   STL [R1], R2                  (*"SpillRefill"*);
+.L_x_1:
+        /*0020*/                   IADD3 R4, R4, 0x1, RZ ;
+.L_x_2:
+        /*0030*/                   UTMALDG.4D.MULTICAST [UR32], [UR12], UR15 ;
+        /*0040*/                   SYNCS.ARRIVE.TRANS64 RZ, [UR4+0x38020], R16 ;
+        /*0050*/               @P1 BRA `(.L_x_2) ;
+.L_x_5:
+        /*0060*/                   LDL R17, [R1]                 (*"SpillRefill"*);
+        /*0070*/                   R2UR UR6, R17 ;
+.L_x_7:
+        /*0080*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P2, [UR6], R2 ;
+        /*0090*/              @!P2 BRA `(.L_x_6) ;
+.L_x_8:
+        /*00a0*/               @P3 BRA `(.L_x_1) ;
+        /*00b0*/                   EXIT ;
+.L_x_6:
+        /*00c0*/                   LDL R15, [R1]                 (*"SpillRefill"*);
+        /*00d0*/                   R2UR UR6, R15 ;
+.L_x_9:
+        /*00e0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P2, [R15+URZ], R2 ;
+        /*00f0*/              @!P2 NANOSLEEP.SYNCS 0x989680 ;
+        /*0100*/              @!P2 BRA `(.L_x_6) ;
+        /*0110*/                   BRA `(.L_x_8) ;
+//--------------------- SYMBOLS --------------------------
+"""
+
+
+def test_sass_spill_sites_counts_memory_warpgroup_and_retry_spills_per_tile():
+  m = compile_h200.sass_functions(_SASS_MEMORY)["m"]
+  # TMA loads make .L_x_2 a step loop, so both reloads run once per tile: the one in
+  # the retry loop counts as the tile loop's, the loop it waits in.
+  assert compile_h200.sass_spill_sites(m) == compile_h200.SpillSites(0, 2, 3)
+  # Without the loads nothing tells a step loop apart: both reloads count as steps'.
+  assert (compile_h200.sass_spill_sites(m.replace("UTMALDG.4D.MULTICAST", "IADD3"))
+          == compile_h200.SpillSites(2, 0, 3))
+  # A retry loop that does more than wait is a loop of its own: its reload is a step's.
+  busy = m.replace("R2UR UR6, R15", "FFMA R3, R3, R3, R3")
+  assert compile_h200.sass_spill_sites(busy) == compile_h200.SpillSites(1, 1, 3)
+
+
 def test_spills_outside_loops_are_not_slow():
   k = compile_h200.KernelStats("k", spill_stores=8, spill_loads=8, tensor_cores="wgmma",
                                async_copies="tma")

@@ -269,6 +269,26 @@ def test_a_stage_freed_before_its_wgmma_is_done_is_a_race(monkeypatch):
     pm.ragged_dot_pallas_mosaic_gpu.clear_cache()  # (no test may reuse these kernels)
 
 
+# Four 64-wide column tiles in every product (two CTA pairs), four contraction steps.
+_PAIRED = dataclasses.replace(_LONG, n=256)
+
+
+@pytest.mark.mosaic_interpret
+@pytest.mark.parametrize("delayed", [
+    False,
+    # (Both code paths are in the fast set on their own; together, in CI's slow set.)
+    pytest.param(True, marks=pytest.mark.slow),
+], ids=["plain", "delayed_release"])
+def test_multicast_pairs_match_reference(delayed):
+  """CTAs in clusters of two on adjacent column tiles, the row operand multicast, in all
+  three kernels (with delay_release, each CTA frees its stages on the cluster's consumed
+  barriers itself). The interpreter copies the multicast operand into each CTA on its
+  own, so this checks the pairing (which CTA takes which column tile), the cluster
+  barriers and the persistent loop over pairs; the multicast itself is the GPU's."""
+  config = (CONFIG_DELAYED if delayed else CONFIG_A) | dict(multicast=True)
+  _check_three_products(_PAIRED, config, seed=10)
+
+
 @pytest.mark.mosaic_interpret
 def test_group_sizes_are_runtime_values():
   """One compiled kernel serves different group sizes (they are traced, not static)."""
@@ -368,6 +388,7 @@ def test_tile_order_covers_every_tile_once(minor, width, grid_m, grid_n):
                              r"compute warpgroup stores its 64x64 tile in slabs of at least 64"),
     (dict(epilogue_slabs=0), r"epilogue_slabs=0 must be a power of two"),
     (dict(delay_release=1), r"delay_release=1 must be a bool"),
+    (dict(multicast=2), r"multicast=2 must be a bool"),
 ])
 def test_invalid_tunables_are_rejected(changes, message):
   pm.validate_tunables(**CONFIG_A)
@@ -390,14 +411,15 @@ def test_configs_are_keyword_only_frozen_and_hashable():
 
 
 def test_saved_configs_without_the_newer_tunables_keep_their_meaning():
-  """A config saved before epilogue_slabs and delay_release existed loads as the kernel
-  it named: a whole epilogue, each step's wgmma awaited."""
+  """A config saved before epilogue_slabs, delay_release and multicast existed loads as
+  the kernel it named: a whole epilogue, each step's wgmma awaited, one CTA a cluster."""
   from stellarax.core.config import config_from_json, config_to_json
   saved = dict(block_m=128, block_n=256, block_k=64, max_concurrent_steps=3, wg_split="n",
                grid_minor_dim="m", grid_tile_width=8, split_k=1)
   config = config_from_json(pm.PallasMosaicGpuRaggedDotConfig, saved)
-  assert (config.epilogue_slabs, config.delay_release) == (1, False)
-  assert config_to_json(config) == saved | dict(epilogue_slabs=1, delay_release=False)
+  assert (config.epilogue_slabs, config.delay_release, config.multicast) == (1, False, False)
+  assert config_to_json(config) == saved | dict(epilogue_slabs=1, delay_release=False,
+                                                multicast=False)
   pm.check_tunables_fit(pm.pallas_common.tunables_of(config), k=4096, n=14336,
                         product="forward")
 
@@ -414,6 +436,16 @@ def test_tunables_that_do_not_fit_the_shape_are_rejected():
   with pytest.raises(ValueError, match=r"split_k=4 shares of block_k=64 steps must divide the"
                                        r" contraction K=128"):
     pm.ragged_dot_pallas_mosaic_gpu(lhs, rhs, sizes, **(CONFIG_A | dict(split_k=4)))
+  # Three column tiles (N=192, block_n=64) do not pair up.
+  with pytest.raises(ValueError, match=r"multicast=True runs CTAs in pairs on adjacent column "
+                                       r"tiles, so the 3 column tiles of block_n=64 over the "
+                                       r"output columns N=192 of the forward product must be "
+                                       r"even"):
+    pm.ragged_dot_pallas_mosaic_gpu(lhs, rhs, sizes, **(CONFIG_A | dict(multicast=True)))
+  # drhs of K=128: two column tiles of N pair up, but the lhs gradient's K=128 has 2.
+  pm.check_tunables_fit(CONFIG_A | dict(multicast=True), k=128, n=256, product="backward")
+  with pytest.raises(ValueError, match=r"output columns K=192 of the dlhs product"):
+    pm.check_tunables_fit(CONFIG_A | dict(multicast=True), k=192, n=256, product="backward")
   big = dict(block_m=256, block_n=128, block_k=128, max_concurrent_steps=5, wg_split="m",
              grid_minor_dim="m", grid_tile_width=8)
   with pytest.raises(ValueError, match=r"need 557056 bytes of shared memory; an H200 CTA has"):
@@ -485,6 +517,15 @@ def test_tunable_space_is_valid_for_the_shape(shape, product):
   whole = [c for c in space[1:] if c | dict(max_concurrent_steps=0, epilogue_slabs=0)
            == heuristic | dict(max_concurrent_steps=0, epilogue_slabs=0)]
   assert heuristic["epilogue_slabs"] == 1 or any(c["epilogue_slabs"] == 1 for c in whole)
+  # The heuristic in multicast pairs comes right after its delayed-release variant,
+  # wherever the column tiles pair up.
+  paired = heuristic | dict(multicast=True)
+  try:
+    pm.check_tunables_fit(paired, k=k, n=n, product=product)
+  except ValueError:
+    assert paired not in space
+  else:
+    assert space[2] == paired
 
 
 def test_heuristic_tunables():
@@ -492,7 +533,8 @@ def test_heuristic_tunables():
   # epilogue in two slabs (224 KiB of shared memory).
   assert pm.heuristic_tunables(8192, 4096, 14336, 8, jnp.bfloat16) == dict(
       block_m=128, block_n=256, block_k=64, max_concurrent_steps=4, wg_split="n",
-      grid_minor_dim="m", grid_tile_width=8, split_k=1, epilogue_slabs=2, delay_release=False)
+      grid_minor_dim="m", grid_tile_width=8, split_k=1, epilogue_slabs=2, delay_release=False,
+      multicast=False)
   # A float32 output tile takes more shared memory: fewer stages.
   wide = pm.heuristic_tunables(8192, 4096, 14336, 8, jnp.bfloat16, out_dtype=jnp.float32)
   assert (wide["max_concurrent_steps"], wide["epilogue_slabs"]) == (3, 2)

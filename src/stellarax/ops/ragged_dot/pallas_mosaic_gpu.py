@@ -26,6 +26,16 @@ flight) and frees that step's stage itself, the last one after the loop (see
 _StageRelease). In all three products block_m x block_n is the output tile and block_k
 the contraction step.
 
+With `multicast` the CTAs run in clusters of two, and the persistent loop walks pairs
+of adjacent output column tiles: both CTAs of a cluster take the same pair, each one
+of its column tiles (`_column_tile`). Both then need the same tiles of the operand
+along the rows (lhs; dout in the lhs gradient; lhs in the rhs gradient), so that
+operand's BlockSpec is collective over the cluster: each CTA's memory warpgroup loads
+half of each such tile with TMA multicast, which writes it into both CTAs' shared
+memory, and the pipeline's consumed barriers become cluster barriers, so a stage is
+refilled only when the compute warpgroups of both CTAs have released it. The
+other operand and the epilogue stay each CTA's own.
+
 Scheduling of the forward (and lhs-gradient) kernel
 ---------------------------------------------------
 The rows are cut into work items in jnp before the kernel: each group, and then the
@@ -56,7 +66,11 @@ this too, from reads of the stage where its wgmma completes, since the interpret
 runs wgmma at once). Interpret mode runs the CTAs one after another, which hides
 races between them, so the tests check the partition and the bijection directly
 and also run the interpreter's race detector (which gives each CTA fresh clocks,
-so conflicting writes of two CTAs are reported).
+so conflicting writes of two CTAs are reported). With `multicast` the loop hands out
+pairs of column tiles instead, each exactly once, and the two CTAs of a cluster split
+a pair between them, so the argument is unchanged; the interpreter copies a multicast
+tile into each CTA on its own, so the tests check the pairing and the cluster
+barriers' flow, not the multicast itself.
 
 Split-K (forward and lhs gradient). With split_k > 1 the loop runs over (share,
 item, n-tile), share-major, and each step sums only its share of the contraction
@@ -121,6 +135,8 @@ WG_SPLITS = ("m", "n")
 GRID_MINOR_DIMS = ("m", "n")
 MAX_CONCURRENT_STEPS = 8
 MAX_GRID_TILE_WIDTH = 64
+# CTAs per cluster with `multicast`: a pair on adjacent output column tiles.
+_MULTICAST_CTAS = 2
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -142,7 +158,7 @@ _ROW_ALIGN = 8
 _MAX_SPACE = 60
 _TUNABLE_NAMES = ("block_m", "block_n", "block_k", "max_concurrent_steps", "wg_split",
                   "grid_minor_dim", "grid_tile_width", "split_k", "epilogue_slabs",
-                  "delay_release")
+                  "delay_release", "multicast")
 # The narrowest column slab of the epilogue: a wgmma-layout register tile is sliced
 # and stored in whole 64-column granules.
 _MIN_SLAB = 64
@@ -166,7 +182,7 @@ def _wg_tile(block_m: int, block_n: int, wg_split: str) -> tuple[int, int]:
 def validate_tunables(*, block_m: int, block_n: int, block_k: int, max_concurrent_steps: int,
                       wg_split: str, grid_minor_dim: str, grid_tile_width: int,
                       split_k: int = 1, epilogue_slabs: int = 1,
-                      delay_release: bool = False) -> None:
+                      delay_release: bool = False, multicast: bool = False) -> None:
   """Checks the tunables of the three ragged_dot Mosaic GPU kernels.
 
   Args:
@@ -188,6 +204,11 @@ def validate_tunables(*, block_m: int, block_n: int, block_k: int, max_concurren
     delay_release: keep one wgmma in flight: a step waits only for the previous
       step's wgmma and frees that step's stage, so a stage is refilled a step later
       (the loads run one step less far ahead).
+    multicast: run the CTAs in clusters of two on adjacent output column tiles of
+      the same rows, which need the same tiles of the operand along those rows (lhs;
+      dout in the lhs gradient; lhs in the rhs gradient): each CTA loads half of such
+      a tile with TMA multicast, which writes it into both CTAs' shared memory (half
+      the L2 reads of that operand). The output column tiles must come in pairs.
 
   Raises:
     ValueError: naming the first tunable the kernels cannot use, what was given and
@@ -224,6 +245,8 @@ def validate_tunables(*, block_m: int, block_n: int, block_k: int, max_concurren
         "(128 x 128) fit in registers. Use smaller blocks.")
   if not isinstance(delay_release, bool):
     raise ValueError(f"delay_release={delay_release!r} must be a bool.")
+  if not isinstance(multicast, bool):
+    raise ValueError(f"multicast={multicast!r} must be a bool.")
   _check_int("epilogue_slabs", epilogue_slabs)
   if epilogue_slabs < 1 or epilogue_slabs & (epilogue_slabs - 1) or (
       wn // epilogue_slabs < _MIN_SLAB):
@@ -270,6 +293,7 @@ def check_tunables_fit(tunables: dict[str, Any], *, k: int, n: int, product: str
   check_choice("product", product, (*_TILED_DIMS, "backward"))
   products = ("dlhs", "drhs") if product == "backward" else (product,)
   split = tunables.get("split_k", 1)
+  multicast = tunables.get("multicast", False)
   for name in products:
     for block_name, label, axis in _TILED_DIMS[name]:
       block, dim = tunables[block_name], (k, n)[axis]
@@ -277,6 +301,12 @@ def check_tunables_fit(tunables: dict[str, Any], *, k: int, n: int, product: str
         raise ValueError(
             f"{block_name}={block} must divide the {label}={dim} of the {name} product (TMA "
             f"tiles must not run past the arrays). Pick a {block_name} that divides {dim}.")
+      if block_name == "block_n" and multicast and (dim // block) % _MULTICAST_CTAS:
+        raise ValueError(
+            f"multicast=True runs CTAs in pairs on adjacent column tiles, so the "
+            f"{dim // block} column tiles of block_n={block} over the {label}={dim} of the "
+            f"{name} product must be even. Use multicast=False or a block_n that gives an "
+            "even count.")
       if block_name == "block_k" and split > 1 and dim % (block * split):
         raise ValueError(
             f"split_k={split} shares of block_k={block} steps must divide the {label}={dim}"
@@ -347,13 +377,15 @@ def heuristic_tunables(m: int, k: int, n: int, g: int, dtype: Any, *, product: s
   """Returns tunables that are a reasonable guess on an H200, without measuring.
 
   The CTA tile is 128 x 256 (two compute warpgroups of 128 x 128, the shape of fast
-  Hopper matmuls) with block_k = 64; block_m drops to 64 when groups average fewer
-  than 128 rows (each group wastes part of a tile), and block_n to the largest of 256,
-  128, 64 that divides the output columns. Pipelines are as deep as shared memory holds, up to 4 stages
-  for 128-row tiles (3 for 64-row ones), the epilogue stored in as few column slabs
-  as make them fit. Tiles run in bands of 8 m-tiles (L2 reuse of lhs rows and rhs
-  columns). Outputs with fewer tiles than an H200 has SMs (decode-sized M) split the
-  contraction (split_k, see split_k.split_choices).
+  Hopper matmuls) with block_k = 64, one CTA per cluster (`multicast` pairs, as
+  CUTLASS often runs, are offered in the space next to the heuristic until an H200
+  has timed them); block_m drops to 64 when groups average fewer than 128 rows (each
+  group wastes part of a tile), and block_n to the largest of 256, 128, 64 that
+  divides the output columns. Pipelines are as deep as shared memory holds, up to 4
+  stages for 128-row tiles (3 for 64-row ones), the epilogue stored in as few column
+  slabs as make them fit. Tiles run in bands of 8 m-tiles (L2 reuse of lhs rows and
+  rhs columns). Outputs with fewer tiles than an H200 has SMs (decode-sized M) split
+  the contraction (split_k, see split_k.split_choices).
 
   Args:
     m, k, n, g: the problem (lhs (M, K), rhs (G, K, N)).
@@ -387,7 +419,7 @@ def heuristic_tunables(m: int, k: int, n: int, g: int, dtype: Any, *, product: s
   block_m = 128 if m // g >= 128 or block_n == 64 else 64
   tiles = dict(block_m=block_m, block_n=block_n, block_k=64,
                wg_split="n" if block_n >= 128 else "m", grid_minor_dim="m", grid_tile_width=8,
-               delay_release=False)
+               delay_release=False, multicast=False)
   tiles["split_k"] = _split_choices(m, k, n, g, tiles, product)[0]
   # Stages: CUTLASS's Hopper kernels run this tile 4 deep; its 64 KiB epilogue buffer
   # left room for 3, so the epilogue is stored in as few column slabs as make room for
@@ -423,6 +455,15 @@ def _out_itemsize(product: str, dtype: Any, out_dtype: Any) -> int:
   return jnp.dtype(dtype).itemsize
 
 
+def _fits(tunables: dict[str, Any], k: int, n: int, product: str, out_itemsize: int) -> bool:
+  """Whether tunables fit the problem (`check_tunables_fit`)."""
+  try:
+    check_tunables_fit(tunables, k=k, n=n, product=product, out_itemsize=out_itemsize)
+  except ValueError:
+    return False
+  return True
+
+
 def _tile_candidates(m: int, k: int, n: int, g: int, product: str) -> list[dict[str, Any]]:
   """Every valid (block_m, block_n, block_k, wg_split) for the shape, before stages."""
   row_cap = _row_block_cap(m, g)
@@ -433,7 +474,7 @@ def _tile_candidates(m: int, k: int, n: int, g: int, product: str) -> list[dict[
         for split in WG_SPLITS:
           tiles = dict(block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=2,
                        wg_split=split, grid_minor_dim="m", grid_tile_width=8,
-                       delay_release=False)
+                       delay_release=False, multicast=False)
           try:
             validate_tunables(**tiles)
             check_tunables_fit(tiles, k=k, n=n, product=product)
@@ -453,9 +494,10 @@ def tunable_space(m: int, k: int, n: int, g: int, dtype: Any, *, product: str = 
   every one that divides the shape and fits the registers, with the deepest pipeline
   (up to 6 stages) that fits shared memory (with the fewest epilogue slabs that make
   it fit), and for 64-wide block_k also one stage less. The heuristic tile also runs
-  with its stages released a step later (`delay_release`), with its epilogue whole
-  (and the stages that then fit), with other split-K factors
-  (only where the output has fewer tiles than an H200 has SMs) and other tile orders
+  with its stages released a step later (`delay_release`), in CTA pairs that share the
+  row operand's tiles (`multicast`, where the column tiles pair up), with its
+  epilogue whole (and the stages that then fit), with other split-K factors (only
+  where the output has fewer tiles than an H200 has SMs) and other tile orders
   (bands of 4 or 16 m-tiles, or n-minor bands); the other tiles take the heuristic's
   split where their shares still divide the contraction. The heuristic config comes first, then the
   tiles by CTA tile size, largest first (the list is cut there when it grows past 60).
@@ -478,6 +520,11 @@ def tunable_space(m: int, k: int, n: int, g: int, dtype: Any, *, product: str = 
   # The heuristic with one wgmma kept in flight (jax's own ragged_dot kernel delays its
   # releases; its Hopper matmul, like the heuristic, does not).
   space = [heuristic, heuristic | dict(delay_release=True)]
+  # The heuristic in CTA pairs sharing the row operand's tiles (TMA multicast; CUTLASS's
+  # Hopper GEMMs run clusters of 2), where the column tiles pair up.
+  paired = heuristic | dict(multicast=True)
+  if _fits(paired, k, n, product, out_itemsize):
+    space.append(paired)
   # The heuristic tile with its epilogue whole and the stages that then fit.
   itemsize = _epilogue_itemsize(heuristic["split_k"], out_itemsize)
   whole = _deepest_pipeline(heuristic, itemsize, cap=heuristic["max_concurrent_steps"],
@@ -629,6 +676,12 @@ class _Tiles:
   split_k: int = 1
   epilogue_slabs: int = 1
   delay_release: bool = False
+  multicast: bool = False
+
+  @property
+  def cluster_n(self) -> int:
+    """CTAs per cluster (along the output columns)."""
+    return _MULTICAST_CTAS if self.multicast else 1
 
   @property
   def wg_shape(self) -> tuple[int, int]:
@@ -810,20 +863,24 @@ def _ignore(*args, **kwargs):
 
 
 def _launch(body, out_shape: jax.ShapeDtypeStruct, operands, *, num_tiles: int,
-            num_programs: int | None, interpret: Any, name: str):
-  """Runs `body` as a persistent kernel of min(SMs, tiles) CTAs of 3 warpgroups."""
+            cluster_n: int, num_programs: int | None, interpret: Any, name: str):
+  """Runs `body` as a persistent kernel of min(SMs, tiles) CTAs of 3 warpgroups, in
+  clusters of `cluster_n` CTAs (grid axis "sm" counts clusters, "cluster" the CTAs
+  within one)."""
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
   if num_programs is None:
     # Interpret mode runs CTAs one after another, so extra CTAs only cost time (about
-    # 0.2 s each on a CPU); two still exercise the persistent loop's striding.
-    num_programs = _INTERPRET_PROGRAMS if interpret else _num_sms()
-  grid = max(1, min(num_programs, num_tiles))
+    # 0.2 s each on a CPU); two clusters still exercise the persistent loop's striding.
+    num_programs = _INTERPRET_PROGRAMS * cluster_n if interpret else _num_sms()
+  grid = max(1, min(num_programs, num_tiles) // cluster_n)
+  clusters = dict(cluster=(cluster_n,), cluster_names=("cluster",)) if cluster_n > 1 else {}
   kernel = plgpu.kernel(
       body,
       out_type=out_shape,
       grid=(grid,),
       grid_names=("sm",),
+      **clusters,
       num_threads=_NUM_COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
@@ -833,13 +890,27 @@ def _launch(body, out_shape: jax.ShapeDtypeStruct, operands, *, num_tiles: int,
   return kernel(*operands)
 
 
+def _row_operand(tiles: _Tiles) -> dict[str, Any]:
+  """BlockSpec arguments of the operand a cluster's CTAs share (TMA multicast)."""
+  return dict(collective_axes=("cluster",)) if tiles.multicast else {}
+
+
+def _column_tile(tiles: _Tiles, pair_tile: jax.Array) -> jax.Array:
+  """The output column tile of this CTA: its place within the cluster's `cluster_n`
+  adjacent column tiles."""
+  if not tiles.multicast:
+    return pair_tile
+  return pair_tile * tiles.cluster_n + lax.axis_index("cluster")
+
+
 # --------------------------------------------------------------------------- forward
 
 
 def _forward_specs(tiles: _Tiles, dtype: Any, transpose_rhs: bool) -> list[Any]:
   """BlockSpecs of the forward's pipelined lhs and rhs tiles (128-byte swizzled)."""
   bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-  lhs_spec = plgpu.BlockSpec((bm, bk), lambda k: (0, k), transforms=_swizzled(bk, dtype))
+  lhs_spec = plgpu.BlockSpec((bm, bk), lambda k: (0, k), transforms=_swizzled(bk, dtype),
+                             **_row_operand(tiles))
   if transpose_rhs:
     rhs_spec = plgpu.BlockSpec((bn, bk), lambda k: (0, k), transforms=_swizzled(bk, dtype))
   else:
@@ -872,7 +943,8 @@ def _forward_kernel(items_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: _Tiles,
   bm, bn = tiles.block_m, tiles.block_n
   wm, wn = tiles.wg_shape
   num_groups = rhs_gmem.shape[0]
-  num_items, grid_n = items_gmem.shape[1], out_gmem.shape[-1] // bn
+  num_items = items_gmem.shape[1]
+  grid_n = out_gmem.shape[-1] // bn // tiles.cluster_n  # column tiles of clusters
   share = lhs_gmem.shape[1] // tiles.split_k  # contraction of one split
   num_steps = share // tiles.block_k
 
@@ -916,6 +988,7 @@ def _forward_kernel(items_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: _Tiles,
         # Split-major: the shares of one tile run far apart, on different SMs.
         split, linear = lax.div(linear, num_items * grid_n), lax.rem(linear, num_items * grid_n)
       item_idx, n_tile = tiles.tile_order(linear, num_items, grid_n)
+      n_tile = _column_tile(tiles, n_tile)
       group, row_start, row_end, tile_start = (items_gmem[i, item_idx] for i in range(4))
       n0 = pl.multiple_of(n_tile * bn, bn)
       k0 = pl.multiple_of(split * share, tiles.block_k) if tiles.split_k > 1 else 0
@@ -965,7 +1038,8 @@ def _forward_call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, tiles: _Ti
       (split, padded.shape[0], cols_out), jnp.float32)
   out = _launch(kernel, jax.ShapeDtypeStruct(*out_shape), (items, padded, rhs),
                 num_tiles=split * items.shape[1] * (cols_out // tiles.block_n),
-                num_programs=num_programs, interpret=interpret, name=name)
+                cluster_n=tiles.cluster_n, num_programs=num_programs, interpret=interpret,
+                name=name)
   if split > 1:
     out = out.sum(axis=0).astype(out_dtype)
   return out[:num_rows]
@@ -993,7 +1067,8 @@ def _drhs_specs(tiles: _Tiles, dtype: Any, index_map) -> list[Any]:
   """BlockSpecs of the rhs gradient's (block_k rows) x K and x N tiles. Rows are
   addressed by element (`pl.Element`), so a step may start at any multiple of 8."""
   bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-  return [plgpu.BlockSpec((pl.Element(bk), bm), index_map, transforms=_swizzled(bm, dtype)),
+  return [plgpu.BlockSpec((pl.Element(bk), bm), index_map, transforms=_swizzled(bm, dtype),
+                          **_row_operand(tiles)),
           plgpu.BlockSpec((pl.Element(bk), bn), index_map, transforms=_swizzled(bn, dtype))]
 
 
@@ -1066,7 +1141,7 @@ def _drhs_kernel(offsets_gmem, lhs_gmem, dout_gmem, out_gmem, *, tiles: _Tiles,
   bm, bn = tiles.block_m, tiles.block_n
   wm, wn = tiles.wg_shape
   num_groups, contract_k, cols_n = out_gmem.shape
-  grid_m, grid_n = contract_k // bm, cols_n // bn
+  grid_m, grid_n = contract_k // bm, cols_n // bn // tiles.cluster_n
 
   def pipeline(body, compute_context, num_steps, index_map):
     return _warp_specialized(body, tiles=tiles, num_steps=num_steps,
@@ -1091,6 +1166,7 @@ def _drhs_kernel(offsets_gmem, lhs_gmem, dout_gmem, out_gmem, *, tiles: _Tiles,
     def _tile_loop(info):
       group, linear = info.index
       m_tile, n_tile = tiles.tile_order(linear, grid_m, grid_n)
+      n_tile = _column_tile(tiles, n_tile)
       m0, n0 = pl.multiple_of(m_tile * bm, bm), pl.multiple_of(n_tile * bn, bn)
       rows = _GroupSteps.create(offsets_gmem[group], offsets_gmem[group + 1],
                                 num_rows=lhs_gmem.shape[0], block_k=tiles.block_k)
@@ -1124,7 +1200,8 @@ def _drhs_call(lhs, dout, group_sizes, num_groups, *, out_dtype, tiles: _Tiles, 
   num_tiles = num_groups * (contract_k // tiles.block_m) * (cols_n // tiles.block_n)
   return _launch(kernel, jax.ShapeDtypeStruct((num_groups, contract_k, cols_n), out_dtype),
                  (offsets, _pad_rows(lhs, rows), _pad_rows(dout, rows)), num_tiles=num_tiles,
-                 num_programs=num_programs, interpret=interpret, name="ragged_dot_drhs")
+                 cluster_n=tiles.cluster_n, num_programs=num_programs, interpret=interpret,
+                 name="ragged_dot_drhs")
 
 
 # --------------------------------------------------------------------------- public functions
@@ -1132,6 +1209,11 @@ def _drhs_call(lhs, dout, group_sizes, num_groups, *, out_dtype, tiles: _Tiles, 
 _STATIC = (*_TUNABLE_NAMES, "preferred_element_type", "interpret", "num_programs")
 # The rhs-gradient kernel does not split its contraction (the rows).
 _DRHS_STATIC = tuple(name for name in _STATIC if name != "split_k")
+
+
+def _tunables_in(arguments: dict[str, Any]) -> dict[str, Any]:
+  """The tunables among a public function's arguments (its `locals()` on entry)."""
+  return {name: arguments[name] for name in _TUNABLE_NAMES if name in arguments}
 
 
 def _prepare(tunables: dict[str, Any], *, k: int, n: int, product: str, operands, out_dtype):
@@ -1168,6 +1250,7 @@ def ragged_dot_pallas_mosaic_gpu(
     split_k: int = 1,
     epilogue_slabs: int = 1,
     delay_release: bool = False,
+    multicast: bool = False,
     preferred_element_type: Any = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
     num_programs: int | None = None,
@@ -1180,8 +1263,8 @@ def ragged_dot_pallas_mosaic_gpu(
     group_sizes: (G,) integer array (a runtime value); group g is the next
       group_sizes[g] rows of lhs.
     block_m, block_n, block_k, max_concurrent_steps, wg_split, grid_minor_dim,
-      grid_tile_width, split_k, epilogue_slabs, delay_release: the tunables (see
-      `validate_tunables`).
+      grid_tile_width, split_k, epilogue_slabs, delay_release, multicast: the tunables
+      (see `validate_tunables`).
     preferred_element_type: output dtype (bfloat16, float16 or float32); defaults
       to lhs.dtype. Accumulation is always float32.
     interpret: run in Mosaic GPU interpret mode on any backend (True, or
@@ -1196,11 +1279,7 @@ def ragged_dot_pallas_mosaic_gpu(
     ValueError: for mismatched shapes or dtypes, invalid tunables, or tiles that do
       not divide K and N or overflow shared memory.
   """
-  tunables = dict(block_m=block_m, block_n=block_n, block_k=block_k,
-                  max_concurrent_steps=max_concurrent_steps, wg_split=wg_split,
-                  grid_minor_dim=grid_minor_dim, grid_tile_width=grid_tile_width,
-                  split_k=split_k, epilogue_slabs=epilogue_slabs,
-                  delay_release=delay_release)
+  tunables = _tunables_in(locals())
   check_ragged_dot_shapes(lhs, rhs, group_sizes)
   tiles, out_dtype = _prepare(tunables, k=lhs.shape[1], n=rhs.shape[2], product="forward",
                               operands=(("lhs", lhs), ("rhs", rhs)),
@@ -1226,6 +1305,7 @@ def ragged_dot_dlhs_pallas_mosaic_gpu(
     split_k: int = 1,
     epilogue_slabs: int = 1,
     delay_release: bool = False,
+    multicast: bool = False,
     preferred_element_type: Any = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
     num_programs: int | None = None,
@@ -1241,7 +1321,7 @@ def ragged_dot_dlhs_pallas_mosaic_gpu(
     rhs: (G, K, N) forward rhs; K a multiple of block_n, N of block_k * split_k.
     group_sizes: (G,) integer array, as in the forward call.
     block_m, block_n, block_k, max_concurrent_steps, wg_split, grid_minor_dim,
-      grid_tile_width, split_k, epilogue_slabs, delay_release, interpret,
+      grid_tile_width, split_k, epilogue_slabs, delay_release, multicast, interpret,
       num_programs: as in the forward call.
     preferred_element_type: output dtype; defaults to dout.dtype.
 
@@ -1251,11 +1331,7 @@ def ragged_dot_dlhs_pallas_mosaic_gpu(
   Raises:
     ValueError: for mismatched shapes or dtypes, or tunables that do not fit.
   """
-  tunables = dict(block_m=block_m, block_n=block_n, block_k=block_k,
-                  max_concurrent_steps=max_concurrent_steps, wg_split=wg_split,
-                  grid_minor_dim=grid_minor_dim, grid_tile_width=grid_tile_width,
-                  split_k=split_k, epilogue_slabs=epilogue_slabs,
-                  delay_release=delay_release)
+  tunables = _tunables_in(locals())
   if dout.ndim != 2 or rhs.ndim != 3 or dout.shape[1] != rhs.shape[2]:
     raise ValueError(
         f"The lhs gradient needs dout (M, N) and rhs (G, K, N) with the same N; got "
@@ -1285,6 +1361,7 @@ def ragged_dot_drhs_pallas_mosaic_gpu(
     grid_tile_width: int,
     epilogue_slabs: int = 1,
     delay_release: bool = False,
+    multicast: bool = False,
     preferred_element_type: Any = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
     num_programs: int | None = None,
@@ -1302,7 +1379,7 @@ def ragged_dot_drhs_pallas_mosaic_gpu(
     num_groups: G (static).
     block_m, block_n: the drhs[g] tile (K x N); block_k: rows per pipelined step;
       max_concurrent_steps, wg_split, grid_minor_dim, grid_tile_width, epilogue_slabs,
-      delay_release, interpret, num_programs: as in the forward call.
+      delay_release, multicast, interpret, num_programs: as in the forward call.
     preferred_element_type: output dtype; defaults to lhs.dtype.
 
   Returns:
@@ -1311,10 +1388,7 @@ def ragged_dot_drhs_pallas_mosaic_gpu(
   Raises:
     ValueError: for mismatched shapes or dtypes, or tunables that do not fit.
   """
-  tunables = dict(block_m=block_m, block_n=block_n, block_k=block_k,
-                  max_concurrent_steps=max_concurrent_steps, wg_split=wg_split,
-                  grid_minor_dim=grid_minor_dim, grid_tile_width=grid_tile_width,
-                  epilogue_slabs=epilogue_slabs, delay_release=delay_release)
+  tunables = _tunables_in(locals())
   if lhs.ndim != 2 or dout.ndim != 2 or lhs.shape[0] != dout.shape[0]:
     raise ValueError(
         f"The rhs gradient needs lhs (M, K) and dout (M, N) with the same M; got "
@@ -1351,6 +1425,7 @@ class PallasMosaicGpuRaggedDotConfig:
   split_k: int = 1
   epilogue_slabs: int = 1
   delay_release: bool = False
+  multicast: bool = False
 
   def __post_init__(self):
     validate_tunables(**pallas_common.tunables_of(self))
