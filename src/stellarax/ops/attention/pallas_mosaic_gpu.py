@@ -417,6 +417,13 @@ def _cols(x: jax.Array, shape: tuple[int, int]) -> jax.Array:
   return lax.broadcast_in_dim(x, shape, [1])
 
 
+def _if_blocks(lo: Any, hi: Any, run: Callable[[Any], Any], carry: Any,
+               otherwise: Callable[[Any], Any] | None = None) -> Any:
+  """run(carry) when the block range [lo, hi) is not empty, else otherwise(carry)
+  (default: the carry unchanged): the first and last steps of pipelined walks."""
+  return lax.cond(lo < hi, run, otherwise or (lambda carry: carry), carry)
+
+
 def _zeros(shape: tuple[int, ...]) -> jax.Array:
   layout = plgpu.Layout.WGMMA if len(shape) == 2 else plgpu.Layout.WGMMA.reduce(1)
   return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), layout)
@@ -1055,7 +1062,7 @@ class _FwdWalker:
       self.pingpong.wait()
       return carry
 
-    return lax.cond(lo < hi, first, idle, carry)
+    return _if_blocks(lo, hi, first, carry, otherwise=idle)
 
   def _pipelined_step(self, kb, carry, masked):
     acc, probs, m, l = carry
@@ -1086,7 +1093,7 @@ class _FwdWalker:
       self.pingpong.wait()
       return acc, probs, m, l
 
-    return lax.cond(lo < hi, last, lambda carry: carry, carry)
+    return _if_blocks(lo, hi, last, carry)
 
 
 def _fwd_kernel(*refs, q_smem, k_ring, v_ring, pair_ring, stage, lse_smem, v_mean_smem,
@@ -1311,7 +1318,7 @@ def _dq_kernel(*refs, q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, pai
         v_stream.release(slot)
         return dq, d_scores(s, dp, lo, masked=True).astype(p.dtype)
 
-      return lax.cond(lo < hi, run, lambda carry: carry, carry)
+      return _if_blocks(lo, hi, run, carry)
 
     def pipelined_step(kb, carry, masked):
       dq, ds = carry
@@ -1338,7 +1345,7 @@ def _dq_kernel(*refs, q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, pai
         k_stream.release(prev, after_loads=p.has_pair)
         return dq, ds
 
-      return lax.cond(lo < hi, run, lambda carry: carry, carry)
+      return _if_blocks(lo, hi, run, carry)
 
     def skip(kb, _):
       slot = cta.slot(kb, stages)
