@@ -26,11 +26,16 @@ spill instruction lies inside a loop, where it costs every iteration; spills all
 loops (set-up, between loops) are shown but not counted as slow. Each kernel's row also
 says what its PTX shows (a ptxas wrapper keeps the PTX XLA compiles): its tensor-core
 instruction (wgmma, the warp-level mma.sync, or none), how it copies operands to shared
-memory (TMA, cp.async, or not asynchronously), and its widest global load. Compile-only
+memory (TMA, cp.async, or not asynchronously), its widest global load, and whether some
+path of its control flow reads shared memory through the async proxy (wgmma operands, a
+TMA store) after an ordinary store with no proxy fence in between (`commit_smem`): data
+the GPU may read stale and interpret mode, which has no proxies, cannot show wrong
+(`ptx_unfenced_async_reads`). Compile-only
 workloads (`more_workloads`) add attention's other head dims and float16, and sizes no
 tile divides. Writes `<out>/kernels.json` (a row per compiled kernel, XLA's own fusions
 included) and prints the Pallas kernels' rows, grouped by workload, last. Exits 1 when a
-config fails to compile, or when a heuristic config at a speed target is slow: it spills
+config fails to compile or reads shared memory unfenced, or when a heuristic config at a
+speed target is slow: it spills
 registers inside a loop, has its wgmma serialized, multiplies without asynchronous
 copies (nothing overlaps its loads), or streams memory without 16-byte loads. (mma.sync
 is shown, not failed on: Triton takes it for tiles under 64 rows.)
@@ -99,6 +104,10 @@ class KernelStats(_SpilledBytes):
   # The widest global load of the PTX in bits (128: 16-byte vector loads, what a
   # memory-bound kernel needs for full bandwidth; 0: none, e.g. only TMA).
   global_load_bits: int | None = None
+  # Reads of shared memory by wgmma or a TMA store that may follow an ordinary store
+  # with no proxy fence between (see ptx_unfenced_async_reads): wrong data on the GPU,
+  # invisible in interpret mode. None where the PTX was not seen.
+  unfenced_async_reads: int | None = None
   pallas: bool = False  # a Pallas (Triton or Mosaic GPU) kernel, not one of XLA's own
   # Spill instructions (local stores and loads ptxas marks as spill refills) inside the
   # loops that do the kernel's steps, where every step pays them; 0 when every spill
@@ -123,6 +132,7 @@ class KernelStats(_SpilledBytes):
       self.tensor_cores = traits.tensor_cores
       self.async_copies = traits.async_copies
       self.global_load_bits = traits.global_load_bits
+      self.unfenced_async_reads = traits.unfenced_async_reads
 
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
@@ -189,6 +199,7 @@ class PtxTraits:
   tensor_cores: str  # "wgmma", "mma" or "none"
   async_copies: str  # "tma", "cp.async" or "none"
   global_load_bits: int  # the widest ld.global, in bits (0: none)
+  unfenced_async_reads: int = 0  # see ptx_unfenced_async_reads
 
 
 _GLOBAL_LOAD = re.compile(r"\bld\.global(?:\.\w+)*?(?:\.v(\d))?\.[bfsu](\d+)\b")
@@ -207,8 +218,112 @@ def ptx_traits(ptx: str) -> dict[str, PtxTraits]:
                       else "mma" if re.search(r"\bmma\.sync", body) else "none"),
         async_copies=("tma" if "cp.async.bulk" in body
                       else "cp.async" if re.search(r"\bcp\.async\.c[ag]\b", body) else "none"),
-        global_load_bits=max(loads, default=0))
+        global_load_bits=max(loads, default=0),
+        unfenced_async_reads=ptx_unfenced_async_reads(body))
   return out
+
+
+# Shared memory written through the generic proxy (ordinary stores, stmatrix), the
+# fence that makes such writes visible to the async proxy, and what reads shared memory
+# through the async proxy: wgmma's operand descriptors and TMA stores (global <- shared).
+_PTX_SMEM_STORE = re.compile(r"\b(?:st\.shared|stmatrix)\b")
+_PTX_PROXY_FENCE = re.compile(r"\bfence\.proxy\.async\b")
+_PTX_ASYNC_READ = re.compile(
+    r"\bwgmma\.mma_async\b|\bcp(?:\.reduce)?\.async\.bulk(?:\.tensor)?(?:\.\w+)*?\.global\.shared")
+_PTX_LABEL = re.compile(r"^\s*(\$?\w+):\s*$")
+_PTX_BRANCH = re.compile(r"^\s*(?P<pred>@!?%?\w+\s+)?bra(?:\.uni)?\s+(?P<target>\$?\w+)\s*;")
+_PTX_END = re.compile(r"^\s*(?:@!?%?\w+\s+)?(?:ret|exit|trap)\s*;")
+
+
+def _ptx_instructions(body: str) -> tuple[list[str], dict[str, int]]:
+  """A PTX function body as (instructions, label -> index of the instruction it names).
+  An inline-asm block in braces is one instruction (its own labels stay inside it)."""
+  instrs: list[str] = []
+  labels: dict[str, int] = {}
+  block: list[str] | None = None
+  depth = 0
+  lines = [line.split("//", 1)[0].rstrip() for line in body.splitlines()]
+  # The function's own braces: its first line of "{" and its last of "}".
+  braces = [i for i, line in enumerate(lines) if line.strip() in ("{", "}")]
+  if braces:
+    lines = lines[braces[0] + 1:max(i for i in braces if lines[i].strip() == "}")]
+  for line in lines:
+    if not line.strip():
+      continue
+    opens, closes = line.count("{"), line.count("}")
+    if block is not None or opens:
+      block = [] if block is None else block
+      block.append(line.strip())
+      depth += opens - closes
+      if depth <= 0:
+        instrs.append(" ".join(block))
+        block, depth = None, 0
+      continue
+    label = _PTX_LABEL.match(line)
+    if label:
+      labels[label.group(1)] = len(instrs)
+    else:
+      instrs.append(line.strip())
+  return instrs, labels
+
+
+def ptx_unfenced_async_reads(body: str) -> int:
+  """Async-proxy reads of shared memory that may follow a generic-proxy write without a
+  `fence.proxy.async` in between, on some path of one thread's control flow.
+
+  wgmma reads its shared-memory operands, and a TMA store its source, through the async
+  proxy; a value stored to shared memory with an ordinary store (or stmatrix) is
+  visible to them only after a proxy fence (`plgpu.commit_smem()` in Pallas). Without
+  one the GPU may read stale data, and nothing in interpret mode shows it (it has no
+  proxies). A forward may-analysis over the function's control-flow graph: a store
+  makes the state dirty, a fence clean; an async read reached dirty is counted. It
+  sees one thread's own writes (a write in one warpgroup, fenced or not, read by
+  another after a barrier is not judged).
+
+  Args:
+    body: the PTX of one function (from its `.entry` line to the next).
+
+  Returns:
+    The number of async-read instructions some path reaches with an unfenced write.
+  """
+  instrs, labels = _ptx_instructions(body)
+  if not instrs:
+    return 0
+  leaders = {0, *(i for i in labels.values() if i < len(instrs))}
+  for i, ins in enumerate(instrs):
+    if _PTX_BRANCH.match(ins) or _PTX_END.match(ins):
+      leaders.add(i + 1)
+  starts = sorted(x for x in leaders if x < len(instrs))
+  ends = [*starts[1:], len(instrs)]
+  block_at = {start: b for b, start in enumerate(starts)}
+  succ: list[list[int]] = []
+  for b, (lo, hi) in enumerate(zip(starts, ends)):
+    last, out = instrs[hi - 1], []
+    branch = _PTX_BRANCH.match(last)
+    if branch and branch.group("target") in labels and labels[branch.group("target")] in block_at:
+      out.append(block_at[labels[branch.group("target")]])
+    if not ((branch and not branch.group("pred")) or _PTX_END.match(last)) and b + 1 < len(starts):
+      out.append(b + 1)
+    succ.append(out)
+  dirty_in = [False] * len(starts)
+  flagged: set[int] = set()
+  work = list(range(len(starts)))
+  while work:
+    b = work.pop()
+    dirty = dirty_in[b]
+    for i in range(starts[b], ends[b]):
+      ins = instrs[i]
+      if _PTX_ASYNC_READ.search(ins) and dirty:
+        flagged.add(i)
+      if _PTX_PROXY_FENCE.search(ins):
+        dirty = False
+      elif _PTX_SMEM_STORE.search(ins):
+        dirty = True
+    for t in succ[b]:
+      if dirty and not dirty_in[t]:
+        dirty_in[t] = True
+        work.append(t)
+  return len(flagged)
 
 
 _SASS_LINE = re.compile(
@@ -743,6 +858,7 @@ class Row(_SpilledBytes):
   tensor_cores: str | None = None
   async_copies: str | None = None
   global_load_bits: int | None = None
+  unfenced_async_reads: int | None = None
   spills_in_loops: int | None = None
   spills_in_outer_loops: int | None = None
   pallas: bool = True  # False for XLA's own kernels (fusions) in the same program
@@ -874,10 +990,15 @@ def _compile_one(compiler, workload, ba, config, heuristic, target) -> list[Row]
               status=_status(k), seconds=seconds) for k in kernels]
 
 
+_UNFENCED = "UNFENCED SMEM"
+
+
 def _status(k: KernelStats) -> str:
-  """"ok", or what makes the kernel slow: spills (unless the SASS shows them all outside
-  loops), serialized wgmma, a matmul that copies no operand asynchronously (nothing
-  overlaps its loads), or a memory-bound kernel without 16-byte loads."""
+  """"ok", or what makes the kernel wrong (shared memory read through the async proxy
+  after an unfenced store: UNFENCED SMEM, first) or slow: spills (unless the SASS shows
+  them all outside loops), serialized wgmma, a matmul that copies no operand
+  asynchronously (nothing overlaps its loads), or a memory-bound kernel without 16-byte
+  loads."""
   # mma.sync is not a fault by itself: Triton takes it for tiles of fewer than 64 rows
   # (wgmma's smallest), e.g. the 16-row tiles of decode-sized ragged_dot.
   matmul = k.tensor_cores in ("wgmma", "mma")
@@ -886,6 +1007,7 @@ def _status(k: KernelStats) -> str:
   # (or per tile).
   spills = k.spills and k.spills_in_loops != 0
   bad = [flag for flag, on in (
+      (_UNFENCED, bool(k.unfenced_async_reads)),
       ("SPILLS", spills),
       ("WGMMA SERIALIZED", k.wgmma_serialized),
       ("NOT PIPELINED", matmul and k.async_copies == "none"),
@@ -934,21 +1056,26 @@ def main(argv=None) -> int:
     _print_rows([r for r in rows if r.workload == workload])
   print(f"(and {sum(not r.pallas for r in rows)} kernels of XLA's own, in kernels.json)")
   failed = [r for r in rows if r.status.startswith("compile error")]
+  unfenced = [r for r in rows if r.status.startswith(_UNFENCED)]
   slow = [r for r in rows if r.pallas and r.status not in ("ok",)
-          and not r.status.startswith(("compile error", "not supported"))]
+          and not r.status.startswith(("compile error", "not supported", _UNFENCED))]
   slow_defaults = [r for r in slow if r.heuristic and r.target]
   print(f"\n{len(rows)} kernels compiled for an H200: {len(failed)} failed to compile, "
-        f"{len(slow)} slow (spills in loops or unlocated, serialized wgmma, unpipelined matmul or "
+        f"{len(unfenced)} read shared memory after an unfenced store, {len(slow)} slow (spills in loops or unlocated, serialized wgmma, unpipelined matmul or "
         f"narrow loads; "
         f"{sum(r.heuristic for r in slow)} with a heuristic config, {len(slow_defaults)} of them "
         f"at a speed target)")
   for r in slow_defaults:
     print(f"slow default: {r.workload}: {r.op} {r.kernel}: {r.status}")
+  for r in unfenced:
+    print(f"unfenced: {r.workload}: {r.op} {r.kernel}: {r.unfenced_async_reads} async reads "
+          f"({r.config[:120]})")
   shutil.rmtree(work, ignore_errors=True)
   # A config that cannot compile is a bug wherever it comes from (a tuner would waste a
-  # candidate on it); a heuristic config that spills or serializes its wgmma at a speed
+  # candidate on it), and so is one whose kernel may read stale shared memory; a
+  # heuristic config that spills or serializes its wgmma at a speed
   # target is a slow default.
-  return 1 if failed or slow_defaults else 0
+  return 1 if failed or unfenced or slow_defaults else 0
 
 
 if __name__ == "__main__":

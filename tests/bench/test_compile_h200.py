@@ -138,6 +138,67 @@ def test_ptx_traits_per_entry_function():
       "copy_kernel": T("none", "none", 64), "wide_kernel": T("none", "none", 128)}
 
 
+# One thread's PTX in the shapes Mosaic GPU emits: a tile loop ($L__BB0_1) whose
+# epilogue stores a tile to shared memory, fences and TMA-stores it, then waits on an
+# mbarrier in an inline-asm block with its own labels; wgmma reads shared memory at the
+# loop's head. Each test below takes something out.
+_PTX_PROXY = """
+.visible .entry k(
+  .param .u64 a
+)
+{
+  .reg .pred %p<4>;
+$L__BB0_1:
+  wgmma.fence.sync.aligned;
+  { .reg .pred p; setp.ne.b32 p, 1, 0; wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%f1}, %rd1, %rd2, p, 1, 1, 0, 1; }
+  wgmma.commit_group.sync.aligned;
+  wgmma.wait_group.sync.aligned 0;
+  @%p1 bra $L__BB0_3;
+  st.shared.b32 [%rd4], %r1;
+  stmatrix.sync.aligned.m8n8.x4.shared.b16 [%r5], {%r1, %r2, %r3, %r4};
+$L__BB0_3:
+  fence.proxy.async.shared::cta;
+  @%p2 cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%rd5, {%r1, %r2, %r3}], [%r4];
+  {
+  .reg .pred P1;
+  LAB_WAIT:
+  mbarrier.try_wait.parity.shared.b64 P1, [%r6], %r7, %r8;
+  @P1 bra.uni DONE;
+  bra.uni LAB_WAIT;
+  DONE:
+  }
+  @%p3 bra $L__BB0_1;
+  ret;
+}
+"""
+
+
+def test_async_reads_after_unfenced_shared_stores_are_found():
+  count = compile_h200.ptx_unfenced_async_reads
+  assert count(_PTX_PROXY) == 0
+  assert compile_h200.ptx_traits(_PTX_PROXY)["k"].unfenced_async_reads == 0
+  # Without the fence the TMA store reads the stores of one branch, and the next tile's
+  # wgmma (round the loop) the stores of the tile before.
+  assert count(_PTX_PROXY.replace("fence.proxy.async.shared::cta;", "")) == 2
+  # A fence on one branch only: the path that skips it (the stmatrix store's) is unfenced.
+  one_path = _PTX_PROXY.replace("  fence.proxy.async.shared::cta;\n", "").replace(
+      "  st.shared.b32 [%rd4], %r1;\n", "  st.shared.b32 [%rd4], %r1;\n  fence.proxy.async;\n")
+  assert count(one_path) == 2
+  assert count(one_path.replace("stmatrix.sync.aligned.m8n8.x4.shared.b16", "mov.b32")) == 0
+  # A store after the fence reaches the TMA store.
+  late = _PTX_PROXY.replace("  @%p2 cp.async", "  st.shared.b32 [%rd9], %r1;\n  @%p2 cp.async")
+  assert count(late) == 2
+  assert count("") == 0
+
+
+def test_an_unfenced_kernel_is_wrong_not_slow():
+  k = compile_h200.KernelStats("k", tensor_cores="wgmma", async_copies="tma",
+                               unfenced_async_reads=3, spill_stores=8, spill_loads=8)
+  assert compile_h200._status(k) == "UNFENCED SMEM, SPILLS"
+  k.unfenced_async_reads = 0
+  assert compile_h200._status(k) == "SPILLS"
+
+
 def test_a_kernel_is_slow_for_what_its_ptx_shows():
   def status(**fields):
     k = compile_h200.KernelStats("k", **fields)

@@ -1618,6 +1618,11 @@ class _HeadSplit:
 
   def send_dp(self, dp_minus_delta: jax.Array) -> None:
     self.dp_smem[...] = dp_minus_delta
+    # The other warpgroup reads dP with ordinary loads, which need no proxy fence; the
+    # fence is there because this warpgroup's next wgmma reads shared memory through
+    # the async proxy, and with a fence after every ordinary store that precedes one,
+    # `make compile-h200` can check the PTX (a warpgroup barrier and a fence a step).
+    plgpu.commit_smem()
     plgpu.barrier_arrive(self.dp_ready)
 
   def receive_dp(self) -> jax.Array:
