@@ -578,10 +578,15 @@ def _lower_for_h200(fn, *args) -> str:
 
 
 @pytest.mark.parametrize("kernel", ["fwd", "dlhs", "drhs"])
-@pytest.mark.parametrize("m, k, n, g", [(8192, 4096, 14336, 8), (16384, 2048, 1536, 64)])
-def test_kernels_lower_for_h200(kernel, m, k, n, g):
+@pytest.mark.parametrize("m, k, n, g, multicast", [
+    (8192, 4096, 14336, 8, False),
+    (16384, 2048, 1536, 64, False),
+    (16384, 2048, 1536, 64, True),  # CTA pairs: cluster launch, multicast BlockSpec
+])
+def test_kernels_lower_for_h200(kernel, m, k, n, g, multicast):
   product = "forward" if kernel == "fwd" else "backward"
   tunables = pm.heuristic_tunables(m, k, n, g, jnp.bfloat16, product=product)
+  tunables["multicast"] = multicast
   lhs = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
   rhs = jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16)
   dout = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
