@@ -223,10 +223,11 @@ def ptx_traits(ptx: str) -> dict[str, PtxTraits]:
   return out
 
 
-# Shared memory written through the generic proxy (ordinary stores, stmatrix), the
-# fence that makes such writes visible to the async proxy, and what reads shared memory
-# through the async proxy: wgmma's operand descriptors and TMA stores (global <- shared).
-_PTX_SMEM_STORE = re.compile(r"\b(?:st\.shared|stmatrix)\b")
+# Shared memory written through the generic proxy (ordinary stores, stmatrix, and
+# Ampere's cp.async, which Triton's pipelines feed wgmma with), the fence that makes
+# such writes visible to the async proxy, and what reads shared memory through the
+# async proxy: wgmma's operand descriptors and TMA stores (global <- shared).
+_PTX_SMEM_STORE = re.compile(r"\b(?:st\.shared|stmatrix|cp\.async\.c[ag]\.shared)\b")
 _PTX_PROXY_FENCE = re.compile(r"\bfence\.proxy\.async\b")
 _PTX_ASYNC_READ = re.compile(
     r"\bwgmma\.mma_async\b|\bcp(?:\.reduce)?\.async\.bulk(?:\.tensor)?(?:\.\w+)*?\.global\.shared")
@@ -272,8 +273,9 @@ def ptx_unfenced_async_reads(body: str) -> int:
   `fence.proxy.async` in between, on some path of one thread's control flow.
 
   wgmma reads its shared-memory operands, and a TMA store its source, through the async
-  proxy; a value stored to shared memory with an ordinary store (or stmatrix) is
-  visible to them only after a proxy fence (`plgpu.commit_smem()` in Pallas). Without
+  proxy; a value stored to shared memory with an ordinary store (or stmatrix, or
+  copied there by cp.async) is visible to them only after a proxy fence
+  (`plgpu.commit_smem()` in Pallas; Triton places its own). Without
   one the GPU may read stale data, and nothing in interpret mode shows it (it has no
   proxies). A forward may-analysis over the function's control-flow graph: a store
   makes the state dirty, a fence clean; an async read reached dirty is counted. It

@@ -188,6 +188,10 @@ def test_async_reads_after_unfenced_shared_stores_are_found():
   # A store after the fence reaches the TMA store.
   late = _PTX_PROXY.replace("  @%p2 cp.async", "  st.shared.b32 [%rd9], %r1;\n  @%p2 cp.async")
   assert count(late) == 2
+  # Ampere's cp.async writes through the generic proxy too (Triton fences after it).
+  copied = late.replace("st.shared.b32 [%rd9], %r1;",
+                        "cp.async.cg.shared.global [ %r5 + 0 ], [ %rd4 + 0 ], 0x10, %r6;")
+  assert count(copied) == 2
   assert count("") == 0
 
 
