@@ -281,12 +281,17 @@ _PAIRED = dataclasses.replace(_LONG, n=256)
 ], ids=["plain", "delayed_release"])
 def test_multicast_pairs_match_reference(delayed):
   """CTAs in clusters of two on adjacent column tiles, the row operand multicast, in all
-  three kernels (with delay_release, each CTA frees its stages on the cluster's consumed
-  barriers itself). The interpreter copies the multicast operand into each CTA on its
+  three kernels and in split-K partials (with delay_release, each CTA frees its stages
+  on the cluster's consumed barriers itself). The interpreter copies the multicast operand into each CTA on its
   own, so this checks the pairing (which CTA takes which column tile), the cluster
   barriers and the persistent loop over pairs; the multicast itself is the GPU's."""
   config = (CONFIG_DELAYED if delayed else CONFIG_A) | dict(multicast=True)
-  _check_three_products(_PAIRED, config, seed=10)
+  lhs, rhs, sizes = _check_three_products(_PAIRED, config, seed=10)
+  if not delayed:  # Pairs of split-K shares: both CTAs of a pair sum the same share.
+    split = pm.ragged_dot_pallas_mosaic_gpu(lhs, rhs, sizes, preferred_element_type=jnp.float32,
+                                            interpret=RACE_CHECK, **(config | dict(split_k=2)))
+    assert _no_races()
+    _assert_close(split, ragged_dot_reference(_f32(lhs), _f32(rhs), sizes), jnp.float32)
 
 
 @pytest.mark.mosaic_interpret
