@@ -101,8 +101,8 @@ float32 so that dispatch falls back); the output columns and the contraction siz
 the forward and lhs-gradient kernels must be multiples of the tiles (K and N
 multiples of 64 at least, K of 128 for the backward), so TMA never reads or writes
 out of bounds. Interpret mode (any backend, for tests) runs two CTAs by default (two
-clusters of two with `multicast`): CTAs run one after another there, so more only
-cost time.
+clusters of two with `multicast`): CTAs (clusters) run one after another there, so
+more only cost time.
 """
 
 from __future__ import annotations
