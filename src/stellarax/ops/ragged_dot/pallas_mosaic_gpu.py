@@ -1411,8 +1411,8 @@ from stellarax.ops.ragged_dot import base as _base  # noqa: E402
 
 @config_dataclass
 class PallasMosaicGpuRaggedDotConfig:
-  """Tiles, pipelining (stages, delayed release), tile order, split-K and epilogue slabs
-  of the Mosaic GPU ragged_dot kernels (see `validate_tunables`). The backward uses one
+  """Tiles, pipelining (stages, delayed release), tile order, split-K, epilogue slabs and
+  CTA pairs (multicast) of the Mosaic GPU ragged_dot kernels (see `validate_tunables`). The backward uses one
   config for both products (split_k shares the lhs gradient's contraction; the rhs
   gradient does not split)."""
 
