@@ -294,6 +294,33 @@ def test_multicast_pairs_match_reference(delayed):
     _assert_close(split, ragged_dot_reference(_f32(lhs), _f32(rhs), sizes), jnp.float32)
 
 
+# A group's last tile of exactly half a tile (rows 128-191), tiles just over half (68
+# rows: 192-259 and 260-327), an empty group and rows past the last group.
+_SHORT_TILES = Workload(400, 128, 256, (192, 68, 0, 64))
+CONFIG_HALF = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=2, wg_split="n",
+                   grid_minor_dim="m", grid_tile_width=2, half_tiles=True)
+
+
+@pytest.mark.mosaic_interpret
+@pytest.mark.parametrize("delayed", [
+    False, pytest.param(True, marks=pytest.mark.slow)], ids=["plain", "delayed_release"])
+def test_half_tiles_match_reference(delayed):
+  """A warpgroup whose item rows end in the first half of its 128 rows multiplies only
+  that half, in the forward and lhs-gradient kernels. Taking the half path for tiles
+  a few rows over half leaves their last rows unwritten (NaN here): caught."""
+  w, config = _SHORT_TILES, CONFIG_HALF | dict(delay_release=delayed,
+                                               max_concurrent_steps=3 if delayed else 2)
+  lhs, rhs, dout, sizes = _inputs(w, jnp.bfloat16, seed=11)
+  out = pm.ragged_dot_pallas_mosaic_gpu(lhs, rhs, sizes, interpret=RACE_CHECK, **config)
+  assert _no_races()
+  _assert_close(out, ragged_dot_reference(_f32(lhs), _f32(rhs), sizes), jnp.bfloat16)
+  assert np.all(np.asarray(out[_total_rows(w):], np.float32) == 0.0)
+  dlhs = pm.ragged_dot_dlhs_pallas_mosaic_gpu(dout, rhs, sizes, interpret=RACE_CHECK, **config)
+  assert _no_races()
+  expected = ragged_dot_reference(_f32(dout), jnp.swapaxes(_f32(rhs), 1, 2), sizes)
+  _assert_close(dlhs, expected, jnp.bfloat16)
+
+
 @pytest.mark.mosaic_interpret
 def test_group_sizes_are_runtime_values():
   """One compiled kernel serves different group sizes (they are traced, not static)."""
@@ -394,6 +421,9 @@ def test_tile_order_covers_every_tile_once(minor, width, grid_m, grid_n):
     (dict(epilogue_slabs=0), r"epilogue_slabs=0 must be a power of two"),
     (dict(delay_release=1), r"delay_release=1 must be a bool"),
     (dict(multicast=2), r"multicast=2 must be a bool"),
+    (dict(half_tiles=1), r"half_tiles=1 must be a bool"),
+    (dict(half_tiles=True), r"half_tiles=True needs compute warpgroup tiles of 128 rows .*"
+                            r"block_m=128 with wg_split='m' gives 64"),
 ])
 def test_invalid_tunables_are_rejected(changes, message):
   pm.validate_tunables(**CONFIG_A)
@@ -416,15 +446,17 @@ def test_configs_are_keyword_only_frozen_and_hashable():
 
 
 def test_saved_configs_without_the_newer_tunables_keep_their_meaning():
-  """A config saved before epilogue_slabs, delay_release and multicast existed loads as
-  the kernel it named: a whole epilogue, each step's wgmma awaited, one CTA a cluster."""
+  """A config saved before epilogue_slabs, delay_release, multicast and half_tiles
+  existed loads as the kernel it named: a whole epilogue, each step's wgmma awaited,
+  one CTA a cluster, every tile multiplied whole."""
   from stellarax.core.config import config_from_json, config_to_json
   saved = dict(block_m=128, block_n=256, block_k=64, max_concurrent_steps=3, wg_split="n",
                grid_minor_dim="m", grid_tile_width=8, split_k=1)
   config = config_from_json(pm.PallasMosaicGpuRaggedDotConfig, saved)
-  assert (config.epilogue_slabs, config.delay_release, config.multicast) == (1, False, False)
+  assert (config.epilogue_slabs, config.delay_release, config.multicast,
+          config.half_tiles) == (1, False, False, False)
   assert config_to_json(config) == saved | dict(epilogue_slabs=1, delay_release=False,
-                                                multicast=False)
+                                                multicast=False, half_tiles=False)
   pm.check_tunables_fit(pm.pallas_common.tunables_of(config), k=4096, n=14336,
                         product="forward")
 
@@ -522,15 +554,22 @@ def test_tunable_space_is_valid_for_the_shape(shape, product):
   whole = [c for c in space[1:] if c | dict(max_concurrent_steps=0, epilogue_slabs=0)
            == heuristic | dict(max_concurrent_steps=0, epilogue_slabs=0)]
   assert heuristic["epilogue_slabs"] == 1 or any(c["epilogue_slabs"] == 1 for c in whole)
-  # The heuristic in multicast pairs comes right after its delayed-release variant,
-  # wherever the column tiles pair up.
+  # Right after the heuristic: its delayed-release variant, its tiles multiplied whole
+  # (where it halves short ones), and its multicast pairs (where the column tiles pair).
+  variants = [dict(delay_release=True)]
+  if heuristic["half_tiles"]:
+    variants.append(dict(half_tiles=False))
   paired = heuristic | dict(multicast=True)
   try:
     pm.check_tunables_fit(paired, k=k, n=n, product=product)
+    variants.append(dict(multicast=True))
   except ValueError:
     assert paired not in space
-  else:
-    assert space[2] == paired
+  assert space[1:1 + len(variants)] == [heuristic | v for v in variants]
+  # Every tile with 128-row warpgroup tiles halves the short ones.
+  for config in space[1 + len(variants):]:
+    wm = config["block_m"] // (2 if config["wg_split"] == "m" else 1)
+    assert config["half_tiles"] == (wm == 128) or config["block_m"] == heuristic["block_m"]
 
 
 def test_heuristic_tunables():
@@ -539,7 +578,7 @@ def test_heuristic_tunables():
   assert pm.heuristic_tunables(8192, 4096, 14336, 8, jnp.bfloat16) == dict(
       block_m=128, block_n=256, block_k=64, max_concurrent_steps=4, wg_split="n",
       grid_minor_dim="m", grid_tile_width=8, split_k=1, epilogue_slabs=2, delay_release=False,
-      multicast=False)
+      multicast=False, half_tiles=True)
   # A float32 output tile takes more shared memory: fewer stages.
   wide = pm.heuristic_tunables(8192, 4096, 14336, 8, jnp.bfloat16, out_dtype=jnp.float32)
   assert (wide["max_concurrent_steps"], wide["epilogue_slabs"]) == (3, 2)
@@ -603,7 +642,7 @@ def test_kernels_lower_for_h200(kernel, m, k, n, g, multicast):
                (lhs, dout, sizes)),
   }[kernel]
   if kernel == "drhs":
-    del tunables["split_k"]  # It splits the lhs gradient only.
+    del tunables["split_k"], tunables["half_tiles"]  # The lhs gradient's only.
   text = _lower_for_h200(functools.partial(fn, **tunables), *args)
   assert text.count(f"stablehlo.custom_call @{MOSAIC_GPU_TARGET}") == 1
   assert f"ragged_dot_{kernel}" in text

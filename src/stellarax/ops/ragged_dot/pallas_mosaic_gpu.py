@@ -52,6 +52,12 @@ computed but not stored), then TMA stores of exactly the item's rows. A TMA box 
 a static size, so a ragged row count is stored as a ladder of power-of-two boxes
 (its binary digits: at most log2(block_m) + 1 stores, one for a full tile).
 
+A group's last tile is short (half a tile on average; at the G=64 target, whose groups
+average 256 rows, about 2 tiles in 5 are a group's last). With `half_tiles`, a compute warpgroup of 128 rows whose
+item rows end in its first half multiplies only that half (64-row wgmma slices): the
+kernel holds the tile's pipeline twice, with a 128-row and a 64-row accumulator, and
+each warpgroup takes one per tile (the memory warpgroup's loads are the same in both).
+
 Why this is race-free on a GPU, where CTAs run in parallel in any order: the
 persistent loop hands every linear tile index to exactly one CTA (`nd_loop` strides
 by the grid size) and `planar_snake` is a bijection from linear indices to (item,
@@ -138,6 +144,8 @@ MAX_CONCURRENT_STEPS = 8
 MAX_GRID_TILE_WIDTH = 64
 # CTAs per cluster with `multicast`: a pair on adjacent output column tiles.
 _MULTICAST_CTAS = 2
+# The warpgroup tile rows `half_tiles` halves (to one 64-row wgmma slice).
+_HALF_TILE_ROWS = 128
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -159,7 +167,7 @@ _ROW_ALIGN = 8
 _MAX_SPACE = 60
 _TUNABLE_NAMES = ("block_m", "block_n", "block_k", "max_concurrent_steps", "wg_split",
                   "grid_minor_dim", "grid_tile_width", "split_k", "epilogue_slabs",
-                  "delay_release", "multicast")
+                  "delay_release", "multicast", "half_tiles")
 # The narrowest column slab of the epilogue: a wgmma-layout register tile is sliced
 # and stored in whole 64-column granules.
 _MIN_SLAB = 64
@@ -183,7 +191,8 @@ def _wg_tile(block_m: int, block_n: int, wg_split: str) -> tuple[int, int]:
 def validate_tunables(*, block_m: int, block_n: int, block_k: int, max_concurrent_steps: int,
                       wg_split: str, grid_minor_dim: str, grid_tile_width: int,
                       split_k: int = 1, epilogue_slabs: int = 1,
-                      delay_release: bool = False, multicast: bool = False) -> None:
+                      delay_release: bool = False, multicast: bool = False,
+                      half_tiles: bool = False) -> None:
   """Checks the tunables of the three ragged_dot Mosaic GPU kernels.
 
   Args:
@@ -210,6 +219,11 @@ def validate_tunables(*, block_m: int, block_n: int, block_k: int, max_concurren
       dout in the lhs gradient; lhs in the rhs gradient): each CTA loads half of such
       a tile with TMA multicast, which writes it into both CTAs' shared memory (half
       the L2 reads of that operand). The output column tiles must come in pairs.
+    half_tiles: in the forward and lhs-gradient kernels, a compute warpgroup whose rows
+      of a tile that belong to the item all lie in its first half (a group's last,
+      short tile) multiplies only that half: half the wgmma work of the tile (the
+      loads stay whole). Needs warpgroup tiles of 128 rows (wgmma multiplies 64-row
+      slices); the rhs-gradient kernel, whose rows are its contraction, ignores it.
 
   Raises:
     ValueError: naming the first tunable the kernels cannot use, what was given and
@@ -248,6 +262,13 @@ def validate_tunables(*, block_m: int, block_n: int, block_k: int, max_concurren
     raise ValueError(f"delay_release={delay_release!r} must be a bool.")
   if not isinstance(multicast, bool):
     raise ValueError(f"multicast={multicast!r} must be a bool.")
+  if not isinstance(half_tiles, bool):
+    raise ValueError(f"half_tiles={half_tiles!r} must be a bool.")
+  if half_tiles and wm != _HALF_TILE_ROWS:
+    raise ValueError(
+        f"half_tiles=True needs compute warpgroup tiles of {_HALF_TILE_ROWS} rows (two "
+        f"64-row wgmma slices); block_m={block_m} with wg_split={wg_split!r} gives {wm}. "
+        "Use half_tiles=False.")
   _check_int("epilogue_slabs", epilogue_slabs)
   if epilogue_slabs < 1 or epilogue_slabs & (epilogue_slabs - 1) or (
       wn // epilogue_slabs < _MIN_SLAB):
@@ -384,7 +405,8 @@ def heuristic_tunables(m: int, k: int, n: int, g: int, dtype: Any, *, product: s
   group wastes part of a tile), and block_n to the largest of 256, 128, 64 that
   divides the output columns. Pipelines are as deep as shared memory holds, up to 4
   stages for 128-row tiles (3 for 64-row ones), the epilogue stored in as few column
-  slabs as make them fit. Tiles run in bands of 8 m-tiles (L2 reuse of lhs rows and
+  slabs as make them fit. Warpgroups of 128 rows halve the short tiles (`half_tiles`:
+  less work, the same loads). Tiles run in bands of 8 m-tiles (L2 reuse of lhs rows and
   rhs columns). Outputs with fewer tiles than an H200 has SMs (decode-sized M) split
   the contraction (split_k, see split_k.split_choices).
 
@@ -420,7 +442,7 @@ def heuristic_tunables(m: int, k: int, n: int, g: int, dtype: Any, *, product: s
   block_m = 128 if m // g >= 128 or block_n == 64 else 64
   tiles = dict(block_m=block_m, block_n=block_n, block_k=64,
                wg_split="n" if block_n >= 128 else "m", grid_minor_dim="m", grid_tile_width=8,
-               delay_release=False, multicast=False)
+               delay_release=False, multicast=False, half_tiles=False)
   tiles["split_k"] = _split_choices(m, k, n, g, tiles, product)[0]
   # Stages: CUTLASS's Hopper kernels run this tile 4 deep; its 64 KiB epilogue buffer
   # left room for 3, so the epilogue is stored in as few column slabs as make room for
@@ -430,6 +452,9 @@ def heuristic_tunables(m: int, k: int, n: int, g: int, dtype: Any, *, product: s
   # (and with 2) stages and not with 3. The space keeps other depths for the tuner.
   cap = 4 if block_m == 128 else 3
   tiles |= _deepest_pipeline(tiles, _epilogue_itemsize(tiles["split_k"], out_itemsize), cap=cap)
+  # A group's last tile is short (half a tile on average): where warpgroups own 128
+  # rows, one whose rows end in its first half multiplies only that half.
+  tiles["half_tiles"] = _wg_tile(block_m, block_n, tiles["wg_split"])[0] == _HALF_TILE_ROWS
   return {name: tiles[name] for name in _TUNABLE_NAMES}
 
 
@@ -475,7 +500,7 @@ def _tile_candidates(m: int, k: int, n: int, g: int, product: str) -> list[dict[
         for split in WG_SPLITS:
           tiles = dict(block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=2,
                        wg_split=split, grid_minor_dim="m", grid_tile_width=8,
-                       delay_release=False, multicast=False)
+                       delay_release=False, multicast=False, half_tiles=False)
           try:
             validate_tunables(**tiles)
             check_tunables_fit(tiles, k=k, n=n, product=product)
@@ -495,7 +520,9 @@ def tunable_space(m: int, k: int, n: int, g: int, dtype: Any, *, product: str = 
   every one that divides the shape and fits the registers, with the deepest pipeline
   (up to 6 stages) that fits shared memory (with the fewest epilogue slabs that make
   it fit), and for 64-wide block_k also one stage less. The heuristic tile also runs
-  with its stages released a step later (`delay_release`), in CTA pairs that share the
+  with its stages released a step later (`delay_release`), with every tile multiplied
+  whole (where the heuristic halves short ones: `half_tiles`; the other tiles halve
+  them wherever their warpgroups own 128 rows), in CTA pairs that share the
   row operand's tiles (`multicast`, where the column tiles pair up), with its
   epilogue whole (and the stages that then fit), with other split-K factors (only
   where the output has fewer tiles than an H200 has SMs) and other tile orders
@@ -521,6 +548,8 @@ def tunable_space(m: int, k: int, n: int, g: int, dtype: Any, *, product: str = 
   # The heuristic with one wgmma kept in flight (jax's own ragged_dot kernel delays its
   # releases; its Hopper matmul, like the heuristic, does not).
   space = [heuristic, heuristic | dict(delay_release=True)]
+  if heuristic["half_tiles"]:  # Every tile multiplied whole: what half_tiles saves.
+    space.append(heuristic | dict(half_tiles=False))
   # The heuristic in CTA pairs sharing the row operand's tiles (TMA multicast; CUTLASS's
   # Hopper GEMMs run clusters of 2), where the column tiles pair up.
   paired = heuristic | dict(multicast=True)
@@ -546,7 +575,8 @@ def tunable_space(m: int, k: int, n: int, g: int, dtype: Any, *, product: str = 
     # this tiling's own guess.
     choices = _split_choices(m, k, n, g, tiles, product)
     split = heuristic["split_k"] if heuristic["split_k"] in choices else choices[0]
-    tiles = tiles | dict(split_k=split)
+    half = _wg_tile(tiles["block_m"], tiles["block_n"], tiles["wg_split"])[0] == _HALF_TILE_ROWS
+    tiles = tiles | dict(split_k=split, half_tiles=half)
     itemsize = _epilogue_itemsize(split, out_itemsize)
     deepest = _deepest_pipeline(tiles, itemsize, cap=6)
     if deepest is None:
@@ -678,6 +708,7 @@ class _Tiles:
   epilogue_slabs: int = 1
   delay_release: bool = False
   multicast: bool = False
+  half_tiles: bool = False
 
   @property
   def cluster_n(self) -> int:
@@ -919,13 +950,14 @@ def _forward_specs(tiles: _Tiles, dtype: Any, transpose_rhs: bool) -> list[Any]:
   return [lhs_spec, rhs_spec]
 
 
-def _forward_mma(tiles: _Tiles, transpose_rhs: bool) -> _StepMma:
-  """A forward step's wgmma: this warpgroup's slice of lhs (M split) or rhs (N split)."""
-  wm, wn = tiles.wg_shape
+def _forward_mma(tiles: _Tiles, transpose_rhs: bool, rows: int) -> _StepMma:
+  """A forward step's wgmma: this warpgroup's slice of lhs (M split) or rhs (N split),
+  of its first `rows` rows (all of them, or the first half with half_tiles)."""
+  _, wn = tiles.wg_shape
 
   def operands(lhs_smem, rhs_smem):
     wg_row, wg_col = tiles.wg_offsets(lax.axis_index("wg"))
-    a = lhs_smem.at[pl.ds(wg_row, wm)] if tiles.wg_split == "m" else lhs_smem
+    a = lhs_smem if rows == tiles.block_m else lhs_smem.at[pl.ds(wg_row, rows)]
     if transpose_rhs:  # rhs tiles are (cols, contraction): wgmma reads them transposed.
       b = rhs_smem.at[pl.ds(wg_col, wn)] if tiles.wg_split == "n" else rhs_smem
       return a, b.transpose((1, 0))
@@ -971,16 +1003,17 @@ def _forward_kernel(items_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: _Tiles,
     wg = lax.axis_index("wg")
     wg_row, wg_col = tiles.wg_offsets(wg)
     release = _StageRelease(tiles.delay_release, allocs, check_reads)
-    mma = _forward_mma(tiles, transpose_rhs)
 
     def store(tile, row_start, row_end, tile_start, n0, split):
-      # This warpgroup's rows of the tile, cut to the item's rows.
+      # This warpgroup's rows of the tile (all, or the first half), cut to the item's.
+      rows = tile.shape[0]
       top = tile_start + wg_row
-      first = jnp.clip(row_start - top, 0, wm)
-      last = jnp.clip(row_end - top, 0, wm)
+      first = jnp.clip(row_start - top, 0, rows)
+      last = jnp.clip(row_end - top, 0, rows)
       out = out_gmem if tiles.split_k == 1 else out_gmem.at[split]
-      window = out.at[pl.ds(top, wm), pl.ds(n0 + wg_col, wn)]
-      _store_rows(tile, o_smem.at[pl.ds(wg * wm, wm)], window, first=first, count=last - first)
+      window = out.at[pl.ds(top, rows), pl.ds(n0 + wg_col, wn)]
+      _store_rows(tile, o_smem.at[pl.ds(wg * wm, rows)], window, first=first,
+                  count=last - first)
 
     @plgpu.nd_loop((tiles.split_k * num_items * grid_n,), collective_axes="sm")
     def _tile_loop(info):
@@ -996,19 +1029,34 @@ def _forward_kernel(items_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: _Tiles,
       item = (row_start, row_end, tile_start, n0, split)
       has_rows = row_end > row_start
 
-      def compute_context(run):
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), jnp.float32))
-        def _acc_scope(acc_ref):
-          run(acc_ref)
-          release.finish(mma, num_steps)
-          store(acc_ref[...], *item)
+      def multiply(rows):
+        """The tile's pipeline, this warpgroup multiplying its first `rows` rows."""
+        mma = _forward_mma(tiles, transpose_rhs, rows)
+
+        def compute_context(run):
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((rows, wn), jnp.float32))
+          def _acc_scope(acc_ref):
+            run(acc_ref)
+            release.finish(mma, num_steps)
+            store(acc_ref[...], *item)
+
+        tile_rows = pl.ds(pl.multiple_of(tile_start, _ROW_ALIGN), bm)
+        pipeline(release.body(mma), compute_context)(
+            lhs_gmem.at[tile_rows, pl.ds(k0, share)], rhs_window(group, n0, k0),
+            allocations=allocs)
 
       # All three warpgroups take the same branch: they read the same item.
       @pl.when(has_rows & (group < num_groups))
       def _matmul():
-        rows = pl.ds(pl.multiple_of(tile_start, _ROW_ALIGN), bm)
-        pipeline(release.body(mma), compute_context)(
-            lhs_gmem.at[rows, pl.ds(k0, share)], rhs_window(group, n0, k0), allocations=allocs)
+        if not tiles.half_tiles:
+          multiply(wm)
+          return
+        # The item's rows end in the first half of this warpgroup's rows (a group's
+        # last, short tile): multiply that half. Both variants load the same tiles, so
+        # the memory warpgroup may take either (it takes the short one).
+        short = row_end - (tile_start + wg_row) <= wm // 2
+        pl.when(short)(lambda: multiply(wm // 2))
+        pl.when(~short)(lambda: multiply(wm))
 
       # The rows past the last group: zeros, from the compute warpgroups only.
       @pl.when(has_rows & (group >= num_groups) & (wg < _NUM_COMPUTE_WGS))
@@ -1208,8 +1256,9 @@ def _drhs_call(lhs, dout, group_sizes, num_groups, *, out_dtype, tiles: _Tiles, 
 # --------------------------------------------------------------------------- public functions
 
 _STATIC = (*_TUNABLE_NAMES, "preferred_element_type", "interpret", "num_programs")
-# The rhs-gradient kernel does not split its contraction (the rows).
-_DRHS_STATIC = tuple(name for name in _STATIC if name != "split_k")
+# The rhs-gradient kernel does not split its contraction (the rows), nor halve its
+# tiles' rows (its rows are the contraction).
+_DRHS_STATIC = tuple(name for name in _STATIC if name not in ("split_k", "half_tiles"))
 
 
 def _tunables_in(arguments: dict[str, Any]) -> dict[str, Any]:
@@ -1252,6 +1301,7 @@ def ragged_dot_pallas_mosaic_gpu(
     epilogue_slabs: int = 1,
     delay_release: bool = False,
     multicast: bool = False,
+    half_tiles: bool = False,
     preferred_element_type: Any = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
     num_programs: int | None = None,
@@ -1264,7 +1314,8 @@ def ragged_dot_pallas_mosaic_gpu(
     group_sizes: (G,) integer array (a runtime value); group g is the next
       group_sizes[g] rows of lhs.
     block_m, block_n, block_k, max_concurrent_steps, wg_split, grid_minor_dim,
-      grid_tile_width, split_k, epilogue_slabs, delay_release, multicast: the tunables
+      grid_tile_width, split_k, epilogue_slabs, delay_release, multicast, half_tiles: the
+      tunables
       (see `validate_tunables`).
     preferred_element_type: output dtype (bfloat16, float16 or float32); defaults
       to lhs.dtype. Accumulation is always float32.
@@ -1307,6 +1358,7 @@ def ragged_dot_dlhs_pallas_mosaic_gpu(
     epilogue_slabs: int = 1,
     delay_release: bool = False,
     multicast: bool = False,
+    half_tiles: bool = False,
     preferred_element_type: Any = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
     num_programs: int | None = None,
@@ -1322,8 +1374,8 @@ def ragged_dot_dlhs_pallas_mosaic_gpu(
     rhs: (G, K, N) forward rhs; K a multiple of block_n, N of block_k * split_k.
     group_sizes: (G,) integer array, as in the forward call.
     block_m, block_n, block_k, max_concurrent_steps, wg_split, grid_minor_dim,
-      grid_tile_width, split_k, epilogue_slabs, delay_release, multicast, interpret,
-      num_programs: as in the forward call.
+      grid_tile_width, split_k, epilogue_slabs, delay_release, multicast, half_tiles,
+      interpret, num_programs: as in the forward call.
     preferred_element_type: output dtype; defaults to dout.dtype.
 
   Returns:
@@ -1411,10 +1463,11 @@ from stellarax.ops.ragged_dot import base as _base  # noqa: E402
 
 @config_dataclass
 class PallasMosaicGpuRaggedDotConfig:
-  """Tiles, pipelining (stages, delayed release), tile order, split-K, epilogue slabs and
-  CTA pairs (multicast) of the Mosaic GPU ragged_dot kernels (see `validate_tunables`). The backward uses one
-  config for both products (split_k shares the lhs gradient's contraction; the rhs
-  gradient does not split)."""
+  """Tiles, pipelining (stages, delayed release), tile order, split-K, epilogue slabs, CTA
+  pairs (multicast) and half tiles of the Mosaic GPU ragged_dot kernels (see
+  `validate_tunables`). The backward uses one config for both products (split_k and
+  half_tiles apply to the lhs gradient; the rhs gradient, whose rows are its
+  contraction, does neither)."""
 
   block_m: int
   block_n: int
@@ -1427,6 +1480,7 @@ class PallasMosaicGpuRaggedDotConfig:
   epilogue_slabs: int = 1
   delay_release: bool = False
   multicast: bool = False
+  half_tiles: bool = False
 
   def __post_init__(self):
     validate_tunables(**pallas_common.tunables_of(self))
@@ -1475,7 +1529,8 @@ class PallasMosaicGpuRaggedDotVjp(pallas_common.PallasMosaicGpuOp, _base.RaggedD
     dout = dout.astype(rhs.dtype)  # one 16-bit operand dtype for wgmma
     dlhs = ragged_dot_dlhs_pallas_mosaic_gpu(dout, rhs, group_sizes,
                                              preferred_element_type=lhs.dtype, **kw)
-    del kw["split_k"]  # The rhs gradient does not split its contraction.
+    # The rhs gradient neither splits nor halves its contraction (the rows).
+    del kw["split_k"], kw["half_tiles"]
     drhs = ragged_dot_drhs_pallas_mosaic_gpu(lhs, dout, group_sizes, rhs.shape[0],
                                              preferred_element_type=rhs.dtype, **kw)
     return {"lhs": dlhs, "rhs": drhs}
