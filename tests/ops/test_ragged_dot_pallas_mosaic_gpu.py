@@ -319,6 +319,11 @@ def test_half_tiles_match_reference(delayed):
   assert _no_races()
   expected = ragged_dot_reference(_f32(dout), jnp.swapaxes(_f32(rhs), 1, 2), sizes)
   _assert_close(dlhs, expected, jnp.bfloat16)
+  if not delayed:  # Half tiles of split-K shares (float32 partials).
+    split = pm.ragged_dot_pallas_mosaic_gpu(lhs, rhs, sizes, preferred_element_type=jnp.float32,
+                                            interpret=RACE_CHECK, **(config | dict(split_k=2)))
+    assert _no_races()
+    _assert_close(split, ragged_dot_reference(_f32(lhs), _f32(rhs), sizes), jnp.float32)
 
 
 @pytest.mark.mosaic_interpret
