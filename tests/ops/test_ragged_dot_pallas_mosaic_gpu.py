@@ -195,9 +195,10 @@ def test_split_k_forward_and_dlhs_match_reference():
   _assert_close(dlhs, expected, jnp.float32)
 
 
-def _check_three_products(w: Workload, config: dict, seed: int):
-  """The forward, lhs-gradient and rhs-gradient kernels with `config` on `w` (bfloat16)
-  against the references, under the race detector; returns (lhs, rhs, sizes)."""
+def _check_row_products(w: Workload, config: dict, seed: int):
+  """The forward and lhs-gradient kernels (the ragged rows are their output rows) with
+  `config` on `w` (bfloat16) against the references, under the race detector; returns
+  (lhs, rhs, dout, sizes)."""
   lhs, rhs, dout, sizes = _inputs(w, jnp.bfloat16, seed=seed)
   out = pm.ragged_dot_pallas_mosaic_gpu(lhs, rhs, sizes, interpret=RACE_CHECK, **config)
   assert _no_races()
@@ -207,6 +208,12 @@ def _check_three_products(w: Workload, config: dict, seed: int):
   assert _no_races()
   expected = ragged_dot_reference(_f32(dout), jnp.swapaxes(_f32(rhs), 1, 2), sizes)
   _assert_close(dlhs, expected, jnp.bfloat16)
+  return lhs, rhs, dout, sizes
+
+
+def _check_three_products(w: Workload, config: dict, seed: int):
+  """`_check_row_products`, and the rhs-gradient kernel; returns (lhs, rhs, sizes)."""
+  lhs, rhs, dout, sizes = _check_row_products(w, config, seed)
   drhs = pm.ragged_dot_drhs_pallas_mosaic_gpu(lhs, dout, sizes, w.g, interpret=RACE_CHECK,
                                               **config)
   assert _no_races()
@@ -282,9 +289,10 @@ _PAIRED = dataclasses.replace(_LONG, n=256)
 def test_multicast_pairs_match_reference(delayed):
   """CTAs in clusters of two on adjacent column tiles, the row operand multicast, in all
   three kernels and in split-K partials (with delay_release, each CTA frees its stages
-  on the cluster's consumed barriers itself). The interpreter copies the multicast operand into each CTA on its
-  own, so this checks the pairing (which CTA takes which column tile), the cluster
-  barriers and the persistent loop over pairs; the multicast itself is the GPU's."""
+  on the cluster's consumed barriers itself). The interpreter copies the multicast
+  operand into each CTA on its own, so this checks the pairing (which CTA takes which
+  column tile), the cluster barriers and the persistent loop over pairs; the multicast
+  itself is the GPU's."""
   config = (CONFIG_DELAYED if delayed else CONFIG_A) | dict(multicast=True)
   lhs, rhs, sizes = _check_three_products(_PAIRED, config, seed=10)
   if not delayed:  # Pairs of split-K shares: both CTAs of a pair sum the same share.
@@ -308,17 +316,8 @@ def test_half_tiles_match_reference(delayed):
   """A warpgroup whose item rows end in the first half of its 128 rows multiplies only
   that half, in the forward and lhs-gradient kernels. Taking the half path for tiles
   a few rows over half leaves their last rows unwritten (NaN here): caught."""
-  w, config = _SHORT_TILES, CONFIG_HALF | dict(delay_release=delayed,
-                                               max_concurrent_steps=3 if delayed else 2)
-  lhs, rhs, dout, sizes = _inputs(w, jnp.bfloat16, seed=11)
-  out = pm.ragged_dot_pallas_mosaic_gpu(lhs, rhs, sizes, interpret=RACE_CHECK, **config)
-  assert _no_races()
-  _assert_close(out, ragged_dot_reference(_f32(lhs), _f32(rhs), sizes), jnp.bfloat16)
-  assert np.all(np.asarray(out[_total_rows(w):], np.float32) == 0.0)
-  dlhs = pm.ragged_dot_dlhs_pallas_mosaic_gpu(dout, rhs, sizes, interpret=RACE_CHECK, **config)
-  assert _no_races()
-  expected = ragged_dot_reference(_f32(dout), jnp.swapaxes(_f32(rhs), 1, 2), sizes)
-  _assert_close(dlhs, expected, jnp.bfloat16)
+  config = CONFIG_HALF | dict(delay_release=delayed, max_concurrent_steps=3 if delayed else 2)
+  lhs, rhs, _, sizes = _check_row_products(_SHORT_TILES, config, seed=11)
   if not delayed:  # Half tiles of split-K shares (float32 partials).
     split = pm.ragged_dot_pallas_mosaic_gpu(lhs, rhs, sizes, preferred_element_type=jnp.float32,
                                             interpret=RACE_CHECK, **(config | dict(split_k=2)))
