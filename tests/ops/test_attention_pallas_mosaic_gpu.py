@@ -312,10 +312,13 @@ def _check_lse(lse, ref_lse, with_bias: bool) -> np.ndarray:
   return kept
 
 
-# Two of the ~10 s cases run in CI's slow set, to keep `make test` within its budget:
+# Three of the ~10 s cases run in CI's slow set, to keep `make test` within its budget:
 # their one-warpgroup split backward and head split are also covered by
-# test_forward_and_backward_match_reference.
-_SLOW_MASK_CASES = ("causal_window_empty_batch_split", "bias_window_lengths_head_split")
+# test_forward_and_backward_match_reference, and the forward of window_lengths_gqa's
+# options by test_overlapped_softmax_forward_matches_reference (the backward's query
+# lengths are in the slow set only).
+_SLOW_MASK_CASES = ("causal_window_empty_batch_split", "bias_window_lengths_head_split",
+                    "window_lengths_gqa")
 
 
 @pytest.mark.parametrize("mc", [
