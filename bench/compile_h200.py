@@ -30,12 +30,11 @@ memory (TMA, cp.async, or not asynchronously), its widest global load, and wheth
 path of its control flow reads shared memory through the async proxy (wgmma operands, a
 TMA store) after an ordinary store with no proxy fence in between (`commit_smem`): data
 the GPU may read stale and interpret mode, which has no proxies, cannot show wrong
-(`ptx_unfenced_async_reads`). Compile-only
-workloads (`more_workloads`) add attention's other head dims and float16, and sizes no
-tile divides. Writes `<out>/kernels.json` (a row per compiled kernel, XLA's own fusions
-included) and prints the Pallas kernels' rows, grouped by workload, last. Exits 1 when a
-config fails to compile or reads shared memory unfenced, or when a heuristic config at a
-speed target is slow: it spills
+(`ptx_unfenced_async_reads`). Compile-only workloads (`more_workloads`) add attention's
+other head dims and float16, and sizes no tile divides. Writes `<out>/kernels.json` (a
+row per compiled kernel, XLA's own fusions included) and prints the Pallas kernels'
+rows, grouped by workload, last. Exits 1 when a config fails to compile or reads shared
+memory unfenced, or when a heuristic config at a speed target is slow: it spills
 registers inside a loop, has its wgmma serialized, multiplies without asynchronous
 copies (nothing overlaps its loads), or streams memory without 16-byte loads. (mma.sync
 is shown, not failed on: Triton takes it for tiles under 64 rows.)
@@ -233,7 +232,7 @@ _PTX_ASYNC_READ = re.compile(
     r"\bwgmma\.mma_async\b|\bcp(?:\.reduce)?\.async\.bulk(?:\.tensor)?(?:\.\w+)*?\.global\.shared")
 _PTX_LABEL = re.compile(r"^\s*(\$?\w+):\s*$")
 _PTX_BRANCH = re.compile(r"^\s*(?P<pred>@!?%?\w+\s+)?bra(?:\.uni)?\s+(?P<target>\$?\w+)\s*;")
-_PTX_END = re.compile(r"^\s*(?:@!?%?\w+\s+)?(?:ret|exit|trap)\s*;")
+_PTX_END = re.compile(r"^\s*(?P<pred>@!?%?\w+\s+)?(?:ret|exit|trap)\s*;")
 
 
 def _ptx_instructions(body: str) -> tuple[list[str], dict[str, int]]:
@@ -275,11 +274,11 @@ def ptx_unfenced_async_reads(body: str) -> int:
   wgmma reads its shared-memory operands, and a TMA store its source, through the async
   proxy; a value stored to shared memory with an ordinary store (or stmatrix, or
   copied there by cp.async) is visible to them only after a proxy fence
-  (`plgpu.commit_smem()` in Pallas; Triton places its own). Without
-  one the GPU may read stale data, and nothing in interpret mode shows it (it has no
-  proxies). A forward may-analysis over the function's control-flow graph: a store
-  makes the state dirty, a fence clean; an async read reached dirty is counted. It
-  sees one thread's own writes (a write in one warpgroup, fenced or not, read by
+  (`plgpu.commit_smem()` in Pallas; Triton places its own). Without one the GPU may
+  read stale data, and nothing in interpret mode shows it (it has no proxies). A
+  forward may-analysis over the function's control-flow graph: a store makes the
+  state dirty, a fence clean; an async read reached dirty is counted. It sees one
+  thread's own writes (a write in one warpgroup, fenced or not, read by
   another after a barrier is not judged).
 
   Args:
@@ -289,31 +288,17 @@ def ptx_unfenced_async_reads(body: str) -> int:
     The number of async-read instructions some path reaches with an unfenced write.
   """
   instrs, labels = _ptx_instructions(body)
-  if not instrs:
-    return 0
-  leaders = {0, *(i for i in labels.values() if i < len(instrs))}
-  for i, ins in enumerate(instrs):
-    if _PTX_BRANCH.match(ins) or _PTX_END.match(ins):
-      leaders.add(i + 1)
-  starts = sorted(x for x in leaders if x < len(instrs))
-  ends = [*starts[1:], len(instrs)]
-  block_at = {start: b for b, start in enumerate(starts)}
-  succ: list[list[int]] = []
-  for b, (lo, hi) in enumerate(zip(starts, ends)):
-    last, out = instrs[hi - 1], []
-    branch = _PTX_BRANCH.match(last)
-    if branch and branch.group("target") in labels and labels[branch.group("target")] in block_at:
-      out.append(block_at[labels[branch.group("target")]])
-    if not ((branch and not branch.group("pred")) or _PTX_END.match(last)) and b + 1 < len(starts):
-      out.append(b + 1)
-    succ.append(out)
-  dirty_in = [False] * len(starts)
+  block_of, succ, _ = _basic_blocks(instrs, labels, _PTX_BRANCH, _PTX_END)
+  members: list[list[int]] = [[] for _ in succ]  # each block's instructions, in order
+  for i, b in block_of.items():
+    members[b].append(i)
+  dirty_in = [False] * len(succ)
   flagged: set[int] = set()
-  work = list(range(len(starts)))
+  work = list(range(len(succ)))
   while work:
     b = work.pop()
     dirty = dirty_in[b]
-    for i in range(starts[b], ends[b]):
+    for i in members[b]:
       ins = instrs[i]
       if _PTX_ASYNC_READ.search(ins) and dirty:
         flagged.add(i)
@@ -368,11 +353,11 @@ def sass_spill_sites(sass: str) -> SpillSites:
   function's end branch back into the body, but not to a block dominating them, so
   they do not make the body a loop; a retry block that branches to itself is a spin
   loop (an mbarrier wait and nothing but moves and reloads of its address), whose
-  spills run only while the wait does and count as the loops around it. A spill is in an outer loop
-  when the smallest loop around it holds a step loop (tensor-core products, HGMMA or
-  HMMA, or a memory warpgroup's TMA loads, UTMALDG) that does not hold the spill: it
-  runs once per outer iteration, not once a step. Kernels without step loops count
-  every spill in a loop as a step's.
+  spills run only while the wait does and count as the loops around it. A spill is in
+  an outer loop when the smallest loop around it holds a step loop (tensor-core
+  products, HGMMA or HMMA, or a memory warpgroup's TMA loads, UTMALDG) that does not
+  hold the spill: it runs once per outer iteration, not once a step. Kernels without
+  step loops count every spill in a loop as a step's.
 
   Args:
     sass: one function's disassembly (see `sass_functions`).
@@ -405,9 +390,8 @@ def sass_spill_sites(sass: str) -> SpillSites:
 
 def _sass_cfg(sass: str) -> tuple[list[str], dict[int, int], list[set[int]], list[set[int]]]:
   """The control-flow graph of one function's SASS: (instructions in address order,
-  instruction -> its basic block, each block's successors, each block's predecessors).
-  Leaders of blocks are the first instruction, branch targets and what follows a branch
-  or an exit."""
+  instruction -> its basic block, each block's successors, each block's predecessors)
+  (see `_basic_blocks`)."""
   instrs: list[str] = []
   labels: dict[str, int] = {}  # label -> index of the instruction it names
   for line in sass.splitlines():
@@ -416,34 +400,49 @@ def _sass_cfg(sass: str) -> tuple[list[str], dict[int, int], list[set[int]], lis
       labels[m.group("label")] = len(instrs)
     elif m:
       instrs.append(m.group("instr").strip())
+  return (instrs, *_basic_blocks(instrs, labels, _SASS_BRANCH, _SASS_EXIT))
+
+
+def _basic_blocks(instrs: list[str], labels: dict[str, int], branch: re.Pattern,
+                  end: re.Pattern) -> tuple[dict[int, int], list[set[int]], list[set[int]]]:
+  """The basic blocks of one function (SASS or PTX): (instruction -> its block, each
+  block's successors, each block's predecessors). Leaders are the first instruction,
+  branch targets and what follows a branch or an end; a block falls through to the
+  next unless it ends in an unpredicated branch or end.
+
+  Args:
+    instrs: the instructions in order.
+    labels: label -> index of the instruction it names.
+    branch: matches a branch instruction, with groups "pred" (its predicate, if any)
+      and "target" (a label).
+    end: matches an instruction that ends the thread (exit, return), with group "pred".
+  """
   if not instrs:
-    return instrs, {}, [], []
+    return {}, [], []
   leaders = {0, *labels.values()}
   for i, ins in enumerate(instrs):
-    if _SASS_BRANCH.match(ins) or _SASS_EXIT.match(ins):
+    if branch.match(ins) or end.match(ins):
       leaders.add(i + 1)
   starts = sorted(x for x in leaders if x < len(instrs))
   block_of = {}
   for b, (lo, hi) in enumerate(zip(starts, [*starts[1:], len(instrs)])):
     for i in range(lo, hi):
       block_of[i] = b
-  ends = [hi - 1 for hi in [*starts[1:], len(instrs)]]
   succ: list[set[int]] = []
-  for b, last in enumerate(ends):
-    ins, out = instrs[last], set()
-    branch, exit_ = _SASS_BRANCH.match(ins), _SASS_EXIT.match(ins)
-    if branch and branch.group("target") in labels:
-      out.add(block_of[labels[branch.group("target")]])
-    always = lambda m: m is not None and not m.group("pred")  # an unconditional jump
-    falls_through = not (always(branch) or always(exit_))
-    if falls_through and b + 1 < len(starts):
+  always = lambda m: m is not None and not m.group("pred")  # unconditional
+  for b, last in enumerate(hi - 1 for hi in [*starts[1:], len(instrs)]):
+    jump, stop = branch.match(instrs[last]), end.match(instrs[last])
+    out = set()
+    if jump and labels.get(jump.group("target"), -1) in block_of:
+      out.add(block_of[labels[jump.group("target")]])
+    if not (always(jump) or always(stop)) and b + 1 < len(starts):
       out.add(b + 1)
     succ.append(out)
   pred: list[set[int]] = [set() for _ in starts]
   for b, out in enumerate(succ):
     for t in out:
       pred[t].add(b)
-  return instrs, block_of, succ, pred
+  return block_of, succ, pred
 
 
 def _natural_loops(succ: list[set[int]], pred: list[set[int]]) -> list[set[int]]:
@@ -1063,10 +1062,10 @@ def main(argv=None) -> int:
           and not r.status.startswith(("compile error", "not supported", _UNFENCED))]
   slow_defaults = [r for r in slow if r.heuristic and r.target]
   print(f"\n{len(rows)} kernels compiled for an H200: {len(failed)} failed to compile, "
-        f"{len(unfenced)} read shared memory after an unfenced store, {len(slow)} slow (spills in loops or unlocated, serialized wgmma, unpipelined matmul or "
-        f"narrow loads; "
-        f"{sum(r.heuristic for r in slow)} with a heuristic config, {len(slow_defaults)} of them "
-        f"at a speed target)")
+        f"{len(unfenced)} read shared memory after an unfenced store, {len(slow)} slow "
+        f"(spills in loops or unlocated, serialized wgmma, unpipelined matmul or narrow "
+        f"loads; {sum(r.heuristic for r in slow)} with a heuristic config, "
+        f"{len(slow_defaults)} of them at a speed target)")
   for r in slow_defaults:
     print(f"slow default: {r.workload}: {r.op} {r.kernel}: {r.status}")
   for r in unfenced:
@@ -1075,8 +1074,8 @@ def main(argv=None) -> int:
   shutil.rmtree(work, ignore_errors=True)
   # A config that cannot compile is a bug wherever it comes from (a tuner would waste a
   # candidate on it), and so is one whose kernel may read stale shared memory; a
-  # heuristic config that spills or serializes its wgmma at a speed
-  # target is a slow default.
+  # heuristic config that spills or serializes its wgmma at a speed target is a slow
+  # default.
   return 1 if failed or unfenced or slow_defaults else 0
 
 
