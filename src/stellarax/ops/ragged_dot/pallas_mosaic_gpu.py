@@ -53,10 +53,11 @@ a static size, so a ragged row count is stored as a ladder of power-of-two boxes
 (its binary digits: at most log2(block_m) + 1 stores, one for a full tile).
 
 A group's last tile is short (half a tile on average; at the G=64 target, whose groups
-average 256 rows, about 2 tiles in 5 are a group's last). With `half_tiles`, a compute warpgroup of 128 rows whose
-item rows end in its first half multiplies only that half (64-row wgmma slices): the
-kernel holds the tile's pipeline twice, with a 128-row and a 64-row accumulator, and
-each warpgroup takes one per tile (the memory warpgroup's loads are the same in both).
+average 256 rows, about 2 tiles in 5 are a group's last). With `half_tiles`, a compute
+warpgroup of 128 rows whose item rows end in its first half multiplies only that half
+(64-row wgmma slices): the kernel holds the tile's pipeline twice, with a 128-row and a
+64-row accumulator, and each warpgroup takes one per tile (the memory warpgroup's loads
+are the same in both).
 
 Why this is race-free on a GPU, where CTAs run in parallel in any order: the
 persistent loop hands every linear tile index to exactly one CTA (`nd_loop` strides
@@ -146,6 +147,9 @@ MAX_GRID_TILE_WIDTH = 64
 _MULTICAST_CTAS = 2
 # The warpgroup tile rows `half_tiles` halves (to one 64-row wgmma slice).
 _HALF_TILE_ROWS = 128
+# Tunables of the row products only (forward and lhs gradient): the rhs-gradient kernel
+# neither splits nor halves its contraction, the rows.
+_ROW_PRODUCT_TUNABLES = ("split_k", "half_tiles")
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -186,6 +190,11 @@ def _wg_tile(block_m: int, block_n: int, wg_split: str) -> tuple[int, int]:
   if wg_split == "m":
     return block_m // _NUM_COMPUTE_WGS, block_n
   return block_m, block_n // _NUM_COMPUTE_WGS
+
+
+def _can_halve(block_m: int, block_n: int, wg_split: str) -> bool:
+  """Whether the compute warpgroups own 128 rows each, the tiles `half_tiles` halves."""
+  return _wg_tile(block_m, block_n, wg_split)[0] == _HALF_TILE_ROWS
 
 
 def validate_tunables(*, block_m: int, block_n: int, block_k: int, max_concurrent_steps: int,
@@ -264,7 +273,7 @@ def validate_tunables(*, block_m: int, block_n: int, block_k: int, max_concurren
     raise ValueError(f"multicast={multicast!r} must be a bool.")
   if not isinstance(half_tiles, bool):
     raise ValueError(f"half_tiles={half_tiles!r} must be a bool.")
-  if half_tiles and wm != _HALF_TILE_ROWS:
+  if half_tiles and not _can_halve(block_m, block_n, wg_split):
     raise ValueError(
         f"half_tiles=True needs compute warpgroup tiles of {_HALF_TILE_ROWS} rows (two "
         f"64-row wgmma slices); block_m={block_m} with wg_split={wg_split!r} gives {wm}. "
@@ -454,7 +463,7 @@ def heuristic_tunables(m: int, k: int, n: int, g: int, dtype: Any, *, product: s
   tiles |= _deepest_pipeline(tiles, _epilogue_itemsize(tiles["split_k"], out_itemsize), cap=cap)
   # A group's last tile is short (half a tile on average): where warpgroups own 128
   # rows, one whose rows end in its first half multiplies only that half.
-  tiles["half_tiles"] = _wg_tile(block_m, block_n, tiles["wg_split"])[0] == _HALF_TILE_ROWS
+  tiles["half_tiles"] = _can_halve(block_m, block_n, tiles["wg_split"])
   return {name: tiles[name] for name in _TUNABLE_NAMES}
 
 
@@ -527,8 +536,9 @@ def tunable_space(m: int, k: int, n: int, g: int, dtype: Any, *, product: str = 
   epilogue whole (and the stages that then fit), with other split-K factors (only
   where the output has fewer tiles than an H200 has SMs) and other tile orders
   (bands of 4 or 16 m-tiles, or n-minor bands); the other tiles take the heuristic's
-  split where their shares still divide the contraction. The heuristic config comes first, then the
-  tiles by CTA tile size, largest first (the list is cut there when it grows past 60).
+  split where their shares still divide the contraction. The heuristic config comes
+  first, then the tiles by CTA tile size, largest first (the list is cut there when it
+  grows past 60).
 
   Args:
     m, k, n, g: the problem (lhs (M, K), rhs (G, K, N)).
@@ -575,7 +585,7 @@ def tunable_space(m: int, k: int, n: int, g: int, dtype: Any, *, product: str = 
     # this tiling's own guess.
     choices = _split_choices(m, k, n, g, tiles, product)
     split = heuristic["split_k"] if heuristic["split_k"] in choices else choices[0]
-    half = _wg_tile(tiles["block_m"], tiles["block_n"], tiles["wg_split"])[0] == _HALF_TILE_ROWS
+    half = _can_halve(tiles["block_m"], tiles["block_n"], tiles["wg_split"])
     tiles = tiles | dict(split_k=split, half_tiles=half)
     itemsize = _epilogue_itemsize(split, out_itemsize)
     deepest = _deepest_pipeline(tiles, itemsize, cap=6)
@@ -1256,9 +1266,7 @@ def _drhs_call(lhs, dout, group_sizes, num_groups, *, out_dtype, tiles: _Tiles, 
 # --------------------------------------------------------------------------- public functions
 
 _STATIC = (*_TUNABLE_NAMES, "preferred_element_type", "interpret", "num_programs")
-# The rhs-gradient kernel does not split its contraction (the rows), nor halve its
-# tiles' rows (its rows are the contraction).
-_DRHS_STATIC = tuple(name for name in _STATIC if name not in ("split_k", "half_tiles"))
+_DRHS_STATIC = tuple(name for name in _STATIC if name not in _ROW_PRODUCT_TUNABLES)
 
 
 def _tunables_in(arguments: dict[str, Any]) -> dict[str, Any]:
@@ -1314,9 +1322,8 @@ def ragged_dot_pallas_mosaic_gpu(
     group_sizes: (G,) integer array (a runtime value); group g is the next
       group_sizes[g] rows of lhs.
     block_m, block_n, block_k, max_concurrent_steps, wg_split, grid_minor_dim,
-      grid_tile_width, split_k, epilogue_slabs, delay_release, multicast, half_tiles: the
-      tunables
-      (see `validate_tunables`).
+      grid_tile_width, split_k, epilogue_slabs, delay_release, multicast, half_tiles:
+      the tunables (see `validate_tunables`).
     preferred_element_type: output dtype (bfloat16, float16 or float32); defaults
       to lhs.dtype. Accumulation is always float32.
     interpret: run in Mosaic GPU interpret mode on any backend (True, or
@@ -1529,8 +1536,8 @@ class PallasMosaicGpuRaggedDotVjp(pallas_common.PallasMosaicGpuOp, _base.RaggedD
     dout = dout.astype(rhs.dtype)  # one 16-bit operand dtype for wgmma
     dlhs = ragged_dot_dlhs_pallas_mosaic_gpu(dout, rhs, group_sizes,
                                              preferred_element_type=lhs.dtype, **kw)
-    # The rhs gradient neither splits nor halves its contraction (the rows).
-    del kw["split_k"], kw["half_tiles"]
+    for name in _ROW_PRODUCT_TUNABLES:  # (not the rhs gradient's)
+      del kw[name]
     drhs = ragged_dot_drhs_pallas_mosaic_gpu(lhs, dout, group_sizes, rhs.shape[0],
                                              preferred_element_type=rhs.dtype, **kw)
     return {"lhs": dlhs, "rhs": drhs}
