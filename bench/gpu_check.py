@@ -399,13 +399,17 @@ def _with_result(result, fn):
   return run
 
 
-def print_table(rows: list[Row]) -> None:
+def table_lines(rows: list[Row]) -> list[str]:
+  """The rows as a plain-text table with aligned columns, header first."""
   header = ("workload", "implementation", "ms", "rate", "max rel err", "status")
   table = [header] + [(r.workload, r.impl, f"{r.median_ms:.3f}" if r.median_ms else "-", r.rate,
                        f"{r.max_rel_err:.1e}" if r.max_rel_err is not None else "-", r.status[:60]) for r in rows]
   widths = [max(len(str(row[i])) for row in table) for i in range(len(header))]
-  for row in table:
-    print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+  return ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
+
+
+def print_table(rows: list[Row]) -> None:
+  print("\n".join(table_lines(rows)))
 
 
 def _best(rows: list[Row], workload: str, impl_part: str) -> Row | None:

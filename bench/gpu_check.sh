@@ -8,6 +8,8 @@
 # seconds and skips what is left a minute later, so one call fits the device's
 # 10-minute command limit; results.json and tuned.json are rewritten after every
 # workload. ONLY="ragged_dot,attention" reruns just those workloads.
+# Afterwards, on the development machine: python bench/land_gpu_check.py <files_at>/gpu_check
+# ships the confirmed configs and records the run (its docstring says what else).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-results}/gpu_check"

@@ -1,0 +1,301 @@
+"""Lands a `bench/gpu_check.sh` run in the repository: the one command to run here
+after the GPU machine has answered.
+
+    python bench/land_gpu_check.py RESULTS [--command "bash bench/gpu_check.sh"] [--dry-run]
+
+RESULTS is the folder gpu_check wrote (`$OUT/gpu_check`, found under the device
+tool's `files_at`): results.json, tuned.json, profile/, h200_target_config.pbtxt.
+In order, it
+
+1. refuses a run not worth keeping: one that is not from a GPU (a smoke run in
+   interpret mode on the CPU; `--any-device` lets tests through) or timed nothing;
+2. ships the tuned configs into the library cache (as `stellarax cache ship`), except
+   those the run did not confirm: a best config with no successful measurement, or
+   one that the same run's end-to-end check found WRONG or could not run;
+3. adds a section to BENCHMARKS.md under "## <device>" (date, device, jax version,
+   the command, the table, the code paths and the targets) and drops that heading's
+   "Not measured yet" paragraph;
+4. keeps the profile as test data, `tests/data/profiles/<device slug>/`
+   (`profile.xplane.pb.gz` and `calls.json`, what `read_op_calls` found in it), which
+   tests/autotuning/test_profile_fixtures.py reads back;
+5. keeps the card's XLA target config as bench/h200_target_config.txtpb (what
+   `make compile-h200` compiles for), if the run wrote one.
+
+It prints each file it wrote, then what is left for a person to decide. With
+`--dry-run` it prints what it would write and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Rows of a run that count as confirmed; anything else ("WRONG ...", "error: ...",
+# "not run here: ...", "skipped ...") leaves the row's configs out of the library cache.
+_CONFIRMED = "ok"
+
+
+class LandError(Exception):
+  """A results folder that cannot be landed; the message says why and what to do."""
+
+
+def _gpu_check():
+  """bench/gpu_check.py as a module (its table and target functions)."""
+  if "gpu_check" in sys.modules:
+    return sys.modules["gpu_check"]
+  spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules["gpu_check"] = module  # dataclasses look their module up while it loads
+  spec.loader.exec_module(module)
+  return module
+
+
+@dataclasses.dataclass
+class Run:
+  """What one gpu_check run wrote.
+
+  Attributes:
+    folder: the results folder.
+    env: results.json's environment (device, jax, stellarax, date, argv).
+    rows: the table's rows (`gpu_check.Row`).
+    tuned: tuned.json as an `AutotuningResult`, or None if nothing was tuned.
+  """
+
+  folder: Path
+  env: dict[str, Any]
+  rows: list[Any]
+  tuned: Any
+
+
+def load_run(folder: str | Path, *, any_device: bool = False) -> Run:
+  """Reads a gpu_check results folder.
+
+  Args:
+    folder: the folder holding results.json (and tuned.json if anything was tuned).
+    any_device: accept a run on a CPU (smoke runs; for tests).
+
+  Returns:
+    The run.
+
+  Raises:
+    LandError: no results.json; a run on a CPU without `any_device`; no row timed.
+  """
+  from stellarax.autotuning.result import AutotuningResult
+  folder = Path(folder)
+  results = folder / "results.json"
+  if not results.is_file():
+    raise LandError(f"{results}: no such file. Pass the folder bench/gpu_check.sh wrote "
+                    "($OUT/gpu_check, under the device tool's files_at).")
+  data = json.loads(results.read_text())
+  env = data["env"]
+  device = str(env.get("device", ""))
+  if not any_device and device.lower() in ("", "cpu"):
+    raise LandError(f"{results}: ran on {device or 'an unknown device'!r}, not a GPU; a smoke "
+                    "run's numbers are interpret-mode times. Land a run from the GPU machine.")
+  Row = _gpu_check().Row
+  rows = [Row(**row) for row in data["rows"]]
+  if not any(row.median_ms for row in rows):
+    raise LandError(f"{results}: no row was timed ({len(rows)} rows); nothing to land. "
+                    "Read gpu_check.log beside it for why.")
+  tuned_path = folder / "tuned.json"
+  tuned = AutotuningResult.load(tuned_path) if tuned_path.is_file() else None
+  return Run(folder, env, rows, tuned)
+
+
+def _unconfirmed_configs(rows) -> list[str]:
+  """The "op: config" texts of tuned rows whose end-to-end check or timing failed."""
+  bad = []
+  for row in rows:
+    if row.impl.endswith(" tuned") and row.status != _CONFIRMED and row.config:
+      bad += [part.strip() for part in row.config.split("; ")]
+  return bad
+
+
+def confirmed_entries(run: Run) -> tuple[Any, list[str]]:
+  """The tuned entries worth shipping, and why each other one is left out.
+
+  An entry ships when its best config has a successful measurement and no tuned row
+  of the run that used it ("op: config" in the row's config) failed its reference
+  check or its timing.
+
+  Returns:
+    (an `AutotuningResult` of the entries to ship, or None if there are none;
+     one line per entry left out).
+  """
+  from stellarax.autotuning.result import AutotuningResult
+  if run.tuned is None:
+    return None, []
+  unconfirmed = set(_unconfirmed_configs(run.rows))
+  keep, left_out = {}, []
+  for entry in run.tuned:
+    name = entry.bound_args.op.name
+    shapes = " ".join(str(tuple(a.shape)) for a in entry.bound_args.array_specs())
+    if entry.time_of(entry.best_config) is None:
+      left_out.append(f"{name} {shapes}: its best config has no successful measurement")
+    elif f"{name}: {entry.best_config}" in unconfirmed:
+      left_out.append(f"{name} {shapes}: a tuned row with its best config failed the run's check")
+    else:
+      keep[entry.key] = entry
+  if not keep:
+    return None, left_out
+  return AutotuningResult(run.tuned.device_kind, keep, run.tuned.versions), left_out
+
+
+def benchmarks_section(run: Run, command: str) -> str:
+  """The BENCHMARKS.md section of a run: header lines, table, code paths, targets."""
+  gpu_check = _gpu_check()
+  env = run.env
+  date = str(env.get("date", "")).split(" ")[0]
+  argv = " ".join(str(a) for a in env.get("argv", [])[1:])
+  lines = [f"### bench/gpu_check.sh, {date}", "",
+           f"    command: {command}   (gpu_check.py {argv})",
+           f"    device: {env.get('device')}; jax {env.get('jax')}; stellarax {env.get('stellarax')};"
+           f" finished {env.get('date')}", ""]
+  lines += ["    " + line for line in gpu_check.table_lines(run.rows)]
+  if run.tuned is not None:
+    lines += ["", "Code paths (tuning measurements of one op call: the heuristic, each "
+              "code-path variant, the best):", ""]
+    lines += ["    " + line for line in gpu_check.code_path_lines(run.tuned)]
+  lines += ["", "Targets:", ""]
+  lines += ["    " + line for line in gpu_check.target_lines(run.rows)]
+  return "\n".join(lines) + "\n"
+
+
+_NOT_MEASURED = "Not measured yet:"
+
+
+def add_section(benchmarks: str, device: str, section: str) -> str:
+  """BENCHMARKS.md's text with `section` first under "## <device>" (the heading is
+  added before the first "## " heading if missing), without that heading's
+  "Not measured yet" paragraph.
+
+  Raises:
+    LandError: the text has no "## " heading to put a new one before.
+  """
+  heading = f"## {device}\n"
+  lines = benchmarks.splitlines(keepends=True)
+  if heading not in lines:
+    first = next((i for i, line in enumerate(lines) if line.startswith("## ")), None)
+    if first is None:
+      raise LandError("BENCHMARKS.md has no '## ' heading; add one per device first.")
+    lines[first:first] = [heading, "\n"]
+  start = lines.index(heading) + 1
+  while start < len(lines) and not lines[start].strip():
+    start += 1
+  if lines[start].startswith(_NOT_MEASURED):
+    end = start
+    while end < len(lines) and lines[end].strip():
+      end += 1
+    del lines[start:end + 1]
+  lines[start:start] = [section, "\n"]
+  return "".join(lines)
+
+
+def device_slug(device: str) -> str:
+  from stellarax.autotuning import cache
+  return cache.device_kind_slug(device)
+
+
+def profile_fixture(run: Run) -> tuple[bytes, str] | None:
+  """The run's profile as test data: (gzipped xplane bytes, calls.json text), or None if
+  the run wrote no profile or `read_op_calls` cannot read it (then it is no fixture)."""
+  from stellarax.autotuning import profile
+  files = sorted((run.folder / "profile").rglob("*.xplane.pb"))
+  if not files:
+    return None
+  newest = max(files, key=lambda f: f.stat().st_mtime_ns)
+  try:
+    calls = profile.read_op_calls(newest)
+  except profile.ProfileError as e:
+    print(f"profile not kept: {e}")
+    return None
+  text = json.dumps({"device": run.env.get("device"), "jax": run.env.get("jax"),
+                     "calls": [dataclasses.asdict(c) for c in calls]}, indent=1) + "\n"
+  return gzip.compress(newest.read_bytes(), mtime=0), text
+
+
+def land(run: Run, *, command: str, root: Path = ROOT, dry_run: bool = False) -> list[Path]:
+  """Writes what a run gives the repository under `root` (module doc, 2-5).
+
+  Returns:
+    The files written (or that would be, with `dry_run`).
+  """
+  from stellarax.autotuning import cache
+  device = str(run.env.get("device"))
+  written: list[Path] = []
+
+  def write(path: Path, data: bytes | str) -> None:
+    written.append(path)
+    if dry_run:
+      return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(data, bytes):
+      path.write_bytes(data)
+    else:
+      path.write_text(data)
+
+  ship, left_out = confirmed_entries(run)
+  for line in left_out:
+    print(f"not shipped: {line}")
+  if ship is not None:
+    library_root = root / "src" / "stellarax" / "data" / "autotuning"
+    if dry_run:
+      written += [library_root / cache.device_kind_slug(ship.device_kind) / f"{e.bound_args.op.name}.json"
+                  for e in ship]
+    else:
+      written += cache.FileCache(library_root, "library_cache", writable=True).write(ship)
+      for lock in library_root.rglob("*.lock"):
+        lock.unlink()
+  benchmarks = root / "BENCHMARKS.md"
+  write(benchmarks, add_section(benchmarks.read_text(), device, benchmarks_section(run, command)))
+  fixture = profile_fixture(run)
+  if fixture is not None:
+    folder = root / "tests" / "data" / "profiles" / device_slug(device)
+    write(folder / "profile.xplane.pb.gz", fixture[0])
+    write(folder / "calls.json", fixture[1])
+  target = run.folder / "h200_target_config.pbtxt"
+  if target.is_file():
+    write(root / "bench" / "h200_target_config.txtpb", target.read_text())
+  return sorted(set(written))
+
+
+_LEFT_FOR_A_PERSON = """\
+Left for a person:
+- read "Code paths" above: where a variant beat the heuristic by more than its
+  confidence interval, change the op's heuristic (and its tests) to take it;
+- reconsider PREFERENCE in src/stellarax/ops/*/api.py from the table;
+- make compile-h200 with the new bench/h200_target_config.txtpb, then make test;
+- write what the numbers say into BENCHMARKS.md's new section and the issue's note."""
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("results", help="the folder bench/gpu_check.sh wrote ($OUT/gpu_check)")
+  parser.add_argument("--command", default="bash bench/gpu_check.sh",
+                      help="the command that ran on the GPU machine, as BENCHMARKS.md should name it")
+  parser.add_argument("--dry-run", action="store_true", help="print what would be written; write nothing")
+  parser.add_argument("--any-device", action="store_true", help="accept a CPU (smoke) run; for tests")
+  parser.add_argument("--root", default=str(ROOT), help="the repository to write into")
+  args = parser.parse_args(argv)
+  try:
+    run = load_run(args.results, any_device=args.any_device)
+    written = land(run, command=args.command, root=Path(args.root), dry_run=args.dry_run)
+  except LandError as e:
+    print(f"land_gpu_check: {e}", file=sys.stderr)
+    return 2
+  for path in written:
+    print(f"{'would write' if args.dry_run else 'wrote'} {path}")
+  print(_LEFT_FOR_A_PERSON)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

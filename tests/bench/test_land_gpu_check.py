@@ -1,0 +1,175 @@
+"""bench/land_gpu_check.py lands a GPU run: cache, BENCHMARKS.md, profile fixture, target."""
+
+import dataclasses
+import gzip
+import importlib.util
+import json
+import pathlib
+import shutil
+import sys
+
+import jax.numpy as jnp
+import pytest
+
+import stellarax
+from stellarax import autotuning
+from stellarax.autotuning.measure import Measurement
+from stellarax.autotuning.profile import read_op_calls
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CPU_PROFILE = ROOT / "tests" / "data" / "profiles" / "cpu" / "profile.xplane.pb.gz"
+
+BENCHMARKS = """\
+# Benchmarks
+
+Intro.
+
+## NVIDIA H200
+
+Not measured yet: no session so far was lent the GPU machine. The anchors
+will be compared against.
+
+## NVIDIA H200, compiled without a GPU (ptxas's reports)
+
+Older facts.
+"""
+
+
+def _land():
+  if "land_gpu_check" in sys.modules:
+    return sys.modules["land_gpu_check"]
+  spec = importlib.util.spec_from_file_location("land_gpu_check", ROOT / "bench" / "land_gpu_check.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules["land_gpu_check"] = module
+  spec.loader.exec_module(module)
+  return module
+
+
+def _ok(ms):
+  return Measurement(status="ok", median_s=ms * 1e-3, ci_low_s=ms * 1e-3, ci_high_s=ms * 1e-3,
+                     num_samples=5, compile_time_s=0.1, method="test")
+
+
+def _entry(m, best_status="ok"):
+  ba = stellarax.PallasTritonRaggedDot.bind(jnp.ones((m, 32), jnp.bfloat16), jnp.ones((4, 32, 48), jnp.bfloat16),
+                                            jnp.full((4,), m // 4, jnp.int32))
+  heuristic = ba.heuristics_config
+  best = dataclasses.replace(heuristic, num_warps=8)
+  best_m = _ok(1.0) if best_status == "ok" else Measurement(status=best_status, error="stale")
+  return autotuning.Entry(bound_args=ba.with_config(None), best_config=best, heuristic_config=heuristic,
+                          measurements=((heuristic, _ok(2.0)), (best, best_m)))
+
+
+def _results_folder(tmp_path, device="NVIDIA H200"):
+  """A results folder as gpu_check.sh writes it: three tuned ragged_dot calls, of which
+  the second's tuned row was WRONG and the third's best config has no good time."""
+  folder = tmp_path / "files" / "gpu_check"
+  (folder / "profile" / "plugins" / "profile" / "t").mkdir(parents=True)
+  good, wrong, unmeasured = _entry(64), _entry(128), _entry(256, best_status="timeout")
+  result = autotuning.AutotuningResult(device, {e.key: e for e in (good, wrong, unmeasured)})
+  result.dump(folder / "tuned.json")
+  config_of = lambda e: f"ragged_dot.pallas_triton: {e.best_config}"
+  rows = [dict(workload="ragged_dot G=8 M=8192 K=4096 N=14336 fwd", impl="ragged_dot.pallas_triton tuned",
+               median_ms=1.5, rate="642.0 TFLOP/s", max_rel_err=1e-3, status="ok", config=config_of(good)),
+          dict(workload="ragged_dot G=8 M=8192 K=4096 N=14336 fwd", impl="xla jax.lax.ragged_dot",
+               median_ms=9.9, rate="97.0 TFLOP/s", max_rel_err=1e-3, status="ok", config=""),
+          dict(workload="ragged_dot G=64 M=16384 K=2048 N=1536 fwd", impl="ragged_dot.pallas_triton tuned",
+               median_ms=0.4, rate="", max_rel_err=0.5, status="WRONG (tolerance 0.03); ok",
+               config=config_of(wrong))]
+  env = {"device": device, "jax": "0.11.2", "stellarax": "0.1.0", "date": "2026-12-01 10:00:00 UTC",
+         "argv": ["bench/gpu_check.py", "--out", "/out/gpu_check", "--tune-budget-s", "6"]}
+  (folder / "results.json").write_text(json.dumps({"env": env, "rows": rows}))
+  (folder / "profile" / "plugins" / "profile" / "t" / "host.xplane.pb").write_bytes(
+      gzip.decompress(CPU_PROFILE.read_bytes()))
+  (folder / "h200_target_config.pbtxt").write_text("gpu_device_info {\n  threads_per_block_limit: 1024\n}\n")
+  return folder, good
+
+
+def _repo(tmp_path):
+  root = tmp_path / "repo"
+  (root / "bench").mkdir(parents=True)
+  (root / "BENCHMARKS.md").write_text(BENCHMARKS)
+  return root
+
+
+def test_land_ships_confirmed_configs_and_records_the_run(tmp_path, capsys):
+  land = _land()
+  folder, good = _results_folder(tmp_path)
+  root = _repo(tmp_path)
+  assert land.main([str(folder), "--root", str(root)]) == 0
+  out = capsys.readouterr().out
+  # Only the confirmed call ships; the others say why not.
+  shipped = root / "src" / "stellarax" / "data" / "autotuning" / "NVIDIA_H200" / "ragged_dot.pallas_triton.json"
+  result = autotuning.AutotuningResult.load(shipped)
+  assert [e.key for e in result] == [good.key]
+  assert result.device_kind == "NVIDIA H200"
+  assert not list(shipped.parent.glob("*.lock"))
+  assert "(128, 32)" in out and "failed the run's check" in out
+  assert "(256, 32)" in out and "no successful measurement" in out
+  # BENCHMARKS.md: the section first under the device's heading, the old paragraph gone.
+  text = (root / "BENCHMARKS.md").read_text()
+  assert "Not measured yet" not in text
+  h200 = text.index("## NVIDIA H200\n")
+  section = text.index("### bench/gpu_check.sh, 2026-12-01", h200)
+  assert section < text.index("## NVIDIA H200, compiled without a GPU")
+  assert "device: NVIDIA H200; jax 0.11.2" in text and "--tune-budget-s 6" in text
+  assert any(line.startswith("    ragged_dot G=8 M=8192") and "pallas_triton tuned" in line and "1.500" in line
+             for line in text.splitlines())
+  assert "ragged_dot G=8 forward: MET (642 TFLOP/s" in text
+  assert "ragged_dot.pallas_triton (4,) (64, 32) (4, 32, 48): heuristic 2.000 ms; best 1.000 ms" in text
+  # The profile is test data that reads back as recorded; the target config is kept.
+  fixture = root / "tests" / "data" / "profiles" / "NVIDIA_H200"
+  recorded = json.loads((fixture / "calls.json").read_text())
+  assert recorded["device"] == "NVIDIA H200"
+  unzipped = tmp_path / "again.xplane.pb"
+  unzipped.write_bytes(gzip.decompress((fixture / "profile.xplane.pb.gz").read_bytes()))
+  assert [c.marker for c in read_op_calls(unzipped)] == [c["marker"] for c in recorded["calls"]]
+  assert (root / "bench" / "h200_target_config.txtpb").read_text().startswith("gpu_device_info")
+
+
+def test_land_twice_adds_a_second_section_and_keeps_the_faster_configs(tmp_path, capsys):
+  land = _land()
+  folder, good = _results_folder(tmp_path)
+  root = _repo(tmp_path)
+  assert land.main([str(folder), "--root", str(root)]) == 0
+  assert land.main([str(folder), "--root", str(root)]) == 0
+  text = (root / "BENCHMARKS.md").read_text()
+  assert text.count("### bench/gpu_check.sh, 2026-12-01") == 2
+  shipped = root / "src" / "stellarax" / "data" / "autotuning" / "NVIDIA_H200" / "ragged_dot.pallas_triton.json"
+  assert [e.key for e in autotuning.AutotuningResult.load(shipped)] == [good.key]
+
+
+def test_dry_run_writes_nothing(tmp_path, capsys):
+  land = _land()
+  folder, _ = _results_folder(tmp_path)
+  root = _repo(tmp_path)
+  assert land.main([str(folder), "--root", str(root), "--dry-run"]) == 0
+  out = capsys.readouterr().out
+  assert "would write" in out and "ragged_dot.pallas_triton.json" in out and "BENCHMARKS.md" in out
+  assert (root / "BENCHMARKS.md").read_text() == BENCHMARKS
+  assert sorted(p.name for p in root.rglob("*") if p.is_file()) == ["BENCHMARKS.md"]
+
+
+def test_refuses_what_is_not_a_gpu_run(tmp_path, capsys):
+  land = _land()
+  root = _repo(tmp_path)
+  assert land.main([str(tmp_path / "nowhere"), "--root", str(root)]) == 2
+  assert "no such file" in capsys.readouterr().err
+  folder, _ = _results_folder(tmp_path, device="cpu")
+  assert land.main([str(folder), "--root", str(root)]) == 2
+  assert "not a GPU" in capsys.readouterr().err
+  with pytest.raises(land.LandError, match="no row was timed"):
+    data = json.loads((folder / "results.json").read_text())
+    for row in data["rows"]:
+      row["median_ms"] = None
+    (folder / "results.json").write_text(json.dumps(data))
+    land.load_run(folder, any_device=True)
+  assert (root / "BENCHMARKS.md").read_text() == BENCHMARKS
+
+
+def test_add_section_adds_a_missing_device_heading():
+  land = _land()
+  text = land.add_section("# B\n\n## CPU\n\nfacts\n", "NVIDIA H100", "### run\n\nrows\n")
+  assert text == "# B\n\n## NVIDIA H100\n\n### run\n\nrows\n\n## CPU\n\nfacts\n"
+  with pytest.raises(land.LandError, match="no '## ' heading"):
+    land.add_section("# B\n", "NVIDIA H100", "### run\n")
