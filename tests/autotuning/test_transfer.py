@@ -6,6 +6,7 @@ say exactly which neighbour should win. The recorded-sweep tests read the CPU sw
 """
 
 import dataclasses
+import warnings
 import math
 from pathlib import Path
 
@@ -274,7 +275,11 @@ def test_fit_heuristics_rejects_too_little_data():
 
 @pytest.fixture(scope="module", params=["ragged_dot.xla", "attention.xla_chunked"])
 def recorded(request):
-  result = autotuning.AutotuningResult.load(SWEEPS / f"{request.param}.json")
+  with warnings.catch_warnings():
+    # Recorded with jax 0.11.2: under another jax the loader warns, and the entries are
+    # still the data under test.
+    warnings.simplefilter("ignore", autotuning.VersionWarning)
+    result = autotuning.AutotuningResult.load(SWEEPS / f"{request.param}.json")
   return request.param, result, autotuning.fit_heuristics(result, request.param)
 
 

@@ -17,6 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 # The race detector's findings are not exported by jax.experimental yet.
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+from race_check import RACE_CHECK  # tests/ is on sys.path
 
 import stellarax
 from stellarax import autotuning
@@ -388,7 +389,7 @@ def test_overlapped_softmax_forward_matches_reference(mc):
   """The pipelined forward against the float32 reference, under the race detector."""
   case = mc.case
   options, (q, k, v, _), bias, mask = _mask_case_inputs(mc, seed=9)
-  races = plgpu.InterpretGPUParams(detect_races=True)
+  races = RACE_CHECK
   out, lse = _run(lambda q, k, v: pm.attention_fwd_pallas_mosaic_gpu(
       q, k, v, bias, mask, **options, **case.fwd, interpret=races), q, k, v)
   assert not get_races().races_found
@@ -434,7 +435,7 @@ def test_overlapped_dq_kernel_matches_reference(mc, monkeypatch):
       q, k, v, bias, mask, **options, **case.fwd, interpret=True), q, k, v)
   monkeypatch.setattr(pm, "_dkdv_call", lambda q, k, v, *a, **kw: {"dv": jnp.zeros_like(v),
                                                                     "dk": jnp.zeros_like(k)})
-  races = plgpu.InterpretGPUParams(detect_races=True)
+  races = RACE_CHECK
   dq, dk, _ = _run(lambda q, k, v, out, lse, do: pm.attention_bwd_pallas_mosaic_gpu(
       q, k, v, bias, mask, out, lse, do, **options, **case.bwd, interpret=races),
       q, k, v, out, lse, do)
@@ -459,7 +460,7 @@ def test_race_detector_finds_no_races_under_masking(monkeypatch):
   options |= dict(local_window_size=(100, 10))
   bias, mask = options.pop("bias"), options.pop("mask")
   q, k, v, do = _inputs(case, seed=8)
-  races = plgpu.InterpretGPUParams(detect_races=True)
+  races = RACE_CHECK
   out, lse = _run(lambda q, k, v: pm.attention_fwd_pallas_mosaic_gpu(
       q, k, v, bias, mask, **options, **case.fwd, interpret=races), q, k, v)
   assert not get_races().races_found
@@ -817,7 +818,7 @@ def _ring_products(a, b, *, release_early: bool, check_reads: bool):
                  a_ready=pm._barrier(1), ready=pm._barrier(stages), free=pm._barrier(stages))
   call = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(shape, jnp.float32),
                       scratch_types=scratch, num_threads=2, thread_name="wg",
-                      interpret=plgpu.InterpretGPUParams(detect_races=True))
+                      interpret=RACE_CHECK)
   return jax.jit(call)(a, b)
 
 

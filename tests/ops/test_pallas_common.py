@@ -9,6 +9,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 # The race detector's findings are not exported by jax.experimental yet.
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+from race_check import RACE_CHECK  # tests/ is on sys.path
 
 from stellarax.ops.pallas_common import (
     detects_races,
@@ -28,7 +29,7 @@ def test_unpack_refs_spreads_present_operands_and_fills_absent_ones():
 
 
 def test_detects_races_only_for_interpret_params_that_ask():
-  assert detects_races(plgpu.InterpretGPUParams(detect_races=True))
+  assert detects_races(RACE_CHECK)
   assert not detects_races(plgpu.InterpretGPUParams())
   assert not detects_races(True) and not detects_races(False)
 
@@ -61,7 +62,7 @@ def _tile_freed_then_refilled(x, *, read_after_free: bool):
       body, out_type=jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
       scratch_types=dict(tile=plgpu.SMEM(x.shape[1:], x.dtype), loaded=barrier, free=barrier,
                          refilled=barrier),
-      num_threads=2, thread_name="wg", interpret=plgpu.InterpretGPUParams(detect_races=True))
+      num_threads=2, thread_name="wg", interpret=RACE_CHECK)
   return jax.jit(call)(x)
 
 

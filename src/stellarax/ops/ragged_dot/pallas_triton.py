@@ -418,8 +418,11 @@ def _ragged_dot_kernel(items_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, bl
   item, tile_n = _swizzle(lax.rem(pl.program_id(0), per_split), num_items, num_n_tiles)
   group, row_start, row_end = items_ref[0, item], items_ref[1, item], items_ref[2, item]
   # The tile is moved up to end at row M at most, so that its loads stay in bounds
-  # without masks; rows outside [row_start, row_end) are computed but not stored.
-  tile_start = jnp.minimum(row_start, num_rows - block_m) if num_rows >= block_m else 0
+  # without masks; rows outside [row_start, row_end) are computed but not stored. A
+  # tile taller than M starts at its item's first row and masks the rows past M: a
+  # traced start, since jax 0.12 rejects a static slice that runs past the array even
+  # when every access past it is masked.
+  tile_start = jnp.minimum(row_start, num_rows - block_m) if num_rows >= block_m else row_start
   rows = _span(tile_start, block_m)[:, None]
   row_mask = rows < num_rows if num_rows < block_m else None
   n0 = tile_n * block_n
