@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-slow demo setup clean compile-h200
+.PHONY: test test-slow test-jax-next demo setup clean compile-h200
 
 setup: $(STAMP)
 
@@ -25,6 +25,22 @@ test-slow: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m stellarax.tools.demo --output demo_out
 
+# The fast tests again on the newest jax (requirements/jax-next.txt), in a virtual
+# environment of its own: the project is pinned to the GPU machine's jax, and a new
+# release must not break it unnoticed.
+NEXT_VENV := .venv-jax-next
+NEXT_STAMP := $(NEXT_VENV)/.installed
+
+$(NEXT_STAMP): pyproject.toml requirements/jax-next.txt
+	test -x $(NEXT_VENV)/bin/python || $(PYTHON) -m venv $(NEXT_VENV)
+	$(NEXT_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(NEXT_VENV)/bin/python -m pip install --quiet -c requirements/jax-next.txt -e '.[test]'
+	touch $(NEXT_STAMP)
+
+test-jax-next: $(NEXT_STAMP)
+	$(NEXT_VENV)/bin/python -c "import jax; print('jax', jax.__version__)"
+	$(NEXT_VENV)/bin/python -m pytest -q -m "not slow"
+
 # Compile every Pallas kernel for an H200 without a GPU (bench/compile_h200.py) in a
 # virtual environment of its own: the CUDA plugin must not become the tests' backend.
 H200_VENV := .venv-h200
@@ -40,4 +56,4 @@ compile-h200: $(H200_STAMP)
 	$(H200_VENV)/bin/python bench/compile_h200.py --out results/compile-h200
 
 clean:
-	rm -rf $(VENV) $(H200_VENV) demo_out
+	rm -rf $(VENV) $(H200_VENV) $(NEXT_VENV) demo_out
