@@ -234,6 +234,29 @@ def test_epilogue_slabs_match_reference():
   _assert_close(split, ragged_dot_reference(_f32(lhs), _f32(rhs), sizes), jnp.float32)
 
 
+# 64 x 256 warpgroup tiles stored whole: a slab wider than 128 columns is two pieces.
+CONFIG_PIECES = dict(block_m=128, block_n=256, block_k=64, max_concurrent_steps=2, wg_split="m",
+                     grid_minor_dim="m", grid_tile_width=2)
+
+
+@pytest.mark.mosaic_interpret
+def test_wide_slabs_are_stored_in_pieces():
+  """A 256-column slab, held as two 128-column pieces with TMA boxes each (jax 0.12
+  cannot store it whole), in the forward and the rhs gradient (the lhs gradient's
+  output, K = 128 columns, takes no 256-column tile)."""
+  w = WORKLOADS["small"]  # N = 256; M below one tile, an empty first group
+  lhs, rhs, dout, sizes = _inputs(w, jnp.bfloat16, seed=11)
+  out = pm.ragged_dot_pallas_mosaic_gpu(lhs, rhs, sizes, interpret=RACE_CHECK, **CONFIG_PIECES)
+  assert _no_races()
+  _assert_close(out, ragged_dot_reference(_f32(lhs), _f32(rhs), sizes), jnp.bfloat16)
+  assert np.all(np.asarray(out[_total_rows(w):], np.float32) == 0.0)
+  drhs = pm.ragged_dot_drhs_pallas_mosaic_gpu(lhs, dout, sizes, w.g, interpret=RACE_CHECK,
+                                              **CONFIG_PIECES)
+  assert _no_races()
+  _assert_close(drhs, ragged_dot_rhs_grad_reference(_f32(lhs), _f32(dout), sizes, w.g),
+                jnp.bfloat16)
+
+
 # K = 256: 4 contraction steps of 64 in 3 stages, so stages are refilled within a tile;
 # group 0 spans 4 row steps of the rhs gradient.
 _LONG = Workload(300, 256, 192, (200, 0, 90))

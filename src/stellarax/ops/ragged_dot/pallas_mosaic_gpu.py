@@ -730,9 +730,12 @@ class _Tiles:
     return _wg_tile(self.block_m, self.block_n, self.wg_split)
 
   def epilogue_buffer(self, dtype: Any) -> Any:
-    """The compute warpgroups' epilogue buffers: one column slab of each one's tile."""
+    """The compute warpgroups' epilogue buffers: one column slab of each one's tile, as
+    (pieces, rows, columns) with pieces of at most _PIECE_COLS columns."""
     wm, wn = self.wg_shape
-    return plgpu.SMEM((_NUM_COMPUTE_WGS * wm, wn // self.epilogue_slabs), dtype)
+    slab = wn // self.epilogue_slabs
+    piece = min(slab, _PIECE_COLS)
+    return plgpu.SMEM((slab // piece, _NUM_COMPUTE_WGS * wm, piece), dtype)
 
   def tile_order(self, linear: jax.Array, grid_m: int, grid_n: int) -> tuple[jax.Array, jax.Array]:
     """Maps a linear tile index to (m-tile, n-tile), bijectively, in L2-friendly order."""
@@ -755,6 +758,13 @@ def _swizzled(block_minor: int, dtype: Any) -> tuple[Any, ...]:
   return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
 
 
+# The widest piece of an epilogue buffer. jax 0.12's Mosaic GPU cannot infer layouts
+# for a 256-column wgmma accumulator stored whole to an unswizzled buffer (128 columns
+# it can; jax 0.11.2 takes both), so a wider slab is held as pieces of 128 columns,
+# each stored by its own TMA copies.
+_PIECE_COLS = 128
+
+
 def _store_rows(tile: jax.Array, o_smem: Any, out_gmem: Any, *, first: jax.Array,
                 count: jax.Array) -> None:
   """Stores rows [first, first + count) of a register tile to the same rows of out_gmem.
@@ -766,26 +776,31 @@ def _store_rows(tile: jax.Array, o_smem: Any, out_gmem: Any, *, first: jax.Array
 
   Args:
     tile: (rows, cols) values in registers.
-    o_smem: (rows, slab) shared-memory buffer of this warpgroup, slab dividing cols,
-      unswizzled so that a box may start at any row.
+    o_smem: (pieces, rows, piece) shared-memory buffer of this warpgroup (one slab of
+      pieces * piece columns, dividing cols; `_Tiles.epilogue_buffer`), unswizzled so
+      that a box may start at any row.
     out_gmem: (rows, cols) GMEM window of the output, aligned with the tile.
     first, count: the rows to store.
   """
-  slab = o_smem.shape[1]
+  pieces, rows, piece = o_smem.shape
+  slab = pieces * piece
   for col in range(0, tile.shape[1], slab):
     # The previous slab's (or tile's) stores must have finished reading the buffer.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    part = tile if slab == tile.shape[1] else tile[:, col:col + slab]
-    o_smem[...] = part.astype(o_smem.dtype)
+    for p in range(pieces):
+      cols = col + p * piece
+      part = tile if piece == tile.shape[1] else tile[:, cols:cols + piece]
+      o_smem.at[p][...] = part.astype(o_smem.dtype)
     plgpu.commit_smem()
     start = first
-    for bit in reversed(range(o_smem.shape[0].bit_length())):
+    for bit in reversed(range(rows.bit_length())):
       box = 1 << bit
 
       @pl.when((count & box) != 0)
       def _store():
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(start, box)],
-                                out_gmem.at[pl.ds(start, box), pl.ds(col, slab)])
+        for p in range(pieces):
+          plgpu.copy_smem_to_gmem(o_smem.at[p, pl.ds(start, box)],
+                                  out_gmem.at[pl.ds(start, box), pl.ds(col + p * piece, piece)])
 
       start = start + (count & box)
 
@@ -1022,7 +1037,7 @@ def _forward_kernel(items_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: _Tiles,
       last = jnp.clip(row_end - top, 0, rows)
       out = out_gmem if tiles.split_k == 1 else out_gmem.at[split]
       window = out.at[pl.ds(top, rows), pl.ds(n0 + wg_col, wn)]
-      _store_rows(tile, o_smem.at[pl.ds(wg * wm, rows)], window, first=first,
+      _store_rows(tile, o_smem.at[:, pl.ds(wg * wm, rows)], window, first=first,
                   count=last - first)
 
     @plgpu.nd_loop((tiles.split_k * num_items * grid_n,), collective_axes="sm")
@@ -1237,7 +1252,8 @@ def _drhs_kernel(offsets_gmem, lhs_gmem, dout_gmem, out_gmem, *, tiles: _Tiles,
           run(acc_ref)
           release.finish(mma, rows.num_steps)
           window = out_gmem.at[group, pl.ds(m0 + wg_row, wm), pl.ds(n0 + wg_col, wn)]
-          _store_rows(acc_ref[...], o_smem.at[pl.ds(wg * wm, wm)], window, first=0, count=wm)
+          _store_rows(acc_ref[...], o_smem.at[:, pl.ds(wg * wm, wm)], window, first=0,
+                      count=wm)
 
       index_map = lambda step: (pl.multiple_of(rows.first_row(step), _ROW_ALIGN), 0)
       mma = _drhs_mma(tiles, rows)
