@@ -199,6 +199,31 @@ def test_library_cache_is_consulted_after_the_user_cache(tmp_path, monkeypatch, 
     lib.write(grad_result)
 
 
+def test_library_cache_from_other_versions_applies_without_warnings(tmp_path, monkeypatch, grad_result):
+  # Shipped configs recorded with an older jax: still used (and one that no longer
+  # validates dropped), silently; the same file in the user cache warns.
+  lhs, rhs, gs = _inputs()
+  (ba,) = autotuning.get_bound_args(model, lhs, rhs, gs)
+  data = json.loads(grad_result.dumps())
+  data["versions"]["jax"] = "0.0.1"
+  gone = next(e for e in data["entries"] if e["bound_args"]["op"]["name"] != ba.op.name)
+  gone["bound_args"]["op"]["name"] = "ragged_dot.removed_backend"
+  for root in (tmp_path / "lib", tmp_path / "user"):
+    for entry in data["entries"]:
+      path = root / cache_lib.device_kind_slug(grad_result.device_kind) / f"{entry['bound_args']['op']['name']}.json"
+      path.parent.mkdir(parents=True, exist_ok=True)
+      path.write_text(json.dumps(data | {"entries": [entry]}))
+  monkeypatch.setattr(cache_lib.LIBRARY_CACHE, "_root", tmp_path / "lib")
+  monkeypatch.setattr(cache_lib.LIBRARY_CACHE, "_loaded", {})
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert resolution.resolve_config(ba).source == "library_cache"
+    assert sum(len(r) for r in cache_lib.LIBRARY_CACHE.results(grad_result.device_kind)) == len(grad_result) - 1
+  user = cache_lib.FileCache(tmp_path / "user", "user_cache", writable=True)
+  with pytest.warns(file_format.VersionWarning):
+    user.results(grad_result.device_kind)
+
+
 def test_miss_policy_autotune_tunes_on_the_spot(user_cache_dir):
   lhs, rhs, gs = _inputs()
   ba = stellarax.XlaRaggedDot.bind(lhs[:16], rhs, gs)

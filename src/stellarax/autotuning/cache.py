@@ -62,12 +62,21 @@ class FileCache:
 
   Attributes:
     source_name: "user_cache" or "library_cache" (reported by explain()).
+    writable: whether `write` may add to it.
+    warn_other_versions: whether reading a file recorded under other versions warns
+      (`AutotuningResult.loads`). The library cache does not: its configs are the
+      library's own data, recorded with the jax of the GPU run that measured them, and
+      they still apply under another jax (each is validated as it is read, and one
+      that no longer validates is dropped); a warning would reach users who cannot act
+      on it, and fail programs that turn warnings into errors.
   """
 
-  def __init__(self, root: Path | None, source_name: str, *, writable: bool):
+  def __init__(self, root: Path | None, source_name: str, *, writable: bool,
+               warn_other_versions: bool = True):
     self._root = root
     self.source_name = source_name
     self.writable = writable
+    self.warn_other_versions = warn_other_versions
     self._loaded: dict[Path, tuple[float, AutotuningResult | None]] = {}
     self._lock = threading.Lock()
 
@@ -89,7 +98,7 @@ class FileCache:
     with self._lock:
       cached = self._loaded.get(path)
       if cached is None or cached[0] != mtime:
-        cached = (mtime, AutotuningResult.load(path))
+        cached = (mtime, AutotuningResult.load(path, warn_other_versions=self.warn_other_versions))
         self._loaded[path] = cached
     return cached[1]
 
@@ -175,7 +184,7 @@ def cached_results(op_name: str, device_kind: str | None = None):
 
 
 USER_CACHE = FileCache(None, "user_cache", writable=True)
-LIBRARY_CACHE = FileCache(LIBRARY_ROOT, "library_cache", writable=False)
+LIBRARY_CACHE = FileCache(LIBRARY_ROOT, "library_cache", writable=False, warn_other_versions=False)
 
 resolution.register_cache_source(USER_CACHE)
 resolution.register_cache_source(LIBRARY_CACHE)

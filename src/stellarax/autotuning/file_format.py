@@ -23,7 +23,8 @@ import paths. Policy for data from other versions: a file with a newer
 recorded under another stellarax/jax/jaxlib version are used, with one
 warning per file, because configs are validated when read and a config that
 no longer validates (or an op that no longer exists) drops just that entry,
-with a warning. A file that is not valid JSON, lacks a required field, or (when written by
+with a warning. The shipped library cache reads its own files without these
+warnings (`cache.FileCache.warn_other_versions`). A file that is not valid JSON, lacks a required field, or (when written by
 the running versions) holds an invalid entry raises `FormatError` naming the
 file and the problem.
 """
@@ -146,11 +147,12 @@ def result_to_json(result) -> dict[str, Any]:
   }
 
 
-def result_from_json(cls, data: dict[str, Any], *, source: str):
-  """Builds an AutotuningResult from parsed data (see the module policy)."""
+def result_from_json(cls, data: dict[str, Any], *, source: str, warn_other_versions: bool = True):
+  """Builds an AutotuningResult from parsed data (see the module policy); without
+  `warn_other_versions`, data from other versions is used (or dropped) silently."""
   versions = data.get("versions") or {}
   current = current_versions()
-  if versions and any(versions.get(k) != v for k, v in current.items()):
+  if warn_other_versions and versions and any(versions.get(k) != v for k, v in current.items()):
     warnings.warn(f"{source}: recorded with {versions}, running {current}; using its entries.",
                   VersionWarning, stacklevel=3)
   same_versions = not versions or all(versions.get(k) == v for k, v in current.items())
@@ -165,8 +167,9 @@ def result_from_json(cls, data: dict[str, Any], *, source: str):
       # Other versions: an op or config changed since, drop just this entry.
       if same_versions:
         raise FormatError(f"{source}: entry {i} is invalid: {e}") from None
-      warnings.warn(f"{source}: entry {i} skipped (recorded by other versions): {e}",
-                    VersionWarning, stacklevel=3)
+      if warn_other_versions:
+        warnings.warn(f"{source}: entry {i} skipped (recorded by other versions): {e}",
+                      VersionWarning, stacklevel=3)
       continue
     entries[entry.key] = entry
   return cls(str(data["device_kind"]), entries, versions or current)

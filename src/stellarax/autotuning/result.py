@@ -188,13 +188,22 @@ class AutotuningResult:
     return file_format.dumps(self.to_json())
 
   @classmethod
-  def loads(cls, text: str, *, source: str = "<string>") -> AutotuningResult:
+  def loads(cls, text: str, *, source: str = "<string>",
+            warn_other_versions: bool = True) -> AutotuningResult:
     """Reads a result from a JSON string.
+
+    Args:
+      text: the JSON (file_format.py).
+      source: what to name in errors and warnings.
+      warn_other_versions: warn (`VersionWarning`) when the data was recorded under
+        other stellarax/jax/jaxlib versions, and for each entry dropped because it no
+        longer validates; without it, the same happens silently.
 
     Raises:
       file_format.FormatError: naming `source` and what is wrong.
     """
-    return file_format.result_from_json(cls, file_format.parse(text, source=source), source=source)
+    return file_format.result_from_json(cls, file_format.parse(text, source=source), source=source,
+                                        warn_other_versions=warn_other_versions)
 
   def dump(self, path_or_file: str | os.PathLike | io.TextIOBase) -> None:
     """Writes this result to a path (atomically) or an open text file."""
@@ -204,17 +213,21 @@ class AutotuningResult:
       file_format.atomic_write(path_or_file, self.dumps())
 
   @classmethod
-  def load(cls, path_or_file: str | os.PathLike | io.TextIOBase) -> AutotuningResult:
-    """Reads a result from a path or an open text file.
+  def load(cls, path_or_file: str | os.PathLike | io.TextIOBase, *,
+           warn_other_versions: bool = True) -> AutotuningResult:
+    """Reads a result from a path or an open text file (`warn_other_versions`: as in
+    `loads`).
 
     Raises:
       FileNotFoundError: for a missing path.
       file_format.FormatError: naming the file and what is wrong.
     """
     if hasattr(path_or_file, "read"):
-      return cls.loads(path_or_file.read(), source=getattr(path_or_file, "name", "<file>"))
+      return cls.loads(path_or_file.read(), source=getattr(path_or_file, "name", "<file>"),
+                       warn_other_versions=warn_other_versions)
     with open(path_or_file, encoding="utf-8") as f:
-      return cls.loads(f.read(), source=os.fspath(path_or_file))
+      return cls.loads(f.read(), source=os.fspath(path_or_file),
+                       warn_other_versions=warn_other_versions)
 
 
 def _faster(a: Entry, b: Entry) -> bool:
