@@ -204,6 +204,10 @@ def device_slug(device: str) -> str:
   return cache.device_kind_slug(device)
 
 
+# A recorded profile kept in the repository: gpu_check's small model gives well under this.
+_MAX_FIXTURE_BYTES = 4 * 2**20
+
+
 def profile_fixture(run: Run) -> tuple[bytes, str] | None:
   """The run's profile as test data: (gzipped xplane bytes, calls.json text), or None if
   the run wrote no profile or `read_op_calls` cannot read it (then it is no fixture)."""
@@ -219,7 +223,12 @@ def profile_fixture(run: Run) -> tuple[bytes, str] | None:
     return None
   text = json.dumps({"device": run.env.get("device"), "jax": run.env.get("jax"),
                      "calls": [dataclasses.asdict(c) for c in calls]}, indent=1) + "\n"
-  return gzip.compress(newest.read_bytes(), mtime=0), text
+  packed = gzip.compress(newest.read_bytes(), mtime=0)
+  if len(packed) > _MAX_FIXTURE_BYTES:
+    print(f"profile not kept: {newest} is {len(packed) / 2**20:.1f} MiB gzipped, over the "
+          f"{_MAX_FIXTURE_BYTES / 2**20:.0f} MiB a test fixture may take; record a smaller model")
+    return None
+  return packed, text
 
 
 def land(run: Run, *, command: str, root: Path = ROOT, dry_run: bool = False) -> list[Path]:

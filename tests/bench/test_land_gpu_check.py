@@ -173,3 +173,14 @@ def test_add_section_adds_a_missing_device_heading():
   assert text == "# B\n\n## NVIDIA H100\n\n### run\n\nrows\n\n## CPU\n\nfacts\n"
   with pytest.raises(land.LandError, match="no '## ' heading"):
     land.add_section("# B\n", "NVIDIA H100", "### run\n")
+
+
+def test_a_profile_too_large_for_a_fixture_is_not_kept(tmp_path, monkeypatch, capsys):
+  land = _land()
+  folder, _ = _results_folder(tmp_path)
+  root = _repo(tmp_path)
+  monkeypatch.setattr(land, "_MAX_FIXTURE_BYTES", 1000)
+  assert land.main([str(folder), "--root", str(root)]) == 0
+  assert "profile not kept" in capsys.readouterr().out
+  assert not (root / "tests" / "data" / "profiles").exists()
+  assert (root / "bench" / "h200_target_config.txtpb").exists()  # the rest still lands
