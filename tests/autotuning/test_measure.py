@@ -69,8 +69,9 @@ def test_ranks_candidates_of_very_different_cost():
     assert meas.status == "ok" and meas.method == "cpu-batched"
     assert meas.ci_low_s <= meas.median_s <= meas.ci_high_s
     assert meas.compile_time_s > 0
-  # 20 times the work; a factor 4 leaves room for a loaded machine.
-  assert got["20x"].median_s > 4 * got["1x"].median_s
+  # 20 times the work; a factor 2 leaves room for a loaded machine (with both cores
+  # busy elsewhere it measured 3.7x once, 2026-11-30).
+  assert got["20x"].median_s > 2 * got["1x"].median_s
   # Far apart, so the slow one is no leader and takes no extra rounds.
   assert got["20x"].num_samples == FAST.rounds
   assert m.pick_best(got) == "1x"
