@@ -199,11 +199,6 @@ def add_section(benchmarks: str, device: str, section: str) -> str:
   return "".join(lines)
 
 
-def device_slug(device: str) -> str:
-  from stellarax.autotuning import cache
-  return cache.device_kind_slug(device)
-
-
 # A recorded profile kept in the repository: gpu_check's small model gives well under this.
 _MAX_FIXTURE_BYTES = 4 * 2**20
 
@@ -267,7 +262,7 @@ def land(run: Run, *, command: str, root: Path = ROOT, dry_run: bool = False) ->
   write(benchmarks, add_section(benchmarks.read_text(), device, benchmarks_section(run, command)))
   fixture = profile_fixture(run)
   if fixture is not None:
-    folder = root / "tests" / "data" / "profiles" / device_slug(device)
+    folder = root / "tests" / "data" / "profiles" / cache.device_kind_slug(device)
     write(folder / "profile.xplane.pb.gz", fixture[0])
     write(folder / "calls.json", fixture[1])
   target = run.folder / "h200_target_config.pbtxt"
@@ -286,6 +281,8 @@ Left for a person:
 
 
 def main(argv=None) -> int:
+  """Runs the command line; returns the exit status: 0 landed (or would, with
+  --dry-run), 2 refused (the reason on stderr)."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("results", help="the folder bench/gpu_check.sh wrote ($OUT/gpu_check)")
   parser.add_argument("--command", default="bash bench/gpu_check.sh",
