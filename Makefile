@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-slow test-jax-next demo setup clean compile-h200
+.PHONY: test test-slow test-jax-next demo setup clean compile-h200 compile-h200-jax-next
 
 setup: $(STAMP)
 
@@ -55,5 +55,19 @@ $(H200_STAMP): pyproject.toml requirements/ci.txt requirements/h200-compile.txt
 compile-h200: $(H200_STAMP)
 	$(H200_VENV)/bin/python bench/compile_h200.py --out results/compile-h200
 
+# The same compile with the newest jax's Mosaic GPU, Triton and XLA (a kernel that
+# compiles on the pinned jax can fail layout inference on the next one).
+H200_NEXT_VENV := .venv-h200-jax-next
+H200_NEXT_STAMP := $(H200_NEXT_VENV)/.installed
+
+$(H200_NEXT_STAMP): pyproject.toml requirements/jax-next.txt requirements/h200-compile-jax-next.txt
+	test -x $(H200_NEXT_VENV)/bin/python || $(PYTHON) -m venv $(H200_NEXT_VENV)
+	$(H200_NEXT_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(H200_NEXT_VENV)/bin/python -m pip install --quiet -c requirements/jax-next.txt -e . -r requirements/h200-compile-jax-next.txt
+	touch $(H200_NEXT_STAMP)
+
+compile-h200-jax-next: $(H200_NEXT_STAMP)
+	$(H200_NEXT_VENV)/bin/python bench/compile_h200.py --out results/compile-h200-jax-next
+
 clean:
-	rm -rf $(VENV) $(H200_VENV) $(NEXT_VENV) demo_out
+	rm -rf $(VENV) $(H200_VENV) $(NEXT_VENV) $(H200_NEXT_VENV) demo_out
