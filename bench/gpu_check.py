@@ -23,8 +23,10 @@ event path of the profile reader.
 Writes `<out>/results.json` (every row, environment) and `<out>/tuned.json`
 (an AutotuningResult for the library cache) after every workload, so a run cut
 short keeps what it measured; prints each workload's rows as it ends, then the
-whole table, then whether each speed target of the GPU-kernels issue was met. Past --deadline-s the remaining workloads are checked and
-timed untuned, and past the deadline plus a minute they are skipped. A
+whole table, the code paths each tuning measured (and those faster than the
+heuristic beyond both confidence intervals), then whether each speed target of
+the GPU-kernels issue was met. Past --deadline-s the remaining workloads are
+checked and timed untuned, and past the deadline plus a minute they are skipped. A
 candidate whose error exceeds the dtype's tolerance is marked WRONG (and still
 timed, so the table shows what it would cost). Tuning measures in worker
 processes; a heuristic or tuned config that hung or failed there is not run in
@@ -477,13 +479,42 @@ def code_path_lines(result) -> list[str]:
     measured = [c for c, _ in entry.measurements]
     parts = [f"heuristic {timing(entry, h)}"]
     for variant in search.code_path_variants(h, measured):
-      flipped = ", ".join(f"{f.name}={getattr(variant, f.name)}" for f in dataclasses.fields(h)
-                          if getattr(variant, f.name) != getattr(h, f.name))
-      parts.append(f"{flipped}: {timing(entry, variant)}")
+      parts.append(f"{_flipped(h, variant)}: {timing(entry, variant)}")
     parts.append(f"best {timing(entry, entry.best_config)}")
-    shapes = " ".join(str(tuple(a.shape)) for a in entry.bound_args.array_specs())
-    lines.append(f"{entry.bound_args.op.name} {shapes}: " + "; ".join(parts))
+    lines.append(f"{_call_name(entry)}: " + "; ".join(parts))
   return lines
+
+
+def faster_code_paths(result) -> list[str]:
+  """The code-path variants (as in `code_path_lines`) that ran faster than their op
+  call's heuristic beyond both confidence intervals: where a heuristic should
+  perhaps take the other code path. One line each, with the ratio of medians."""
+  from stellarax.autotuning import search
+  lines = []
+  for entry in result:
+    h = entry.heuristic_config
+    timed = {c: m for c, m in entry.measurements if m.status == "ok"}  # the last one counts
+    base = timed.get(h)
+    if base is None:
+      continue
+    for variant in search.code_path_variants(h, [c for c, _ in entry.measurements]):
+      m = timed.get(variant)
+      if m is not None and m.ci_high_s < base.ci_low_s:
+        lines.append(f"{_call_name(entry)}: {_flipped(h, variant)} takes "
+                     f"{m.median_s / base.median_s:.2f}x the heuristic's time")
+  return lines
+
+
+def _flipped(heuristic, variant) -> str:
+  """The fields in which `variant` differs from `heuristic`, as name=value."""
+  return ", ".join(f"{f.name}={getattr(variant, f.name)}" for f in dataclasses.fields(heuristic)
+                   if getattr(variant, f.name) != getattr(heuristic, f.name))
+
+
+def _call_name(entry) -> str:
+  """An op call as its op name and argument shapes."""
+  shapes = " ".join(str(tuple(a.shape)) for a in entry.bound_args.array_specs())
+  return f"{entry.bound_args.op.name} {shapes}"
 
 
 def main(argv=None) -> int:
@@ -508,8 +539,11 @@ def main(argv=None) -> int:
   tuned = Path(args.out) / "tuned.json"
   if tuned.exists():
     print("\n== code paths (tuning measurements of one op call) ==")
-    for line in code_path_lines(stellarax.AutotuningResult.load(tuned)):
+    result = stellarax.AutotuningResult.load(tuned)
+    for line in code_path_lines(result):
       print(line)
+    print("\n== code paths faster than the heuristic (beyond both confidence intervals) ==")
+    print("\n".join(faster_code_paths(result)) or "none")
   print("\n== targets ==")
   for line in target_lines(rows):
     print(line)

@@ -164,6 +164,9 @@ def benchmarks_section(run: Run, command: str) -> str:
     lines += ["", "Code paths (tuning measurements of one op call: the heuristic, each "
               "code-path variant, the best):", ""]
     lines += ["    " + line for line in gpu_check.code_path_lines(run.tuned)]
+    faster = gpu_check.faster_code_paths(run.tuned)
+    lines += ["", "Faster than the heuristic beyond both confidence intervals:", ""]
+    lines += ["    " + line for line in faster] or ["    none"]
   lines += ["", "Targets:", ""]
   lines += ["    " + line for line in gpu_check.target_lines(run.rows)]
   return "\n".join(lines) + "\n"
@@ -273,8 +276,8 @@ def land(run: Run, *, command: str, root: Path = ROOT, dry_run: bool = False) ->
 
 _LEFT_FOR_A_PERSON = """\
 Left for a person:
-- read "Code paths" above: where a variant beat the heuristic by more than its
-  confidence interval, change the op's heuristic (and its tests) to take it;
+- for each "faster than the heuristic" line above (a code-path variant faster beyond
+  both confidence intervals), consider changing the op's heuristic (and its tests);
 - reconsider PREFERENCE in src/stellarax/ops/*/api.py from the table;
 - make compile-h200 with the new bench/h200_target_config.txtpb, then make test;
 - write what the numbers say into BENCHMARKS.md's new section and the issue's note."""
@@ -299,6 +302,9 @@ def main(argv=None) -> int:
     return 2
   for path in written:
     print(f"{'would write' if args.dry_run else 'wrote'} {path}")
+  if run.tuned is not None:
+    for line in _gpu_check().faster_code_paths(run.tuned):
+      print(f"faster than the heuristic: {line}")
   print(_LEFT_FOR_A_PERSON)
   return 0
 

@@ -30,7 +30,9 @@ def test_gpu_check_smoke_run(tmp_path):
   # The whole table (the sliding-window attention last in smoke runs), the code paths of
   # every tuned op call, then the targets.
   assert table[-2].startswith("attention") and "window=32" in table[-2]
-  code_paths = lines[paths + 1:lines.index("== targets ==") - 1]
+  faster = lines.index("== code paths faster than the heuristic (beyond both confidence intervals) ==")
+  code_paths = lines[paths + 1:faster - 1]
+  assert lines[faster + 1:lines.index("== targets ==") - 1]  # the variants, or "none"
   assert any(line.startswith("ragged_dot.pallas_triton (") for line in code_paths), code_paths
   assert all("heuristic" in line and "best" in line for line in code_paths), code_paths
   local = [r for r in checked if "window" in r["workload"]]
@@ -138,3 +140,24 @@ def test_code_path_lines_compare_the_heuristic_with_its_other_code_paths():
   assert gpu_check.code_path_lines([entry]) == [
       "attention.pallas_mosaic_gpu_vjp (2, 8192, 16, 128): heuristic 4.000 ms;"
       " split_dkdv=True, fuse_dq=True: wrong_result; best 4.000 ms"]
+
+
+def test_faster_code_paths_need_disjoint_confidence_intervals():
+  from stellarax.autotuning.result import Entry
+  from stellarax.core.specs import ArraySpec
+  from stellarax.ops.attention.pallas_mosaic_gpu import PallasMosaicGpuAttentionVjpConfig as C
+  gpu_check = _gpu_check()
+  base = dict(block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64,
+              num_compute_wgs=2, num_stages=2, split_dkdv=False)
+  heuristic, fused = C(**base, fuse_dq=False), C(**base, fuse_dq=True)
+  timed = lambda ms, low, high: Measurement(status="ok", median_s=ms * 1e-3, ci_low_s=low * 1e-3,
+                                            ci_high_s=high * 1e-3, num_samples=5)
+  call = SimpleNamespace(op=SimpleNamespace(name="attention.pallas_mosaic_gpu_vjp"),
+                         array_specs=lambda: [ArraySpec((2, 8192, 16, 128), "bfloat16")])
+  entry = lambda fused_m: Entry(bound_args=call, best_config=fused, heuristic_config=heuristic,
+                                measurements=((heuristic, timed(4.0, 3.9, 4.1)), (fused, fused_m)))
+  assert gpu_check.faster_code_paths([entry(timed(3.0, 2.9, 3.1))]) == [
+      "attention.pallas_mosaic_gpu_vjp (2, 8192, 16, 128): fuse_dq=True takes 0.75x the heuristic's time"]
+  assert gpu_check.faster_code_paths([entry(timed(3.8, 3.0, 3.95))]) == []  # intervals overlap
+  wrong = Measurement(status="wrong_result", error="max abs error 3.2")
+  assert gpu_check.faster_code_paths([entry(wrong)]) == []

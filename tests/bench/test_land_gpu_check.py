@@ -117,6 +117,8 @@ def test_land_ships_confirmed_configs_and_records_the_run(tmp_path, capsys):
              for line in text.splitlines())
   assert "ragged_dot G=8 forward: MET (642 TFLOP/s" in text
   assert "ragged_dot.pallas_triton (4,) (64, 32) (4, 32, 48): heuristic 2.000 ms; best 1.000 ms" in text
+  # num_warps is a tile, not a code path: no variant to report.
+  assert "Faster than the heuristic beyond both confidence intervals:\n\n    none\n" in text
   # The profile is test data that reads back as recorded; the target config is kept.
   fixture = root / "tests" / "data" / "profiles" / "NVIDIA_H200"
   recorded = json.loads((fixture / "calls.json").read_text())
