@@ -919,15 +919,12 @@ def more_workloads() -> list[Any]:
 
 
 def _gradient(f, args, num_differentiable):
-  """The gradient of a scalar of f(*args) in its first `num_differentiable` arguments.
-
-  The scalar reads f's values (sum of sin): jax 0.12 drops a forward kernel whose
-  output the gradient of a plain sum never reads, which would leave it uncompiled."""
-  import jax
-  import jax.numpy as jnp
+  """The gradient of gpu_check's loss of f(*args) (`_grad_of`: a sum of sin, which reads
+  f's values; jax 0.12 drops a forward kernel whose output the gradient of a plain sum
+  never reads) in its first `num_differentiable` arguments."""
+  from gpu_check import _grad_of
   rest = args[num_differentiable:]
-  loss = lambda *a: jnp.sum(jnp.sin(f(*a, *rest).astype(jnp.float32)))
-  return jax.grad(loss, tuple(range(num_differentiable)))(*args[:num_differentiable])
+  return _grad_of(lambda *a: f(*a, *rest), tuple(range(num_differentiable)))(*args[:num_differentiable])
 
 
 def _pallas_ops(family: str) -> list[Any]:

@@ -289,6 +289,12 @@ def run(args) -> list[Row]:
   return rows
 
 
+def config_label(entry) -> str:
+  """How a tuned row names the best config of one of its op calls ("op: config"; a row
+  joins those of its op calls with "; ")."""
+  return f"{entry.bound_args.op.name}: {entry.best_config}"
+
+
 def _failed_in_isolation(result, which: str) -> str:
   """How the `which` config ("heuristic_config" or "best_config") of some op call in a
   tuning result failed when measured (in isolated workers), or "" if none failed."""
@@ -323,7 +329,7 @@ def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
         continue
       tuned_all = result if tuned_all is None else tuned_all | result
       candidates[f"{impl_name} tuned"] = _with_result(result, call)
-      configs[f"{impl_name} tuned"] = "; ".join(f"{e.bound_args.op.name}: {e.best_config}" for e in result)
+      configs[f"{impl_name} tuned"] = "; ".join(map(config_label, result))
       # A config that hung or failed in an isolated worker is not run in this process:
       # a hung kernel or a poisoned CUDA context would cost every later workload.
       for kind, which in (("heuristic", "heuristic_config"), ("tuned", "best_config")):

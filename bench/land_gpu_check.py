@@ -30,11 +30,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gzip
-import importlib.util
 import json
 import sys
 from pathlib import Path
 from typing import Any
+
+import gpu_check  # bench/, this script's folder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,17 +46,6 @@ _CONFIRMED = "ok"
 
 class LandError(Exception):
   """A results folder that cannot be landed; the message says why and what to do."""
-
-
-def _gpu_check():
-  """bench/gpu_check.py as a module (its table and target functions)."""
-  if "gpu_check" in sys.modules:
-    return sys.modules["gpu_check"]
-  spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules["gpu_check"] = module  # dataclasses look their module up while it loads
-  spec.loader.exec_module(module)
-  return module
 
 
 @dataclasses.dataclass
@@ -100,8 +90,7 @@ def load_run(folder: str | Path, *, any_device: bool = False) -> Run:
   if not any_device and device.lower() in ("", "cpu"):
     raise LandError(f"{results}: ran on {device or 'an unknown device'!r}, not a GPU; a smoke "
                     "run's numbers are interpret-mode times. Land a run from the GPU machine.")
-  Row = _gpu_check().Row
-  rows = [Row(**row) for row in data["rows"]]
+  rows = [gpu_check.Row(**row) for row in data["rows"]]
   if not any(row.median_ms for row in rows):
     raise LandError(f"{results}: no row was timed ({len(rows)} rows); nothing to land. "
                     "Read gpu_check.log beside it for why.")
@@ -140,7 +129,7 @@ def confirmed_entries(run: Run) -> tuple[Any, list[str]]:
     shapes = " ".join(str(tuple(a.shape)) for a in entry.bound_args.array_specs())
     if entry.time_of(entry.best_config) is None:
       left_out.append(f"{name} {shapes}: its best config has no successful measurement")
-    elif f"{name}: {entry.best_config}" in unconfirmed:
+    elif gpu_check.config_label(entry) in unconfirmed:
       left_out.append(f"{name} {shapes}: a tuned row with its best config failed the run's check")
     else:
       keep[entry.key] = entry
@@ -151,7 +140,6 @@ def confirmed_entries(run: Run) -> tuple[Any, list[str]]:
 
 def benchmarks_section(run: Run, command: str) -> str:
   """The BENCHMARKS.md section of a run: header lines, table, code paths, targets."""
-  gpu_check = _gpu_check()
   env = run.env
   date = str(env.get("date", "")).split(" ")[0]
   argv = " ".join(str(a) for a in env.get("argv", [])[1:])
@@ -254,11 +242,11 @@ def land(run: Run, *, command: str, root: Path = ROOT, dry_run: bool = False) ->
     print(f"not shipped: {line}")
   if ship is not None:
     library_root = root / "src" / "stellarax" / "data" / "autotuning"
+    library = cache.FileCache(library_root, "library_cache", writable=True)
     if dry_run:
-      written += [library_root / cache.device_kind_slug(ship.device_kind) / f"{e.bound_args.op.name}.json"
-                  for e in ship]
+      written += [library.path_for(ship.device_kind, e.bound_args.op.name) for e in ship]
     else:
-      written += cache.FileCache(library_root, "library_cache", writable=True).write(ship)
+      written += library.write(ship)
       for lock in library_root.rglob("*.lock"):
         lock.unlink()
   benchmarks = root / "BENCHMARKS.md"
@@ -303,7 +291,7 @@ def main(argv=None) -> int:
   for path in written:
     print(f"{'would write' if args.dry_run else 'wrote'} {path}")
   if run.tuned is not None:
-    for line in _gpu_check().faster_code_paths(run.tuned):
+    for line in gpu_check.faster_code_paths(run.tuned):
       print(f"faster than the heuristic: {line}")
   print(_LEFT_FOR_A_PERSON)
   return 0

@@ -1,5 +1,6 @@
 """Tests for reading stellarax op calls from XProf profiles (`read_op_calls`)."""
 
+import functools
 import os
 import re
 
@@ -147,18 +148,20 @@ def unmarked_profile(tmp_path_factory):
   return file
 
 
-def _runs_loops_as_one_call(program, *args):
-  """Whether XLA:CPU compiled the program's while loops into one call each (jax 0.12's
-  "small call"): its loop bodies then give no events, so a loop's trips are only
-  known where XLA knows its trip count."""
-  return "xla_cpu_small_call" in jax.jit(program).lower(*args).compile().as_text()
+@functools.cache
+def _ops_in_loops_hlo() -> str:
+  """The compiled HLO of `ops_in_loops` at the traced fixture's shapes."""
+  args = jnp.ones((24, 40)), jnp.ones((40, 40)), jnp.int32(3)
+  return jax.jit(ops_in_loops).lower(*args).compile().as_text()
 
 
 def test_counts_every_call_forward_and_backward(traced):
   trace_dir, _, _ = traced
   calls = read_op_calls(trace_dir)
   counts = {call.marker: call.count for call in calls}
-  one_call = _runs_loops_as_one_call(ops_in_loops, jnp.ones((24, 40)), jnp.ones((40, 40)), jnp.int32(3))
+  # jax 0.12's XLA:CPU compiles small while loops into one call each ("small call"),
+  # whose bodies give no events: a loop's trips are then known only where XLA knows them.
+  one_call = "xla_cpu_small_call" in _ops_in_loops_hlo()
   assert counts == {
       MATMUL: 2 * RUNS,
       TANH: 2 * RUNS,
@@ -275,8 +278,7 @@ def test_gpu_planes_hold_the_device_time(traced, tmp_path):
 def test_a_loop_with_no_events_inside_gives_its_time_to_its_body(traced, tmp_path):
   # jax 0.12's XLA:CPU runs a small loop as one call thunk, whose body gives no events.
   _, file, _ = traced
-  args = jnp.ones((24, 40)), jnp.ones((40, 40)), jnp.int32(3)
-  text = jax.jit(ops_in_loops).lower(*args).compile().as_text()
+  text = _ops_in_loops_hlo()
   loops = [name for name, line in _entry_instructions(text).items()
            if re.search(r" (while|call)\(", line)]
   assert len(loops) == 2, text  # the scan and the fori_loop

@@ -2,10 +2,8 @@
 
 import dataclasses
 import gzip
-import importlib.util
 import json
 import pathlib
-import shutil
 import sys
 
 import jax.numpy as jnp
@@ -17,6 +15,8 @@ from stellarax.autotuning.measure import Measurement
 from stellarax.autotuning.profile import read_op_calls
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+import land_gpu_check as land  # noqa: E402
 CPU_PROFILE = ROOT / "tests" / "data" / "profiles" / "cpu" / "profile.xplane.pb.gz"
 
 BENCHMARKS = """\
@@ -33,16 +33,6 @@ will be compared against.
 
 Older facts.
 """
-
-
-def _land():
-  if "land_gpu_check" in sys.modules:
-    return sys.modules["land_gpu_check"]
-  spec = importlib.util.spec_from_file_location("land_gpu_check", ROOT / "bench" / "land_gpu_check.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules["land_gpu_check"] = module
-  spec.loader.exec_module(module)
-  return module
 
 
 def _ok(ms):
@@ -93,7 +83,6 @@ def _repo(tmp_path):
 
 
 def test_land_ships_confirmed_configs_and_records_the_run(tmp_path, capsys):
-  land = _land()
   folder, good = _results_folder(tmp_path)
   root = _repo(tmp_path)
   assert land.main([str(folder), "--root", str(root)]) == 0
@@ -130,7 +119,6 @@ def test_land_ships_confirmed_configs_and_records_the_run(tmp_path, capsys):
 
 
 def test_land_twice_adds_a_second_section_and_keeps_the_faster_configs(tmp_path, capsys):
-  land = _land()
   folder, good = _results_folder(tmp_path)
   root = _repo(tmp_path)
   assert land.main([str(folder), "--root", str(root)]) == 0
@@ -142,7 +130,6 @@ def test_land_twice_adds_a_second_section_and_keeps_the_faster_configs(tmp_path,
 
 
 def test_dry_run_writes_nothing(tmp_path, capsys):
-  land = _land()
   folder, _ = _results_folder(tmp_path)
   root = _repo(tmp_path)
   assert land.main([str(folder), "--root", str(root), "--dry-run"]) == 0
@@ -153,7 +140,6 @@ def test_dry_run_writes_nothing(tmp_path, capsys):
 
 
 def test_refuses_what_is_not_a_gpu_run(tmp_path, capsys):
-  land = _land()
   root = _repo(tmp_path)
   assert land.main([str(tmp_path / "nowhere"), "--root", str(root)]) == 2
   assert "no such file" in capsys.readouterr().err
@@ -170,7 +156,6 @@ def test_refuses_what_is_not_a_gpu_run(tmp_path, capsys):
 
 
 def test_add_section_adds_a_missing_device_heading():
-  land = _land()
   text = land.add_section("# B\n\n## CPU\n\nfacts\n", "NVIDIA H100", "### run\n\nrows\n")
   assert text == "# B\n\n## NVIDIA H100\n\n### run\n\nrows\n\n## CPU\n\nfacts\n"
   with pytest.raises(land.LandError, match="no '## ' heading"):
@@ -178,7 +163,6 @@ def test_add_section_adds_a_missing_device_heading():
 
 
 def test_a_profile_too_large_for_a_fixture_is_not_kept(tmp_path, monkeypatch, capsys):
-  land = _land()
   folder, _ = _results_folder(tmp_path)
   root = _repo(tmp_path)
   monkeypatch.setattr(land, "_MAX_FIXTURE_BYTES", 1000)
