@@ -585,17 +585,24 @@ def _dkdv_kernel(*refs, spec: _Spec, bq: int, bk: int):
     dk = dk + _dot(ds_t.astype(q.dtype), q)
     return dk, dv
 
-  def body(i, carry, lo, n, positional):
-    # One flat loop over (group head, query block) pipelines across head boundaries.
-    if group == 1:
-      return step(0, lo + i, carry, positional)
+  def flat(i, carry, lo, n, positional):
     g = lax.div(i, n)
     return step(g, lo + (i - g * n), carry, positional)
 
   def run(lo, hi, carry, positional):
-    n = hi - lo
-    return lax.fori_loop(0, group * n, functools.partial(
-        body, lo=lo, n=n, positional=positional), carry)
+    if group == 1:
+      return lax.fori_loop(lo, hi, lambda qb, c: step(0, qb, c, positional), carry)
+    if positional:
+      # Masked runs are short (the causal diagonal: a few blocks a head): one flat loop
+      # over (group head, query block) keeps the pipeline full across head boundaries.
+      n = hi - lo
+      return lax.fori_loop(0, group * n, functools.partial(
+          flat, lo=lo, n=n, positional=True), carry)
+    # Unmasked runs are long: head by head. The flat loop here made ptxas serialize the
+    # wgmma (C7515) on jax 0.12 whenever a masked loop followed (any causal, windowed or
+    # length-limited GQA call), and so did the flat loop with nested masked ones.
+    return lax.fori_loop(0, group, lambda g, c: lax.fori_loop(
+        lo, hi, lambda qb, c2: step(g, qb, c2, False), c), carry)
 
   dk = jnp.zeros((bk, spec.head_dim), jnp.float32)
   dv = (jnp.broadcast_to(dv0_ref[...][None, :], (bk, spec.head_dim))
