@@ -11,6 +11,7 @@ import pytest
 
 import stellarax
 from stellarax.autotuning.measure import MeasureOptions
+from profiling import drop_live_programs  # tests/ is on sys.path
 
 FAST = MeasureOptions(rounds=2, leader_rounds=0, warmup_s=0.0, max_total_s=0.3, min_batch_s=2e-4)
 
@@ -65,6 +66,7 @@ def test_sequence_of_bound_arguments():
 
 
 def test_serialised_bound_arguments_from_a_profile(tmp_path):
+  drop_live_programs()
   args = _args()
   step = jax.jit(f)
   with jax.profiler.trace(str(tmp_path / "prof")):

@@ -19,6 +19,7 @@ from stellarax.autotuning.profile import read_op_calls
 from stellarax.autotuning.profile import _without_repeats
 from stellarax.core.markers import markers_in_op_name
 from stellarax.ops.ragged_dot.base import XlaRaggedDotConfig
+from profiling import drop_live_programs  # tests/ is on sys.path
 
 MATMUL = '{"op":"matmul"}'
 TANH = '{"op":"tanh"}'
@@ -107,6 +108,7 @@ def _marked_names(hlo_text, marker):
 def traced(tmp_path_factory):
   """A CPU trace of the forward and backward pass, of a loop op at two sizes and of
   ops in loops."""
+  drop_live_programs()
   keys = jax.random.split(jax.random.key(0), 2)
   w = jax.random.normal(keys[0], (40, 40)) / 8
   x = jax.random.normal(keys[1], (24, 40))
@@ -138,6 +140,7 @@ def unmarked_profile(tmp_path_factory):
   def plain(x):
     return jnp.sin(x) @ x
 
+  drop_live_programs()
   program = jax.jit(plain)
   x = jax.random.normal(jax.random.key(1), (8, 8))
   program(x).block_until_ready()
@@ -400,6 +403,7 @@ def lax_loss(lhs, rhs, group_sizes):
 def lax_traced(tmp_path_factory):
   """A CPU trace of the forward pass and of the gradient of `lax_loss`, with the
   compiled gradient program's text and the bound arguments of its op calls."""
+  drop_live_programs()
   keys = jax.random.split(jax.random.key(2), 2)
   # Awkward sizes: rows past the last group, and an empty group.
   args = (jax.random.normal(keys[0], (37, 24)), jax.random.normal(keys[1], (3, 24, 20)),
@@ -455,6 +459,7 @@ def two_calls(lhs, rhs, group_sizes):
 
 
 def test_counts_do_not_depend_on_what_else_was_compiled(tmp_path):
+  drop_live_programs()
   keys = jax.random.split(jax.random.key(4), 2)
   # Awkward sizes: rows past the last group, and an empty group.
   args = (jax.random.normal(keys[0], (29, 24)), jax.random.normal(keys[1], (3, 24, 12)),

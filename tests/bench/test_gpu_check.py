@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from stellarax.autotuning.measure import Measurement
+from profiling import drop_live_programs  # tests/ is on sys.path
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -66,6 +67,7 @@ def test_deadline_stops_tuning_then_skips_workloads(tmp_path):
 
 
 def test_profile_step_finds_every_op_family(tmp_path, capsys):
+  drop_live_programs()
   calls = _gpu_check().record_profile(tmp_path / "profile", smoke=True)
   names = {json.loads(c.marker)["op"]["name"].split(".")[0] for c in calls}
   assert names == {"ragged_dot", "attention", "layer_norm"}

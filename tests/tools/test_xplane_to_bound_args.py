@@ -13,6 +13,7 @@ import stellarax
 from stellarax import autotuning
 from stellarax.autotuning.measure import MeasureOptions
 from stellarax.tools import xplane_to_bound_args
+from profiling import drop_live_programs  # tests/ is on sys.path
 
 
 def _model(lhs, rhs, gs, x):
@@ -28,6 +29,7 @@ def _args():
 
 @pytest.fixture(scope="module")
 def profile_dir(tmp_path_factory):
+  drop_live_programs()
   folder = tmp_path_factory.mktemp("trace")
   args = _args()
   step = jax.jit(jax.value_and_grad(_model, argnums=(0, 1, 3)))
@@ -73,6 +75,7 @@ def test_bad_files_exit_2_without_traceback(tmp_path, content):
 
 
 def test_profile_without_ops_is_a_clear_error(tmp_path):
+  drop_live_programs()
   folder = tmp_path / "plain"
   f = jax.jit(lambda x: jnp.sin(x) * 2)
   with jax.profiler.trace(str(folder)):
@@ -83,6 +86,7 @@ def test_profile_without_ops_is_a_clear_error(tmp_path):
 
 def test_profile_from_another_version_is_a_clear_error(tmp_path, capsys):
   from jax.experimental.xla_metadata import xla_metadata_call2
+  drop_live_programs()
   marker = json.dumps({"op": {"name": "ragged_dot.removed_backend", "fields": {}}, "arguments": {}})
   f = jax.jit(xla_metadata_call2(lambda x: jnp.tanh(x) * 3, {"stellarax_op": marker}))
   folder = tmp_path / "old"
