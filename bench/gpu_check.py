@@ -5,7 +5,9 @@
     python bench/gpu_check.py --smoke --out /tmp/smoke     # tiny shapes, CPU, interpret mode
 
 For each workload (the speed targets of DESIGN.md: ragged_dot, attention,
-rms_norm/layer_norm, forward and forward+backward) every implementation that
+rms_norm/layer_norm, forward and forward+backward; then, for information, a
+sliding-window attention, a decode-sized ragged_dot and a Llama-style GQA
+attention, last so that the deadline cuts them first) every implementation that
 runs here is first checked against the op's float32 reference on fresh random
 inputs, then all of them are timed together by `measure_candidates`
 (interleaved shuffled rounds of batched asynchronous calls, one sync per
@@ -89,9 +91,12 @@ def _ragged_inputs(g, m, k, n, dtype):
   return lhs, rhs, jnp.asarray(sizes)
 
 
-def _attention_inputs(b, t, h, d, dtype):
+def _attention_inputs(b, t, h, d, dtype, kv_heads=None):
+  """(q, k, v): q with h heads, k and v with kv_heads (default h; fewer: GQA)."""
   keys = jax.random.split(jax.random.key(1), 3)
-  return tuple(jax.random.normal(kk, (b, t, h, d), jnp.float32).astype(dtype) for kk in keys)
+  heads = (h, kv_heads or h, kv_heads or h)
+  return tuple(jax.random.normal(kk, (b, t, n, d), jnp.float32).astype(dtype)
+               for kk, n in zip(keys, heads))
 
 
 def _impls(family: str, smoke: bool) -> list[tuple[str, Any]]:
@@ -131,6 +136,9 @@ class Workload:
   unchecked: tuple[str, ...] = ()
   # The inputs' shapes and dtypes, where make_inputs cannot be traced (NumPy inside).
   specs: Callable[[], tuple] | None = None
+  # A speed target of DESIGN.md, or a shape timed for information (bench/compile_h200.py
+  # fails only a target's slow heuristic kernels).
+  target: bool = True
 
   def input_specs(self) -> tuple:
     """ShapeDtypeStructs of `make_inputs()`, without making them."""
@@ -178,21 +186,31 @@ def _attention_baselines(**options) -> dict[str, Callable[..., Any]]:
   return base
 
 
-def _attention_workloads(smoke, dtype):
-  b, t, h, d = (2, 8192, 16, 128) if not smoke else (1, 128, 2, 64)
-  inputs = functools.partial(_attention_inputs, b, t, h, d, dtype)
+def _attention_workloads(smoke, dtype, kv_heads=None):
+  """Causal attention forward and forward+backward: the speed target, or with
+  `kv_heads` a Llama-style GQA layout (32 query heads on kv_heads), timed for
+  information."""
+  if kv_heads is None:
+    b, t, h, d = (2, 8192, 16, 128) if not smoke else (1, 128, 2, 64)
+  else:
+    b, t, h, d = (1, 8192, 32, 128) if not smoke else (1, 128, 4, 64)
+  inputs = functools.partial(_attention_inputs, b, t, h, d, dtype, kv_heads)
   flops = 4 * b * h * t * t * d / 2  # causal: half the logits
   f32 = lambda x: x.astype(jnp.float32)
   ref = lambda q, k, v: jax.nn.dot_product_attention(f32(q), f32(k), f32(v), is_causal=True)
   call = lambda op, q, k, v: stellarax.dot_product_attention(q, k, v, is_causal=True, implementation=op)
   base = _attention_baselines(is_causal=True)
-  label = f"attention B={b} T={t} H={h} D={d} causal"
+  heads = f"H={h}" if kv_heads is None else f"H={h} KV={kv_heads}"
+  label = f"attention B={b} T={t} {heads} D={d} causal"
+  target = kv_heads is None
   return [
-      Workload(f"{label} fwd", "attention", inputs, call, ref, flops=flops, baselines=base),
+      Workload(f"{label} fwd", "attention", inputs, call, ref, flops=flops, baselines=base,
+               target=target),
       Workload(f"{label} fwd+bwd", "attention", inputs,
                lambda op, q, k, v: _grad_of(lambda *a: call(op, *a), (0, 1, 2))(q, k, v),
                _grad_of(ref, (0, 1, 2)), flops=3.5 * flops,
-               baselines={name: _grad_of(fn, (0, 1, 2)) for name, fn in base.items()}),
+               baselines={name: _grad_of(fn, (0, 1, 2)) for name, fn in base.items()},
+               target=target),
   ]
 
 
@@ -246,11 +264,13 @@ def _norm_workloads(smoke, dtype):
 def _workloads(smoke: bool) -> list[Workload]:
   """The speed targets of DESIGN.md (tiny shapes in smoke runs)."""
   dtype = jnp.float32 if smoke else jnp.bfloat16
-  # Last, so the deadline cuts it first: a decode-sized MoE step (128 tokens), the
-  # case split-K is for.
+  # Last, so the deadline cuts them first: a decode-sized MoE step (128 tokens), the
+  # case split-K is for, and Llama-style GQA attention (what most models run).
   decode = [] if smoke else _ragged_workloads(smoke, dtype, shapes=[(8, 128, 4096, 14336)], backward=False)
+  gqa = [] if smoke else _attention_workloads(smoke, dtype, kv_heads=8)
   return (_ragged_workloads(smoke, dtype) + _attention_workloads(smoke, dtype)
-          + _norm_workloads(smoke, dtype) + _local_attention_workloads(smoke, dtype) + decode)
+          + _norm_workloads(smoke, dtype) + _local_attention_workloads(smoke, dtype) + decode
+          + gqa)
 
 
 def _rate(seconds: float | None, flops, nbytes) -> str:
@@ -421,8 +441,9 @@ def print_table(rows: list[Row]) -> None:
 
 
 def _best(rows: list[Row], workload: str, impl_part: str) -> Row | None:
-  """The fastest correct row of `workload` whose implementation contains `impl_part`."""
-  ok = [r for r in rows if r.workload.startswith(workload) and impl_part in r.impl and r.median_ms
+  """The fastest correct row of the workload named `workload` (exactly: "... fwd" is a
+  prefix of "... fwd+bwd") whose implementation contains `impl_part`."""
+  ok = [r for r in rows if r.workload == workload and impl_part in r.impl and r.median_ms
         and r.status == "ok"]
   return min(ok, key=lambda r: r.median_ms, default=None)
 

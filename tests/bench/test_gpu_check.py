@@ -90,6 +90,11 @@ def test_target_lines_say_met_missed_or_not_measured():
   assert lines[1] == "ragged_dot G=64 forward vs XLA: not measured"
   assert lines[2].startswith("attention forward vs cuDNN: missed (1.100 ms vs cuDNN")
   assert len(lines) == 5
+  # A forward that failed is not measured, even where the fwd+bwd row (whose name the
+  # forward's is a prefix of) ran.
+  failed = [Row(attention, "attention.pallas_mosaic_gpu tuned", 1.1, "500.0 TFLOP/s", status="WRONG"),
+            Row(attention + "+bwd", "attention.pallas_mosaic_gpu tuned", 3.0, "", status="ok")]
+  assert gpu_check.target_lines(failed + rows[3:])[2] == "attention forward vs cuDNN: not measured"
 
 
 def test_configs_that_failed_in_isolation_are_not_run_in_process():
@@ -114,6 +119,12 @@ def test_target_workloads_give_their_input_specs_without_making_inputs():
     assert specs and all(isinstance(s, jax.ShapeDtypeStruct) for s in specs), w.name
   ragged = next(w for w in workloads if w.name.startswith("ragged_dot G=8 M=8192"))
   assert [s.shape for s in ragged.input_specs()] == [(8192, 4096), (8, 4096, 14336), (8,)]
+  gqa = [w for w in workloads if "KV=8" in w.name]
+  assert [w.name.split(" causal ")[1] for w in gqa] == ["fwd", "fwd+bwd"]
+  assert [s.shape for s in gqa[0].input_specs()] == [(1, 8192, 32, 128), (1, 8192, 8, 128),
+                                                     (1, 8192, 8, 128)]
+  # Timed for information: compile_h200 fails only the targets' slow heuristic kernels.
+  assert not any(w.target for w in gqa) and all(w.target for w in workloads[:4])
 
 
 def test_code_path_lines_compare_the_heuristic_with_its_other_code_paths():
