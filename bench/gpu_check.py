@@ -136,9 +136,11 @@ class Workload:
   unchecked: tuple[str, ...] = ()
   # The inputs' shapes and dtypes, where make_inputs cannot be traced (NumPy inside).
   specs: Callable[[], tuple] | None = None
-  # A speed target of DESIGN.md, or a shape timed for information (bench/compile_h200.py
-  # fails only a target's slow heuristic kernels).
-  target: bool = True
+  # bench/compile_h200.py fails a slow heuristic kernel (spills in a loop, serialized
+  # wgmma, ...) of this workload as of a speed target's. False leaves a known one to the
+  # GPU run (GQA: the Mosaic GPU dK/dV spills a little; BENCHMARKS.md); serialized wgmma
+  # still fail.
+  compile_strict: bool = True
 
   def input_specs(self) -> tuple:
     """ShapeDtypeStructs of `make_inputs()`, without making them."""
@@ -202,15 +204,15 @@ def _attention_workloads(smoke, dtype, kv_heads=None):
   base = _attention_baselines(is_causal=True)
   heads = f"H={h}" if kv_heads is None else f"H={h} KV={kv_heads}"
   label = f"attention B={b} T={t} {heads} D={d} causal"
-  target = kv_heads is None
+  strict = kv_heads is None
   return [
       Workload(f"{label} fwd", "attention", inputs, call, ref, flops=flops, baselines=base,
-               target=target),
+               compile_strict=strict),
       Workload(f"{label} fwd+bwd", "attention", inputs,
                lambda op, q, k, v: _grad_of(lambda *a: call(op, *a), (0, 1, 2))(q, k, v),
                _grad_of(ref, (0, 1, 2)), flops=3.5 * flops,
                baselines={name: _grad_of(fn, (0, 1, 2)) for name, fn in base.items()},
-               target=target),
+               compile_strict=strict),
   ]
 
 

@@ -123,8 +123,8 @@ def test_target_workloads_give_their_input_specs_without_making_inputs():
   assert [w.name.split(" causal ")[1] for w in gqa] == ["fwd", "fwd+bwd"]
   assert [s.shape for s in gqa[0].input_specs()] == [(1, 8192, 32, 128), (1, 8192, 8, 128),
                                                      (1, 8192, 8, 128)]
-  # Timed for information: compile_h200 fails only the targets' slow heuristic kernels.
-  assert not any(w.target for w in gqa) and all(w.target for w in workloads[:4])
+  # compile_h200 leaves GQA's known spills to the GPU run, not the targets' slow kernels.
+  assert not any(w.compile_strict for w in gqa) and all(w.compile_strict for w in workloads[:-2])
 
 
 def test_code_path_lines_compare_the_heuristic_with_its_other_code_paths():
