@@ -585,9 +585,9 @@ def _dkdv_kernel(*refs, spec: _Spec, bq: int, bk: int):
     dk = dk + _dot(ds_t.astype(q.dtype), q)
     return dk, dv
 
-  def flat(i, carry, lo, n, positional):
+  def masked_flat(i, carry, lo, n):
     g = lax.div(i, n)
-    return step(g, lo + (i - g * n), carry, positional)
+    return step(g, lo + (i - g * n), carry, True)
 
   def run(lo, hi, carry, positional):
     if group == 1:
@@ -596,8 +596,7 @@ def _dkdv_kernel(*refs, spec: _Spec, bq: int, bk: int):
       # Masked runs are short (the causal diagonal: a few blocks a head): one flat loop
       # over (group head, query block) keeps the pipeline full across head boundaries.
       n = hi - lo
-      return lax.fori_loop(0, group * n, functools.partial(
-          flat, lo=lo, n=n, positional=True), carry)
+      return lax.fori_loop(0, group * n, functools.partial(masked_flat, lo=lo, n=n), carry)
     # Unmasked runs are long: head by head. The flat loop here made ptxas serialize the
     # wgmma (C7515) on jax 0.12 whenever a masked loop followed (any causal, windowed or
     # length-limited GQA call), and so did the flat loop with nested masked ones.
