@@ -16,8 +16,16 @@ $(STAMP): pyproject.toml requirements/ci.txt
 	$(PY) -m pip install --quiet -c requirements/ci.txt -e '.[test]'
 	touch $(STAMP)
 
+# The fast tests run on TEST_WORKERS processes (pytest-xdist; a serial run leaves a core
+# of a 2-core machine idle most of the time), then the ones marked `timing` alone: they
+# assert on measured times, which a test running beside them would skew.
+TEST_WORKERS ?= 2
+FAST_TESTS = -m pytest -q -m "not slow and not timing" -n $(TEST_WORKERS)
+FAST_TIMING_TESTS = -m pytest -q -m "timing and not slow"
+
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) $(FAST_TESTS)
+	$(PY) $(FAST_TIMING_TESTS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
@@ -39,7 +47,8 @@ $(NEXT_STAMP): pyproject.toml requirements/jax-next.txt
 
 test-jax-next: $(NEXT_STAMP)
 	$(NEXT_VENV)/bin/python -c "import jax; print('jax', jax.__version__)"
-	$(NEXT_VENV)/bin/python -m pytest -q -m "not slow"
+	$(NEXT_VENV)/bin/python $(FAST_TESTS)
+	$(NEXT_VENV)/bin/python $(FAST_TIMING_TESTS)
 
 # Compile every Pallas kernel for an H200 without a GPU (bench/compile_h200.py) in a
 # virtual environment of its own: the CUDA plugin must not become the tests' backend.

@@ -22,6 +22,9 @@ from stellarax.autotuning.measure import MeasureOptions
 from stellarax.core.config import check_choice, config_dataclass
 from stellarax.core.op import Op
 
+# Every test here holds configs to a time limit and picks the fast one by measuring.
+pytestmark = pytest.mark.timing
+
 BEHAVIOURS = ("fast", "slow", "compile_error", "raise", "nan", "wrong", "hang", "crash")
 HANG_S = 60.0  # how long the hang config sleeps (a worker process is killed first)
 

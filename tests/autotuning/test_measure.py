@@ -61,6 +61,7 @@ def _failed(status, error):
   return m.Measurement(status=status, error=error, method="cpu-batched")
 
 
+@pytest.mark.timing
 def test_ranks_candidates_of_very_different_cost():
   x, w = _x(), _x((160, 160), seed=1)
   got = m.measure_candidates({"20x": _matmul_20x, "1x": _matmul}, (x, w), options=FAST)
@@ -100,6 +101,7 @@ def test_failures_are_recorded_and_the_run_goes_on():
   assert m.pick_best(got) == "good"
 
 
+@pytest.mark.timing
 def test_hung_candidates_time_out_and_the_call_returns():
   x, w = _x(), _x((160, 160), seed=1)
   options = m.MeasureOptions(rounds=3, leader_rounds=0, warmup_s=0.005, timeout_s=1.0)
