@@ -23,6 +23,8 @@ import stellarax
 from stellarax import autotuning
 from stellarax.ops.attention import pallas_mosaic_gpu as pm
 from stellarax.ops.attention import reference
+from stellarax.ops.attention.pallas_mosaic_gpu import kernel_parts, tunables
+from stellarax.ops.attention.pallas_mosaic_gpu import backward as backward_kernels
 from stellarax.ops.attention.pallas_mosaic_gpu import (
     PallasMosaicGpuAttention, PallasMosaicGpuAttentionConfig, PallasMosaicGpuAttentionVjp,
     PallasMosaicGpuAttentionVjpConfig)
@@ -433,8 +435,8 @@ def test_overlapped_dq_kernel_matches_reference(mc, monkeypatch):
     ref_dq = vjp(f32[3])[0]
   out, lse = _run(lambda q, k, v: pm.attention_fwd_pallas_mosaic_gpu(
       q, k, v, bias, mask, **options, **case.fwd, interpret=True), q, k, v)
-  monkeypatch.setattr(pm, "_dkdv_call", lambda q, k, v, *a, **kw: {"dv": jnp.zeros_like(v),
-                                                                    "dk": jnp.zeros_like(k)})
+  monkeypatch.setattr(backward_kernels, "_dkdv_call",
+                      lambda q, k, v, *a, **kw: {"dv": jnp.zeros_like(v), "dk": jnp.zeros_like(k)})
   races = RACE_CHECK
   dq, dk, _ = _run(lambda q, k, v, out, lse, do: pm.attention_bwd_pallas_mosaic_gpu(
       q, k, v, bias, mask, out, lse, do, **options, **case.bwd, interpret=races),
@@ -483,8 +485,10 @@ def test_race_detector_finds_no_races_under_masking(monkeypatch):
       _close(name, g, ref, _BWD_TOL[case.dtype])
   # The dK and dV launches left out, the head-split dQ kernel is the last one (3 stages:
   # another config, so the jitted backward is traced again with the stand-ins).
-  monkeypatch.setattr(pm, "_dk_head_split_call", lambda q, k, *a, **kw: jnp.zeros_like(k))
-  monkeypatch.setattr(pm, "_dkdv_call", lambda q, k, v, *a, **kw: {"dv": jnp.zeros_like(v)})
+  monkeypatch.setattr(backward_kernels, "_dk_head_split_call",
+                      lambda q, k, *a, **kw: jnp.zeros_like(k))
+  monkeypatch.setattr(backward_kernels, "_dkdv_call",
+                      lambda q, k, v, *a, **kw: {"dv": jnp.zeros_like(v)})
   head_split = case.bwd | dict(split_dkdv=True, head_split=True, num_stages=3)
   dq, dk, _ = _run(lambda q, k, v, out, lse, do: pm.attention_bwd_pallas_mosaic_gpu(
       q, k, v, bias, mask, out, lse, do, **options, **head_split, interpret=races),
@@ -527,17 +531,17 @@ def test_bias_and_mask_forms_and_errors():
   """Row-independent bias/mask (key padding) become a per-key vector; others, tiles."""
   sds = jax.ShapeDtypeStruct
   q, k = sds((2, 64, 4, 64), jnp.bfloat16), sds((2, 80, 2, 64), jnp.bfloat16)
-  per_key = pm._make_problem(q, k, k, None, False, bias=sds((1, 4, 1, 80), jnp.float32),
+  per_key = kernel_parts._make_problem(q, k, k, None, False, bias=sds((1, 4, 1, 80), jnp.float32),
                              mask=sds((2, 1, 1, 80), jnp.bool_))
   assert per_key.pair_per_key and per_key.pair_shape == (2, 4) and per_key.may_fully_mask
-  tiles = pm._make_problem(q, k, k, None, False, bias=sds((1, 1, 64, 1), jnp.float32))
+  tiles = kernel_parts._make_problem(q, k, k, None, False, bias=sds((1, 1, 64, 1), jnp.float32))
   assert not tiles.pair_per_key and tiles.pair_shape == (1, 1) and not tiles.may_fully_mask
   with pytest.raises(ValueError, match="bias dtype int32 must be floating"):
-    pm._make_problem(q, k, k, None, False, bias=sds((1, 1, 64, 80), jnp.int32))
+    kernel_parts._make_problem(q, k, k, None, False, bias=sds((1, 1, 64, 80), jnp.int32))
   with pytest.raises(ValueError, match="must be bool"):
-    pm._make_problem(q, k, k, None, False, mask=sds((1, 1, 64, 80), jnp.float32))
+    kernel_parts._make_problem(q, k, k, None, False, mask=sds((1, 1, 64, 80), jnp.float32))
   with pytest.raises(ValueError, match="broadcastable"):
-    pm._make_problem(q, k, k, None, False, bias=sds((1, 3, 64, 80), jnp.float32))
+    kernel_parts._make_problem(q, k, k, None, False, bias=sds((1, 3, 64, 80), jnp.float32))
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -620,7 +624,7 @@ def test_tunable_spaces_are_valid_and_fit_an_sm90(h, t, backward, with_pair):
   q = jax.ShapeDtypeStruct((2, t, 16, h), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((2, t, 4, h), jnp.bfloat16)
   cls = PallasMosaicGpuAttentionVjpConfig if backward else PallasMosaicGpuAttentionConfig
-  fits = pm._bwd_fits if backward else pm._fwd_fits
+  fits = tunables._bwd_fits if backward else tunables._fwd_fits
   options = dict(backward=backward, with_pair=with_pair)
   configs = pm.tunable_space(q, k, **options)
   assert configs[0] == pm.heuristic_tunables(q, k, **options)
@@ -783,13 +787,13 @@ def test_fused_dq_backward_under_vmap():
 
 def _ring_products(a, b, *, release_early: bool, check_reads: bool):
   """sum_j a @ b[j] by a compute warpgroup that takes b[j] from a 2-slot TMA ring which
-  a memory warpgroup refills (pm._Stream, pm._produce), with the wgmma staged as in
-  interpret mode; `release_early` frees each slot while its product may still run."""
+  a memory warpgroup refills (kernel_parts._Stream, _produce), with the wgmma staged as
+  in interpret mode; `release_early` frees each slot while its product may still run."""
   steps, stages = b.shape[0], 2
-  mma = pm._Mma(staged=True, check_reads=check_reads)
+  mma = kernel_parts._Mma(staged=True, check_reads=check_reads)
 
   def body(a_ref, b_ref, out_ref, a_smem, ring, a_ready, ready, free):
-    stream = pm._Stream(lambda step: [(b_ref.at[step], ring)], ready, free)
+    stream = kernel_parts._Stream(lambda step: [(b_ref.at[step], ring)], ready, free)
 
     @pl.when(lax.axis_index("wg") == 0)
     def _compute():
@@ -809,13 +813,14 @@ def _ring_products(a, b, *, release_early: bool, check_reads: bool):
 
     @pl.when(lax.axis_index("wg") == 1)
     def _memory():
-      pm._produce([stream], steps, stages)
+      kernel_parts._produce([stream], steps, stages)
 
   shape = (a.shape[0], b.shape[2])
-  scratch = dict(a_smem=plgpu.SMEM(a.shape, a.dtype, transforms=pm._tiled(a.dtype, a.shape[1])),
+  tiled, barrier = kernel_parts._tiled, kernel_parts._barrier
+  scratch = dict(a_smem=plgpu.SMEM(a.shape, a.dtype, transforms=tiled(a.dtype, a.shape[1])),
                  ring=plgpu.SMEM((stages, *b.shape[1:]), b.dtype,
-                                 transforms=pm._tiled(b.dtype, b.shape[2])),
-                 a_ready=pm._barrier(1), ready=pm._barrier(stages), free=pm._barrier(stages))
+                                 transforms=tiled(b.dtype, b.shape[2])),
+                 a_ready=barrier(1), ready=barrier(stages), free=barrier(stages))
   call = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(shape, jnp.float32),
                       scratch_types=scratch, num_threads=2, thread_name="wg",
                       interpret=RACE_CHECK)
