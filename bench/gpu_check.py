@@ -138,8 +138,8 @@ class Workload:
   specs: Callable[[], tuple] | None = None
   # bench/compile_h200.py fails a slow heuristic kernel (spills in a loop, serialized
   # wgmma, ...) of this workload as of a speed target's. False leaves a known one to the
-  # GPU run (GQA: the Mosaic GPU dK/dV spills a little; BENCHMARKS.md); serialized wgmma
-  # still fail.
+  # GPU run (GQA: the Mosaic GPU dK/dV spills in one loop instruction; BENCHMARKS.md);
+  # serialized wgmma still fail.
   compile_strict: bool = True
 
   def input_specs(self) -> tuple:

@@ -617,6 +617,23 @@ _TARGET = (jax.ShapeDtypeStruct((2, 8192, 16, 128), jnp.bfloat16),
            jax.ShapeDtypeStruct((2, 8192, 16, 128), jnp.bfloat16))
 
 
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("num_wgs", [1, 2])
+def test_dkdv_register_split_fits_the_register_file(group, num_wgs):
+  memory, compute = tunables._dkdv_registers(group, num_wgs)
+  # setmaxnreg takes multiples of 8 in [24, 256]; a CTA of 1 + num_wgs warpgroups
+  # starts with 168 registers a thread at 3 warpgroups (ptxas), and the warpgroups
+  # can only trade what the CTA holds.
+  assert all(r % 8 == 0 and 24 <= r <= 240 for r in (memory, compute))
+  if num_wgs == 2:
+    assert memory + 2 * compute <= 3 * 168
+  # GQA gives the dK/dV kernel's compute warpgroups 240 (fewer spills, see
+  # _dkdv_registers); multi-head keeps the other kernels' split.
+  expected = (24, 240) if group > 1 and num_wgs == 2 else (
+      tunables._MEMORY_REGISTERS, tunables._COMPUTE_REGISTERS[num_wgs])
+  assert (memory, compute) == expected
+
+
 @pytest.mark.parametrize("h,t", [(128, 8192), (64, 1000), (256, 4096), (128, 40)])
 @pytest.mark.parametrize("backward", [False, True])
 @pytest.mark.parametrize("with_pair", [False, True])

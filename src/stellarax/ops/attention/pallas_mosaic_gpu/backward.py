@@ -44,7 +44,7 @@ from stellarax.ops.attention.pallas_mosaic_gpu.kernel_parts import (
     _walk, _zeros)
 from stellarax.ops.attention.pallas_mosaic_gpu.tunables import (
     _COMPUTE_REGISTERS, _DQ_CHUNK, _MEMORY_REGISTERS, PallasMosaicGpuAttentionVjpConfig,
-    _dq_staging_slots, _round_up)
+    _dkdv_registers, _dq_staging_slots, _round_up)
 from stellarax.ops.pallas_common import unpack_refs
 
 
@@ -277,6 +277,7 @@ def _dkdv_kernel(*refs, k_smem, v_smem, dv0_smem, q_ring, do_ring, lse_ring, del
        refs, (True,) * 6 + (p.has_pair, p.has_q_len, p.has_kv_len, with_dv0, fused_dq)
        + (True,) * len(grads))
   num_wgs, bq, bk, stages = c.num_compute_wgs, c.block_q_dkv, c.block_kv_dkv, c.num_stages
+  memory_registers, compute_registers = _dkdv_registers(p.group, num_wgs)
   b, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   dq = None
   if fused_dq:
@@ -299,7 +300,7 @@ def _dkdv_kernel(*refs, k_smem, v_smem, dv0_smem, q_ring, do_ring, lse_ring, del
 
   @pl.when(wg < num_wgs)
   def _compute():
-    plgpu.set_max_registers(_COMPUTE_REGISTERS[num_wgs], action="increase")
+    plgpu.set_max_registers(compute_registers, action="increase")
     k0 = cta_k0 + wg * bk
     k_tile, v_tile = k_smem.at[wg], None if v_smem is None else v_smem.at[wg]
     keys = (b, pl.ds(k0, bk), kv_head)
@@ -373,7 +374,7 @@ def _dkdv_kernel(*refs, k_smem, v_smem, dv0_smem, q_ring, do_ring, lse_ring, del
 
   @pl.when(wg == num_wgs)
   def _memory():
-    plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+    plgpu.set_max_registers(memory_registers, action="decrease")
     _produce([stream], p.group * per_head, stages)
 
 

@@ -36,6 +36,10 @@ _SMEM_LIMIT_BYTES = 232448 - 4096
 # file, to each compute warpgroup (setmaxnreg takes multiples of 8, at most 240).
 _MEMORY_REGISTERS = 40
 _COMPUTE_REGISTERS = {1: 240, 2: 232}
+# The dK/dV kernel of a GQA/MQA call, whose steps also loop over the query heads of a
+# group: FlashAttention-3's split, the most setmaxnreg allows two compute warpgroups
+# (a CTA of 384 threads starts with 168 registers each; 24 + 2 x 240 = 3 x 168).
+_GQA_DKDV_REGISTERS = (24, 240)  # (memory warpgroup, each compute warpgroup)
 # Registers a compute thread needs besides its tiles (addresses, counters, row stats);
 # used only to prune search spaces.
 _REGISTER_OVERHEAD = 24
@@ -209,6 +213,20 @@ def _dq_staging_slots(head_dim: int, num_wgs: int) -> int:
 # --------------------------------------------------------------------------------------
 # Resource estimates, heuristics and search spaces (sm_90: H100/H200)
 # --------------------------------------------------------------------------------------
+
+
+def _dkdv_registers(group: int, num_wgs: int) -> tuple[int, int]:
+  """Registers a thread of the dK/dV kernel's (memory, each compute) warpgroups.
+
+  Checked against ptxas (bench/compile_h200.py, head dim 128, every 2-warpgroup dK/dV
+  tiling of the search space): with 24/240 instead of 40/232, GQA (32 query heads on 8,
+  causal, T=8192) spills in 1 loop instruction instead of 15 at the heuristic config,
+  and in fewer or as many at the others (so too with a 512-key window); multi-head
+  calls gain at some tilings and lose at one (3 stages: 0 -> 3), so they keep 40/232.
+  """
+  if group > 1 and num_wgs == 2:
+    return _GQA_DKDV_REGISTERS
+  return _MEMORY_REGISTERS, _COMPUTE_REGISTERS[num_wgs]
 
 
 def _tile_regs(rows: int, cols: int, itemsize: int = 4) -> int:
