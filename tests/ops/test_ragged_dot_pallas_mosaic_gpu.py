@@ -31,6 +31,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 import stellarax
 from stellarax.ops.ragged_dot import pallas_mosaic_gpu as pm
+from stellarax.ops.ragged_dot.pallas_mosaic_gpu import kernel_parts
 from stellarax.ops.ragged_dot.reference import ragged_dot_reference, ragged_dot_rhs_grad_reference
 
 # Relative to the largest reference value (inputs are O(1)): 16-bit outputs round to
@@ -276,14 +277,14 @@ def test_a_stage_freed_before_its_wgmma_is_done_is_a_race(monkeypatch):
   """The bug delay_release must not have, planted: each stage freed before its wgmma is
   awaited. The interpreter runs wgmma at once, so only the reads `check_reads` adds
   where the wgmma completes show the refill racing with it."""
-  free, wait = pm._StageRelease._free, pm._StageRelease._await
+  free, wait = kernel_parts._StageRelease._free, kernel_parts._StageRelease._await
 
   def free_then_wait(self, mma, step, in_flight):
     free(self, step)
     wait(self, mma, step, in_flight)
 
-  monkeypatch.setattr(pm._StageRelease, "_await", free_then_wait)
-  monkeypatch.setattr(pm._StageRelease, "_free", lambda self, step: None)
+  monkeypatch.setattr(kernel_parts._StageRelease, "_await", free_then_wait)
+  monkeypatch.setattr(kernel_parts._StageRelease, "_free", lambda self, step: None)
   lhs, rhs, _, sizes = _inputs(_LONG, jnp.bfloat16, seed=9)
   run = lambda: pm.ragged_dot_pallas_mosaic_gpu(lhs, rhs, sizes, interpret=RACE_CHECK,
                                                 **CONFIG_DELAYED)
@@ -419,7 +420,7 @@ def test_work_items_partition_the_rows(m, block_m):
 @pytest.mark.parametrize("grid_m, grid_n", [(1, 1), (5, 3), (9, 56), (74, 2)])
 def test_tile_order_covers_every_tile_once(minor, width, grid_m, grid_n):
   """The persistent loop's tile order is a bijection, so no tile runs twice or never."""
-  tiles = pm._Tiles(**(CONFIG_A | dict(grid_minor_dim=minor, grid_tile_width=width)))
+  tiles = kernel_parts._Tiles(**(CONFIG_A | dict(grid_minor_dim=minor, grid_tile_width=width)))
   linear = jnp.arange(grid_m * grid_n, dtype=jnp.int32)
   m_tile, n_tile = (np.asarray(x) for x in jax.vmap(
       lambda i: tiles.tile_order(i, grid_m, grid_n))(linear))
