@@ -166,10 +166,6 @@ def _cdiv(x: Any, d: int) -> Any:
   return lax.div(x + (d - 1), d) if isinstance(x, jax.Array) else -(-x // d)
 
 
-def _round_up(x: int, multiple: int) -> int:
-  return -(-x // multiple) * multiple
-
-
 def _rows(x: jax.Array, shape: tuple[int, int]) -> jax.Array:
   """Broadcasts a per-row vector over the columns of a tile."""
   return lax.broadcast_in_dim(x, shape, [0])
