@@ -29,7 +29,6 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from stellarax.core.config import config_dataclass
 from stellarax.ops import pallas_common
 from stellarax.ops.ragged_dot import base as _base
 from stellarax.ops.ragged_dot.pallas_mosaic_gpu.forward import (
@@ -37,39 +36,14 @@ from stellarax.ops.ragged_dot.pallas_mosaic_gpu.forward import (
 from stellarax.ops.ragged_dot.pallas_mosaic_gpu.rhs_gradient import (
     ragged_dot_drhs_pallas_mosaic_gpu)
 from stellarax.ops.ragged_dot.pallas_mosaic_gpu.tunables import (
-    _ROW_PRODUCT_TUNABLES, OUT_DTYPES, SUPPORTED_DTYPES, heuristic_tunables, tunable_space,
-    validate_tunables)
+    _ROW_PRODUCT_TUNABLES, OUT_DTYPES, SUPPORTED_DTYPES, PallasMosaicGpuRaggedDotConfig,
+    heuristic_tunables, tunable_space)
 # The rest of the kernels' public functions, for callers of this module.
 from stellarax.ops.ragged_dot.pallas_mosaic_gpu.tunables import (  # noqa: F401
-    check_tunables_fit as check_tunables_fit)
+    check_tunables_fit as check_tunables_fit, validate_tunables as validate_tunables)
 from stellarax.ops.ragged_dot.pallas_mosaic_gpu.work_items import (  # noqa: F401
     group_offsets as group_offsets, num_work_items as num_work_items,
     padded_rows as padded_rows, work_items as work_items)
-
-
-@config_dataclass
-class PallasMosaicGpuRaggedDotConfig:
-  """Tiles, pipelining (stages, delayed release), tile order, split-K, epilogue slabs, CTA
-  pairs (multicast) and half tiles of the Mosaic GPU ragged_dot kernels (see
-  `validate_tunables`). The backward uses one config for both products (split_k and
-  half_tiles apply to the lhs gradient; the rhs gradient, whose rows are its
-  contraction, does neither)."""
-
-  block_m: int
-  block_n: int
-  block_k: int
-  max_concurrent_steps: int
-  wg_split: str
-  grid_minor_dim: str
-  grid_tile_width: int
-  split_k: int = 1
-  epilogue_slabs: int = 1
-  delay_release: bool = False
-  multicast: bool = False
-  half_tiles: bool = False
-
-  def __post_init__(self):
-    validate_tunables(**pallas_common.tunables_of(self))
 
 
 def _problem(ba) -> tuple[int, int, int, int, Any]:

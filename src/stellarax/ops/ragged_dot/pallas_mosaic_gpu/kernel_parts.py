@@ -41,29 +41,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from stellarax.core.config import config_dataclass
 from stellarax.ops import pallas_common
 from stellarax.ops.ragged_dot.pallas_mosaic_gpu.tunables import (
     _check_dtype, check_tunables_fit, _INTERPRET_PROGRAMS, _MEMORY_REGISTERS, _MULTICAST_CTAS,
-    _NUM_COMPUTE_WGS, OUT_DTYPES, _ROW_PRODUCT_TUNABLES, _TUNABLE_NAMES, validate_tunables,
-    _wg_tile)
+    _NUM_COMPUTE_WGS, OUT_DTYPES, PallasMosaicGpuRaggedDotConfig, _ROW_PRODUCT_TUNABLES,
+    _TUNABLE_NAMES, _wg_tile)
 from stellarax.ops.ragged_dot.pallas_mosaic_gpu.work_items import _num_sms
 
 
-@dataclasses.dataclass(frozen=True)
-class _Tiles:
-  """The static tiling of one kernel launch (a validated config)."""
-  block_m: int
-  block_n: int
-  block_k: int
-  max_concurrent_steps: int
-  wg_split: str
-  grid_minor_dim: str
-  grid_tile_width: int
-  split_k: int = 1
-  epilogue_slabs: int = 1
-  delay_release: bool = False
-  multicast: bool = False
-  half_tiles: bool = False
+@config_dataclass
+class _Tiles(PallasMosaicGpuRaggedDotConfig):
+  """The static tiling of one kernel launch: a validated config, with what the kernels
+  derive from it."""
 
   @property
   def cluster_n(self) -> int:
@@ -316,7 +306,7 @@ def _tunables_in(arguments: dict[str, Any]) -> dict[str, Any]:
 
 def _prepare(tunables: dict[str, Any], *, k: int, n: int, product: str, operands, out_dtype):
   """Validates tunables and operands; returns the static tiling of the launch."""
-  validate_tunables(**tunables)
+  tiles = _Tiles(**tunables)  # validates them
   (a_name, a), (b_name, b) = operands
   _check_dtype(f"{a_name}.dtype", a.dtype)
   if a.dtype != b.dtype:
@@ -325,7 +315,7 @@ def _prepare(tunables: dict[str, Any], *, k: int, n: int, product: str, operands
         f"element type. Cast {b_name} to {a.dtype}.")
   out_dtype = _check_dtype("preferred_element_type", out_dtype, OUT_DTYPES)
   check_tunables_fit(tunables, k=k, n=n, product=product, out_itemsize=out_dtype.itemsize)
-  return _Tiles(**tunables), out_dtype
+  return tiles, out_dtype
 
 
 def _out_dtype(preferred_element_type: Any, like: jax.Array) -> Any:

@@ -4,12 +4,13 @@ checked against, their checks, the heuristic configs and the search spaces.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import jax.numpy as jnp
 
-from stellarax.core.config import check_choice, check_power_of_two
+from stellarax.core.config import check_choice, check_power_of_two, config_dataclass
 from stellarax.ops.ragged_dot import split_k as _splits
 
 
@@ -47,9 +48,6 @@ _INTERPRET_PROGRAMS = 2
 # Row offsets of TMA copies into swizzled shared memory must be multiples of 8.
 _ROW_ALIGN = 8
 _MAX_SPACE = 60
-_TUNABLE_NAMES = ("block_m", "block_n", "block_k", "max_concurrent_steps", "wg_split",
-                  "grid_minor_dim", "grid_tile_width", "split_k", "epilogue_slabs",
-                  "delay_release", "multicast", "half_tiles")
 # The narrowest column slab of the epilogue: a wgmma-layout register tile is sliced
 # and stored in whole 64-column granules.
 _MIN_SLAB = 64
@@ -160,6 +158,39 @@ def validate_tunables(*, block_m: int, block_n: int, block_k: int, max_concurren
         f"epilogue_slabs={epilogue_slabs!r} must be a power of two of at most "
         f"{wn // _MIN_SLAB}: each compute warpgroup stores its {wm}x{wn} tile in slabs of at "
         f"least {_MIN_SLAB} columns.")
+
+
+@config_dataclass
+class PallasMosaicGpuRaggedDotConfig:
+  """Tiles, pipelining (stages, delayed release), tile order, split-K, epilogue slabs, CTA
+  pairs (multicast) and half tiles of the Mosaic GPU ragged_dot kernels (see
+  `validate_tunables`). The backward uses one config for both products (split_k and
+  half_tiles apply to the lhs gradient; the rhs gradient, whose rows are its
+  contraction, does neither).
+
+  Raises:
+    ValueError: from `validate_tunables`, for a tunable the kernels cannot use.
+  """
+
+  block_m: int
+  block_n: int
+  block_k: int
+  max_concurrent_steps: int
+  wg_split: str
+  grid_minor_dim: str
+  grid_tile_width: int
+  split_k: int = 1
+  epilogue_slabs: int = 1
+  delay_release: bool = False
+  multicast: bool = False
+  half_tiles: bool = False
+
+  def __post_init__(self):
+    validate_tunables(**{name: getattr(self, name) for name in _TUNABLE_NAMES})
+
+
+# The kernels' keyword tunables: the config's fields, in order.
+_TUNABLE_NAMES = tuple(f.name for f in dataclasses.fields(PallasMosaicGpuRaggedDotConfig))
 
 
 def _smem_bytes(*, block_m: int, block_n: int, block_k: int, max_concurrent_steps: int,
