@@ -134,8 +134,9 @@ def _run_workers(tmp_path: Path, calls_file: Path, num_processes: int, *, device
                  wait_for=None, **spec) -> dict[int, dict]:
   """Starts the workers, waits for the outputs of `wait_for` (default all), kills the rest."""
   wait_for = range(num_processes) if wait_for is None else wait_for
-  env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+  # Keeps conftest's XLA_FLAGS (cheap compiles); adds the device count.
+  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags.strip()}
   port, procs, outputs, logs = _free_port(), {}, {}, []
   try:
     for i in range(num_processes):
