@@ -11,6 +11,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from stellarax.core.config import check_choice, check_power_of_two, config_dataclass
+from stellarax.ops import pallas_common
 from stellarax.ops.ragged_dot import split_k as _splits
 
 
@@ -186,7 +187,7 @@ class PallasMosaicGpuRaggedDotConfig:
   half_tiles: bool = False
 
   def __post_init__(self):
-    validate_tunables(**{name: getattr(self, name) for name in _TUNABLE_NAMES})
+    validate_tunables(**pallas_common.tunables_of(self))
 
 
 # The kernels' keyword tunables: the config's fields, in order.
