@@ -33,7 +33,10 @@ candidate whose error exceeds the dtype's tolerance is marked WRONG (and still
 timed, so the table shows what it would cost). Tuning measures in worker
 processes; a heuristic or tuned config that hung or failed there is not run in
 this process (a hung kernel or a poisoned CUDA context would cost every later
-workload): its row says why.
+workload): its row says why. When some op call of a workload could not be tuned
+(e.g. every config of the backward failed), its tuned row runs the calls that
+were tuned with their configs and the others with their heuristics, and its
+note says which.
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ class Row:
   max_rel_err: float | None = None
   status: str = ""
   config: str = ""
+  # What the status does not say, e.g. a tuned row's op calls that kept their heuristic
+  # configs because their tuning failed (the status still says how the row ran).
+  note: str = ""
 
 
 def _rel_err(out, ref) -> float:
@@ -338,6 +344,7 @@ def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
   tolerance = _TOLERANCE.get(jnp.dtype(inputs[0].dtype).name, 3e-2)
   candidates: dict[str, Callable] = {}
   configs: dict[str, str] = {}
+  notes: dict[str, str] = {}
   for impl_name, op in _impls(w.family, smoke):
     call = functools.partial(w.call, op)
     candidates[f"{impl_name} heuristic"] = call
@@ -346,6 +353,15 @@ def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
                                   isolate=isolate)
       try:
         result = tuner.autotune(call, *inputs)
+      except stellarax.autotuning.IncompleteTuningError as e:
+        # The op calls that were tuned still count (e.g. the forward when every
+        # config of the backward failed); the others run their heuristic configs.
+        result = e.partial_result
+        notes[f"{impl_name} tuned"] = "partly tuned: " + "; ".join(
+            f"{ba.op.name} {error.splitlines()[0][:120]}" for ba, error in e.errors.items())
+        if not len(result):
+          rows.append(Row(w.name, f"{impl_name} tuned", status=f"tuning failed: {str(e)[:200]}"))
+          continue
       except Exception as e:  # a failed tuning is a row, not a crash
         rows.append(Row(w.name, f"{impl_name} tuned", status=f"tuning failed: {str(e)[:200]}"))
         continue
@@ -370,7 +386,8 @@ def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
       continue
     wrong = err is not None and not err <= tolerance  # NaN is wrong too
     rows.append(Row(w.name, key, max_rel_err=err, config=configs.get(key, ""),
-                    status=f"WRONG (tolerance {tolerance:g})" if wrong else ""))
+                    status=f"WRONG (tolerance {tolerance:g})" if wrong else "",
+                    note=notes.get(key, "")))
     checked.append(key)
   timed = measure.measure_candidates({k: candidates[k] for k in checked}, tuple(inputs), options=opts)
   for r in rows:
@@ -433,7 +450,8 @@ def table_lines(rows: list[Row]) -> list[str]:
   """The rows as a plain-text table with aligned columns, header first."""
   header = ("workload", "implementation", "ms", "rate", "max rel err", "status")
   table = [header] + [(r.workload, r.impl, f"{r.median_ms:.3f}" if r.median_ms else "-", r.rate,
-                       f"{r.max_rel_err:.1e}" if r.max_rel_err is not None else "-", r.status[:60]) for r in rows]
+                       f"{r.max_rel_err:.1e}" if r.max_rel_err is not None else "-",
+                       "; ".join(filter(None, (r.status, r.note)))[:60]) for r in rows]
   widths = [max(len(str(row[i])) for row in table) for i in range(len(header))]
   return ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
 

@@ -1,5 +1,6 @@
 """autotune(), AutotuningResult, the file format, caches and explain()."""
 
+import dataclasses
 import functools
 import json
 import multiprocessing
@@ -149,6 +150,74 @@ def test_every_config_failing_says_why():
 
   with pytest.raises(ValueError, match="boom"):
     tuner(strategy=broken).autotune([ba])
+
+
+def _grad_calls():
+  """The forward and the VJP call of `model`'s gradient, in that order."""
+  lhs, rhs, gs = _inputs()
+  calls = autotuning.get_bound_args(jax.grad(model, argnums=(0, 1)), lhs, rhs, gs)
+  return sorted((ba.with_config(None) for ba in calls), key=lambda ba: ba.op.name)
+
+
+def _all_configs_fail(space, measure, *, heuristic, budget_s):
+  from stellarax.autotuning import search
+  return search.exhaustive(list(space), lambda cs, effort=1.0: {
+      c: autotuning.Measurement(status="runtime_error", error="boom in the backward") for c in cs},
+      heuristic=heuristic)
+
+
+def _tune_one_with(monkeypatch, strategies):
+  """Makes `Autotuner.tune_one` use strategies[op name] (the tuner's own for other ops;
+  the mapping is read at each call) and returns the op names it is called for, in order."""
+  real, called = stellarax.Autotuner.tune_one, []
+
+  def tune_one(self, ba, **kwargs):
+    called.append(ba.op.name)
+    strategy = strategies.get(ba.op.name, self.strategy)
+    return real(dataclasses.replace(self, strategy=strategy), ba, **kwargs)
+
+  monkeypatch.setattr(stellarax.Autotuner, "tune_one", tune_one)
+  return called
+
+
+def test_a_call_that_cannot_be_tuned_does_not_stop_the_others(user_cache_dir, monkeypatch):
+  fwd, vjp = _grad_calls()
+  strategies = {vjp.op.name: _all_configs_fail}
+  called = _tune_one_with(monkeypatch, strategies)
+  with pytest.raises(autotuning.IncompleteTuningError) as info:
+    tuner(cache=True).autotune([vjp, fwd])  # the failing call first
+  exc = info.value
+  assert isinstance(exc, ValueError)  # what "every config failed" always raised
+  assert called == [vjp.op.name, fwd.op.name]
+  assert exc.not_tuned == (vjp,) and list(exc.errors) == [vjp]
+  assert "boom in the backward" in exc.errors[vjp] and "boom in the backward" in str(exc)
+  assert "tuned 1 of 2 calls" in str(exc) and str(vjp) in str(exc)
+  assert isinstance(exc.__cause__, ValueError)  # the tuning's own error, for its traceback
+  assert [e.bound_args for e in exc.partial_result] == [fwd]
+  # The tuned call went into the user cache; a second run tunes only the missing one.
+  assert autotuning.explain(fwd).source == "user_cache"
+  called.clear()
+  del strategies[vjp.op.name]  # the backward's configs run now
+  result = tuner(cache=True).autotune([vjp, fwd])
+  assert called == [vjp.op.name] and len(result) == 2
+  assert result.entry(fwd) == exc.partial_result.entry(fwd)
+  assert autotuning.explain(vjp).source == "user_cache"
+
+
+def test_an_interrupted_tuning_keeps_the_calls_it_finished(user_cache_dir, monkeypatch):
+  fwd, vjp = _grad_calls()
+
+  def interrupted(space, measure, *, heuristic, budget_s):
+    raise KeyboardInterrupt  # Ctrl-C, say, while the second call is tuned
+
+  _tune_one_with(monkeypatch, {vjp.op.name: interrupted})
+  with pytest.raises(KeyboardInterrupt):
+    tuner(ignore_cache=True).autotune([fwd, vjp])
+  assert not user_cache_dir.exists()  # without cache=True nothing is written
+  with pytest.raises(KeyboardInterrupt):
+    tuner(cache=True).autotune([fwd, vjp])
+  assert autotuning.explain(fwd).source == "user_cache"
+  assert autotuning.explain(vjp).source == "heuristics"
 
 
 def test_user_cache_is_written_read_and_explained(user_cache_dir, grad_result):

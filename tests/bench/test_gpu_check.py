@@ -174,3 +174,29 @@ def test_faster_code_paths_need_disjoint_confidence_intervals():
   assert gpu_check.faster_code_paths([entry(timed(3.8, 3.0, 3.95))]) == []  # intervals overlap
   wrong = Measurement(status="wrong_result", error="max abs error 3.2")
   assert gpu_check.faster_code_paths([entry(wrong)]) == []
+
+
+def test_a_tuned_row_keeps_the_calls_that_were_tuned_when_another_fails(tmp_path, monkeypatch):
+  # Every config of the backward fails: the fwd+bwd row still runs with the tuned
+  # forward (and the backward's heuristic), says so in its note, and tuned.json keeps
+  # the forward for the library cache.
+  import stellarax
+  gpu_check = _gpu_check()
+  real = stellarax.Autotuner.tune_one
+
+  def tune_one(self, ba, **kwargs):
+    if ba.op.name.endswith("_vjp"):
+      raise ValueError("None of the 4 candidates succeeded (boom)")
+    return real(self, ba, **kwargs)
+
+  monkeypatch.setattr(stellarax.Autotuner, "tune_one", tune_one)
+  gpu_check.main(["--smoke", "--no-profile", "--only", "rms_norm", "--tune-budget-s", "1",
+                  "--out", str(tmp_path)])
+  rows = {(r["workload"], r["impl"]): r for r in _rows(tmp_path)}
+  row = rows[("rms_norm (64, 256) fwd+bwd", "layer_norm.pallas_triton tuned")]
+  assert row["status"] == "ok" and row["median_ms"], row
+  assert row["note"] == "partly tuned: layer_norm.pallas_triton_vjp ValueError: None of the 4 candidates succeeded (boom)"
+  assert row["config"].startswith("layer_norm.pallas_triton: ")
+  assert rows[("rms_norm (64, 256) fwd", "layer_norm.pallas_triton tuned")]["note"] == ""
+  tuned = stellarax.AutotuningResult.load(tmp_path / "tuned.json")
+  assert {e.bound_args.op.name for e in tuned} == {"layer_norm.pallas_triton", "layer_norm.xla"}

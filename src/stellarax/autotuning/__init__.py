@@ -1,6 +1,7 @@
 """Autotuning: find, keep and apply the fastest config of every op call."""
 
 from stellarax.autotuning.autotuner import Autotuner as Autotuner
+from stellarax.autotuning.autotuner import IncompleteTuningError as IncompleteTuningError
 from stellarax.autotuning.autotuner import autotune as autotune
 from stellarax.autotuning.cache import LIBRARY_CACHE as LIBRARY_CACHE
 from stellarax.autotuning.cache import USER_CACHE as USER_CACHE
@@ -8,6 +9,7 @@ from stellarax.autotuning.cache import user_cache_root as user_cache_root
 from stellarax.autotuning.capture import bound_args_from_json as bound_args_from_json
 from stellarax.autotuning.capture import bound_args_to_json as bound_args_to_json
 from stellarax.autotuning.capture import get_bound_args as get_bound_args
+from stellarax.autotuning.distributed import DistributedTuningError as DistributedTuningError
 from stellarax.autotuning.distributed import check_consistent as check_consistent
 from stellarax.autotuning.explain import Explanation as Explanation
 from stellarax.autotuning.explain import explain as explain

@@ -17,6 +17,12 @@ compute the op's reference output once, and let the search strategy measure
 configs through `measure.measure_candidates` (compile in parallel, check
 every output against the reference, time device work in interleaved rounds).
 The best config, every measurement and the heuristic's go into the result.
+
+A call that cannot be tuned (every config failed) does not stop the others: once
+every call was tried, `IncompleteTuningError` names the ones that failed and
+carries the rest in `partial_result`. With `cache=True` each call's entry goes
+into the user cache as soon as it is tuned, so an interrupted run keeps what it
+measured, and running it again tunes only the calls still missing.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import dataclasses
 import datetime
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -44,6 +50,26 @@ from stellarax.core.config import config_to_json
 from stellarax.core.specs import canonical_json
 
 STRATEGIES = ("auto", "exhaustive", "racing", "random")
+# Lines of each failed call's error shown in an IncompleteTuningError's message.
+_SHOWN_ERROR_LINES = 40
+
+
+class IncompleteTuningError(ValueError):
+  """Some op calls could not be tuned; the others were.
+
+  Attributes:
+    partial_result: an `AutotuningResult` with every call that was tuned (with
+      `cache=True` these are in the user cache too).
+    not_tuned: the calls missing from `partial_result`, in the order they were tried.
+    errors: call -> the text of the error its tuning raised.
+  """
+
+  def __init__(self, message: str, *, partial_result: AutotuningResult,
+               not_tuned: Sequence[BoundArguments], errors: Mapping[BoundArguments, str]):
+    super().__init__(message)
+    self.partial_result = partial_result
+    self.not_tuned = tuple(not_tuned)
+    self.errors = dict(errors)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,7 +88,10 @@ class Autotuner:
     progress: print a progress bar (configs measured, time left).
     ignore_cache: re-measure calls already in the user or library cache
       (otherwise their cached entries are reused as they are).
-    cache: write the result into the user cache when done.
+    cache: write each call's entry into the user cache as soon as it is tuned
+      (an interrupted or failed run keeps what it measured; the next run reads
+      those calls from the cache unless ignore_cache); distributed tuning also
+      writes the calls other processes tuned, when all are done.
     measure_options: how each config is measured.
     seed: seed of the random inputs.
     distribute: when the program runs several JAX processes or this process
@@ -134,24 +163,55 @@ class Autotuner:
       An `AutotuningResult` with one entry per unique op call.
 
     Raises:
-      ValueError: when every config of some call failed (listing why).
-      distributed.DistributedTuningError: when distributing, if a process
-        stalled or some call failed; it carries what was tuned.
+      IncompleteTuningError: (a ValueError) when some call could not be tuned,
+        e.g. every config of it failed; it names each such call with its error
+        and carries the other calls in `partial_result`.
+      distributed.DistributedTuningError: (an IncompleteTuningError) when
+        distributing, if a process stalled or some call failed.
     """
     calls = self.collect(f, *args, **kwargs)
     from stellarax.autotuning import distributed  # It imports this module.
-    if self.distribute and distributed.should_distribute():
+    if not (self.distribute and distributed.should_distribute()):
+      return self._tune_here(calls)
+    try:
       result = distributed.tune_distributed(self, calls, timeout_s=self.distributed_timeout_s)
-    else:
-      result = self._tune_here(calls)
-    if self.cache and len(result):
-      USER_CACHE.write(result)
+    except IncompleteTuningError as exc:
+      self._keep(exc.partial_result)
+      raise
+    self._keep(result)
     return result
 
+  def _keep(self, result: AutotuningResult) -> None:
+    """With `cache=True`, merges `result` into the user cache."""
+    if self.cache and len(result):
+      USER_CACHE.write(result)
+
+  def entry_for(self, ba: BoundArguments, *, progress: Progress | None = None,
+                device: jax.Device | None = None) -> Entry:
+    """The call's cached entry (unless ignore_cache), else `tune_one`'s, kept at once.
+
+    Args: as `tune_one`.
+
+    Returns:
+      The call's entry; a newly tuned one is in the user cache when `cache=True`.
+
+    Raises:
+      As `tune_one`.
+    """
+    cached = None if self.ignore_cache else _cached_entry(ba)
+    return cached if cached is not None else self._tune_and_keep(ba, progress, device)
+
+  def _tune_and_keep(self, ba: BoundArguments, progress: Progress | None,
+                     device: jax.Device | None = None) -> Entry:
+    entry = self.tune_one(ba, progress=progress, device=device)
+    kind = device.device_kind if device is not None else current_device_kind()
+    self._keep(AutotuningResult(kind, {entry.key: entry}))
+    return entry
+
   def _tune_here(self, calls: Sequence[BoundArguments]) -> AutotuningResult:
-    """Tunes every call in this process, on the default device."""
-    device_kind = current_device_kind()
-    result = AutotuningResult(device_kind)
+    """Tunes every call in this process, on the default device; a call that fails
+    does not stop the others (see `IncompleteTuningError`)."""
+    result = AutotuningResult(current_device_kind())
     todo = []
     for ba in calls:
       cached = None if self.ignore_cache else _cached_entry(ba)
@@ -160,13 +220,19 @@ class Autotuner:
       else:
         todo.append(ba)
     progress = Progress(sum(len(ba.autotuning_configs) for ba in todo), enabled=self.progress)
+    errors: dict[BoundArguments, Exception] = {}
     try:
       for ba in todo:
-        result = result.with_entry(self.tune_one(ba, progress=progress))
+        try:
+          result = result.with_entry(self._tune_and_keep(ba, progress))
+        except Exception as exc:  # Data about this call; the others are still tuned.
+          errors[ba] = exc
     finally:
       progress.close()
     if self.progress and todo:
       print(result.summary(), file=sys.stderr)
+    if errors:
+      raise _incomplete(result, calls, errors) from next(iter(errors.values()))
     return result
 
   def tune_one(self, ba: BoundArguments, *, progress: Progress | None = None,
@@ -241,9 +307,27 @@ def autotune(f: Any, *args, **kwargs) -> AutotuningResult:
     An `AutotuningResult`.
 
   Raises:
-    ValueError: when every config of some call failed (listing why).
+    IncompleteTuningError: (a ValueError) when some call could not be tuned, e.g.
+      every config of it failed; it says why and carries the tuned calls.
   """
   return Autotuner().autotune(f, *args, **kwargs)
+
+
+def _incomplete(result: AutotuningResult, calls: Sequence[BoundArguments],
+                errors: Mapping[BoundArguments, Exception]) -> IncompleteTuningError:
+  texts = {ba: f"{type(exc).__name__}: {exc}" for ba, exc in errors.items()}
+  lines = []
+  for ba, text in texts.items():
+    shown = text.strip().splitlines() or [text]
+    more = len(shown) - _SHOWN_ERROR_LINES
+    lines.append(f"  {ba}:\n" + "\n".join(f"    {line}" for line in shown[:_SHOWN_ERROR_LINES])
+                 + (f"\n    ... and {more} more lines (exc.errors has them all)" if more > 0 else ""))
+  message = (f"Autotuning on {result.device_kind!r} tuned {len(result)} of {len(calls)} calls; "
+             f"{len(errors)} could not be tuned:\n" + "\n".join(lines) +
+             f"\nThe {len(result)} tuned calls are in exc.partial_result (and, with "
+             "Autotuner(cache=True), in the user cache, so a rerun tunes only what is missing).")
+  return IncompleteTuningError(message, partial_result=result, not_tuned=list(errors),
+                               errors=texts)
 
 
 def _no_args(args, kwargs, what):

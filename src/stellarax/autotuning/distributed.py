@@ -13,9 +13,10 @@ of its device kind (see `should_distribute`). The method:
    loaded worker, one worker per device of the group ordered by (process, local device).
 3. Tuning. A process runs one thread per local device. A thread takes the calls of its
    share in order, reuses the owner's cached entry (unless `ignore_cache`) or tunes the
-   call on its device (`Autotuner.tune_one(..., device=...)`: the inputs are placed on
-   that device, and compilation and runs follow them), and publishes each finished call
-   at once: a one-entry result in the file format, or the error that its tuning raised.
+   call on its device (`Autotuner.entry_for(..., device=...)`: the inputs are placed on
+   that device, and compilation and runs follow them; with `cache=True` the entry goes
+   into the owner's user cache at once), and publishes each finished call at once: a
+   one-entry result in the file format, or the error that its tuning raised.
 4. Gather. Every process reads every published call, its own included, back from the
    store and builds the result in the sorted call order: the same JSON in every process.
 
@@ -72,7 +73,7 @@ _CHECKS = itertools.count()
 CallKey = tuple[str, str]
 
 
-class DistributedTuningError(RuntimeError):
+class DistributedTuningError(autotuner_lib.IncompleteTuningError, RuntimeError):
   """Some calls of a distributed tuning were not tuned.
 
   Attributes:
@@ -86,11 +87,8 @@ class DistributedTuningError(RuntimeError):
   def __init__(self, message: str, *, partial_result: AutotuningResult,
                not_tuned: Sequence[BoundArguments], failed_processes: Sequence[int],
                errors: Mapping[BoundArguments, str]):
-    super().__init__(message)
-    self.partial_result = partial_result
-    self.not_tuned = tuple(not_tuned)
+    super().__init__(message, partial_result=partial_result, not_tuned=not_tuned, errors=errors)
     self.failed_processes = tuple(failed_processes)
-    self.errors = dict(errors)
 
 
 class InconsistentConfigsError(ValueError):
@@ -368,9 +366,7 @@ def _tune_share(tuner: autotuner_lib.Autotuner, worker: _Worker, share: Sequence
   for index, ba in enumerate(share):
     entry, error = None, None
     try:
-      entry = None if tuner.ignore_cache else autotuner_lib._cached_entry(ba)
-      if entry is None:
-        entry = tuner.tune_one(ba, progress=progress, device=device)
+      entry = tuner.entry_for(ba, progress=progress, device=device)
     except Exception as exc:  # Reported to every process as data; the share goes on.
       error = f"{type(exc).__name__}: {exc}"
     publisher.publish(worker, index, entry, error)

@@ -16,14 +16,23 @@ from pathlib import Path
 
 
 def _autotune(args) -> int:
+  """Tunes the calls of a bound-arguments file; exits 1 when some could not be tuned
+  (after saving and caching the others, and saying why each failed)."""
   import stellarax
   tuner = stellarax.Autotuner(budget_s=args.budget_s, cache=args.cache, progress=not args.no_progress,
                               strategy=args.strategy, isolate=args.isolate)
-  result = tuner.autotune(args.bound_args)
+  failure = None
+  try:
+    result = tuner.autotune(args.bound_args)
+  except stellarax.autotuning.IncompleteTuningError as exc:
+    result, failure = exc.partial_result, exc
   print(result.summary())
-  if args.output:
+  if args.output and len(result):
     result.dump(args.output)
     print(f"result saved to {args.output}")
+  if failure is not None:
+    print(failure, file=sys.stderr)
+    return 1
   return 0
 
 
