@@ -95,14 +95,85 @@ def test_corrupt_files_name_themselves(tmp_path, grad_result):
     stellarax.AutotuningResult.load(bad)
 
 
-def test_other_versions_are_used_with_a_warning(grad_result):
-  data = json.loads(grad_result.dumps())
-  data["versions"]["jax"] = "0.0.1"
+def _recorded_with(data, *, entries=None, **versions):
+  """Result-file data as if `entries` (indexes; default all) were measured, and the file
+  written, under `versions` (e.g. jax="0.0.1") instead of the running ones."""
+  data = json.loads(json.dumps(data))
+  data["versions"].update(versions)
+  for i in range(len(data["entries"])) if entries is None else entries:
+    data["entries"][i]["versions"].update(versions)
+  return data
+
+
+@pytest.mark.parametrize("layout", ["per_entry", "file_only"])
+def test_other_versions_are_used_with_a_warning(grad_result, layout):
+  data = _recorded_with(json.loads(grad_result.dumps()), jax="0.0.1")
+  if layout == "file_only":  # written before entries kept their own versions
+    for entry in data["entries"]:
+      del entry["versions"]
   data["entries"][0]["bound_args"]["op"]["name"] = "ragged_dot.removed_backend"
   with pytest.warns(file_format.VersionWarning) as record:
     loaded = stellarax.AutotuningResult.loads(json.dumps(data))
   assert len(loaded) == len(grad_result) - 1
   assert any("skipped" in str(w.message) for w in record)
+  assert "2 of 2 entries were recorded with other versions" in str(record[0].message)
+  (entry,) = loaded
+  assert entry.versions["jax"] == "0.0.1" and not entry.is_current
+
+
+def test_each_entry_keeps_the_versions_it_was_measured_under(grad_result):
+  old = stellarax.AutotuningResult.loads(
+      json.dumps(_recorded_with(json.loads(grad_result.dumps()), entries=[0], jax="0.0.1")),
+      warn_other_versions=False)
+  stale, fresh = list(old)
+  assert not stale.is_current and fresh.is_current
+  # The writer's versions head the file; each entry keeps its own through a round trip,
+  # so one file holds old and new measurements apart.
+  again = json.loads(old.dumps())
+  assert again["versions"]["jax"] == "0.0.1"  # as read: the file's writer
+  assert [e["versions"]["jax"] for e in again["entries"]] == ["0.0.1", jax.__version__]
+  merged = old | grad_result
+  assert merged.versions == file_format.current_versions()  # written by this process
+  with pytest.raises(file_format.FormatError, match="'versions' must be an object"):
+    stellarax.AutotuningResult.loads(json.dumps(json.loads(grad_result.dumps()) | {"versions": [1]}))
+
+
+def test_a_current_measurement_wins_a_merge_with_a_faster_stale_one(grad_result):
+  entry = next(iter(grad_result))
+  faster_m = [(c, m.__class__(**{**m.to_json(), "median_s": m.median_s / 10, "ci_low_s": m.median_s / 11,
+                                    "ci_high_s": m.median_s / 9}) if m.status == "ok" else m)
+              for c, m in entry.measurements]
+  stale = dataclasses.replace(entry, measurements=tuple(faster_m),
+                              versions={**entry.versions, "jax": "0.0.1"})
+  assert stale.best_time < entry.best_time
+  old = autotuning.AutotuningResult(grad_result.device_kind, {stale.key: stale})
+  assert (old | grad_result).entry(entry.bound_args) == entry
+  assert (grad_result | old).entry(entry.bound_args) == entry
+  # Between two stale ones, the faster still wins.
+  slower_stale = dataclasses.replace(entry, versions=stale.versions)
+  slower = autotuning.AutotuningResult(grad_result.device_kind, {stale.key: slower_stale})
+  assert (slower | old).entry(entry.bound_args) == stale
+
+
+def test_autotune_measures_stale_cached_calls_again(user_cache_dir, grad_result):
+  lhs, rhs, gs = _inputs()
+  calls = autotuning.get_bound_args(jax.grad(model, argnums=(0, 1)), lhs, rhs, gs)
+  old = stellarax.AutotuningResult.loads(
+      json.dumps(_recorded_with(json.loads(grad_result.dumps()), entries=[0], jax="0.0.1")),
+      warn_other_versions=False)
+  stale, fresh = list(old)
+  cache_lib.USER_CACHE.write(old)
+  with pytest.warns(file_format.VersionWarning):
+    text = str(autotuning.explain(stale.bound_args))
+  assert "from user_cache" in text and "'jax': '0.0.1'" in text and "stale" in text
+  assert autotuning.explain(fresh.bound_args).stale_versions is None
+  with pytest.warns(file_format.VersionWarning):
+    result = tuner(cache=True).autotune(calls)
+  assert result.entry(fresh.bound_args) == fresh  # current: reused as it is
+  remeasured = result.entry(stale.bound_args)
+  assert remeasured.is_current and remeasured.measurements != stale.measurements  # new samples
+  # The new measurement replaced the stale one in the user cache, slower or not.
+  assert autotuning.explain(stale.bound_args).stale_versions is None
 
 
 def test_merge_keeps_the_faster_and_refuses_other_devices(grad_result):
@@ -273,8 +344,7 @@ def test_library_cache_from_other_versions_applies_without_warnings(tmp_path, mo
   # validates dropped), silently; the same file in the user cache warns.
   lhs, rhs, gs = _inputs()
   (ba,) = autotuning.get_bound_args(model, lhs, rhs, gs)
-  data = json.loads(grad_result.dumps())
-  data["versions"]["jax"] = "0.0.1"
+  data = _recorded_with(json.loads(grad_result.dumps()), jax="0.0.1")
   gone = next(e for e in data["entries"] if e["bound_args"]["op"]["name"] != ba.op.name)
   gone["bound_args"]["op"]["name"] = "ragged_dot.removed_backend"
   for root in (tmp_path / "lib", tmp_path / "user"):

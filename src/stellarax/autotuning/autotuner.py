@@ -87,7 +87,9 @@ class Autotuner:
       on this device (so `implementation=None` can pick the fastest).
     progress: print a progress bar (configs measured, time left).
     ignore_cache: re-measure calls already in the user or library cache
-      (otherwise their cached entries are reused as they are).
+      (otherwise their cached entries are reused as they are, unless they were
+      measured under other stellarax/jax/jaxlib versions: those are stale and
+      measured again).
     cache: write each call's entry into the user cache as soon as it is tuned
       (an interrupted or failed run keeps what it measured; the next run reads
       those calls from the cache unless ignore_cache); distributed tuning also
@@ -358,9 +360,11 @@ def _method(measurements) -> str:
 
 
 def _cached_entry(ba: BoundArguments) -> Entry | None:
+  """The call's entry in the user or library cache, if measured under the running
+  versions; a stale one (`Entry.is_current`) is measured again."""
   for _, result in cached_results(ba.op.name):
     entry = result.entry(ba)
-    if entry is not None:
+    if entry is not None and entry.is_current:
       return entry
   return None
 

@@ -8,7 +8,7 @@ Both are folders of result files, one per device kind and op:
   (on macOS `~/Library/Caches/stellarax/autotuning`). It is written only when
   asked (`autotune(..., cache=True)`, `Autotuner(cache=True)` or the CLI).
   Writers take an exclusive `fcntl` lock on `<file>.lock`, re-read the file,
-  merge (the faster measurement wins), and replace it atomically, so several
+  merge (`AutotuningResult.__or__`), and replace it atomically, so several
   processes writing at once lose nothing and readers never see a torn file.
 - The library cache ships in `stellarax/data/autotuning/` and is read-only.
 

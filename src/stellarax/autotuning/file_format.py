@@ -10,6 +10,7 @@
                          "arguments": {...}, "vmap_axes": [...]},
           "best_config": {...}, "heuristic_config": {...},
           "measured_at": "2026-11-29T23:00:00Z", "method": "racing/cpu-batched",
+          "versions": {"stellarax": "0.1.0", "jax": "0.11.2", "jaxlib": "0.11.2"},
           "measurements": [{"config": {...}, "status": "ok", "median_s": ...,
                             "ci_low_s": ..., "ci_high_s": ..., "num_samples": ...,
                             "compile_time_s": ..., "error": null, "method": ...}]
@@ -18,15 +19,22 @@
     }
 
 Ops are named by their registered names, configs by their fields: no Python
-import paths. Policy for data from other versions: a file with a newer
-`schema` is refused with a clear error (it may mean anything); entries
-recorded under another stellarax/jax/jaxlib version are used, with one
-warning per file, because configs are validated when read and a config that
-no longer validates (or an op that no longer exists) drops just that entry,
-with a warning. The shipped library cache reads its own files without these
-warnings (`cache.FileCache.warn_other_versions`). A file that is not valid JSON, lacks a required field, or (when written by
-the running versions) holds an invalid entry raises `FormatError` naming the
-file and the problem.
+import paths. The top-level `versions` are those of the writer; each entry
+keeps the versions it was measured under (an entry without them, written
+before they were kept, takes the file's), so a file that merges old and new
+measurements says which is which.
+
+Policy for data from other versions: a file with a newer `schema` is refused
+with a clear error (it may mean anything); entries recorded under another
+stellarax/jax/jaxlib version are used, with one warning per file, because
+configs are validated when read and a config that no longer validates (or an
+op that no longer exists) drops just that entry, with a warning. They are
+stale all the same (`result.Entry.is_current`): `autotune` measures their calls
+again, and the new entry wins the merge. The shipped library cache reads its
+own files without these warnings (`cache.FileCache.warn_other_versions`). A
+file that is not valid JSON, lacks a required field, or holds an invalid entry
+recorded under the running versions raises `FormatError` naming the file and
+the problem.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import json
 import os
 import tempfile
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -55,6 +64,11 @@ def current_versions() -> dict[str, str]:
   """The versions recorded in files written now."""
   from stellarax import __version__
   return {"stellarax": __version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__}
+
+
+def same_versions(versions: Mapping[str, str]) -> bool:
+  """Whether `versions` name the running stellarax, jax and jaxlib."""
+  return all(versions.get(k) == v for k, v in current_versions().items())
 
 
 def dumps(data: Any) -> str:
@@ -113,11 +127,18 @@ def entry_to_json(entry) -> dict[str, Any]:
       "heuristic_config": config_to_json(entry.heuristic_config),
       "measured_at": entry.measured_at,
       "method": entry.method,
+      "versions": dict(entry.versions),
       "measurements": [{"config": config_to_json(c), **m.to_json()} for c, m in entry.measurements],
   }
 
 
-def entry_from_json(data: dict[str, Any], *, source: str):
+def _entry_versions(data: Any, file_versions: Mapping[str, str]) -> dict[str, str]:
+  """The versions an entry's raw data was measured under (the file's if it names none)."""
+  versions = data.get("versions") if isinstance(data, dict) else None
+  return dict(versions) if isinstance(versions, dict) and versions else dict(file_versions)
+
+
+def entry_from_json(data: dict[str, Any], *, source: str, file_versions: Mapping[str, str]):
   from stellarax.autotuning.measure import Measurement
   from stellarax.autotuning.result import Entry
   from stellarax.core.bound_args import BoundArguments
@@ -135,7 +156,8 @@ def entry_from_json(data: dict[str, Any], *, source: str):
       heuristic_config=config_from_json(cls, data["heuristic_config"]),
       measurements=tuple(measurements),
       measured_at=str(data.get("measured_at", "")),
-      method=str(data.get("method", "")))
+      method=str(data.get("method", "")),
+      versions=_entry_versions(data, file_versions))
 
 
 def result_to_json(result) -> dict[str, Any]:
@@ -150,26 +172,31 @@ def result_to_json(result) -> dict[str, Any]:
 def result_from_json(cls, data: dict[str, Any], *, source: str, warn_other_versions: bool = True):
   """Builds an AutotuningResult from parsed data (see the module policy); without
   `warn_other_versions`, data from other versions is used (or dropped) silently."""
-  versions = data.get("versions") or {}
+  file_versions = data.get("versions") or current_versions()
+  if not isinstance(file_versions, dict):
+    raise FormatError(f"{source}: 'versions' must be an object naming the writer's stellarax, "
+                      f"jax and jaxlib versions, got {file_versions!r}.")
   current = current_versions()
-  if warn_other_versions and versions and any(versions.get(k) != v for k, v in current.items()):
-    warnings.warn(f"{source}: recorded with {versions}, running {current}; using its entries.",
-                  VersionWarning, stacklevel=3)
-  same_versions = not versions or all(versions.get(k) == v for k, v in current.items())
+  recorded = [_entry_versions(raw, file_versions) for raw in data["entries"]]
+  others = [v for v in recorded if not same_versions(v)]
+  if warn_other_versions and others:
+    warnings.warn(f"{source}: {len(others)} of {len(recorded)} entries were recorded with other "
+                  f"versions ({others[0]}, running {current}); using them. `autotune` measures "
+                  "their calls again.", VersionWarning, stacklevel=3)
   entries = {}
   for i, raw in enumerate(data["entries"]):
     try:
       if not isinstance(raw, dict):
         raise ValueError(f"expected a JSON object, got {type(raw).__name__}")
-      entry = entry_from_json(raw, source=source)
+      entry = entry_from_json(raw, source=source, file_versions=file_versions)
     except (KeyError, ValueError, TypeError) as e:
       # Same versions: the file was broken (by hand or by a bug), say so.
       # Other versions: an op or config changed since, drop just this entry.
-      if same_versions:
+      if same_versions(recorded[i]):
         raise FormatError(f"{source}: entry {i} is invalid: {e}") from None
       if warn_other_versions:
         warnings.warn(f"{source}: entry {i} skipped (recorded by other versions): {e}",
                       VersionWarning, stacklevel=3)
       continue
     entries[entry.key] = entry
-  return cls(str(data["device_kind"]), entries, versions or current)
+  return cls(str(data["device_kind"]), entries, file_versions)

@@ -36,6 +36,8 @@ class Entry:
     measurements: (config, Measurement) pairs, in measuring order.
     measured_at: ISO-8601 UTC time of the measurement.
     method: how it was measured (strategy and timing method).
+    versions: the stellarax, jax and jaxlib versions it was measured under (default:
+      the running ones).
   """
 
   bound_args: BoundArguments
@@ -44,6 +46,18 @@ class Entry:
   measurements: tuple[tuple[Any, Measurement], ...]
   measured_at: str = ""
   method: str = ""
+  versions: Mapping[str, str] = dataclasses.field(default_factory=file_format.current_versions,
+                                                  hash=False)
+
+  @property
+  def is_current(self) -> bool:
+    """Whether it was measured under the running stellarax, jax and jaxlib versions.
+
+    Another version may lower the same config to another program, so an entry that is
+    not current is stale: it still applies, but `autotune` measures its call again, and
+    a current entry of the same call wins any merge with it.
+    """
+    return file_format.same_versions(self.versions)
 
   @property
   def key(self) -> tuple[str, str]:
@@ -79,6 +93,12 @@ class AutotuningResult:
 
   def __init__(self, device_kind: str, entries: Mapping[tuple[str, str], Entry] | None = None,
                versions: Mapping[str, str] | None = None):
+    """Args:
+      device_kind: the device kind every entry was measured on.
+      entries: (op JSON, key JSON) -> Entry.
+      versions: the versions the result was written under, for a result read from a
+        file (default: the running ones). Each entry carries its own.
+    """
     self.device_kind = device_kind
     self.versions = dict(versions or file_format.current_versions())
     self._entries: dict[tuple[str, str], Entry] = dict(entries or {})
@@ -152,8 +172,10 @@ class AutotuningResult:
   # ---- merging ----------------------------------------------------------
 
   def __or__(self, other: AutotuningResult) -> AutotuningResult:
-    """Merges two results of the same device kind; per call the faster
-    measured best config wins, with its measurements.
+    """Merges two results of the same device kind. Per call, an entry measured under
+    the running versions wins over one measured under others (`Entry.is_current`: a
+    stale measurement must not outlive a new one); else the faster measured best
+    config wins, with its measurements.
 
     Raises:
       ValueError: for results of different device kinds.
@@ -167,15 +189,15 @@ class AutotuningResult:
     merged = dict(self._entries)
     for key, entry in other._entries.items():
       mine = merged.get(key)
-      if mine is None or _faster(entry, mine):
+      if mine is None or _replaces(entry, mine):
         merged[key] = entry
-    return AutotuningResult(self.device_kind, merged, self.versions)
+    return AutotuningResult(self.device_kind, merged)
 
   def with_entry(self, entry: Entry) -> AutotuningResult:
     """A copy with `entry` added (replacing the same call's entry)."""
     entries = dict(self._entries)
     entries[entry.key] = entry
-    return AutotuningResult(self.device_kind, entries, self.versions)
+    return AutotuningResult(self.device_kind, entries)
 
   # ---- serialisation ----------------------------------------------------
 
@@ -228,6 +250,13 @@ class AutotuningResult:
     with open(path_or_file, encoding="utf-8") as f:
       return cls.loads(f.read(), source=os.fspath(path_or_file),
                        warn_other_versions=warn_other_versions)
+
+
+def _replaces(a: Entry, b: Entry) -> bool:
+  """Whether `a` wins over `b`, an entry of the same call, in a merge."""
+  if a.is_current != b.is_current:
+    return a.is_current
+  return _faster(a, b)
 
 
 def _faster(a: Entry, b: Entry) -> bool:
