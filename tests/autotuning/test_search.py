@@ -4,6 +4,7 @@ import dataclasses
 import itertools
 import math
 
+import numpy as np
 import pytest
 
 from stellarax.autotuning import search
@@ -90,14 +91,74 @@ def test_racing_in_a_tenth_of_the_time_lands_within_2_percent(seed):
   assert outcome.num_measured > 0.8 * len(SWEEP)
 
 
-def test_racing_respects_the_budget_when_compiling_dominates():
-  # Half of a config's cost is paid once (compilation), so screening cannot be cheap.
-  replay = search.ReplayMeasure(SWEEP, noise=0.01, cost_s_per_config=0.5, compile_cost_s=0.5)
-  outcome = search.racing(SWEEP, replay, heuristic=HEURISTIC, budget_s=0.1 * EXHAUSTIVE_COST,
+@pytest.mark.parametrize("compile_share", [0.5, 0.9])
+@pytest.mark.parametrize("seed", range(5))
+def test_racing_in_a_tenth_of_the_time_lands_within_2_percent_when_compiling_dominates(
+    compile_share, seed):
+  # Most of a config's cost is paid once (compilation), as on a GPU, so not even a cheap
+  # screening of the whole space fits: racing walks from the heuristic instead.
+  replay = search.ReplayMeasure(SWEEP, noise=0.01, seed=seed, compile_cost_s=compile_share,
+                                cost_s_per_config=1 - compile_share)
+  budget = 0.1 * EXHAUSTIVE_COST
+  outcome = search.racing(SWEEP, replay, heuristic=HEURISTIC, budget_s=budget, rng_seed=seed,
                           clock=replay.clock)
-  assert replay.clock() <= 0.1 * EXHAUSTIVE_COST
-  assert 5 < outcome.num_measured < 0.2 * len(SWEEP)
-  assert TRUE[outcome.best] <= TRUE[HEURISTIC]
+  assert replay.clock() <= budget
+  assert outcome.num_measured < 0.2 * len(SWEEP)  # compiling more would not have fit
+  assert outcome.best_measurement.ok and TRUE[outcome.best] <= 1.02 * TRUE[OPTIMUM]
+  # The winner was measured at full effort beside the heuristic.
+  assert outcome.best_measurement.num_samples == 10
+
+
+def test_the_walk_steps_through_neighbours_and_moves_several_fields_at_once():
+  replay = search.ReplayMeasure(SWEEP, compile_cost_s=0.9, cost_s_per_config=0.1)
+  calls = []
+  def recording(configs, *, effort=1.0):
+    calls.append(list(configs))
+    return replay(configs, effort=effort)
+  outcome = search.racing(SWEEP, recording, heuristic=HEURISTIC, budget_s=30.0, clock=replay.clock)
+  assert outcome.best == OPTIMUM
+  first_step = calls[2]  # after the heuristic's two calibration measurements
+  assert first_step[-1] == HEURISTIC  # the incumbent, measured in the same call
+  # The first step: every config one step from the heuristic, in one tunable.
+  assert set(first_step[:-1]) == {dataclasses.replace(HEURISTIC, **change) for change in (
+      dict(block_m=32), dict(block_m=128), dict(block_n=32), dict(block_n=128),
+      dict(block_k=64), dict(warps=8), dict(stages=3))}
+  # Then the pattern move: all five improving changes at once, beside the best of them
+  # (now the incumbent).
+  assert calls[3] == [Tile(block_m=128, block_n=128, block_k=64, warps=8, stages=3),
+                      dataclasses.replace(HEURISTIC, block_n=128)]
+  assert outcome.num_measured < 40
+
+
+def test_geometry_counts_steps_between_tunable_values():
+  geometry = search._Geometry(list(SWEEP))
+  assert geometry.distance(HEURISTIC, HEURISTIC) == 0
+  # block_m 64 -> 256 is two steps (64, 128, 256); warps and stages one each.
+  assert geometry.distance(HEURISTIC, dataclasses.replace(HEURISTIC, block_m=256, warps=8,
+                                                          stages=3)) == 4
+  assert geometry.changed_field(HEURISTIC, dataclasses.replace(HEURISTIC, block_k=128)) == "block_k"
+  assert geometry.changed_field(HEURISTIC, OPTIMUM) is None
+  paths = search._Geometry([Paths(block=64, split=False, fused=False, order="m"),
+                            Paths(block=128, split=True, fused=False, order="n")])
+  assert paths.distance(Paths(block=64, split=False, fused=False, order="m"),
+                        Paths(block=128, split=True, fused=False, order="n")) == 3
+  plain = search._Geometry([(1, 2), (3, 4)])  # not dataclasses: equal or one apart
+  assert plain.distance((1, 2), (3, 4)) == 1 and plain.distance((1, 2), (1, 2)) == 0
+
+
+def test_the_walk_never_returns_worse_than_the_heuristic_on_a_rough_sweep():
+  # Times with no structure at all: nearness says nothing, the final round still holds.
+  rng = np.random.default_rng(0)
+  rough = {c: float(np.exp(rng.normal(0, 0.3))) * 1e-3 if isinstance(v, float) else v
+           for c, v in SWEEP.items()}
+  rough[HEURISTIC] = 1e-3
+  for seed in range(5):
+    replay = search.ReplayMeasure(rough, noise=0.01, seed=seed, compile_cost_s=0.9,
+                                  cost_s_per_config=0.1)
+    outcome = search.racing(rough, replay, heuristic=HEURISTIC, budget_s=19.2, rng_seed=seed,
+                            clock=replay.clock)
+    assert replay.clock() <= 19.2 and outcome.best_measurement.ok
+    assert rough[outcome.best] <= 1.02 * rough[HEURISTIC]
 
 
 def test_racing_adapts_when_calls_cost_more_than_predicted():

@@ -1,0 +1,122 @@
+"""How close the budgeted search strategies land to the best config, on replayed sweeps.
+
+    python bench/search_strategies.py [--seeds 40] [--against OLD_SEARCH_PY]
+
+No device: each sweep is a synthetic landscape over a 192-config tile space (block_m,
+block_n, block_k, warps, stages) with a known optimum, replayed by
+`search.ReplayMeasure` with 1% measurement noise on a fake clock. A landscape is a
+random coupled quadratic bowl in the log2 tile sizes plus effects of warps and stages,
+a per-config roughness (lognormal, standard deviation `rough`: 0 is smooth, 0.1 leaves
+little structure) and 10% of configs that fail to compile. Measuring the whole space at
+full effort costs 192 fake seconds, of which `compile` is paid once per config (as
+compiling is on a GPU) and the rest per full-effort measurement.
+
+For each (roughness, compile share, budget as a fraction of that exhaustive cost) it
+prints, per strategy, on how many seeds the chosen config is within 2% of the optimum,
+the geometric mean of chosen / optimum, and the worst. `--against` adds the strategies
+of another search.py (e.g. `git show REV:src/stellarax/autotuning/search.py >
+/tmp/old.py`), to compare a change with what it replaces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+
+from stellarax.autotuning import search
+from stellarax.autotuning.measure import Measurement
+
+_FIELDS = ("block_m", "block_n", "block_k", "warps", "stages")
+_GRID = list(itertools.product((32, 64, 128, 256), (32, 64, 128, 256), (32, 64, 128), (4, 8), (2, 3)))
+
+
+def _tile_class():
+  import dataclasses
+  return dataclasses.make_dataclass("Tile", [(f, int) for f in _FIELDS], frozen=True, kw_only=True)
+
+
+Tile = _tile_class()
+HEURISTIC = Tile(block_m=64, block_n=64, block_k=32, warps=4, stages=2)
+
+
+def landscape(seed: int, rough: float) -> dict:
+  """config -> seconds (or a compile_error Measurement); see the module docstring."""
+  rng = np.random.default_rng(seed)
+  center = rng.uniform([-1, -1, -1], [1.5, 1.5, 1.0])
+  a = rng.normal(size=(3, 3))
+  coupling = a @ a.T / 3 * 0.08
+  w_warps, w_stages, w_cross = rng.normal(0, 0.04), rng.normal(0, 0.03), rng.normal(0, 0.03)
+  sweep = {}
+  for bm, bn, bk, warps, stages in _GRID:
+    tile = Tile(block_m=bm, block_n=bn, block_k=bk, warps=warps, stages=stages)
+    x = np.log2([bm / 64, bn / 64, bk / 32]) - center
+    value = (x @ coupling @ x + w_warps * (warps == 8) + w_stages * (stages == 3)
+             + w_cross * (warps == 8) * x[0] + rough * rng.standard_normal())
+    failed = rng.random() < 0.1 and tile != HEURISTIC
+    sweep[tile] = (Measurement(status="compile_error", error="out of shared memory") if failed
+                   else 1e-3 * math.exp(value))
+  return sweep
+
+
+def _strategies(module: ModuleType, tag: str) -> dict:
+  return {
+      f"racing{tag}": lambda space, m, h, b, seed, clock: module.racing(
+          space, m, heuristic=h, budget_s=b, rng_seed=seed, clock=clock),
+      f"random{tag}": lambda space, m, h, b, seed, clock: module.random_search(
+          space, m, heuristic=h, budget_s=b, rng_seed=seed, clock=clock),
+  }
+
+
+def _load(path: str) -> ModuleType:
+  spec = importlib.util.spec_from_file_location("search_against", path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules["search_against"] = module  # dataclasses look their module up while it loads
+  spec.loader.exec_module(module)
+  return module
+
+
+def run(seeds: int, against: str | None) -> list[str]:
+  """The report's lines."""
+  strategies = _strategies(search, "")
+  if against:
+    strategies |= _strategies(_load(against), f" ({Path(against).name})")
+  lines = []
+  for rough, compile_share, fraction in itertools.product((0.0, 0.03, 0.1), (0.0, 0.5, 0.9),
+                                                          (0.05, 0.1, 0.2)):
+    parts = []
+    for name, strategy in strategies.items():
+      ratios = []
+      for seed in range(seeds):
+        sweep = landscape(seed, rough)
+        times = [v for v in sweep.values() if isinstance(v, float)]
+        replay = search.ReplayMeasure(sweep, noise=0.01, seed=seed, compile_cost_s=compile_share,
+                                      cost_s_per_config=1 - compile_share)
+        outcome = strategy(sweep, replay, HEURISTIC, fraction * len(sweep), seed, replay.clock)
+        ratios.append(sweep[outcome.best] / min(times))
+      within = sum(r <= 1.02 for r in ratios)
+      parts.append(f"{within}/{seeds}, {math.exp(np.mean(np.log(ratios))):.3f}, {max(ratios):.3f}")
+    lines.append(f"| {rough} | {compile_share} | {fraction} | " + " | ".join(parts) + " |")
+  header = "| roughness | compile share | budget | " + " | ".join(
+      f"{n}: within 2%, geo mean, worst" for n in strategies) + " |"
+  return [header, "|" + "---|" * (3 + len(strategies))] + lines
+
+
+def main(argv=None) -> int:
+  """Prints the comparison table (markdown) and returns 0."""
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--seeds", type=int, default=40)
+  parser.add_argument("--against", help="another search.py whose strategies to compare")
+  args = parser.parse_args(argv)
+  print("\n".join(run(args.seeds, args.against)))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
