@@ -36,7 +36,7 @@ heuristic to the configs nearest the fastest one so far (`_walk`, over `_Geometr
 between tunable values) instead of sampling the space at random: on synthetic sweeps
 where compiling a config costs as much as measuring it or more, that lands within 2% of
 the best config in a tenth of the exhaustive search's time on every seed of the tests
-(random sampling did on 3 to 7 of 20; BENCHMARKS.md has the comparison).
+(random sampling did on 3 to 7 of 20; BENCHMARKS.md has a wider comparison).
 
 The choice. Every strategy ends with `measure.pick_best` over its finalists with
 `prefer=heuristic` and the space's order: a config replaces the heuristic one only when it
@@ -134,6 +134,10 @@ class _Session(Generic[C]):
 
   def measured(self) -> list[C]:
     return list(self._best)
+
+  def calls_with_new(self) -> int:
+    """How many measure calls measured some config for the first time."""
+    return sum(new > 0 for new, _, _ in self.calls)
 
   def has(self, config: C) -> bool:
     """Whether `config` was measured (ok or not) at any effort."""
@@ -548,8 +552,9 @@ class _Geometry:
     return changed[0] if len(changed) == 1 else None
 
 
-def _walk(session: _Session[C], configs: Sequence[C], heuristic: C, first: Sequence[C],
-          effort: float, finalists: int, chunk_size: int, rng_seed: int) -> list[C]:
+def _walk(session: _Session[C], configs: Sequence[C], heuristic: C, first: Sequence[C], *,
+          effort: float, finalists: int, final_effort: float, chunk_size: int,
+          rng_seed: int) -> list[C]:
   """Neighbourhood search from the heuristic, for a budget too small to screen the
   space; returns the `finalists` fastest configs it screened.
 
@@ -563,9 +568,11 @@ def _walk(session: _Session[C], configs: Sequence[C], heuristic: C, first: Seque
   call. Where neighbours one step away improved on the incumbent in several fields, the
   config combining those changes is screened next with the best of them (a pattern move:
   fields that act apart are all moved at once). The fastest of a step becomes the
-  incumbent. The walk ends when every config was measured or the next step does not fit
-  the budget less the predicted cost of measuring the finalists and the heuristic at full
-  effort.
+  incumbent. The first step measures one new config, so that the cost model tells
+  compiling from measuring before it plans a batch. The walk ends when every config was
+  measured or the next step does not fit
+  the budget less the predicted cost of measuring the finalists and the heuristic at
+  `final_effort` (the last round then takes what is left, up to full effort).
   """
   geometry, space = _Geometry(configs), set(configs)
   rng = random.Random(rng_seed)
@@ -575,7 +582,7 @@ def _walk(session: _Session[C], configs: Sequence[C], heuristic: C, first: Seque
 
   def step(candidates: list[C]) -> dict[C, Measurement] | None:
     model = _CostModel.fit(session.calls)
-    reserve = model.predict(0, float(finalists + 1))
+    reserve = model.predict(0, (finalists + 1) * final_effort)
     room = session.remaining() - reserve
     while candidates and model.predict(len(candidates), (len(candidates) + 1) * effort) > room:
       candidates = candidates[:-1]
@@ -593,13 +600,16 @@ def _walk(session: _Session[C], configs: Sequence[C], heuristic: C, first: Seque
       nearest = min(geometry.distance(incumbent, c) for c in unmeasured)
       batch = sorted((c for c in unmeasured if geometry.distance(incumbent, c) == nearest),
                      key=tie_order.__getitem__)[:chunk_size]
-    got = step(batch)
+    # The first step compiles one config: the heuristic's calls alone cannot tell the
+    # cost of compiling from that of measuring, so a batch planned on them may overrun.
+    got = step(batch[:1] if session.calls_with_new() <= 1 else batch)
     if got is None:
       break
     base = got[incumbent].median_s if got[incumbent].ok else math.inf
     better = {c: m.median_s for c, m in got.items() if m.ok and m.median_s < base}
-    batch = []
+    batch = [c for c in batch if not session.has(c)]  # what a cut step left
     if better:
+      batch = []
       best = min(better, key=better.get)
       moves: dict[str, tuple[float, Any]] = {}
       for c, t in better.items():
@@ -632,8 +642,9 @@ def racing(space: Iterable[C], measure: Measure[C], *, heuristic: C,
      efforts multiplied by one factor, up to 1) to use it. When it does not fit (a large
      space, or compiling a config costs more than measuring it), a random part of the
      space seldom holds the best config: a walk from the heuristic (`_walk`) screens the
-     configs nearest the fastest one so far at effort 1/eta^3, and its eta fastest go to
-     a last round with the heuristic at full effort; steps 3 and 4 are skipped.
+     configs nearest the fastest one so far at effort 1/eta^3, keeping enough budget
+     for its eta fastest to go to a last round with the heuristic at effort 1/eta, which
+     then takes what is left, up to full effort; steps 3 and 4 are skipped.
   3. Rounds of successive halving: sizes n, ceil(n / eta), ... down to at most eta
      configs; the last round has effort 1 and each earlier one 1/eta of the next (at least
      `min_effort`). Each round keeps the fastest configs of the one before (failed ones
@@ -684,8 +695,9 @@ def racing(space: Iterable[C], measure: Measure[C], *, heuristic: C,
     schedule = _plan(session, len(pool), eta, min_effort)
   if budget_s is not None and (not schedule or schedule[0][0] < len(pool)):
     variants = code_path_variants(heuristic, configs)
-    walked = _walk(session, configs, heuristic, variants, max(min_effort, float(eta) ** -3),
-                   eta, chunk_size, rng_seed)
+    walked = _walk(session, configs, heuristic, variants, effort=max(min_effort, eta ** -3.0),
+                   finalists=eta, final_effort=max(min_effort, 1.0 / eta),
+                   chunk_size=chunk_size, rng_seed=rng_seed)
     finalists = _final_round(session, walked, heuristic, min_effort)
   else:
     pool = pool[:schedule[0][0]] if schedule else []
