@@ -166,14 +166,14 @@ def test_autotune_measures_stale_cached_calls_again(user_cache_dir, grad_result)
   with pytest.warns(file_format.VersionWarning):
     text = str(autotuning.explain(stale.bound_args))
   assert "from user_cache" in text and "'jax': '0.0.1'" in text and "stale" in text
-  assert autotuning.explain(fresh.bound_args).stale_versions is None
+  assert autotuning.explain(fresh.bound_args).stale is None
   with pytest.warns(file_format.VersionWarning):
     result = tuner(cache=True).autotune(calls)
   assert result.entry(fresh.bound_args) == fresh  # current: reused as it is
   remeasured = result.entry(stale.bound_args)
   assert remeasured.is_current and remeasured.measurements != stale.measurements  # new samples
   # The new measurement replaced the stale one in the user cache, slower or not.
-  assert autotuning.explain(stale.bound_args).stale_versions is None
+  assert autotuning.explain(stale.bound_args).stale is None
 
 
 def test_merge_keeps_the_faster_and_refuses_other_devices(grad_result):
@@ -289,6 +289,27 @@ def test_an_interrupted_tuning_keeps_the_calls_it_finished(user_cache_dir, monke
     tuner(cache=True).autotune([fwd, vjp])
   assert autotuning.explain(fwd).source == "user_cache"
   assert autotuning.explain(vjp).source == "heuristics"
+
+
+def test_an_entry_measured_on_other_code_of_its_op_is_stale(user_cache_dir, grad_result):
+  # The same versions, but the kernel's source changed since (an editable install):
+  # its config still applies, silently, and autotune measures the call again.
+  from stellarax.core.fingerprint import code_fingerprint
+  entry = next(iter(grad_result))
+  assert entry.code == code_fingerprint(type(entry.bound_args.op)) and entry.is_current
+  edited = dataclasses.replace(entry, code="0123456789abcdef")
+  assert "other code of ragged_dot.xla" in edited.stale_reason
+  assert dataclasses.replace(entry, code="").is_current  # unknown code: versions judge
+  cache_lib.USER_CACHE.write(autotuning.AutotuningResult(grad_result.device_kind,
+                                                         {edited.key: edited}))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # same versions: no VersionWarning
+    explanation = autotuning.explain(entry.bound_args)
+  assert explanation.source == "user_cache" and "0123456789abcdef" in explanation.stale
+  assert "stale (measured on other code" in str(explanation)
+  result = tuner(cache=True).autotune([entry.bound_args])
+  assert result.entry(entry.bound_args).is_current
+  assert autotuning.explain(entry.bound_args).stale is None
 
 
 def test_user_cache_is_written_read_and_explained(user_cache_dir, grad_result):

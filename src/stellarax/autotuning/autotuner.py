@@ -47,6 +47,7 @@ from stellarax.core import registry
 from stellarax.core import resolution
 from stellarax.core.bound_args import BoundArguments
 from stellarax.core.config import config_to_json
+from stellarax.core.fingerprint import code_fingerprint
 from stellarax.core.specs import canonical_json
 
 STRATEGIES = ("auto", "exhaustive", "racing", "random")
@@ -87,9 +88,9 @@ class Autotuner:
       on this device (so `implementation=None` can pick the fastest).
     progress: print a progress bar (configs measured, time left).
     ignore_cache: re-measure calls already in the user or library cache
-      (otherwise their cached entries are reused as they are, unless they were
-      measured under other stellarax/jax/jaxlib versions: those are stale and
-      measured again).
+      (otherwise their cached entries are reused as they are, unless they are
+      stale: measured under other stellarax/jax/jaxlib versions or on other
+      code of their op, `Entry.stale_reason`; those are measured again).
     cache: write each call's entry into the user cache as soon as it is tuned
       (an interrupted or failed run keeps what it measured; the next run reads
       those calls from the cache unless ignore_cache); distributed tuning also
@@ -274,7 +275,8 @@ class Autotuner:
         bound_args=ba, best_config=outcome.best, heuristic_config=heuristic,
         measurements=measurements,
         measured_at=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        method=f"{outcome.strategy}/{_method(measurements)}")
+        method=f"{outcome.strategy}/{_method(measurements)}",
+        code=code_fingerprint(type(ba.op)))
 
   def _local_measure(self, ba: BoundArguments, device: jax.Device | None):
     """`(configs, effort) -> {config: Measurement}`, measuring in this process."""
@@ -360,8 +362,8 @@ def _method(measurements) -> str:
 
 
 def _cached_entry(ba: BoundArguments) -> Entry | None:
-  """The call's entry in the user or library cache, if measured under the running
-  versions; a stale one (`Entry.is_current`) is measured again."""
+  """The call's entry in the user or library cache, unless it is stale
+  (`Entry.stale_reason`): that one is measured again."""
   for _, result in cached_results(ba.op.name):
     entry = result.entry(ba)
     if entry is not None and entry.is_current:

@@ -7,7 +7,6 @@ import json
 from typing import Any
 
 from stellarax.autotuning.cache import cached_results
-from stellarax.autotuning.file_format import current_versions
 from stellarax.autotuning.transfer import TransferResolution
 from stellarax.core import resolution
 from stellarax.core.bound_args import BoundArguments
@@ -29,9 +28,8 @@ class Explanation:
       it was transferred from.
     confidence: for a transferred config, the transfer's confidence in
       (0, 1] (see `stellarax.autotuning.transfer`); else None.
-    stale_versions: for a config from a result or cache entry measured under
-      other stellarax/jax/jaxlib versions than the running ones, those versions
-      (`autotune` measures the call again); else None.
+    stale: for a config from a stale result or cache entry, why it is stale
+      (`Entry.stale_reason`; `autotune` measures the call again); else None.
   """
 
   op: str
@@ -39,13 +37,12 @@ class Explanation:
   source: str
   nearest: tuple[str, tuple[str, ...]] | None
   confidence: float | None = None
-  stale_versions: dict[str, str] | None = None
+  stale: str | None = None
 
   def __str__(self) -> str:
     lines = [f"{self.op}: {json.dumps(config_to_json(self.config))} from {self.source}"]
-    if self.stale_versions is not None:
-      lines.append(f"  measured under {self.stale_versions}, running {current_versions()}: "
-                   "stale, autotune measures this call again")
+    if self.stale is not None:
+      lines.append(f"  stale ({self.stale}): autotune measures this call again")
     if self.confidence is not None:
       where, diffs = self.nearest
       lines.append(f"  transferred with confidence {self.confidence:.2f} from the nearest tuned "
@@ -79,11 +76,11 @@ def explain(bound_args: BoundArguments) -> Explanation:
   if resolved.source not in ("explicit", "result") and not resolved.source.endswith("cache"):
     nearest = _nearest(bound_args)
   return Explanation(bound_args.op.name, resolved.config, resolved.source, nearest,
-                     stale_versions=_stale_versions(bound_args, resolved.source))
+                     stale=_stale_reason(bound_args, resolved.source))
 
 
-def _stale_versions(bound_args: BoundArguments, source: str) -> dict[str, str] | None:
-  """The versions of the entry a result or cache resolved the call from, if stale."""
+def _stale_reason(bound_args: BoundArguments, source: str) -> str | None:
+  """Why the entry a result or cache resolved the call from is stale, or None."""
   if source == "result":
     results = reversed(resolution.active_results())  # the innermost answers first
   else:
@@ -91,7 +88,7 @@ def _stale_versions(bound_args: BoundArguments, source: str) -> dict[str, str] |
   for result in results:
     entry = result.entry(bound_args) if hasattr(result, "entry") else None
     if entry is not None:
-      return None if entry.is_current else dict(entry.versions)
+      return entry.stale_reason
   return None
 
 

@@ -11,6 +11,7 @@
           "best_config": {...}, "heuristic_config": {...},
           "measured_at": "2026-11-29T23:00:00Z", "method": "racing/cpu-batched",
           "versions": {"stellarax": "0.1.0", "jax": "0.11.2", "jaxlib": "0.11.2"},
+          "code": "3f1c9a0e5b7d2c41",
           "measurements": [{"config": {...}, "status": "ok", "median_s": ...,
                             "ci_low_s": ..., "ci_high_s": ..., "num_samples": ...,
                             "compile_time_s": ..., "error": null, "method": ...}]
@@ -22,15 +23,17 @@ Ops are named by their registered names, configs by their fields: no Python
 import paths. The top-level `versions` are those of the writer; each entry
 keeps the versions it was measured under (an entry without them, written
 before they were kept, takes the file's), so a file that merges old and new
-measurements says which is which.
+measurements says which is which, and `code`, the fingerprint of the op's
+source it was measured on (`core/fingerprint.py`; absent or "" if unknown).
 
 Policy for data from other versions: a file with a newer `schema` is refused
 with a clear error (it may mean anything); entries recorded under another
 stellarax/jax/jaxlib version are used, with one warning per file, because
 configs are validated when read and a config that no longer validates (or an
 op that no longer exists) drops just that entry, with a warning. They are
-stale all the same (`result.Entry.is_current`): `autotune` measures their calls
-again, and the new entry wins the merge. The shipped library cache reads its
+stale all the same (`result.Entry.stale_reason`), as are entries measured on
+other code of their op (used silently): `autotune` measures their calls again,
+and the new entry wins the merge. The shipped library cache reads its
 own files without these warnings (`cache.FileCache.warn_other_versions`). A
 file that is not valid JSON, lacks a required field, or holds an invalid entry
 recorded under the running versions raises `FormatError` naming the file and
@@ -128,6 +131,7 @@ def entry_to_json(entry) -> dict[str, Any]:
       "measured_at": entry.measured_at,
       "method": entry.method,
       "versions": dict(entry.versions),
+      "code": entry.code,
       "measurements": [{"config": config_to_json(c), **m.to_json()} for c, m in entry.measurements],
   }
 
@@ -157,7 +161,8 @@ def entry_from_json(data: dict[str, Any], *, source: str, file_versions: Mapping
       measurements=tuple(measurements),
       measured_at=str(data.get("measured_at", "")),
       method=str(data.get("method", "")),
-      versions=_entry_versions(data, file_versions))
+      versions=_entry_versions(data, file_versions),
+      code=str(data.get("code") or ""))
 
 
 def result_to_json(result) -> dict[str, Any]:

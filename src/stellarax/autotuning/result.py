@@ -23,6 +23,7 @@ from stellarax.core import resolution
 from stellarax.core import specs
 from stellarax.core.bound_args import BoundArguments
 from stellarax.core.config import config_to_json
+from stellarax.core.fingerprint import code_fingerprint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,9 @@ class Entry:
     method: how it was measured (strategy and timing method).
     versions: the stellarax, jax and jaxlib versions it was measured under (default:
       the running ones).
+    code: the fingerprint of the op's code it was measured on
+      (`core.fingerprint.code_fingerprint`); "" for unknown (entries written before
+      fingerprints were kept), which only the versions judge.
   """
 
   bound_args: BoundArguments
@@ -48,16 +52,30 @@ class Entry:
   method: str = ""
   versions: Mapping[str, str] = dataclasses.field(default_factory=file_format.current_versions,
                                                   hash=False)
+  code: str = ""
+
+  @property
+  def stale_reason(self) -> str | None:
+    """Why this entry is stale, or None when it is current: measured under the running
+    stellarax, jax and jaxlib versions, on the op's current code (when its fingerprint
+    is known).
+
+    Other versions may lower the same config to another program, and changed kernel
+    code may favour other configs, so a stale entry still applies, but `autotune`
+    measures its call again, and a current entry of the same call wins any merge with it.
+    """
+    if not file_format.same_versions(self.versions):
+      return f"measured under {dict(self.versions)}, running {file_format.current_versions()}"
+    now = code_fingerprint(type(self.bound_args.op))
+    if self.code and self.code != now:
+      return (f"measured on other code of {self.bound_args.op.name} (fingerprint {self.code}, "
+              f"now {now}): the kernel or code it uses changed since")
+    return None
 
   @property
   def is_current(self) -> bool:
-    """Whether it was measured under the running stellarax, jax and jaxlib versions.
-
-    Another version may lower the same config to another program, so an entry that is
-    not current is stale: it still applies, but `autotune` measures its call again, and
-    a current entry of the same call wins any merge with it.
-    """
-    return file_format.same_versions(self.versions)
+    """Whether the entry is not stale (see `stale_reason`)."""
+    return self.stale_reason is None
 
   @property
   def key(self) -> tuple[str, str]:
@@ -172,10 +190,10 @@ class AutotuningResult:
   # ---- merging ----------------------------------------------------------
 
   def __or__(self, other: AutotuningResult) -> AutotuningResult:
-    """Merges two results of the same device kind. Per call, an entry measured under
-    the running versions wins over one measured under others (`Entry.is_current`: a
-    stale measurement must not outlive a new one); else the faster measured best
-    config wins, with its measurements.
+    """Merges two results of the same device kind. Per call, a current entry wins over
+    a stale one (`Entry.stale_reason`: other versions or other code of its op; a stale
+    measurement must not outlive a new one); else the faster measured best config
+    wins, with its measurements.
 
     Raises:
       ValueError: for results of different device kinds.
