@@ -570,9 +570,9 @@ def _walk(session: _Session[C], configs: Sequence[C], heuristic: C, first: Seque
   fields that act apart are all moved at once). The fastest of a step becomes the
   incumbent. The first step measures one new config, so that the cost model tells
   compiling from measuring before it plans a batch. The walk ends when every config was
-  measured or the next step does not fit
-  the budget less the predicted cost of measuring the finalists and the heuristic at
-  `final_effort` (the last round then takes what is left, up to full effort).
+  measured or the next step does not fit the budget less the predicted cost of
+  measuring the finalists and the heuristic at `final_effort` (the last round then takes
+  what is left, up to full effort).
   """
   geometry, space = _Geometry(configs), set(configs)
   rng = random.Random(rng_seed)
@@ -594,7 +594,7 @@ def _walk(session: _Session[C], configs: Sequence[C], heuristic: C, first: Seque
 
   while True:
     if not batch:
-      unmeasured = [c for c in configs if c not in screened and not session.has(c)]
+      unmeasured = [c for c in configs if not session.has(c)]
       if not unmeasured:
         break
       nearest = min(geometry.distance(incumbent, c) for c in unmeasured)
@@ -698,7 +698,8 @@ def racing(space: Iterable[C], measure: Measure[C], *, heuristic: C,
     walked = _walk(session, configs, heuristic, variants, effort=max(min_effort, eta ** -3.0),
                    finalists=eta, final_effort=max(min_effort, 1.0 / eta),
                    chunk_size=chunk_size, rng_seed=rng_seed)
-    finalists = _final_round(session, walked, heuristic, min_effort)
+    _final_round(session, walked, heuristic, min_effort)
+    finalists = walked
   else:
     pool = pool[:schedule[0][0]] if schedule else []
     finalists = _race(session, pool, heuristic, schedule, min_effort, chunk_size, configs)
@@ -707,7 +708,7 @@ def racing(space: Iterable[C], measure: Measure[C], *, heuristic: C,
 
 
 def _final_round(session: _Session[C], finalists: list[C], heuristic: C,
-                 min_effort: float) -> list[C]:
+                 min_effort: float) -> None:
   """Measures the finalists with the heuristic at full effort, or the most effort that
   fits (at least min_effort); without room they keep the measurements they have."""
   if finalists:
@@ -715,7 +716,6 @@ def _final_round(session: _Session[C], finalists: list[C], heuristic: C,
     effort = _affordable_effort(session, batch, 1.0, min_effort, [])
     if effort is not None:
       session.measure(batch, effort)
-  return finalists
 
 
 def default_strategy(space_size: int, *, max_exhaustive: int = MAX_EXHAUSTIVE) -> Strategy:
