@@ -167,6 +167,32 @@ def test_the_walk_never_returns_worse_than_the_heuristic_on_a_rough_sweep():
     assert rough[outcome.best] <= 1.02 * rough[HEURISTIC]
 
 
+def test_the_cost_model_learns_a_cost_per_call_only_where_calls_need_one():
+  exact = [(1, 1.0, 2.55), (0, 1 / 81, 0.05 + 0.5 / 81), (1, 2 / 27, 0.05 + 2.0 + 1 / 27)]
+  model = search._CostModel.fit(exact)  # 0.05 s a call, 2 s to compile, 0.5 s an effort
+  assert (model.call_s, model.fixed_s, model.per_effort_s) == pytest.approx((0.05, 2.0, 0.5))
+  assert model.scale == pytest.approx(1.0) and model.predict(3, 0.5) == pytest.approx(6.3)
+  # Calls that compile and effort explain keep no call cost, even where one more
+  # coefficient could fit them too (a call cost the calls do not pin down would make
+  # new configs look cheaper than they were).
+  plain = search._CostModel.fit([(1, 1.0, 1.5)])
+  assert plain.call_s == 0.0 and plain.per_config(1.0) == pytest.approx(1.5)
+  assert search._CostModel.fit([(2, 1.0, 2.5), (0, 0.5, 0.25)]).call_s == 0.0
+
+
+def test_racing_spends_a_budget_that_calls_cost_overhead_in():
+  # GPU-like: 2 s to compile a config, 0.5 s to measure it, 0.05 s per measure call.
+  # The heuristic's two calibration calls cannot separate the three costs; the model
+  # must neither give up (it did: 6 s measured only the heuristic, in 2.6 s) nor overrun.
+  for budget, at_least in ((6.0, 2), (12.0, 4)):
+    replay = search.ReplayMeasure(SWEEP, noise=0.02, compile_cost_s=2.0, cost_s_per_config=0.5,
+                                  call_cost_s=0.05)
+    outcome = search.racing(SWEEP, replay, heuristic=HEURISTIC, budget_s=budget,
+                            clock=replay.clock)
+    assert replay.clock() <= budget and outcome.num_measured >= at_least, budget
+    assert TRUE[outcome.best] <= TRUE[HEURISTIC]
+
+
 def test_racing_adapts_when_calls_cost_more_than_predicted():
   # After the two calibration calls every call costs three times what the replay charges,
   # so the plan made from the calibration overruns unless racing re-predicts each call.
@@ -262,6 +288,9 @@ def test_replay_measure_advances_its_clock_and_scales_samples_with_effort():
   assert first[OPTIMUM].num_samples == 3 and first[OPTIMUM].method == "replay"
   again = replay([OPTIMUM])
   assert replay.clock() == 7.0 + 2.0 and again[OPTIMUM].num_samples == 10
+  per_call = search.ReplayMeasure(SWEEP, call_cost_s=0.25)
+  per_call([OPTIMUM, HEURISTIC], effort=0.5)
+  assert per_call.clock() == 0.25 + 2 * 0.5
   assert abs(again[OPTIMUM].median_s / TRUE[OPTIMUM] - 1) < 0.1
   with pytest.raises(ValueError, match="not in the recorded sweep"):
     replay([Tile(block_m=1, block_n=1, block_k=1, warps=1, stages=1)])

@@ -46,6 +46,7 @@ is faster beyond noise.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import random
 import time
@@ -62,6 +63,9 @@ C = TypeVar("C", bound=Hashable)
 MAX_EXHAUSTIVE: Final = 16
 # Configs per measure call when a budgeted sweep or racing's screening goes in chunks.
 _CHUNK: Final = 16
+# A cost fit whose residual exceeds this fraction of the calls' seconds (root of sums of
+# squares) leaves them unexplained: _CostModel then also fits a cost per call.
+_UNEXPLAINED: Final = 1e-3
 # Fraction of racing's budget that extra effort (boost) may not plan to use.
 _BOOST_MARGIN: Final = 0.05
 
@@ -177,45 +181,72 @@ class _Session(Generic[C]):
 
 @dataclasses.dataclass(frozen=True)
 class _CostModel:
-  """Seconds per measure call: fixed_s per config never measured before, plus
-  per_effort_s per unit of effort summed over the call's configs, times `scale`.
+  """Seconds per measure call: call_s for the call itself (a measure's own set-up: its
+  warm-up runs, a worker's round trip), fixed_s per config never measured before
+  (compilation), and per_effort_s per unit of effort summed over the call's configs,
+  all times `scale`.
 
-  The two coefficients are fitted by least squares to the calls so far, both kept >= 0.
-  When the calls cannot separate them (all at one effort), the fit still predicts calls
-  like them, which is what the strategies then make. Costs can drift (a loaded machine,
-  larger configs later in the space), and a fit over all the history lags behind: `scale`
-  is how much longer than fitted the latest call took (at least 1), so one surprise makes
-  the next predictions cautious at once.
+  The coefficients are fitted by least squares to the calls so far, all kept >= 0 (the
+  best fit over the subsets of them that are non-negative). When the calls cannot
+  separate them (too few, or all alike), the fit still predicts calls like them, which
+  is what the strategies then make. Costs can drift (a loaded machine, larger configs
+  later in the space), and a fit over all the history lags behind: `scale` is how much
+  longer than fitted the latest call took (at least 1), so one surprise makes the next
+  predictions cautious at once.
   """
 
   fixed_s: float
   per_effort_s: float
   scale: float = 1.0
+  call_s: float = 0.0
 
   @classmethod
   def fit(cls, calls: Sequence[tuple[int, float, float]]) -> _CostModel:
     if not calls:
       return cls(0.0, 0.0)
-    x = np.array([[new, effort] for new, effort, _ in calls], dtype=np.float64)
+    x = np.array([[new, effort, 1.0] for new, effort, _ in calls], dtype=np.float64)
     y = np.array([seconds for *_, seconds in calls], dtype=np.float64)
     base = cls._least_squares(x, y)
     fitted_last = base.predict(*calls[-1][:2])
     scale = max(1.0, calls[-1][2] / fitted_last) if fitted_last > 0 else 1.0
-    return cls(base.fixed_s, base.per_effort_s, scale)
+    return dataclasses.replace(base, scale=scale)
 
   @classmethod
   def _least_squares(cls, x: np.ndarray, y: np.ndarray) -> _CostModel:
-    (fixed, per_effort), *_ = np.linalg.lstsq(x, y, rcond=None)
-    if fixed >= 0 and per_effort >= 0:
-      return cls(float(fixed), float(per_effort))
-    # One coefficient would be negative: fit the other alone, through the origin.
-    only = lambda col: float(x[:, col] @ y / (x[:, col] @ x[:, col])) if x[:, col].any() else 0.0
-    candidates = [cls(max(only(0), 0.0), 0.0), cls(0.0, max(only(1), 0.0))]
-    residual = lambda m: float(np.sum((x @ [m.fixed_s, m.per_effort_s] - y) ** 2))
-    return min(candidates, key=residual)
+    """The non-negative fit of smallest residual over the subsets of the coefficients
+    (the others 0). call_s enters only where fixed_s and per_effort_s alone leave the
+    calls unexplained: a call term that the calls do not pin down would make new
+    configs look cheaper than they have been."""
+    def best_of(subsets):
+      best, best_residual = None, math.inf
+      for columns in subsets:
+        solution, *_ = np.linalg.lstsq(x[:, columns], y, rcond=None)
+        if np.any(solution < 0):
+          continue
+        coefficients = np.zeros(3)
+        coefficients[list(columns)] = solution
+        residual = float(np.sum((x @ coefficients - y) ** 2))
+        if residual < best_residual:
+          best, best_residual = coefficients, residual
+      return best, best_residual
+
+    plain, plain_residual = best_of([(0, 1), (0,), (1,)])
+    if plain is None or plain_residual > _UNEXPLAINED ** 2 * float(y @ y):
+      with_call, residual = best_of([(0, 1, 2), (0, 2), (1, 2), (2,)])
+      if with_call is not None and (plain is None or residual < plain_residual):
+        plain = with_call
+    if plain is None:
+      return cls(0.0, 0.0)
+    return cls(float(plain[0]), float(plain[1]), call_s=float(plain[2]))
 
   def predict(self, new: int, effort_total: float) -> float:
-    return self.scale * (self.fixed_s * new + self.per_effort_s * effort_total)
+    """Seconds of one call that measures `new` configs for the first time and
+    `effort_total` effort summed over its configs."""
+    return self.scale * (self.call_s + self.fixed_s * new + self.per_effort_s * effort_total)
+
+  def per_config(self, effort: float) -> float:
+    """What one more new config at `effort` adds to a call."""
+    return self.scale * (self.fixed_s + self.per_effort_s * effort)
 
 
 def code_path_variants(heuristic: Any, space: Iterable[Any]) -> list[Any]:
@@ -296,11 +327,12 @@ def _sweep(session: _Session[C], configs: Sequence[C], chunk_size: int):
   while i < len(configs):
     k = min(chunk_size, len(configs) - i)
     if session.budget_s is not None:
-      per_config = _CostModel.fit(session.calls).predict(1, 1.0)
+      model = _CostModel.fit(session.calls)
+      per_config = model.per_config(1.0)
       if not session.calls:
         k = 1
       elif per_config > 0:
-        k = min(k, math.floor(max(session.remaining(), 0.0) / per_config))
+        k = min(k, math.floor(max(session.remaining() - model.predict(0, 0.0), 0.0) / per_config))
       if k == 0 or session.remaining() <= 0:
         return
     session.measure(configs[i:i + k], 1.0)
@@ -452,7 +484,8 @@ def _affordable_effort(session: _Session[C], batch: Sequence[C], effort: float,
     return None
   # Aim a little under the room, so that rounding cannot turn "fits exactly" into an overrun.
   room *= 1 - 1e-6
-  fitting = (room / model.scale - model.fixed_s * new) / (model.per_effort_s * len(batch))
+  fitting = ((room / model.scale - model.call_s - model.fixed_s * new)
+             / (model.per_effort_s * len(batch)))
   return fitting if fitting >= min_effort else None
 
 
@@ -466,9 +499,9 @@ def _screen(session: _Session[C], pool: Sequence[C], schedule: Sequence[tuple[in
     if session.budget_s is not None:
       model = _CostModel.fit(session.calls)
       room = session.remaining() - _schedule_cost(model, schedule[1:], False)
-      per_config = model.predict(1, effort)
+      per_config = model.per_config(effort)
       if per_config > 0:
-        chunk = chunk[:max(0, math.floor(room / per_config))]
+        chunk = chunk[:max(0, math.floor((room - model.predict(0, 0.0)) / per_config))]
       if not chunk or room <= 0:
         break
     results |= session.measure(chunk, effort)
@@ -746,9 +779,9 @@ class ReplayMeasure(Generic[C]):
   measurement of its recorded time: k = ceil(rounds * effort) samples, each the recorded
   time times exp(noise * z), z standard normal (so the noise is multiplicative and its
   median is the recorded time), summarised by `median_interval`. The clock advances by
-  compile_cost_s the first time a config is measured, plus cost_s_per_config * effort
-  per config per call: measuring the sweep at full effort costs
-  len(recorded) * (compile_cost_s + cost_s_per_config).
+  call_cost_s per call, compile_cost_s the first time a config is measured, plus
+  cost_s_per_config * effort per config per call: measuring the sweep at full effort in
+  one call costs call_cost_s + len(recorded) * (compile_cost_s + cost_s_per_config).
 
   Args:
     recorded: config -> seconds per call, or a Measurement (a failure, or an ok one whose
@@ -757,6 +790,8 @@ class ReplayMeasure(Generic[C]):
     seed: seed of the noise.
     cost_s_per_config: fake seconds of a full-effort measurement of one config.
     compile_cost_s: fake seconds added the first time a config is measured.
+    call_cost_s: fake seconds of every call, whatever it measures (a measure's own
+      set-up).
     rounds: samples of a full-effort measurement.
 
   Raises:
@@ -765,11 +800,11 @@ class ReplayMeasure(Generic[C]):
 
   def __init__(self, recorded: Mapping[C, float | Measurement], *, noise: float = 0.0,
                seed: int = 0, cost_s_per_config: float = 1.0, compile_cost_s: float = 0.0,
-               rounds: int = 10):
+               call_cost_s: float = 0.0, rounds: int = 10):
     if not recorded:
       raise ValueError("The recorded sweep is empty: give config -> seconds or Measurement.")
     for name, value in (("noise", noise), ("cost_s_per_config", cost_s_per_config),
-                        ("compile_cost_s", compile_cost_s)):
+                        ("compile_cost_s", compile_cost_s), ("call_cost_s", call_cost_s)):
       if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"{name}={value} must be a finite number >= 0.")
     if not isinstance(rounds, int) or rounds < 1:
@@ -777,6 +812,7 @@ class ReplayMeasure(Generic[C]):
     self._recorded = {c: self._entry(c, v) for c, v in recorded.items()}
     self._noise, self._rounds = noise, rounds
     self._cost_s, self._compile_cost_s = cost_s_per_config, compile_cost_s
+    self._call_cost_s = call_cost_s
     self._rng = np.random.default_rng(seed)
     self._now = 0.0
     self._seen: set[C] = set()
@@ -814,6 +850,7 @@ class ReplayMeasure(Generic[C]):
     if unknown:
       raise ValueError(f"{unknown[:5]!r} are not in the recorded sweep; measure only its configs.")
     self.num_calls += 1
+    self._now += self._call_cost_s
     out = {}
     for config in configs:
       self._now += self._cost_s * effort + (0.0 if config in self._seen else self._compile_cost_s)
