@@ -16,6 +16,12 @@ prints, per strategy, on how many seeds the chosen config is within 2% of the op
 the geometric mean of chosen / optimum, and the worst. `--against` adds the strategies
 of another search.py (e.g. `git show REV:src/stellarax/autotuning/search.py >
 /tmp/old.py`), to compare a change with what it replaces.
+
+    python bench/search_strategies.py --live [--against OLD_SEARCH_PY]
+
+instead tunes one real op call on this machine (XLA chunked attention, 16 configs) with
+racing under budgets of 3 and 8 s, and prints per budget how many configs each racing
+measured and how long its search took: whether the budget is spent, and not overrun.
 """
 
 from __future__ import annotations
@@ -108,13 +114,45 @@ def run(seeds: int, against: str | None) -> list[str]:
   return [header, "|" + "---|" * (3 + len(strategies))] + lines
 
 
+def live(against: str | None, budgets=(3.0, 8.0), repeats: int = 2) -> list[str]:
+  """The report's lines for `--live` (see the module docstring)."""
+  import time
+
+  import jax
+
+  import stellarax
+  modules = {"racing": search} | ({f"racing ({Path(against).name})": _load(against)}
+                                   if against else {})
+  q = jax.random.normal(jax.random.key(0), (2, 512, 4, 64))
+  call = stellarax.XlaChunkedAttention.bind(q, q, q, is_causal=True)
+  lines = ["| budget (s) | strategy | configs measured | search time (s) |", "|---|---|---|---|"]
+  for budget in budgets:
+    for name, module in modules.items():
+      for _ in range(repeats):
+        spent = []
+
+        def timed(space, measure, *, heuristic, budget_s, module=module, spent=spent):
+          start = time.perf_counter()
+          outcome = module.racing(space, measure, heuristic=heuristic, budget_s=budget_s)
+          spent.append(time.perf_counter() - start)
+          return outcome
+
+        tuner = stellarax.Autotuner(strategy=timed, budget_s=budget, progress=False)
+        entry = tuner.tune_one(call)
+        lines.append(f"| {budget:g} | {name} | {len(entry.measurements)} of "
+                     f"{len(call.autotuning_configs)} | {spent[0]:.2f} |")
+  return lines
+
+
 def main(argv=None) -> int:
   """Prints the comparison table (markdown) and returns 0."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--seeds", type=int, default=40)
   parser.add_argument("--against", help="another search.py whose strategies to compare")
+  parser.add_argument("--live", action="store_true",
+                      help="tune a real op call on this machine instead (budget use)")
   args = parser.parse_args(argv)
-  print("\n".join(run(args.seeds, args.against)))
+  print("\n".join(live(args.against) if args.live else run(args.seeds, args.against)))
   return 0
 
 

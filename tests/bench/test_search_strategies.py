@@ -26,3 +26,11 @@ def test_the_report_compares_every_strategy_in_every_setting(tmp_path):
   assert all(len(row) == 3 + 4 for row in cells)
   # The same code under two names gives the same numbers.
   assert all(row[3] == row[5] and row[4] == row[6] for row in cells)
+
+
+def test_the_live_report_tunes_a_real_call_within_each_budget():
+  lines = search_strategies.live(None, budgets=(1.0,), repeats=1)
+  assert lines[0].startswith("| budget (s) | strategy |") and len(lines) == 3
+  budget, strategy, measured, seconds = lines[2].strip("| ").split(" | ")
+  assert (budget, strategy) == ("1", "racing") and measured.endswith(" of 16")
+  assert float(seconds) > 0  # budgets are held on replayed clocks (test_search), not here
