@@ -351,19 +351,19 @@ def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
     if tune_budget_s > 0:
       tuner = stellarax.Autotuner(budget_s=tune_budget_s, progress=False, measure_options=opts,
                                   isolate=isolate)
+      result, failure = None, None
       try:
         result = tuner.autotune(call, *inputs)
       except stellarax.autotuning.IncompleteTuningError as e:
         # The op calls that were tuned still count (e.g. the forward when every
         # config of the backward failed); the others run their heuristic configs.
-        result = e.partial_result
+        result, failure = e.partial_result, e
         notes[f"{impl_name} tuned"] = "partly tuned: " + "; ".join(
             f"{ba.op.name} {error.splitlines()[0][:120]}" for ba, error in e.errors.items())
-        if not len(result):
-          rows.append(Row(w.name, f"{impl_name} tuned", status=f"tuning failed: {str(e)[:200]}"))
-          continue
       except Exception as e:  # a failed tuning is a row, not a crash
-        rows.append(Row(w.name, f"{impl_name} tuned", status=f"tuning failed: {str(e)[:200]}"))
+        failure = e
+      if failure is not None and not (result is not None and len(result)):
+        rows.append(Row(w.name, f"{impl_name} tuned", status=f"tuning failed: {str(failure)[:200]}"))
         continue
       tuned_all = result if tuned_all is None else tuned_all | result
       candidates[f"{impl_name} tuned"] = _with_result(result, call)
