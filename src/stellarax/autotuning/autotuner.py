@@ -201,8 +201,12 @@ class Autotuner:
     Raises:
       As `tune_one`.
     """
-    cached = None if self.ignore_cache else _cached_entry(ba)
+    cached = self._reusable_entry(ba)
     return cached if cached is not None else self._tune_and_keep(ba, progress, device)
+
+  def _reusable_entry(self, ba: BoundArguments) -> Entry | None:
+    """The call's current cached entry, unless ignore_cache."""
+    return None if self.ignore_cache else _cached_entry(ba)
 
   def _tune_and_keep(self, ba: BoundArguments, progress: Progress | None,
                      device: jax.Device | None = None) -> Entry:
@@ -217,7 +221,7 @@ class Autotuner:
     result = AutotuningResult(current_device_kind())
     todo = []
     for ba in calls:
-      cached = None if self.ignore_cache else _cached_entry(ba)
+      cached = self._reusable_entry(ba)
       if cached is not None:
         result = result.with_entry(cached)
       else:

@@ -142,7 +142,9 @@ def _entry_versions(data: Any, file_versions: Mapping[str, str]) -> dict[str, st
   return dict(versions) if isinstance(versions, dict) and versions else dict(file_versions)
 
 
-def entry_from_json(data: dict[str, Any], *, source: str, file_versions: Mapping[str, str]):
+def entry_from_json(data: dict[str, Any], *, source: str, versions: Mapping[str, str]):
+  """An `Entry` from its JSON data; `versions`: those it was measured under (its own,
+  or its file's for data that names none: `_entry_versions`)."""
   from stellarax.autotuning.measure import Measurement
   from stellarax.autotuning.result import Entry
   from stellarax.core.bound_args import BoundArguments
@@ -161,7 +163,7 @@ def entry_from_json(data: dict[str, Any], *, source: str, file_versions: Mapping
       measurements=tuple(measurements),
       measured_at=str(data.get("measured_at", "")),
       method=str(data.get("method", "")),
-      versions=_entry_versions(data, file_versions),
+      versions=dict(versions),
       code=str(data.get("code") or ""))
 
 
@@ -193,7 +195,7 @@ def result_from_json(cls, data: dict[str, Any], *, source: str, warn_other_versi
     try:
       if not isinstance(raw, dict):
         raise ValueError(f"expected a JSON object, got {type(raw).__name__}")
-      entry = entry_from_json(raw, source=source, file_versions=file_versions)
+      entry = entry_from_json(raw, source=source, versions=recorded[i])
     except (KeyError, ValueError, TypeError) as e:
       # Same versions: the file was broken (by hand or by a bug), say so.
       # Other versions: an op or config changed since, drop just this entry.
