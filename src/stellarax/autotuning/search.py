@@ -46,7 +46,6 @@ is faster beyond noise.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import random
 import time
