@@ -11,7 +11,8 @@ attention, last so that the deadline cuts them first) every implementation that
 runs here is first checked against the op's float32 reference on fresh random
 inputs, then all of them are timed together by `measure_candidates`
 (interleaved shuffled rounds of batched asynchronous calls, one sync per
-batch: device time, not dispatch). Ours run with the heuristic config and,
+batch: device time, not dispatch; a call faster than its dispatch is timed in
+a loop inside one program, and its row says so). Ours run with the heuristic config and,
 unless --tune-budget-s 0, with the config `stellarax.Autotuner` finds within
 that budget per op call. Baselines: XLA (`jax.lax.ragged_dot`,
 `jax.nn.dot_product_attention(implementation="xla")`), cuDNN attention,
@@ -25,7 +26,8 @@ event path of the profile reader.
 Writes `<out>/results.json` (every row, environment) and `<out>/tuned.json`
 (an AutotuningResult for the library cache) after every workload, so a run cut
 short keeps what it measured; prints each workload's rows as it ends, then the
-whole table, the code paths each tuning measured (and those faster than the
+whole table (before it, small calls timed both ways beside the dispatch floor:
+what sets `MeasureOptions.host_bound_factor`), the code paths each tuning measured (and those faster than the
 heuristic beyond both confidence intervals), then whether each speed target of
 the GPU-kernels issue was met. Past --deadline-s the remaining workloads are
 checked and timed untuned, and past the deadline plus a minute they are skipped. A
@@ -71,6 +73,9 @@ class Row:
   # What the status does not say, e.g. a tuned row's op calls that kept their heuristic
   # configs because their tuning failed (the status still says how the row ran).
   note: str = ""
+  # How measure_candidates timed it: "<platform>-batched", or "-looped" for a call
+  # faster than the host dispatches it (measure.py's docstring, step 4).
+  method: str = ""
 
 
 def _rel_err(out, ref) -> float:
@@ -313,7 +318,11 @@ def run(args) -> list[Row]:
     _write(Path(args.out), rows, tuned_all)
     print_table(new_rows)
     print(f"-- {w.name}: done at {time.monotonic() - start:.0f} s", flush=True)
-  _write(Path(args.out), rows, tuned_all)
+  # Seconds on the device; after the workloads so that the deadline never cuts them.
+  dispatch = dispatch_calibration(args.smoke)
+  _write(Path(args.out), rows, tuned_all, dispatch)
+  print("\n== dispatch (small calls: batched, looped, and the dispatch floor) ==")
+  print("\n".join(dispatch_lines(dispatch)))
   return rows
 
 
@@ -397,19 +406,71 @@ def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
       r.status = m.status if m.status == "ok" else f"{m.status}: {m.error}"
       if note:
         r.status = f"{note}; {r.status}"
+      r.method = m.method
       if m.status == "ok":
         r.median_ms = m.median_s * 1e3
         r.rate = _rate(m.median_s, w.flops, w.nbytes)
+        if m.method.endswith("-looped"):
+          r.note = "; ".join(filter(None, (r.note, "timed in a loop: host-bound")))
   return rows, tuned_all
 
 
-def _write(out: Path, rows: list[Row], tuned_all) -> None:
+def dispatch_calibration(smoke: bool) -> list[dict[str, Any]]:
+  """Small calls timed in batches and in a loop, beside the dispatch floor.
+
+  The numbers that set `MeasureOptions.host_bound_factor` for this device: a call whose
+  batched time is near its looped time is device-bound; one whose batched time stays
+  near the floor while its looped time is far below it is host-bound.
+
+  Args:
+    smoke: use interpret mode for the Pallas kernel (CPU).
+
+  Returns:
+    One dict per call: name, floor_us, batched_us, looped_us (None where it failed).
+  """
+  opts = measure.MeasureOptions(rounds=5, leader_rounds=0, max_total_s=0.5, timeout_s=20.0)
+  dtype = jnp.float32 if smoke else jnp.bfloat16
+  x = jax.random.normal(jax.random.key(4), (64, 1024), jnp.float32).astype(dtype)
+  a = jax.random.normal(jax.random.key(5), (256, 256), jnp.float32).astype(dtype)
+  # Not in interpret mode: a loop of interpreted grid steps takes seconds a call.
+  norm = [] if smoke else [(n, op) for n, op in _impls("layer_norm", smoke) if "triton" in n][:1]
+  calls = {"rms_norm (64, 1024) xla": (lambda x: stellarax.rms_norm(x, None, implementation="xla"), (x,)),
+           "matmul 256^3 (cuBLAS on a GPU)": (lambda a: a @ a, (a,))}
+  for name, op in norm:
+    calls[f"rms_norm (64, 1024) {name}"] = (lambda x, op=op: stellarax.rms_norm(x, None, implementation=op), (x,))
+  out = []
+  for name, (fn, args) in calls.items():
+    row = {"name": name, "floor_us": None, "batched_us": None, "looped_us": None}
+    try:
+      row["floor_us"] = measure.dispatch_floor_s(args, opts) * 1e6
+      for column, options in (("batched_us", dataclasses.replace(opts, loop_calls=0)),
+                              ("looped_us", dataclasses.replace(opts, host_bound_factor=1e9))):
+        m = measure.measure_candidates({name: fn}, args, options=options)[name]
+        row[column] = m.median_s * 1e6 if m.ok else None
+    except Exception as e:  # calibration is information; the table matters more
+      row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    out.append(row)
+  return out
+
+
+def dispatch_lines(calibration: list[dict[str, Any]]) -> list[str]:
+  """The calibration as text lines, one per call."""
+  us = lambda v: "-" if v is None else f"{v:.2f} us"
+  return [f"{r['name']}: floor {us(r['floor_us'])}, batched {us(r['batched_us'])},"
+          f" looped {us(r['looped_us'])}" + (f" ({r['error']})" if "error" in r else "")
+          for r in calibration]
+
+
+def _write(out: Path, rows: list[Row], tuned_all, dispatch=None) -> None:
   out.mkdir(parents=True, exist_ok=True)
   if tuned_all is not None:
     tuned_all.dump(out / "tuned.json")
   env = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "stellarax": stellarax.__version__,
          "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "argv": sys.argv}
-  (out / "results.json").write_text(json.dumps({"env": env, "rows": [dataclasses.asdict(r) for r in rows]}, indent=1))
+  data = {"env": env, "rows": [dataclasses.asdict(r) for r in rows]}
+  if dispatch is not None:
+    data["dispatch"] = dispatch
+  (out / "results.json").write_text(json.dumps(data, indent=1))
 
 
 def record_profile(out: Path, smoke: bool) -> list[Any]:

@@ -57,12 +57,15 @@ class Run:
     env: results.json's environment (device, jax, stellarax, date, argv).
     rows: the table's rows (`gpu_check.Row`).
     tuned: tuned.json as an `AutotuningResult`, or None if nothing was tuned.
+    dispatch: results.json's dispatch calibration (`gpu_check.dispatch_calibration`;
+      empty for runs older than it).
   """
 
   folder: Path
   env: dict[str, Any]
   rows: list[Any]
   tuned: Any
+  dispatch: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
 def load_run(folder: str | Path, *, any_device: bool = False) -> Run:
@@ -96,7 +99,7 @@ def load_run(folder: str | Path, *, any_device: bool = False) -> Run:
                     "Read gpu_check.log beside it for why.")
   tuned_path = folder / "tuned.json"
   tuned = AutotuningResult.load(tuned_path) if tuned_path.is_file() else None
-  return Run(folder, env, rows, tuned)
+  return Run(folder, env, rows, tuned, data.get("dispatch", []))
 
 
 def _unconfirmed_configs(rows) -> list[str]:
@@ -155,6 +158,10 @@ def benchmarks_section(run: Run, command: str) -> str:
     faster = gpu_check.faster_code_paths(run.tuned)
     lines += ["", "Faster than the heuristic beyond both confidence intervals:", ""]
     lines += ["    " + line for line in faster] or ["    none"]
+  if run.dispatch:
+    lines += ["", "Dispatch (small calls timed in batches and in a loop; what sets "
+              "`MeasureOptions.host_bound_factor`):", ""]
+    lines += ["    " + line for line in gpu_check.dispatch_lines(run.dispatch)]
   lines += ["", "Targets:", ""]
   lines += ["    " + line for line in gpu_check.target_lines(run.rows)]
   return "\n".join(lines) + "\n"

@@ -1,5 +1,6 @@
 """Tests of the measuring primitive (CPU; relative timings only, never absolute ones)."""
 
+import dataclasses
 import json
 import time
 
@@ -166,6 +167,82 @@ def test_cold_cache_rotates_enough_input_copies():
   assert cold["a"].ok
 
 
+def _tiny(x):
+  return jnp.tanh(x)
+
+
+def _tiny_chain(x):
+  # Three dependent small matmuls: far more work than _tiny, both below a dispatch's cost.
+  return jnp.tanh(jnp.tanh(jnp.tanh(jnp.sin(x) @ x) @ x) @ x)
+
+
+@pytest.mark.timing
+def test_host_bound_candidates_are_timed_in_a_loop():
+  x = _x((16, 16))
+  cands = {"chain": _tiny_chain, "1x": _tiny}
+  batched = m.measure_candidates(cands, (x,), options=dataclasses.replace(FAST, loop_calls=0))
+  # Where the chain counts as host-bound depends on the host's cost of its four kernels
+  # (7-27 us per call measured, the floor 6.5 us); a factor no call is below loops both.
+  looped = m.measure_candidates(cands, (x,),
+                                options=dataclasses.replace(FAST, host_bound_factor=1e9))
+  assert {v.method for v in batched.values()} == {"cpu-batched"}
+  assert {v.method for v in looped.values()} == {"cpu-looped"}
+  # Batches time the host's dispatch, not far apart for the two (measured 4.5 and 7.9 us
+  # on 2026-12-02); the loop times the work (0.10 and 2.1 us). The chain's extra work
+  # must show as more than 4 times the time, and a looped call of the tiny one must take
+  # less than a dispatch.
+  assert looped["chain"].median_s > 4 * looped["1x"].median_s
+  assert looped["1x"].median_s < batched["1x"].median_s
+  assert m.pick_best(looped) == "1x"
+  # With the default factor the tiny call (about one dispatch floor) loops on its own.
+  assert m.measure_candidates({"1x": _tiny}, (x,), options=FAST)["1x"].method == "cpu-looped"
+
+
+def test_looped_programs_compute_the_call_and_are_compiled_once():
+  x, w = _x(), _x((160, 160), seed=1)
+  traced = []
+  def counted(x, w):
+    traced.append(1)
+    return _matmul(x, w)
+  looped = m._looped(counted, 7)
+  np.testing.assert_allclose(jax.jit(looped)(x, w), _matmul(x, w), rtol=1e-6)
+  # A factor no candidate is below: every candidate counts as host-bound and loops.
+  options = dataclasses.replace(FAST, host_bound_factor=1e9, loop_calls=5)
+  cache, traces = {}, []
+  for _ in range(2):
+    got = m.measure_candidates({"a": counted}, (x, w), options=options, effort=0.2,
+                               compile_cache=cache, reference=_matmul(x, w))
+    assert got["a"].ok and got["a"].method == "cpu-looped"
+    traces.append(len(traced))
+  assert traces[0] == traces[1]  # the second call compiled nothing
+  assert {k for k in cache if isinstance(k, m._Aux)} == {m._Aux("floor"), m._Aux("looped", "a")}
+  never = m.measure_candidates({"a": counted}, (x, w), effort=0.2,
+                               options=dataclasses.replace(options, loop_calls=0))
+  assert never["a"].method == "cpu-batched"
+
+
+def test_dispatch_floor_is_a_time_per_call_or_a_clear_error(monkeypatch):
+  args = (_x((16, 16)), np.ones(3, np.int32), jax.random.key(0), jnp.zeros((0, 4)))
+  assert 0 < m.dispatch_floor_s(args, FAST) < 1e-2
+  def broken(*args):
+    raise RuntimeError("cannot")
+  monkeypatch.setattr(m, "_nothing", broken)
+  with pytest.raises(RuntimeError, match="dispatch floor's program did not compile or run"):
+    m.dispatch_floor_s(args, FAST)
+
+
+def test_a_looped_program_that_fails_to_compile_leaves_batches(monkeypatch):
+  def unloopable(fn, calls):
+    def run(*args):
+      raise RuntimeError("no loop for this one")
+    return run
+  monkeypatch.setattr(m, "_looped", unloopable)
+  x, w = _x(), _x((160, 160), seed=1)
+  got = m.measure_candidates({"a": _matmul}, (x, w), effort=0.2,
+                             options=dataclasses.replace(FAST, host_bound_factor=1e9))
+  assert got["a"].ok and got["a"].method == "cpu-batched"
+
+
 def test_order_sets_the_result_order_and_must_cover_every_candidate():
   x, w = _x(), _x((160, 160), seed=1)
   cands = {"a": _matmul, "b": lambda x, w: _matmul(x, w) + 0}
@@ -207,6 +284,10 @@ def test_options_validation_and_effort():
     m.MeasureOptions(rounds=0)
   with pytest.raises(ValueError, match="timeout_s"):
     m.MeasureOptions(timeout_s=0.0)
+  with pytest.raises(ValueError, match="loop_calls=-1 must be an int >= 0"):
+    m.MeasureOptions(loop_calls=-1)
+  with pytest.raises(ValueError, match="host_bound_factor=0.5 must be a finite number >= 1"):
+    m.MeasureOptions(host_bound_factor=0.5)
   scaled = m.MeasureOptions(rounds=10, leader_rounds=10, max_total_s=4.0).with_effort(0.25)
   assert (scaled.rounds, scaled.leader_rounds, scaled.max_total_s) == (2, 2, 1.0)
   assert m.MeasureOptions(rounds=10).with_effort(0.01).rounds == 1

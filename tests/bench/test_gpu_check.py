@@ -200,3 +200,16 @@ def test_a_tuned_row_keeps_the_calls_that_were_tuned_when_another_fails(tmp_path
   assert rows[("rms_norm (64, 256) fwd", "layer_norm.pallas_triton tuned")]["note"] == ""
   tuned = stellarax.AutotuningResult.load(tmp_path / "tuned.json")
   assert {e.bound_args.op.name for e in tuned} == {"layer_norm.pallas_triton", "layer_norm.xla"}
+
+
+def test_dispatch_calibration_times_small_calls_both_ways():
+  gpu_check = _gpu_check()
+  calibration = gpu_check.dispatch_calibration(smoke=True)
+  assert [r["name"] for r in calibration] == ["rms_norm (64, 1024) xla", "matmul 256^3 (cuBLAS on a GPU)"]
+  for row in calibration:
+    assert "error" not in row, row
+    assert all(row[k] > 0 for k in ("floor_us", "batched_us", "looped_us")), row
+  lines = gpu_check.dispatch_lines(calibration + [dict(calibration[0], looped_us=None, error="E: x")])
+  assert lines[0].startswith("rms_norm (64, 1024) xla: floor ") and ", looped " in lines[0]
+  assert lines[-1].endswith("looped - (E: x)")
+

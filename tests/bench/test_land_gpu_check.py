@@ -68,7 +68,9 @@ def _results_folder(tmp_path, device="NVIDIA H200"):
                config=config_of(wrong))]
   env = {"device": device, "jax": "0.11.2", "stellarax": "0.1.0", "date": "2026-12-01 10:00:00 UTC",
          "argv": ["bench/gpu_check.py", "--out", "/out/gpu_check", "--tune-budget-s", "6"]}
-  (folder / "results.json").write_text(json.dumps({"env": env, "rows": rows}))
+  dispatch = [{"name": "matmul 256^3 (cuBLAS on a GPU)", "floor_us": 9.5, "batched_us": 11.25,
+               "looped_us": 3.5}]
+  (folder / "results.json").write_text(json.dumps({"env": env, "rows": rows, "dispatch": dispatch}))
   (folder / "profile" / "plugins" / "profile" / "t" / "host.xplane.pb").write_bytes(
       gzip.decompress(CPU_PROFILE.read_bytes()))
   (folder / "h200_target_config.pbtxt").write_text("gpu_device_info {\n  threads_per_block_limit: 1024\n}\n")
@@ -108,6 +110,8 @@ def test_land_ships_confirmed_configs_and_records_the_run(tmp_path, capsys):
   assert "ragged_dot.pallas_triton (4,) (64, 32) (4, 32, 48): heuristic 2.000 ms; best 1.000 ms" in text
   # num_warps is a tile, not a code path: no variant to report.
   assert "Faster than the heuristic beyond both confidence intervals:\n\n    none\n" in text
+  assert ("    matmul 256^3 (cuBLAS on a GPU): floor 9.50 us, batched 11.25 us, looped 3.50 us\n"
+          in text)
   # The profile is test data that reads back as recorded; the target config is kept.
   fixture = root / "tests" / "data" / "profiles" / "NVIDIA_H200"
   recorded = json.loads((fixture / "calls.json").read_text())

@@ -21,6 +21,18 @@ Method, in the order `measure_candidates` runs it:
 4. Warm-up and batch size. Each surviving candidate runs batches of n calls, n growing from
    1, until it has run `warmup_runs` calls for at least `warmup_s` and one batch lasts at
    least `min_batch_s` (or n reached `max_batch_calls`). That n is kept for its samples.
+   Host-bound candidates: a call whose device work is shorter than the host's cost of
+   dispatching it leaves the device idle between calls, so its batch times the host, not
+   the device (on an H200 a dispatch costs about 10 us; every kernel shorter than that
+   would look the same). So the dispatch floor is measured too: the per-call time, taken
+   the same way, of a program that takes the same arguments and does nothing. A candidate
+   whose warm-up per-call time is below `host_bound_factor` times the floor is compiled
+   again as one program that runs it `loop_calls` times in a loop (each iteration's
+   inputs and outputs pass through an optimization barrier, so XLA can neither hoist the
+   call out of the loop nor merge iterations), warmed up again, and timed in batches of
+   that program, each call counting `loop_calls` times. Its method is "<platform>-looped"
+   (cold_cache does not apply inside the loop). A looped program that fails to compile
+   leaves the candidate timed in batches.
 5. Rounds. In each of `rounds` rounds the surviving candidates are visited in an order
    shuffled by `random.Random(seed)`, and each takes one sample: n back-to-back calls, one
    `jax.block_until_ready` on all n outputs, wall time divided by n. Interleaving spreads
@@ -206,6 +218,10 @@ class MeasureOptions:
       nothing more and return only the candidates already decided (failed ones):
       the device may still be busy with the hung call. For measuring in a worker
       process that is replaced afterwards (see `autotuning/isolation.py`).
+    loop_calls: calls of a host-bound candidate in one looped program (step 4 of the
+      module docstring); 0 never loops, so that every candidate is timed in batches.
+    host_bound_factor: a candidate whose warm-up time per call is below this multiple
+      of the dispatch floor is host-bound (>= 1).
   """
 
   warmup_s: float = 0.05
@@ -224,6 +240,8 @@ class MeasureOptions:
   seed: int = 0
   compile_threads: int | None = None
   stop_after_run_timeout: bool = False
+  loop_calls: int = 256
+  host_bound_factor: float = 8.0
 
   def __post_init__(self):
     for name in ("warmup_s", "min_batch_s", "max_total_s", "timeout_s"):
@@ -232,7 +250,8 @@ class MeasureOptions:
         raise ValueError(f"{name}={value} must be a finite number of seconds"
                          f" ({'> 0' if name == 'timeout_s' else '>= 0'}).")
     for name, low in (("warmup_runs", 0), ("rounds", 1), ("leader_rounds", 0),
-                      ("max_batch_calls", 1), ("llc_bytes", 0), ("max_input_copies", 1)):
+                      ("max_batch_calls", 1), ("llc_bytes", 0), ("max_input_copies", 1),
+                      ("loop_calls", 0)):
       value = getattr(self, name)
       if not isinstance(value, int) or value < low:
         raise ValueError(f"{name}={value!r} must be an int >= {low}.")
@@ -240,6 +259,9 @@ class MeasureOptions:
       value = getattr(self, name)
       if value is not None and not value >= 0:
         raise ValueError(f"{name}={value} must be None (dtype default) or >= 0.")
+    if not (math.isfinite(self.host_bound_factor) and self.host_bound_factor >= 1):
+      raise ValueError(f"host_bound_factor={self.host_bound_factor} must be a finite number"
+                       " >= 1: a multiple of the dispatch floor.")
     if self.compile_threads is not None and self.compile_threads < 1:
       raise ValueError(f"{self.compile_threads=} must be None (one per core) or >= 1.")
 
@@ -444,6 +466,8 @@ class _Candidate:
   status: str = "ok"
   error: str | None = None
   batch_calls: int = 1
+  calls_per_run: int = 1  # loop_calls once the candidate runs as a looped program
+  call_s: float | None = None  # seconds per call at the end of its warm-up
   spent_s: float = 0.0
   next_input: int = 0
   samples: list[float] = dataclasses.field(default_factory=list)
@@ -454,6 +478,17 @@ class _Candidate:
 
   def fail(self, status: str, error: str):
     self.status, self.error = status, error
+
+
+@dataclasses.dataclass(frozen=True)
+class _Aux:
+  """A compile_cache key of a program measure_candidates adds: never equal to a caller's key.
+
+  kind "floor" is the dispatch floor's program (key None), "looped" a candidate's looped
+  program (key its key).
+  """
+  kind: str
+  key: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -656,7 +691,7 @@ def _warm_up(cand: _Candidate, input_sets: list[tuple], options: MeasureOptions)
     long_enough = batch_s >= options.min_batch_s or n >= options.max_batch_calls
     warm = runs >= options.warmup_runs and time.perf_counter() - started >= options.warmup_s
     if (long_enough and warm) or cand.spent_s >= options.max_total_s:
-      cand.batch_calls = n
+      cand.batch_calls, cand.call_s = n, batch_s / (n * cand.calls_per_run)
       return
     if not long_enough:
       wanted = math.ceil(1.2 * n * options.min_batch_s / max(batch_s, 1e-9))
@@ -674,7 +709,7 @@ def _take_rounds(cands: list[_Candidate], input_sets: list[tuple], options: Meas
     for cand in live:
       batch_s = _run_batch(cand, input_sets, cand.batch_calls, options)
       if batch_s is not None:
-        cand.samples.append(batch_s / cand.batch_calls)
+        cand.samples.append(batch_s / (cand.batch_calls * cand.calls_per_run))
 
 
 def _leaders(intervals: Mapping[K, tuple[float, float, float]]) -> list[K]:
@@ -685,13 +720,92 @@ def _leaders(intervals: Mapping[K, tuple[float, float, float]]) -> list[K]:
   return [k for k, (_, low, _) in intervals.items() if low <= intervals[fastest][2]]
 
 
-def _time_all(cands: list[_Candidate], args: tuple, options: MeasureOptions):
-  """Warm-up, shuffled rounds, then more rounds among the leaders."""
+def _nothing(*args):
+  """The dispatch floor's program: it takes the candidates' arguments and does almost nothing.
+
+  It reads one element of each argument, so that it launches one small kernel as the
+  smallest candidate would (a program returning a constant may launch none).
+  """
+  readable = lambda x: x.size and (jnp.issubdtype(x.dtype, jnp.number) or x.dtype == bool)
+  firsts = [x.ravel()[0].astype(jnp.int32) for x in jax.tree.leaves(args) if readable(x)]
+  return sum(firsts, jnp.zeros((), jnp.int32))
+
+
+def _looped(fn: Callable[..., Any], calls: int) -> Callable[..., Any]:
+  """fn(*args) run `calls` times in one program; returns the last call's output.
+
+  Each iteration reads its inputs through an optimization barrier and passes them on,
+  with its output, through another, so that the compiler sees every iteration's inputs as
+  new values: it can neither hoist the call out of the loop nor merge two iterations.
+  """
+  def run(*args):
+    first = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *args))
+
+    def step(_, carry):
+      inputs, _ = carry
+      out = fn(*jax.lax.optimization_barrier(inputs))
+      return jax.lax.optimization_barrier((inputs, out))
+
+    return jax.lax.fori_loop(0, calls, step, (args, first))[1]
+
+  return run
+
+
+def _dispatch_floor_s(input_sets: list[tuple], options: MeasureOptions,
+                      cache: MutableMapping[Any, Any] | None) -> float | None:
+  """Seconds per call of `_nothing`, timed as candidates are; None if it could not run."""
+  key = _Aux("floor")
+  entry = cache.get(key) if cache is not None else None
+  if entry is None:
+    program = jax.jit(_nothing, keep_unused=True)  # keep_unused: it must take every argument
+    kind, value = _run_with_timeout(lambda: program.lower(*input_sets[0]).compile(),
+                                    options.timeout_s)
+    if kind != "ok":
+      return None
+    entry = _Compiled(value, None)
+    if cache is not None:
+      cache[key] = entry
+  probe = _Candidate(key, executable=entry.executable)
+  options = dataclasses.replace(options, stop_after_run_timeout=False)  # it hangs nothing
+  _warm_up(probe, input_sets, options)
+  samples = [_run_batch(probe, input_sets, probe.batch_calls, options) for _ in range(3)]
+  if not probe.alive or None in samples:
+    return None
+  return float(np.median(samples)) / probe.batch_calls
+
+
+def _loop_host_bound(cands: list[_Candidate], fns: Mapping[Any, Callable[..., Any]],
+                     input_sets: list[tuple], options: MeasureOptions,
+                     cache: MutableMapping[Any, Any] | None):
+  """Moves host-bound candidates to looped programs (step 4 of the module docstring)."""
+  if not options.loop_calls or not cands:
+    return
+  floor_s = _dispatch_floor_s(input_sets, options, cache)
+  if floor_s is None:
+    return
+  bound = [c for c in cands if c.alive and c.call_s is not None
+           and c.call_s < options.host_bound_factor * floor_s]
+  loops = [_Candidate(_Aux("looped", c.key)) for c in bound]
+  _compile_all(loops, {loop.key: _looped(fns[c.key], options.loop_calls)
+                       for loop, c in zip(loops, bound)}, input_sets[0], options, cache)
+  for cand, loop in zip(bound, loops):
+    if not loop.alive:
+      continue  # The candidate itself works: it stays timed in batches.
+    cand.executable, cand.calls_per_run, cand.batch_calls = (
+        loop.executable, options.loop_calls, 1)
+    cand.compile_time_s = (cand.compile_time_s or 0.0) + (loop.compile_time_s or 0.0)
+    _warm_up(cand, input_sets, options)
+
+
+def _time_all(cands: list[_Candidate], fns: Mapping[Any, Callable[..., Any]], args: tuple,
+              options: MeasureOptions, cache: MutableMapping[Any, Any] | None):
+  """Warm-up (looping host-bound candidates), shuffled rounds, then rounds among leaders."""
   if not cands:
     return
   input_sets = _input_sets(args, options)
   for cand in cands:
     _warm_up(cand, input_sets, options)
+  _loop_host_bound(cands, fns, input_sets, options, cache)
   rng = random.Random(options.seed)
   main_share = options.rounds / (options.rounds + options.leader_rounds)
   _take_rounds(cands, input_sets, options, rng, options.rounds,
@@ -703,13 +817,16 @@ def _time_all(cands: list[_Candidate], args: tuple, options: MeasureOptions):
                  options.max_total_s)
 
 
-def _method_name(args: tuple, options: MeasureOptions) -> str:
+def _platform(args: tuple) -> str:
   devices = [x.devices() for x in jax.tree.leaves(args) if isinstance(x, jax.Array)]
-  platform = next(iter(devices[0])).platform if devices else jax.default_backend()
-  return f"{platform}-batched" + ("-cold" if options.cold_cache else "")
+  return next(iter(devices[0])).platform if devices else jax.default_backend()
 
 
-def _to_measurement(cand: _Candidate, method: str) -> Measurement:
+def _to_measurement(cand: _Candidate, platform: str, options: MeasureOptions) -> Measurement:
+  if cand.calls_per_run > 1:
+    method = f"{platform}-looped"
+  else:
+    method = f"{platform}-batched" + ("-cold" if options.cold_cache else "")
   if not cand.alive:
     return Measurement(status=cand.status, error=cand.error,
                        compile_time_s=cand.compile_time_s, method=method)
@@ -746,7 +863,8 @@ def measure_candidates(
       run reproducible); None uses the mapping's order. Extra entries are ignored.
     compile_cache: a mapping in which compiled executables (and compile failures) are
       kept by key, so that a later call with the same candidates and argument shapes
-      does not compile again. None compiles every time.
+      does not compile again; it also keeps the dispatch floor's program and looped
+      programs, under keys of their own. None compiles every time.
     effort: fraction of a full measurement, in (0, 1]: the options are replaced by
       `options.with_effort(effort)` (fewer rounds, same compilation and check). Search
       strategies pass it to measure cheaply first (see search.py).
@@ -769,17 +887,42 @@ def measure_candidates(
   args = _on_device(tuple(args))
   cands = [_Candidate(key) for key in keys]
   _compile_all(cands, candidates, args, options, compile_cache)
-  method = _method_name(args, options)
+  platform = _platform(args)
   try:
     if any(c.alive for c in cands):
       expected = jax.device_get(reference() if callable(reference) else reference)
       for cand in cands:
         if cand.alive:
           _check_output(cand, args, expected, check, options)
-    _time_all([c for c in cands if c.alive], args, options)
+    _time_all([c for c in cands if c.alive], candidates, args, options, compile_cache)
   except _Stalled:
-    return {c.key: _to_measurement(c, method) for c in cands if not c.alive}
-  return {c.key: _to_measurement(c, method) for c in cands}
+    return {c.key: _to_measurement(c, platform, options) for c in cands if not c.alive}
+  return {c.key: _to_measurement(c, platform, options) for c in cands}
+
+
+def dispatch_floor_s(args: tuple, options: MeasureOptions = MeasureOptions()) -> float:
+  """Seconds per call of a program that takes `args` and does almost nothing.
+
+  It is the floor below which `measure_candidates` cannot time a call in batches (the
+  host's cost of dispatching it), measured the same way; a candidate below
+  `options.host_bound_factor` times it is timed in a loop instead.
+
+  Args:
+    args: the positional arguments, as `measure_candidates` takes them.
+    options: measurement options (warm-up, batch length, timeout).
+
+  Returns:
+    The floor in seconds per call.
+
+  Raises:
+    RuntimeError: if the floor's program failed to compile or run within options.timeout_s.
+  """
+  floor_s = _dispatch_floor_s(_input_sets(_on_device(tuple(args)), options), options, None)
+  if floor_s is None:
+    raise RuntimeError(f"The dispatch floor's program did not compile or run within"
+                       f" timeout_s={options.timeout_s:g} s for arguments"
+                       f" {jax.tree.map(lambda x: getattr(x, 'shape', x), args)}.")
+  return floor_s
 
 
 # --- choice -----------------------------------------------------------------------------
