@@ -1,7 +1,10 @@
 """The `stellarax` command line."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import pytest
 
 import stellarax
 from stellarax import autotuning
@@ -54,3 +57,36 @@ def test_autotune_command_keeps_the_tuned_calls_when_one_fails(tmp_path, user_ca
   assert "tuned 1 of 2 calls" in captured.err and "boom" in captured.err
   assert "result saved to" in captured.out
   assert autotuning.explain(good).source == "user_cache"
+
+
+def test_cache_list_counts_stale_entries_and_prune_removes_them(tmp_path, user_cache_dir, capsys):
+  rhs = jax.random.normal(jax.random.key(0), (2, 16, 8))
+  calls = [stellarax.XlaRaggedDot.bind(jnp.ones((m, 16)), rhs, jnp.array([m // 2, m // 2], jnp.int32))
+           for m in (32, 64)]
+  result = stellarax.Autotuner(budget_s=2, progress=False).autotune(calls)
+  current, old = list(result)
+  old = dataclasses.replace(old, versions={**old.versions, "jax": "0.0.1"})
+  autotuning.USER_CACHE.write(autotuning.AutotuningResult(result.device_kind, {current.key: current, old.key: old}))
+  (cached,) = user_cache_dir.glob("*/ragged_dot.xla.json")
+  # A file of stale entries only goes away; an unreadable one stays and is reported.
+  only_stale = cached.with_name("ragged_dot.only_stale.json")
+  autotuning.AutotuningResult(result.device_kind, {old.key: old}).dump(only_stale)
+  corrupt = cached.with_name("ragged_dot.corrupt.json")
+  corrupt.write_text("{not json")
+  assert cli.main(["cache", "list"]) == 0
+  out = capsys.readouterr().out
+  assert "ragged_dot.xla.json: 2 entries, 1 stale (`stellarax cache prune` removes them)" in out
+  assert "ragged_dot.corrupt.json: unreadable" in out
+  assert cli.main(["cache", "prune"]) == 0
+  out = capsys.readouterr().out
+  assert "ragged_dot.xla.json: removed 1 stale entries, kept 1" in out
+  assert "ragged_dot.only_stale.json: removed 1 stale entries, kept 0 (file deleted)" in out
+  assert "ragged_dot.corrupt.json: unreadable, left as it is" in out
+  assert [e.key for e in stellarax.AutotuningResult.load(cached)] == [current.key]
+  assert not only_stale.exists() and corrupt.exists()
+  corrupt.unlink()
+  assert cli.main(["cache", "prune"]) == 0
+  assert "no stale entries" in capsys.readouterr().out
+  with pytest.raises(PermissionError, match="read-only"):
+    autotuning.LIBRARY_CACHE.prune()
+

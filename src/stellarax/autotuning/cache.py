@@ -19,6 +19,7 @@ modification time changes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import os
 import re
@@ -153,6 +154,63 @@ class FileCache:
         merged.dump(path)
       written.append(path)
     return written
+
+
+  def files(self) -> list[Path]:
+    """Every result file of the cache, of every device kind, sorted."""
+    return sorted(self.root.glob("*/*.json")) if self.root.is_dir() else []
+
+  def prune(self) -> list[Pruned]:
+    """Removes the stale entries (`Entry.stale_reason`: measured under other versions
+    or on other code of their op) from every file, safely under concurrent writers; a
+    file left empty is deleted, an unreadable one is left as it is and reported.
+
+    A stale entry's config still applies until it is pruned (and `autotune` measures
+    its call again); pruning is for a cache whose old measurements should no longer
+    decide anything.
+
+    Returns:
+      A `Pruned` for each file that had stale entries or could not be read.
+
+    Raises:
+      PermissionError: for the read-only library cache.
+    """
+    if not self.writable:
+      raise PermissionError(f"The {self.source_name} at {self.root} is read-only.")
+    pruned = []
+    for path in self.files():
+      with _exclusive_lock(path.with_suffix(".json.lock")):
+        try:
+          result = AutotuningResult.load(path, warn_other_versions=False)
+        except ValueError as exc:  # file_format.FormatError: it names the file
+          pruned.append(Pruned(path, 0, 0, error=str(exc).splitlines()[0]))
+          continue
+        current = {e.key: e for e in result if e.is_current}
+        if len(current) == len(result):
+          continue
+        if current:
+          AutotuningResult(result.device_kind, current, result.versions).dump(path)
+        else:
+          path.unlink()
+      pruned.append(Pruned(path, len(result) - len(current), len(current)))
+    return pruned
+
+
+@dataclasses.dataclass(frozen=True)
+class Pruned:
+  """What `FileCache.prune` did to one file.
+
+  Attributes:
+    path: the file.
+    removed: stale entries removed.
+    kept: current entries kept (0: the file was deleted).
+    error: why the file could not be read (nothing was removed), else None.
+  """
+
+  path: Path
+  removed: int
+  kept: int
+  error: str | None = None
 
 
 @contextlib.contextmanager

@@ -2,7 +2,7 @@
 
     stellarax autotune BOUND_ARGS_JSON [--output result.json] [--cache] [--budget-s S]
     stellarax xplane_to_bound_args --xplane_file=X --output_file=Y
-    stellarax cache list | path | clear
+    stellarax cache list | path | prune | clear
     stellarax cache ship RESULT_JSON [--root DIR]   (developers: into the library cache)
     stellarax report RESULT_JSON
     stellarax demo [--output DIR]
@@ -42,12 +42,18 @@ def _cache(args) -> int:
   if args.action == "path":
     print(root)
   elif args.action == "list":
-    files = sorted(root.glob("*/*.json")) if root.is_dir() else []
-    if not files:
-      print(f"user cache at {root} is empty")
-    for path in files:
-      from stellarax.autotuning.result import AutotuningResult
-      print(f"{path.relative_to(root)}: {len(AutotuningResult.load(path))} entries")
+    _list(cache.USER_CACHE)
+  elif args.action == "prune":
+    pruned = cache.USER_CACHE.prune()
+    for p in pruned:
+      name = p.path.relative_to(root)
+      if p.error:
+        print(f"{name}: unreadable, left as it is: {p.error} (`stellarax cache clear` removes it)")
+      else:
+        print(f"{name}: removed {p.removed} stale entries, kept {p.kept}"
+              + ("" if p.kept else " (file deleted)"))
+    if not pruned:
+      print(f"user cache at {root}: no stale entries")
   elif args.action == "ship":
     # For developers: merge a measured result into the shipped library cache
     # (src/stellarax/data/autotuning/<device kind>/<op>.json), one file per op.
@@ -63,6 +69,25 @@ def _cache(args) -> int:
     shutil.rmtree(root, ignore_errors=True)
     print(f"cleared {root}")
   return 0
+
+
+def _list(user_cache) -> None:
+  """Prints each file of the user cache with its entry count and how many are stale; an
+  unreadable file is listed with its error (`cache clear` removes it)."""
+  from stellarax.autotuning.result import AutotuningResult
+  files = user_cache.files()
+  if not files:
+    print(f"user cache at {user_cache.root} is empty")
+  for path in files:
+    name = path.relative_to(user_cache.root)
+    try:
+      result = AutotuningResult.load(path, warn_other_versions=False)
+    except ValueError as exc:
+      print(f"{name}: unreadable: {str(exc).splitlines()[0]} (`stellarax cache clear` removes it)")
+      continue
+    stale = sum(not e.is_current for e in result)
+    print(f"{name}: {len(result)} entries" + (f", {stale} stale (`stellarax cache prune`"
+                                               " removes them)" if stale else ""))
 
 
 def _report(args) -> int:
@@ -94,8 +119,9 @@ def main(argv=None) -> int:
   p.add_argument("--output_file", required=True)
   p.set_defaults(run=lambda a: _xplane(a))
 
-  p = sub.add_parser("cache", help="inspect or clear the user cache")
-  p.add_argument("action", choices=("list", "path", "clear", "ship"))
+  p = sub.add_parser("cache", help="inspect, prune or clear the user cache")
+  p.add_argument("action", choices=("list", "path", "prune", "clear", "ship"),
+                 help="prune: remove entries measured under other versions or on other code")
   p.add_argument("result", nargs="?", help="with ship: the result JSON to add to the library cache")
   p.add_argument("--root", help="with ship: the library cache folder (default: the package's)")
   p.set_defaults(run=_cache)
