@@ -1,6 +1,6 @@
 """How close the budgeted search strategies land to the best config, on replayed sweeps.
 
-    python bench/search_strategies.py [--seeds 40] [--against OLD_SEARCH_PY]
+    python bench/search_strategies.py [--seeds 40] [--against OLD_SEARCH_PY] [--whole-rounds]
 
 No device: each sweep is a synthetic landscape over a 192-config tile space (block_m,
 block_n, block_k, warps, stages) with a known optimum, replayed by
@@ -9,11 +9,14 @@ random coupled quadratic bowl in the log2 tile sizes plus effects of warps and s
 a per-config roughness (lognormal, standard deviation `rough`: 0 is smooth, 0.1 leaves
 little structure) and 10% of configs that fail to compile. Measuring the whole space at
 full effort costs 192 fake seconds, of which `compile` is paid once per config (as
-compiling is on a GPU) and the rest per full-effort measurement.
+compiling is on a GPU) and the rest per full-effort measurement. `--whole-rounds` charges
+each measurement its whole samples, at least one of 10 (as measure_candidates takes them;
+`ReplayMeasure(whole_rounds=True)`), so efforts below a tenth cost a tenth.
 
 For each (roughness, compile share, budget as a fraction of that exhaustive cost) it
 prints, per strategy, on how many seeds the chosen config is within 2% of the optimum,
-the geometric mean of chosen / optimum, and the worst. `--against` adds the strategies
+the geometric mean of chosen / optimum, the worst, and the most of the budget any seed's
+search spent (above 1: it overran). `--against` adds the strategies
 of another search.py (e.g. `git show REV:src/stellarax/autotuning/search.py >
 /tmp/old.py`), to compare a change with what it replaces.
 
@@ -88,7 +91,7 @@ def _load(path: str) -> ModuleType:
   return module
 
 
-def run(seeds: int, against: str | None) -> list[str]:
+def run(seeds: int, against: str | None, whole_rounds: bool = False) -> list[str]:
   """The report's lines."""
   strategies = _strategies(search, "")
   if against:
@@ -98,19 +101,23 @@ def run(seeds: int, against: str | None) -> list[str]:
                                                           (0.05, 0.1, 0.2)):
     parts = []
     for name, strategy in strategies.items():
-      ratios = []
+      ratios, spent = [], []
       for seed in range(seeds):
         sweep = landscape(seed, rough)
         times = [v for v in sweep.values() if isinstance(v, float)]
         replay = search.ReplayMeasure(sweep, noise=0.01, seed=seed, compile_cost_s=compile_share,
-                                      cost_s_per_config=1 - compile_share)
-        outcome = strategy(sweep, replay, HEURISTIC, fraction * len(sweep), seed, replay.clock)
+                                      cost_s_per_config=1 - compile_share,
+                                      whole_rounds=whole_rounds)
+        budget = fraction * len(sweep)
+        outcome = strategy(sweep, replay, HEURISTIC, budget, seed, replay.clock)
         ratios.append(sweep[outcome.best] / min(times))
+        spent.append(replay.clock() / budget)
       within = sum(r <= 1.02 for r in ratios)
-      parts.append(f"{within}/{seeds}, {math.exp(np.mean(np.log(ratios))):.3f}, {max(ratios):.3f}")
+      parts.append(f"{within}/{seeds}, {math.exp(np.mean(np.log(ratios))):.3f}, {max(ratios):.3f},"
+                   f" {max(spent):.2f}")
     lines.append(f"| {rough} | {compile_share} | {fraction} | " + " | ".join(parts) + " |")
   header = "| roughness | compile share | budget | " + " | ".join(
-      f"{n}: within 2%, geo mean, worst" for n in strategies) + " |"
+      f"{n}: within 2%, geo mean, worst, most budget spent" for n in strategies) + " |"
   return [header, "|" + "---|" * (3 + len(strategies))] + lines
 
 
@@ -149,10 +156,13 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--seeds", type=int, default=40)
   parser.add_argument("--against", help="another search.py whose strategies to compare")
+  parser.add_argument("--whole-rounds", action="store_true",
+                      help="charge whole samples, at least one round (as real measurements)")
   parser.add_argument("--live", action="store_true",
                       help="tune a real op call on this machine instead (budget use)")
   args = parser.parse_args(argv)
-  print("\n".join(live(args.against) if args.live else run(args.seeds, args.against)))
+  print("\n".join(live(args.against) if args.live
+                  else run(args.seeds, args.against, args.whole_rounds)))
   return 0
 
 

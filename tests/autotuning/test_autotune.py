@@ -16,6 +16,7 @@ import stellarax
 from stellarax import autotuning
 from stellarax.autotuning import cache as cache_lib
 from stellarax.autotuning import file_format
+from stellarax.autotuning import search as search_lib
 from stellarax.autotuning.measure import MeasureOptions
 from stellarax.core import resolution
 
@@ -415,6 +416,19 @@ def test_bound_args_autotune_and_benchmark():
   assert m.status == "ok" and m.ci_low_s <= m.median_s <= m.ci_high_s
   from stellarax.ops.ragged_dot.base import XlaRaggedDotConfig
   assert ba.benchmark(XlaRaggedDotConfig(strategy="masked"), rounds=2, leader_rounds=0).status == "ok"
+
+
+def test_the_strategy_learns_what_an_effort_costs_from_the_measure_options():
+  lhs, rhs, gs = _inputs()
+  seen = []
+  def spy(space, measure, *, heuristic, budget_s=None):
+    seen.append(measure.effective_effort)
+    return search_lib.exhaustive(space, measure, heuristic=heuristic, budget_s=budget_s)
+  options = dataclasses.replace(FAST, rounds=10)
+  stellarax.Autotuner(progress=False, measure_options=options, strategy=spy).autotune(
+      [stellarax.XlaRaggedDot.bind(lhs, rhs, gs)])
+  (effective,) = seen
+  assert effective(1 / 81) == options.effective_effort(1 / 81) == 0.1
 
 
 def test_all_implementations_and_cache_reuse(user_cache_dir):

@@ -291,6 +291,11 @@ def test_options_validation_and_effort():
   scaled = m.MeasureOptions(rounds=10, leader_rounds=10, max_total_s=4.0).with_effort(0.25)
   assert (scaled.rounds, scaled.leader_rounds, scaled.max_total_s) == (2, 2, 1.0)
   assert m.MeasureOptions(rounds=10).with_effort(0.01).rounds == 1
+  # What an effort really buys: at least one round.
+  ten = m.MeasureOptions(rounds=10)
+  assert [ten.effective_effort(e) for e in (1 / 81, 0.1, 0.5, 1.0)] == [0.1, 0.1, 0.5, 1.0]
+  with pytest.raises(ValueError, match="effort"):
+    ten.effective_effort(0.0)
 
 
 def test_pick_best_breaks_ties_by_preference_then_order():

@@ -193,6 +193,25 @@ def test_racing_spends_a_budget_that_calls_cost_overhead_in():
     assert TRUE[outcome.best] <= TRUE[HEURISTIC]
 
 
+def test_racing_counts_the_round_that_every_cheap_measurement_keeps():
+  # Measurements keep at least one of 10 rounds, so efforts 1/81 and 1/27 both cost a
+  # tenth of a full one. Told so (effective_effort), the cost model plans within the
+  # budget; counting effort as asked it overran by up to 3% on these seeds.
+  overruns = {}
+  for told in (True, False):
+    for seed in range(6):
+      replay = search.ReplayMeasure(SWEEP, noise=0.03, seed=seed, compile_cost_s=0.2,
+                                    whole_rounds=True)
+      measure = replay if told else (lambda configs, effort=1.0, r=replay: r(configs, effort=effort))
+      budget = 0.05 * len(SWEEP) * 1.2
+      outcome = search.racing(SWEEP, measure, heuristic=HEURISTIC, budget_s=budget,
+                              clock=replay.clock)
+      assert TRUE[outcome.best] <= TRUE[HEURISTIC]
+      overruns[told, seed] = replay.clock() / budget - 1
+  assert max(overruns[True, seed] for seed in range(6)) <= 1e-9, overruns
+  assert max(overruns[False, seed] for seed in range(6)) > 0.01, overruns
+
+
 def test_racing_adapts_when_calls_cost_more_than_predicted():
   # After the two calibration calls every call costs three times what the replay charges,
   # so the plan made from the calibration overruns unless racing re-predicts each call.
@@ -291,6 +310,10 @@ def test_replay_measure_advances_its_clock_and_scales_samples_with_effort():
   per_call = search.ReplayMeasure(SWEEP, call_cost_s=0.25)
   per_call([OPTIMUM, HEURISTIC], effort=0.5)
   assert per_call.clock() == 0.25 + 2 * 0.5
+  # Whole rounds: effort 0.01 takes one of 10 samples and costs a tenth.
+  whole = search.ReplayMeasure(SWEEP, whole_rounds=True)
+  assert whole([OPTIMUM], effort=0.01)[OPTIMUM].num_samples == 1 and whole.clock() == 0.1
+  assert (whole.effective_effort(0.01), replay.effective_effort(0.01)) == (0.1, 0.01)
   assert abs(again[OPTIMUM].median_s / TRUE[OPTIMUM] - 1) < 0.1
   with pytest.raises(ValueError, match="not in the recorded sweep"):
     replay([Tile(block_m=1, block_n=1, block_k=1, warps=1, stages=1)])

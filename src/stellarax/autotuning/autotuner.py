@@ -270,6 +270,7 @@ class Autotuner:
       seen.update(configs)
       return out
 
+    measure.effective_effort = self.measure_options.effective_effort  # search.py: "The measure"
     strategy = _strategy(self.strategy, len(space))
     outcome = strategy(space, measure, heuristic=heuristic, budget_s=self.budget_s)
     if progress is not None:  # configs a budgeted strategy skipped count as done

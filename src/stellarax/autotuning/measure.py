@@ -291,6 +291,25 @@ class MeasureOptions:
     )
 
 
+  def effective_effort(self, effort: float) -> float:
+    """The fraction of a full measurement's timed rounds that `with_effort(effort)` keeps.
+
+    It is not `effort` itself: at least one round stays, so with 10 rounds every effort
+    up to 0.15 takes one round, a tenth of a full measurement. Search strategies count
+    this when they predict what a measurement costs (search.py, "The measure").
+
+    Args:
+      effort: fraction of a full measurement, 0 < effort <= 1.
+
+    Returns:
+      The kept rounds over `rounds`, in (0, 1].
+
+    Raises:
+      ValueError: if effort is outside (0, 1].
+    """
+    return self.with_effort(effort).rounds / self.rounds
+
+
 class AllCandidatesFailedError(ValueError):
   """No candidate measured "ok"; the message lists why each failed."""
 

@@ -18,7 +18,11 @@ call; `measure_candidates(..., effort=e)` turns it into `e` times the rounds, le
 warm-up and per-candidate budget, keeping at least one round. Compilation and the output
 check do not shrink with effort, so a measure should compile each config once across calls
 (`measure_candidates(..., compile_cache=...)`); the strategies do not rely on it, they learn
-what calls cost (see `racing`). Failed configs come back as data and are never chosen;
+what calls cost (see `racing`). Because of that one round, efforts below 1/rounds all cost
+about a round: a measure may say so through an attribute `effective_effort(effort) ->
+float`, the fraction of a full measurement's timed work an effort really buys
+(`MeasureOptions.effective_effort`); the strategies' cost model then counts that instead
+of the effort asked for. Without it, effort counts as asked. Failed configs come back as data and are never chosen;
 when every measured config failed, the strategy raises `AllCandidatesFailedError` listing
 why each failed.
 
@@ -128,7 +132,14 @@ class _Session(Generic[C]):
     self._measure, self._clock = measure, clock
     self._start = clock()
     self._best: dict[C, tuple[float, Measurement]] = {}  # config -> (effort, measurement)
-    self.calls: list[tuple[int, float, float]] = []  # (new configs, total effort, seconds)
+    # (new configs, total effective effort, seconds) per call; see Measure.effective_effort.
+    self.calls: list[tuple[int, float, float]] = []
+    self.effective: Callable[[float], float] = (
+        getattr(measure, "effective_effort", None) or (lambda effort: effort))
+
+  def cost_model(self) -> _CostModel:
+    """The cost model fitted to the calls so far."""
+    return _CostModel.fit(self.calls, self.effective)
 
   def remaining(self) -> float:
     if self.budget_s is None:
@@ -154,7 +165,7 @@ class _Session(Generic[C]):
     new = self.num_new(configs)
     start = self._clock()
     got = self._measure(configs, effort=effort)
-    self.calls.append((new, effort * len(configs), self._clock() - start))
+    self.calls.append((new, self.effective(effort) * len(configs), self._clock() - start))
     missing = [c for c in configs if c not in got]
     if missing:
       raise ValueError(f"The measure returned nothing for {missing[:5]!r}: a measure must return"
@@ -198,17 +209,24 @@ class _CostModel:
   per_effort_s: float
   scale: float = 1.0
   call_s: float = 0.0
+  # The measure's effective effort (`Measure.effective_effort`); the calls' efforts are
+  # already effective ones, and `work` maps a planned effort to one.
+  effective: Callable[[float], float] = dataclasses.field(default=lambda e: e, compare=False)
 
   @classmethod
-  def fit(cls, calls: Sequence[tuple[int, float, float]]) -> _CostModel:
+  def fit(cls, calls: Sequence[tuple[int, float, float]],
+          effective: Callable[[float], float] | None = None) -> _CostModel:
+    """The model of `calls`: (new configs, total effective effort, seconds) each."""
     if not calls:
-      return cls(0.0, 0.0)
-    x = np.array([[new, effort, 1.0] for new, effort, _ in calls], dtype=np.float64)
-    y = np.array([seconds for *_, seconds in calls], dtype=np.float64)
-    base = cls._least_squares(x, y)
-    fitted_last = base.predict(*calls[-1][:2])
-    scale = max(1.0, calls[-1][2] / fitted_last) if fitted_last > 0 else 1.0
-    return dataclasses.replace(base, scale=scale)
+      base = cls(0.0, 0.0)
+    else:
+      x = np.array([[new, effort, 1.0] for new, effort, _ in calls], dtype=np.float64)
+      y = np.array([seconds for *_, seconds in calls], dtype=np.float64)
+      base = cls._least_squares(x, y)
+      fitted_last = base.predict(*calls[-1][:2])
+      scale = max(1.0, calls[-1][2] / fitted_last) if fitted_last > 0 else 1.0
+      base = dataclasses.replace(base, scale=scale)
+    return base if effective is None else dataclasses.replace(base, effective=effective)
 
   @classmethod
   def _least_squares(cls, x: np.ndarray, y: np.ndarray) -> _CostModel:
@@ -240,12 +258,16 @@ class _CostModel:
 
   def predict(self, new: int, effort_total: float) -> float:
     """Seconds of one call that measures `new` configs for the first time and
-    `effort_total` effort summed over its configs."""
+    `effort_total` effective effort summed over its configs (see `work`)."""
     return self.scale * (self.call_s + self.fixed_s * new + self.per_effort_s * effort_total)
+
+  def work(self, count: int, effort: float) -> float:
+    """The effective effort of measuring `count` configs at `effort`, for `predict`."""
+    return count * self.effective(effort)
 
   def per_config(self, effort: float) -> float:
     """What one more new config at `effort` adds to a call."""
-    return self.scale * (self.fixed_s + self.per_effort_s * effort)
+    return self.scale * (self.fixed_s + self.per_effort_s * self.effective(effort))
 
 
 def code_path_variants(heuristic: Any, space: Iterable[Any]) -> list[Any]:
@@ -326,7 +348,7 @@ def _sweep(session: _Session[C], configs: Sequence[C], chunk_size: int):
   while i < len(configs):
     k = min(chunk_size, len(configs) - i)
     if session.budget_s is not None:
-      model = _CostModel.fit(session.calls)
+      model = session.cost_model()
       per_config = model.per_config(1.0)
       if not session.calls:
         k = 1
@@ -440,7 +462,7 @@ def _schedule_cost(model: _CostModel, schedule: Sequence[tuple[int, float]],
   for i, (size, effort) in enumerate(schedule):
     new = size if (i == 0 and first_is_new) else 0
     final = i == len(schedule) - 1
-    total += model.predict(new, (size + final) * effort)
+    total += model.predict(new, model.work(size + final, effort))
   return total
 
 
@@ -453,7 +475,7 @@ def _plan(session: _Session[C], available: int, eta: int, min_effort: float
   the effort of the rounds before the last (bisection on `boost`), keeping
   _BOOST_MARGIN of the budget unplanned against prediction errors.
   """
-  model, room = _CostModel.fit(session.calls), session.remaining()
+  model, room = session.cost_model(), session.remaining()
   cost = lambda n, boost=1.0: _schedule_cost(model, _schedule(n, eta, min_effort, boost), True)
   n = next((n for n in range(available, 0, -1) if cost(n) <= room), 0)
   spare = room * (1 - _BOOST_MARGIN)
@@ -474,18 +496,19 @@ def _affordable_effort(session: _Session[C], batch: Sequence[C], effort: float,
 
   The predicted cost of the `later` rounds is kept aside.
   """
-  model = _CostModel.fit(session.calls)
+  model = session.cost_model()
   room = session.remaining() - _schedule_cost(model, later, False)
   new = session.num_new(batch)
-  if model.predict(new, len(batch) * effort) <= room:
+  fits = lambda e: model.predict(new, model.work(len(batch), e)) <= room
+  if fits(effort):
     return effort
-  if model.per_effort_s <= 0:
+  if model.per_effort_s <= 0 or not fits(min_effort):
     return None
-  # Aim a little under the room, so that rounding cannot turn "fits exactly" into an overrun.
-  room *= 1 - 1e-6
-  fitting = ((room / model.scale - model.call_s - model.fixed_s * new)
-             / (model.per_effort_s * len(batch)))
-  return fitting if fitting >= min_effort else None
+  low, high = min_effort, effort  # fits(low), not fits(high); cost grows with effort
+  for _ in range(40):
+    mid = (low + high) / 2
+    low, high = (mid, high) if fits(mid) else (low, mid)
+  return low
 
 
 def _screen(session: _Session[C], pool: Sequence[C], schedule: Sequence[tuple[int, float]],
@@ -496,7 +519,7 @@ def _screen(session: _Session[C], pool: Sequence[C], schedule: Sequence[tuple[in
   for i in range(0, len(pool), chunk_size):
     chunk = pool[i:i + chunk_size]
     if session.budget_s is not None:
-      model = _CostModel.fit(session.calls)
+      model = session.cost_model()
       room = session.remaining() - _schedule_cost(model, schedule[1:], False)
       per_config = model.per_config(effort)
       if per_config > 0:
@@ -613,10 +636,11 @@ def _walk(session: _Session[C], configs: Sequence[C], heuristic: C, first: Seque
   incumbent, batch = heuristic, [c for c in first if c != heuristic]
 
   def step(candidates: list[C]) -> dict[C, Measurement] | None:
-    model = _CostModel.fit(session.calls)
-    reserve = model.predict(0, (finalists + 1) * final_effort)
+    model = session.cost_model()
+    reserve = model.predict(0, model.work(finalists + 1, final_effort))
     room = session.remaining() - reserve
-    while candidates and model.predict(len(candidates), (len(candidates) + 1) * effort) > room:
+    while candidates and model.predict(len(candidates),
+                                       model.work(len(candidates) + 1, effort)) > room:
       candidates = candidates[:-1]
     if not candidates:
       return None
@@ -722,7 +746,7 @@ def racing(space: Iterable[C], measure: Measure[C], *, heuristic: C,
   if budget_s is None:
     schedule = _schedule(len(pool), eta, min_effort)
   else:
-    if pool and session.remaining() > session.calls[0][2] * min_effort:
+    if pool and session.remaining() > session.calls[0][2] * session.effective(min_effort):
       session.measure([heuristic], min_effort)
     schedule = _plan(session, len(pool), eta, min_effort)
   if budget_s is not None and (not schedule or schedule[0][0] < len(pool)):
@@ -781,6 +805,8 @@ class ReplayMeasure(Generic[C]):
   call_cost_s per call, compile_cost_s the first time a config is measured, plus
   cost_s_per_config * effort per config per call: measuring the sweep at full effort in
   one call costs call_cost_s + len(recorded) * (compile_cost_s + cost_s_per_config).
+  With `whole_rounds`, a config costs its samples instead, cost_s_per_config * k / rounds,
+  as measure_candidates' do (at least one round), and `effective_effort` says so.
 
   Args:
     recorded: config -> seconds per call, or a Measurement (a failure, or an ok one whose
@@ -792,6 +818,7 @@ class ReplayMeasure(Generic[C]):
     call_cost_s: fake seconds of every call, whatever it measures (a measure's own
       set-up).
     rounds: samples of a full-effort measurement.
+    whole_rounds: charge whole samples (k / rounds) instead of effort; see above.
 
   Raises:
     ValueError: for an empty sweep, a time that is not positive, or bad arguments.
@@ -799,7 +826,7 @@ class ReplayMeasure(Generic[C]):
 
   def __init__(self, recorded: Mapping[C, float | Measurement], *, noise: float = 0.0,
                seed: int = 0, cost_s_per_config: float = 1.0, compile_cost_s: float = 0.0,
-               call_cost_s: float = 0.0, rounds: int = 10):
+               call_cost_s: float = 0.0, rounds: int = 10, whole_rounds: bool = False):
     if not recorded:
       raise ValueError("The recorded sweep is empty: give config -> seconds or Measurement.")
     for name, value in (("noise", noise), ("cost_s_per_config", cost_s_per_config),
@@ -811,7 +838,7 @@ class ReplayMeasure(Generic[C]):
     self._recorded = {c: self._entry(c, v) for c, v in recorded.items()}
     self._noise, self._rounds = noise, rounds
     self._cost_s, self._compile_cost_s = cost_s_per_config, compile_cost_s
-    self._call_cost_s = call_cost_s
+    self._call_cost_s, self._whole_rounds = call_cost_s, whole_rounds
     self._rng = np.random.default_rng(seed)
     self._now = 0.0
     self._seen: set[C] = set()
@@ -829,6 +856,14 @@ class ReplayMeasure(Generic[C]):
   def clock(self) -> float:
     """The fake time: seconds of measuring so far."""
     return self._now
+
+  def _samples(self, effort: float) -> int:
+    return math.ceil(self._rounds * effort)
+
+  def effective_effort(self, effort: float) -> float:
+    """The fraction of a full measurement's cost that `effort` costs a config (see the
+    class docstring); the Measure attribute of the same name (module docstring)."""
+    return self._samples(effort) / self._rounds if self._whole_rounds else effort
 
   def __call__(self, configs: Sequence[C], /, *, effort: float = 1.0) -> dict[C, Measurement]:
     """Replays the measurement of configs; see the class docstring.
@@ -852,7 +887,8 @@ class ReplayMeasure(Generic[C]):
     self._now += self._call_cost_s
     out = {}
     for config in configs:
-      self._now += self._cost_s * effort + (0.0 if config in self._seen else self._compile_cost_s)
+      self._now += (self._cost_s * self.effective_effort(effort)
+                    + (0.0 if config in self._seen else self._compile_cost_s))
       self._seen.add(config)
       out[config] = self._replay(self._recorded[config], effort)
     return out
@@ -860,7 +896,7 @@ class ReplayMeasure(Generic[C]):
   def _replay(self, value: float | Measurement, effort: float) -> Measurement:
     if isinstance(value, Measurement):
       return value
-    n = math.ceil(self._rounds * effort)
+    n = self._samples(effort)
     samples = value * np.exp(self._noise * self._rng.standard_normal(n))
     median, low, high = median_interval(samples)
     return Measurement(status="ok", median_s=median, ci_low_s=low, ci_high_s=high,
