@@ -3,7 +3,9 @@
 Builds a small transformer block (attention, RMS norm, a gated MLP and a
 mixture-of-experts layer through `ragged_dot`), finds its stellarax ops in
 the training step (forward and backward), tunes them, prints the table,
-saves the result, and times the step before and inside `with result:`.
+saves the result, and times the step with heuristic configs, inside `with result:`,
+and with each tuned call left out (`autotuning.check_in_program`): what tuning gained in
+the program, not only in each op on its own.
 """
 
 from __future__ import annotations
@@ -58,19 +60,6 @@ def loss(params, x):
   return jnp.mean(block(params, x) ** 2)
 
 
-def _time_steps(step, result, params, x) -> dict[str, float]:
-  """Median step time with heuristic configs and inside `with result:`,
-  measured together in interleaved rounds so drift hits both alike."""
-
-  def tuned(params, x):
-    with result:
-      return step(params, x)
-
-  out = measure.measure_candidates({"heuristics": step, "tuned": tuned}, (params, x),
-                                   options=measure.MeasureOptions(rounds=15))
-  return {k: m.median_s for k, m in out.items()}
-
-
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--output", default="demo_out", help="folder for the result JSON")
@@ -98,12 +87,12 @@ def main(argv=None) -> int:
   out_dir = Path(args.output)
   out_dir.mkdir(parents=True, exist_ok=True)
   result.dump(out_dir / "result.json")
-  times = _time_steps(step, result, params, x)
-  before, after = times["heuristics"], times["tuned"]
   print()
   print(f"tuned {len(result)} op calls in {tuning_s:.1f} s; result saved to {out_dir / 'result.json'}")
-  print(f"training step: {before * 1e3:.2f} ms with heuristics -> {after * 1e3:.2f} ms tuned "
-        f"({before / after:.2f}x)")
+  # The whole step, measured in interleaved rounds so that drift hits every variant alike.
+  check = stellarax.autotuning.check_in_program(result, step, params, x,
+                                                options=measure.MeasureOptions(rounds=15))
+  print("training step, " + "\n".join(check.lines()))
   return 0
 
 

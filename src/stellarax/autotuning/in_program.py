@@ -1,0 +1,172 @@
+"""Checking tuned configs in the program they were tuned for.
+
+The autotuner measures each op call on its own: its inputs are fresh arrays and nothing
+runs around it. Inside a program the same call can cost otherwise: an XLA
+implementation fuses with its neighbours and its inputs arrive in the layouts the
+program chose, and a VJP op may share work with the forward. So a config that won on
+its own may gain less in the program, or nothing (the demo's attention VJP: 1.6x on its
+own, a few percent of the training step on the CPU). Pallas kernels are opaque to XLA
+and keep their isolated ranking far better, but the program is what the user runs.
+
+`check_in_program(result, f, *args)` times the whole program three ways, in the same
+interleaved rounds (`measure_candidates`): every op call at its heuristic config, every
+call at the result's config, and, for each call whose tuned config is not its
+heuristic, the result with that one call put back to its heuristic (leave one out). A
+call helps when the tuned program is faster than the one without it beyond noise
+(`measure.pick_best` with the leave-one-out program preferred). Every program's output
+is checked against the heuristic program's, so a config that is wrong only in context
+shows too. `ProgramCheck.kept()` is the result with the calls that did not help put
+back to their heuristics: a result for this program, not a better measurement of the
+call (the next program may differ), so it is returned, never written to a cache.
+
+It compiles the program 2 + (changed calls) times, plus once for the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from stellarax.autotuning import capture
+from stellarax.autotuning import measure as measure_lib
+from stellarax.autotuning.result import AutotuningResult, Entry
+
+_HEURISTICS = "heuristics"
+_TUNED = "tuned"
+
+
+@dataclasses.dataclass(frozen=True)
+class CallCheck:
+  """One tuned call's part in the program.
+
+  Attributes:
+    entry: the call's entry in the result checked.
+    without: the program with this call at its heuristic config, the others tuned.
+    helps: whether the tuned program is faster than `without` beyond noise (or ran
+      where `without` failed).
+  """
+
+  entry: Entry
+  without: measure_lib.Measurement
+  helps: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramCheck:
+  """What `check_in_program` measured.
+
+  Attributes:
+    result: the result checked.
+    heuristics: the program with every op call at its heuristic config.
+    tuned: the program inside `with result:`.
+    calls: one `CallCheck` per call of the program whose tuned config is not its
+      heuristic, in program order.
+    num_calls: op calls found in the program (tuned or not).
+  """
+
+  result: AutotuningResult
+  heuristics: measure_lib.Measurement
+  tuned: measure_lib.Measurement
+  calls: tuple[CallCheck, ...]
+  num_calls: int
+
+  @property
+  def speedup(self) -> float | None:
+    """Heuristic program time over tuned program time; None if either failed."""
+    if not (self.heuristics.ok and self.tuned.ok):
+      return None
+    return self.heuristics.median_s / self.tuned.median_s
+
+  def kept(self) -> AutotuningResult:
+    """The result with each call that did not help put back to its heuristic config
+    (its measurements kept, its method saying why); calls that helped, and entries of
+    calls not in the program, as they were."""
+    entries = {e.key: e for e in self.result}
+    for call in self.calls:
+      if not call.helps:
+        e = call.entry
+        entries[e.key] = dataclasses.replace(
+            e, best_config=e.heuristic_config,
+            method=f"{e.method}; heuristic kept: not faster in the program checked")
+    return AutotuningResult(self.result.device_kind, entries, self.result.versions)
+
+  def lines(self) -> list[str]:
+    """A short report: the program both ways, then each tuned call left out."""
+    ms = lambda m: f"{m.median_s * 1e3:.3f} ms" if m.ok else f"{m.status} ({m.error})"
+    speedup = f" ({self.speedup:.2f}x)" if self.speedup else ""
+    out = [f"program: {ms(self.heuristics)} with heuristics -> {ms(self.tuned)} tuned{speedup};"
+           f" {len(self.calls)} of {self.num_calls} op calls have a tuned config"]
+    for call in self.calls:
+      gain = ""
+      if call.without.ok and self.tuned.ok:
+        gain = f", its gain {(call.without.median_s - self.tuned.median_s) * 1e3:+.3f} ms"
+      verdict = "helps" if call.helps else "not faster beyond noise: kept() keeps the heuristic"
+      out.append(f"  {call.entry.bound_args.op.name}: without it {ms(call.without)}{gain};"
+                 f" {verdict}")
+    return out
+
+
+def _at_heuristic(entry: Entry) -> Entry:
+  return dataclasses.replace(entry, best_config=entry.heuristic_config)
+
+
+def _heuristic_entry(ba) -> Entry:
+  """An entry that pins a call to its heuristic config (nothing measured)."""
+  ba = ba.with_config(None)
+  heuristic = ba.heuristics_config
+  return Entry(bound_args=ba, best_config=heuristic, heuristic_config=heuristic, measurements=())
+
+
+def _under(result: AutotuningResult, f: Callable[..., Any]) -> Callable[..., Any]:
+  """f(*args, **kwargs) traced inside `with result:`, taking (args, kwargs)."""
+  def run(args, kwargs):
+    with result:
+      return f(*args, **kwargs)
+  return run
+
+
+def check_in_program(result: AutotuningResult, f: Callable[..., Any], *args,
+                     options: measure_lib.MeasureOptions | None = None,
+                     **kwargs) -> ProgramCheck:
+  """Times the program `f(*args, **kwargs)` with heuristic and tuned configs, and with
+  each tuned call left out (see the module docstring).
+
+  Args:
+    result: the tuning result to check, e.g. `autotune(f, *args)`'s.
+    f: the program, as `autotune` takes it (jittable; it is traced once per variant).
+    *args, **kwargs: its arguments (arrays).
+    options: how to measure; default `MeasureOptions()`.
+
+  Returns:
+    The `ProgramCheck`.
+
+  Raises:
+    ValueError: if the program has no stellarax op call.
+  """
+  found = capture.get_bound_args(f, *args, **kwargs)
+  if not found:
+    raise ValueError(f"{getattr(f, '__name__', f)!r} calls no stellarax op with these arguments:"
+                     " nothing to check. Pass the program that was tuned, with its arguments.")
+  device_kind = result.device_kind
+  heuristic = {e.key: e for e in map(_heuristic_entry, found)}
+  tuned = {e.key: e for e in result}
+  changed = [tuned[key] for key in heuristic
+             if key in tuned and tuned[key].best_config != tuned[key].heuristic_config]
+  pinned = lambda entries: AutotuningResult(device_kind, entries)
+  programs = {_HEURISTICS: _under(pinned(heuristic), f),
+              _TUNED: _under(pinned(heuristic | tuned), f)}
+  for i, e in enumerate(changed):
+    programs[i] = _under(pinned(heuristic | tuned | {e.key: _at_heuristic(e)}), f)
+  reference = lambda: jax.jit(programs[_HEURISTICS])(args, kwargs)
+  got = measure_lib.measure_candidates(programs, (args, kwargs), reference=reference,
+                                       options=options or measure_lib.MeasureOptions())
+  calls = []
+  for i, e in enumerate(changed):
+    without, with_it = got[i], got[_TUNED]
+    helps = with_it.ok and (not without.ok or measure_lib.pick_best(
+        {i: without, _TUNED: with_it}, prefer=i, order=[i, _TUNED]) == _TUNED)
+    calls.append(CallCheck(e, without, bool(helps)))
+  return ProgramCheck(result, got[_HEURISTICS], got[_TUNED], tuple(calls), len(found))

@@ -1,0 +1,102 @@
+"""check_in_program: tuned configs timed in the program they were tuned for."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import stellarax
+from stellarax import autotuning
+from stellarax.autotuning import in_program
+from stellarax.autotuning.measure import Measurement, MeasureOptions
+
+FAST = MeasureOptions(rounds=3, leader_rounds=0, warmup_s=0.0, max_total_s=0.3, min_batch_s=2e-4)
+
+
+def _inputs():
+  k = jax.random.split(jax.random.key(7), 2)
+  lhs = jax.random.normal(k[0], (96, 32), jnp.float32)
+  rhs = jax.random.normal(k[1], (3, 32, 16), jnp.float32)
+  return lhs, rhs, jnp.array([40, 0, 50], jnp.int32)  # an empty group, sum < M
+
+
+def program(lhs, rhs, gs):
+  y = stellarax.ragged_dot(lhs, rhs, gs, implementation="xla")
+  return jnp.sum(jnp.sin(y)), stellarax.rms_norm(y, None, implementation="xla")
+
+
+def _ok(ms):
+  return Measurement(status="ok", median_s=ms * 1e-3, ci_low_s=ms * 1e-3, ci_high_s=ms * 1e-3,
+                     num_samples=3, compile_time_s=0.1, method="test")
+
+
+def _result_with_other_config():
+  """A result whose ragged_dot entry chose a config other than its heuristic."""
+  lhs, rhs, gs = _inputs()
+  (ragged, norm) = autotuning.get_bound_args(program, lhs, rhs, gs)
+  ragged = ragged.with_config(None)
+  heuristic = ragged.heuristics_config
+  other = next(c for c in sorted(ragged.autotuning_configs, key=repr) if c != heuristic)
+  entry = autotuning.Entry(bound_args=ragged, best_config=other, heuristic_config=heuristic,
+                           measurements=((heuristic, _ok(2.0)), (other, _ok(1.0))), method="test")
+  return autotuning.AutotuningResult(jax.devices()[0].device_kind, {entry.key: entry}), entry
+
+
+def test_the_program_is_timed_with_heuristics_tuned_and_each_call_left_out():
+  result, entry = _result_with_other_config()
+  check = autotuning.check_in_program(result, program, *_inputs(), options=FAST)
+  assert check.num_calls == 2 and [c.entry for c in check.calls] == [entry]
+  assert check.heuristics.ok and check.tuned.ok and check.calls[0].without.ok
+  assert check.speedup == check.heuristics.median_s / check.tuned.median_s
+  lines = check.lines()
+  assert lines[0].startswith("program: ") and "1 of 2 op calls have a tuned config" in lines[0]
+  assert lines[1].startswith("  ragged_dot.xla: without it ")
+
+
+def test_each_variant_runs_the_configs_it_names(monkeypatch):
+  result, entry = _result_with_other_config()
+  args = _inputs()
+  traced = {}
+
+  def fake_measure(programs, margs, **kwargs):
+    for name, fn in programs.items():
+      traced[name] = str(jax.make_jaxpr(fn)(*margs))
+    return {name: _ok(1.0) for name in programs}
+
+  monkeypatch.setattr(in_program.measure_lib, "measure_candidates", fake_measure)
+  autotuning.check_in_program(result, program, *args)
+  # Left out, the only tuned call is at its heuristic: the heuristic program exactly.
+  assert traced[0] == traced["heuristics"] != traced["tuned"]
+  with result:
+    assert traced["tuned"] == str(jax.make_jaxpr(in_program._under(result, program))(args, {}))
+
+
+@pytest.mark.parametrize("without_ms, tuned_status, helps", [
+    (2.0, "ok", True),            # faster beyond noise with the tuned config
+    (1.005, "ok", False),         # within TIE_RELATIVE: the heuristic is kept
+    (2.0, "wrong_result", False),  # wrong in context: never kept
+])
+def test_kept_puts_back_the_calls_that_do_not_help(monkeypatch, without_ms, tuned_status, helps):
+  result, entry = _result_with_other_config()
+  tuned = _ok(1.0) if tuned_status == "ok" else Measurement(status=tuned_status, error="max abs error 9")
+  monkeypatch.setattr(in_program.measure_lib, "measure_candidates", lambda programs, *a, **k: {
+      "heuristics": _ok(2.0), "tuned": tuned, 0: _ok(without_ms)})
+  check = autotuning.check_in_program(result, program, *_inputs())
+  assert check.calls[0].helps is helps
+  (kept,) = check.kept()
+  assert kept.best_config == (entry.best_config if helps else entry.heuristic_config)
+  assert kept.measurements == entry.measurements
+  assert ("heuristic kept" in kept.method) is not helps
+  assert ("helps" in check.lines()[1]) is helps
+
+
+def test_a_program_without_ops_is_refused():
+  with pytest.raises(ValueError, match="calls no stellarax op"):
+    autotuning.check_in_program(autotuning.AutotuningResult("cpu"), lambda x: x * 2, jnp.ones(3))
+
+
+def test_keyword_arguments_reach_the_program():
+  result, _ = _result_with_other_config()
+  lhs, rhs, gs = _inputs()
+  check = autotuning.check_in_program(result, lambda lhs, rhs, gs: program(lhs, rhs, gs), lhs,
+                                      rhs=rhs, gs=gs, options=FAST)
+  assert check.tuned.ok and len(check.calls) == 1
