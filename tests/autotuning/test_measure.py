@@ -221,6 +221,17 @@ def test_looped_programs_compute_the_call_and_are_compiled_once():
   assert never["a"].method == "cpu-batched"
 
 
+def test_calls_over_a_millisecond_are_never_looped_nor_is_the_floor_measured():
+  x, w = _x(), _x((160, 160), seed=1)
+  def slow(x, w):
+    return _callback(_matmul(x, w), lambda v: (time.sleep(0.002), v)[1])
+  cache = {}
+  got = m.measure_candidates({"slow": slow}, (x, w), effort=0.2, compile_cache=cache,
+                             options=dataclasses.replace(FAST, host_bound_factor=1e9))
+  assert got["slow"].method == "cpu-batched"
+  assert not [k for k in cache if isinstance(k, m._Aux)]
+
+
 def test_dispatch_floor_is_a_time_per_call_or_a_clear_error(monkeypatch):
   args = (_x((16, 16)), np.ones(3, np.int32), jax.random.key(0), jnp.zeros((0, 4)))
   assert 0 < m.dispatch_floor_s(args, FAST) < 1e-2

@@ -25,7 +25,8 @@ Method, in the order `measure_candidates` runs it:
    dispatching it leaves the device idle between calls, so its batch times the host, not
    the device (on an H200 a dispatch costs about 10 us; every kernel shorter than that
    would look the same). So the dispatch floor is measured too: the per-call time, taken
-   the same way, of a program that takes the same arguments and does nothing. A candidate
+   the same way, of a program that takes the same arguments and does nothing (not when
+   every candidate takes a millisecond or more: no dispatch costs that). A candidate
    whose warm-up per-call time is below `host_bound_factor` times the floor is compiled
    again as one program that runs it `loop_calls` times in a loop (each iteration's
    inputs and outputs pass through an optimization barrier, so XLA can neither hoist the
@@ -94,6 +95,9 @@ _MAX_ERROR_CHARS: Final = 300
 # Cap on how fast the batch size grows between two warm-up batches, so that one fluky
 # fast batch cannot make the next one run for seconds.
 _MAX_BATCH_GROWTH: Final = 100
+# A call this long is never host-bound (no dispatch takes a tenth of it), so when every
+# candidate takes longer the dispatch floor is not measured.
+_SURELY_DEVICE_BOUND_S: Final = 1e-3
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -797,7 +801,8 @@ def _loop_host_bound(cands: list[_Candidate], fns: Mapping[Any, Callable[..., An
                      input_sets: list[tuple], options: MeasureOptions,
                      cache: MutableMapping[Any, Any] | None):
   """Moves host-bound candidates to looped programs (step 4 of the module docstring)."""
-  if not options.loop_calls or not cands:
+  timed = [c.call_s for c in cands if c.alive and c.call_s is not None]
+  if not options.loop_calls or not timed or min(timed) >= _SURELY_DEVICE_BOUND_S:
     return
   floor_s = _dispatch_floor_s(input_sets, options, cache)
   if floor_s is None:
