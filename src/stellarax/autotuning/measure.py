@@ -23,9 +23,9 @@ Method, in the order `measure_candidates` runs it:
    least `min_batch_s` (or n reached `max_batch_calls`). That n is kept for its samples.
    Host-bound candidates: a call whose device work is shorter than the host's cost of
    dispatching it leaves the device idle between calls, so its batch times the host, not
-   the device (on an H200 a dispatch costs about 10 us; every kernel shorter than that
-   would look the same). So the dispatch floor is measured too: the per-call time, taken
-   the same way, of a program that takes the same arguments and does nothing (not when
+   the device (a dispatch costs microseconds: 4-7 us on the 2-core CPU here; gpu_check
+   measures the H200's; every call shorter would look the same). So the dispatch floor is measured too: the per-call time, taken
+   the same way, of a program that takes the same arguments and does almost nothing (not when
    every candidate takes a millisecond or more: no dispatch costs that). A candidate
    whose warm-up per-call time is below `host_bound_factor` times the floor is compiled
    again as one program that runs it `loop_calls` times in a loop (each iteration's
@@ -293,7 +293,6 @@ class MeasureOptions:
         leader_rounds=round(self.leader_rounds * effort),
         max_total_s=self.max_total_s * effort,
     )
-
 
   def effective_effort(self, effort: float) -> float:
     """The fraction of a full measurement's timed rounds that `with_effort(effort)` keeps.

@@ -22,9 +22,9 @@ what calls cost (see `racing`). Because of that one round, efforts below 1/round
 about a round: a measure may say so through an attribute `effective_effort(effort) ->
 float`, the fraction of a full measurement's timed work an effort really buys
 (`MeasureOptions.effective_effort`); the strategies' cost model then counts that instead
-of the effort asked for. Without it, effort counts as asked. Failed configs come back as data and are never chosen;
-when every measured config failed, the strategy raises `AllCandidatesFailedError` listing
-why each failed.
+of the effort asked for. Without it, effort counts as asked. Failed configs come back as
+data and are never chosen; when every measured config failed, the strategy raises
+`AllCandidatesFailedError` listing why each failed.
 
 Time. Strategies read an injectable `clock` (default `time.perf_counter`); `ReplayMeasure`
 replays a recorded sweep and advances a fake clock, so strategies are tested and compared
@@ -481,13 +481,19 @@ def _plan(session: _Session[C], available: int, eta: int, min_effort: float
   spare = room * (1 - _BOOST_MARGIN)
   if n < available or cost(n) > spare:
     return _schedule(n, eta, min_effort)
-  low, high = 1.0, 1.0 / min_effort  # cost(n, low) fits, cost(n, high) may not.
-  if cost(n, high) <= spare:
-    low = high
-  for _ in range(30 if low < high else 0):
+  boost = _largest_fitting(lambda b: cost(n, b) <= spare, 1.0, 1.0 / min_effort)
+  return _schedule(n, eta, min_effort, boost)
+
+
+def _largest_fitting(fits: Callable[[float], bool], low: float, high: float) -> float:
+  """The largest x in [low, high] with fits(x), to bisection's precision; fits(low) holds
+  and fits is monotone (true up to some point, false after it)."""
+  if fits(high):
+    return high
+  for _ in range(40):
     mid = (low + high) / 2
-    low, high = (mid, high) if cost(n, mid) <= spare else (low, mid)
-  return _schedule(n, eta, min_effort, low)
+    low, high = (mid, high) if fits(mid) else (low, mid)
+  return low
 
 
 def _affordable_effort(session: _Session[C], batch: Sequence[C], effort: float,
@@ -504,11 +510,7 @@ def _affordable_effort(session: _Session[C], batch: Sequence[C], effort: float,
     return effort
   if model.per_effort_s <= 0 or not fits(min_effort):
     return None
-  low, high = min_effort, effort  # fits(low), not fits(high); cost grows with effort
-  for _ in range(40):
-    mid = (low + high) / 2
-    low, high = (mid, high) if fits(mid) else (low, mid)
-  return low
+  return _largest_fitting(fits, min_effort, effort)  # cost grows with effort
 
 
 def _screen(session: _Session[C], pool: Sequence[C], schedule: Sequence[tuple[int, float]],
