@@ -12,9 +12,9 @@ runs here is first checked against the op's float32 reference on fresh random
 inputs, then all of them are timed together by `measure_candidates`
 (interleaved shuffled rounds of batched asynchronous calls, one sync per
 batch: device time, not dispatch; a call faster than its dispatch is timed in
-a loop inside one program, and its row says so). Ours run with the heuristic config and,
-unless --tune-budget-s 0, with the config `stellarax.Autotuner` finds within
-that budget per op call. Baselines: XLA (`jax.lax.ragged_dot`,
+a loop inside one program, and its row says so). Ours run with the heuristic
+config and, unless --tune-budget-s 0, with the config `stellarax.Autotuner`
+finds within that budget per op call. Baselines: XLA (`jax.lax.ragged_dot`,
 `jax.nn.dot_product_attention(implementation="xla")`), cuDNN attention,
 cuBLAS dense matmuls of the same FLOPs, and an elementwise copy for bandwidth.
 
@@ -25,10 +25,11 @@ event path of the profile reader.
 
 Writes `<out>/results.json` (every row, environment) and `<out>/tuned.json`
 (an AutotuningResult for the library cache) after every workload, so a run cut
-short keeps what it measured; prints each workload's rows as it ends, then the
-whole table (before it, small calls timed both ways beside the dispatch floor:
-what sets `MeasureOptions.host_bound_factor`), the code paths each tuning measured (and those faster than the
-heuristic beyond both confidence intervals), then whether each speed target of
+short keeps what it measured; prints each workload's rows as it ends, then
+small calls timed both ways beside the dispatch floor (what sets
+`MeasureOptions.host_bound_factor`), the whole table, the code paths each
+tuning measured (and those faster than the heuristic beyond both confidence
+intervals), then whether each speed target of
 the GPU-kernels issue was met. Past --deadline-s the remaining workloads are
 checked and timed untuned, and past the deadline plus a minute they are skipped. A
 candidate whose error exceeds the dtype's tolerance is marked WRONG (and still

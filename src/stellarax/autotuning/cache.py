@@ -155,7 +155,6 @@ class FileCache:
       written.append(path)
     return written
 
-
   def files(self) -> list[Path]:
     """Every result file of the cache, of every device kind, sorted."""
     return sorted(self.root.glob("*/*.json")) if self.root.is_dir() else []
