@@ -444,10 +444,12 @@ def dispatch_calibration(smoke: bool) -> list[dict[str, Any]]:
     row = {"name": name, "floor_us": None, "batched_us": None, "looped_us": None}
     try:
       row["floor_us"] = measure.dispatch_floor_s(args, opts) * 1e6
-      for column, options in (("batched_us", dataclasses.replace(opts, loop_calls=0)),
-                              ("looped_us", dataclasses.replace(opts, host_bound_factor=1e9))):
-        m = measure.measure_candidates({name: fn}, args, options=options)[name]
-        row[column] = m.median_s * 1e6 if m.ok else None
+      # Both ways explicitly, whatever the measure would decide for this call.
+      batched = dataclasses.replace(opts, loop_calls=0)
+      for column, program, calls in (("batched_us", fn, 1),
+                                     ("looped_us", measure.looped(fn, opts.loop_calls), opts.loop_calls)):
+        m = measure.measure_candidates({name: program}, args, options=batched)[name]
+        row[column] = m.median_s * 1e6 / calls if m.ok else None
     except Exception as e:  # calibration is information; the table matters more
       row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     out.append(row)

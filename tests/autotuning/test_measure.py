@@ -199,12 +199,14 @@ def test_host_bound_candidates_are_timed_in_a_loop():
 
 
 def test_looped_programs_compute_the_call_and_are_compiled_once():
-  x, w = _x(), _x((160, 160), seed=1)
+  # Small, so that even a loaded machine keeps it far below the millisecond over which
+  # nothing loops (the 192x160 matmul took 9 ms once in a fresh-clone CI run).
+  x, w = _x((16, 16)), _x((16, 16), seed=1)
   traced = []
   def counted(x, w):
     traced.append(1)
     return _matmul(x, w)
-  looped = m._looped(counted, 7)
+  looped = m.looped(counted, 7)
   np.testing.assert_allclose(jax.jit(looped)(x, w), _matmul(x, w), rtol=1e-6)
   # A factor no candidate is below: every candidate counts as host-bound and loops.
   options = dataclasses.replace(FAST, host_bound_factor=1e9, loop_calls=5)
@@ -216,6 +218,8 @@ def test_looped_programs_compute_the_call_and_are_compiled_once():
     traces.append(len(traced))
   assert traces[0] == traces[1]  # the second call compiled nothing
   assert {k for k in cache if isinstance(k, m._Aux)} == {m._Aux("floor"), m._Aux("looped", "a")}
+  with pytest.raises(ValueError, match="calls=0 must be an int >= 1"):
+    m.looped(counted, 0)
   never = m.measure_candidates({"a": counted}, (x, w), effort=0.2,
                                options=dataclasses.replace(options, loop_calls=0))
   assert never["a"].method == "cpu-batched"
@@ -243,15 +247,17 @@ def test_dispatch_floor_is_a_time_per_call_or_a_clear_error(monkeypatch):
 
 
 def test_a_looped_program_that_fails_to_compile_leaves_batches(monkeypatch):
+  tried = []
   def unloopable(fn, calls):
+    tried.append(calls)
     def run(*args):
       raise RuntimeError("no loop for this one")
     return run
-  monkeypatch.setattr(m, "_looped", unloopable)
-  x, w = _x(), _x((160, 160), seed=1)
+  monkeypatch.setattr(m, "looped", unloopable)
+  x, w = _x((16, 16)), _x((16, 16), seed=1)  # far below a millisecond: it tries to loop
   got = m.measure_candidates({"a": _matmul}, (x, w), effort=0.2,
                              options=dataclasses.replace(FAST, host_bound_factor=1e9))
-  assert got["a"].ok and got["a"].method == "cpu-batched"
+  assert got["a"].ok and got["a"].method == "cpu-batched" and tried == [FAST.loop_calls]
 
 
 def test_order_sets_the_result_order_and_must_cover_every_candidate():

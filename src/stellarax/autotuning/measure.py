@@ -753,13 +753,26 @@ def _nothing(*args):
   return sum(firsts, jnp.zeros((), jnp.int32))
 
 
-def _looped(fn: Callable[..., Any], calls: int) -> Callable[..., Any]:
-  """fn(*args) run `calls` times in one program; returns the last call's output.
+def looped(fn: Callable[..., Any], calls: int) -> Callable[..., Any]:
+  """fn(*args) run `calls` times in one program, as host-bound candidates are timed.
 
   Each iteration reads its inputs through an optimization barrier and passes them on,
   with its output, through another, so that the compiler sees every iteration's inputs as
   new values: it can neither hoist the call out of the loop nor merge two iterations.
+
+  Args:
+    fn: a jittable function of arrays.
+    calls: iterations, >= 1.
+
+  Returns:
+    A function of the same arguments returning the last call's output (jit it).
+
+  Raises:
+    ValueError: if calls < 1.
   """
+  if not isinstance(calls, int) or calls < 1:
+    raise ValueError(f"{calls=} must be an int >= 1: the calls of fn in one program.")
+
   def run(*args):
     first = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *args))
 
@@ -809,7 +822,7 @@ def _loop_host_bound(cands: list[_Candidate], fns: Mapping[Any, Callable[..., An
   bound = [c for c in cands if c.alive and c.call_s is not None
            and c.call_s < options.host_bound_factor * floor_s]
   loops = [_Candidate(_Aux("looped", c.key)) for c in bound]
-  _compile_all(loops, {loop.key: _looped(fns[c.key], options.loop_calls)
+  _compile_all(loops, {loop.key: looped(fns[c.key], options.loop_calls)
                        for loop, c in zip(loops, bound)}, input_sets[0], options, cache)
   for cand, loop in zip(bound, loops):
     if not loop.alive:
