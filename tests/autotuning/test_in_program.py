@@ -87,6 +87,7 @@ def test_kept_puts_back_the_calls_that_do_not_help(monkeypatch, without_ms, tune
   assert kept.measurements == entry.measurements
   assert ("heuristic kept" in kept.method) is not helps
   assert ("helps" in check.lines()[1]) is helps
+  assert ("its config is the culprit" in check.lines()[1]) is (tuned_status != "ok")
 
 
 def test_a_program_without_ops_is_refused():

@@ -103,7 +103,12 @@ class ProgramCheck:
       gain = ""
       if call.without.ok and self.tuned.ok:
         gain = f", its gain {(call.without.median_s - self.tuned.median_s) * 1e3:+.3f} ms"
-      verdict = "helps" if call.helps else "not faster beyond noise: kept() keeps the heuristic"
+      if call.helps:
+        verdict = "helps"
+      elif not self.tuned.ok and call.without.ok:
+        verdict = "the tuned program fails and without it it does not: its config is the culprit"
+      else:
+        verdict = "not faster beyond noise: kept() keeps the heuristic"
       out.append(f"  {call.entry.bound_args.op.name}: without it {ms(call.without)}{gain};"
                  f" {verdict}")
     return out
