@@ -89,8 +89,7 @@ class ProgramCheck:
       if not call.helps:
         e = call.entry
         entries[e.key] = dataclasses.replace(
-            e, best_config=e.heuristic_config,
-            method=f"{e.method}; heuristic kept: not faster in the program checked")
+            _at_heuristic(e), method=f"{e.method}; heuristic kept: not faster in the program checked")
     return AutotuningResult(self.result.device_kind, entries, self.result.versions)
 
   def lines(self) -> list[str]:
