@@ -27,7 +27,9 @@ Writes `<out>/results.json` (every row, environment) and `<out>/tuned.json`
 (an AutotuningResult for the library cache) after every workload, so a run cut
 short keeps what it measured; prints each workload's rows as it ends, then
 small calls timed both ways beside the dispatch floor (what sets
-`MeasureOptions.host_bound_factor`), the whole table, the code paths each
+`MeasureOptions.host_bound_factor`), the whole table, the rows whose median is not
+near the device time the profiler saw in one more batch (`MeasureOptions.profile`:
+dispatch or gaps between kernels timed too), the code paths each
 tuning measured (and those faster than the heuristic beyond both confidence
 intervals), then whether each speed target of
 the GPU-kernels issue was met. Past --deadline-s the remaining workloads are
@@ -77,6 +79,9 @@ class Row:
   # How measure_candidates timed it: "<platform>-batched", or "-looped" for a call
   # faster than the host dispatches it (measure.py's docstring, step 4).
   method: str = ""
+  # The device's busy time per call in one profiled batch (measure.py, step 8): where
+  # median_ms is well above it, the batches did not time the device alone.
+  profiled_ms: float | None = None
 
 
 def _rel_err(out, ref) -> float:
@@ -399,7 +404,10 @@ def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
                     status=f"WRONG (tolerance {tolerance:g})" if wrong else "",
                     note=notes.get(key, "")))
     checked.append(key)
-  timed = measure.measure_candidates({k: candidates[k] for k in checked}, tuple(inputs), options=opts)
+  # Profiled too (not while tuning: a trace costs time): each row also gets the
+  # profiler's device time, a check of the timing method.
+  timed = measure.measure_candidates({k: candidates[k] for k in checked}, tuple(inputs),
+                                     options=dataclasses.replace(opts, profile=True))
   for r in rows:
     if r.impl in timed:
       m = timed[r.impl]
@@ -410,6 +418,7 @@ def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
       r.method = m.method
       if m.status == "ok":
         r.median_ms = m.median_s * 1e3
+        r.profiled_ms = None if m.profiled_s is None else m.profiled_s * 1e3
         r.rate = _rate(m.median_s, w.flops, w.nbytes)
         if m.method.endswith("-looped"):
           r.note = "; ".join(filter(None, (r.note, "timed in a loop: host-bound")))
@@ -427,7 +436,9 @@ def dispatch_calibration(smoke: bool) -> list[dict[str, Any]]:
     smoke: use interpret mode for the Pallas kernel (CPU).
 
   Returns:
-    One dict per call: name, floor_us, batched_us, looped_us (None where it failed).
+    One dict per call: name, floor_us, batched_us, looped_us, and profiled_us (the
+    device's busy time per call in a profiled batch: what both should approach), None
+    where it failed.
   """
   opts = measure.MeasureOptions(rounds=5, leader_rounds=0, max_total_s=0.5, timeout_s=20.0)
   dtype = jnp.float32 if smoke else jnp.bfloat16
@@ -441,15 +452,18 @@ def dispatch_calibration(smoke: bool) -> list[dict[str, Any]]:
     calls[f"rms_norm (64, 1024) {name}"] = (lambda x, op=op: stellarax.rms_norm(x, None, implementation=op), (x,))
   out = []
   for name, (fn, args) in calls.items():
-    row = {"name": name, "floor_us": None, "batched_us": None, "looped_us": None}
+    row = {"name": name, "floor_us": None, "batched_us": None, "looped_us": None,
+           "profiled_us": None}
     try:
       row["floor_us"] = measure.dispatch_floor_s(args, opts) * 1e6
       # Both ways explicitly, whatever the measure would decide for this call.
-      batched = dataclasses.replace(opts, loop_calls=0)
+      batched = dataclasses.replace(opts, loop_calls=0, profile=True)
       for column, program, calls in (("batched_us", fn, 1),
                                      ("looped_us", measure.looped(fn, opts.loop_calls), opts.loop_calls)):
         m = measure.measure_candidates({name: program}, args, options=batched)[name]
         row[column] = m.median_s * 1e6 / calls if m.ok else None
+        if column == "batched_us" and m.profiled_s is not None:
+          row["profiled_us"] = m.profiled_s * 1e6
     except Exception as e:  # calibration is information; the table matters more
       row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     out.append(row)
@@ -460,7 +474,8 @@ def dispatch_lines(calibration: list[dict[str, Any]]) -> list[str]:
   """The calibration as text lines, one per call."""
   us = lambda v: "-" if v is None else f"{v:.2f} us"
   return [f"{r['name']}: floor {us(r['floor_us'])}, batched {us(r['batched_us'])},"
-          f" looped {us(r['looped_us'])}" + (f" ({r['error']})" if "error" in r else "")
+          f" looped {us(r['looped_us'])}, profiled {us(r.get('profiled_us'))}"
+          + (f" ({r['error']})" if "error" in r else "")
           for r in calibration]
 
 
@@ -512,8 +527,9 @@ def _with_result(result, fn):
 
 def table_lines(rows: list[Row]) -> list[str]:
   """The rows as a plain-text table with aligned columns, header first."""
-  header = ("workload", "implementation", "ms", "rate", "max rel err", "status")
-  table = [header] + [(r.workload, r.impl, f"{r.median_ms:.3f}" if r.median_ms else "-", r.rate,
+  header = ("workload", "implementation", "ms", "profiled ms", "rate", "max rel err", "status")
+  ms = lambda v: f"{v:.3f}" if v else "-"
+  table = [header] + [(r.workload, r.impl, ms(r.median_ms), ms(r.profiled_ms), r.rate,
                        f"{r.max_rel_err:.1e}" if r.max_rel_err is not None else "-",
                        "; ".join(filter(None, (r.status, r.note)))[:60]) for r in rows]
   widths = [max(len(str(row[i])) for row in table) for i in range(len(header))]
@@ -530,6 +546,27 @@ def _best(rows: list[Row], workload: str, impl_part: str) -> Row | None:
   ok = [r for r in rows if r.workload == workload and impl_part in r.impl and r.median_ms
         and r.status == "ok"]
   return min(ok, key=lambda r: r.median_ms, default=None)
+
+
+# A row's median this far from its profiled device time, either way, is listed by
+# `profile_lines`: the batches timed something besides the device's work (or the
+# profiler's events missed some of it).
+_PROFILE_GAP = 1.2
+
+
+def profile_lines(rows: list[Row]) -> list[str]:
+  """The timed rows whose median and profiled device time disagree beyond _PROFILE_GAP,
+  one line each with the ratio, then a count of the rows that agree and of those
+  without a profiled time."""
+  both = [r for r in rows if r.median_ms and r.profiled_ms]
+  far = [r for r in both if not 1 / _PROFILE_GAP <= r.median_ms / r.profiled_ms <= _PROFILE_GAP]
+  lines = [f"{r.workload} | {r.impl}: median {r.median_ms:.3f} ms is"
+           f" {r.median_ms / r.profiled_ms:.2f}x the profiled {r.profiled_ms:.3f} ms"
+           f" ({r.method})" for r in far]
+  without = sum(1 for r in rows if r.median_ms and not r.profiled_ms)
+  lines.append(f"{len(both) - len(far)} of {len(both)} profiled rows within {_PROFILE_GAP:g}x"
+               f" of their profiled device time; {without} timed rows without one")
+  return lines
 
 
 def target_lines(rows: list[Row]) -> list[str]:
@@ -647,6 +684,8 @@ def main(argv=None) -> int:
   rows = run(args)
   print("\n== all workloads ==")
   print_table(rows)
+  print("\n== timing vs the profiler's device time ==")
+  print("\n".join(profile_lines(rows)))
   tuned = Path(args.out) / "tuned.json"
   if tuned.exists():
     print("\n== code paths (tuning measurements of one op call) ==")

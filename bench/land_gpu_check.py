@@ -151,6 +151,9 @@ def benchmarks_section(run: Run, command: str) -> str:
            f"    device: {env.get('device')}; jax {env.get('jax')}; stellarax {env.get('stellarax')};"
            f" finished {env.get('date')}", ""]
   lines += ["    " + line for line in gpu_check.table_lines(run.rows)]
+  if any(row.profiled_ms for row in run.rows):
+    lines += ["", "Timing against the profiler's device time (one more batch of each row):", ""]
+    lines += ["    " + line for line in gpu_check.profile_lines(run.rows)]
   if run.tuned is not None:
     lines += ["", "Code paths (tuning measurements of one op call: the heuristic, each "
               "code-path variant, the best):", ""]

@@ -266,6 +266,72 @@ def test_a_looped_program_that_fails_to_compile_leaves_batches(monkeypatch):
   assert got["a"].ok and got["a"].method == "cpu-batched" and tried == [FAST.loop_calls]
 
 
+def test_profile_records_each_candidates_device_time_beside_its_median():
+  x, w = _x(), _x((160, 160), seed=1)
+  options = dataclasses.replace(FAST, rounds=2, leader_rounds=0, profile=True)
+  cands = {"1x": _matmul, "bad_shapes": lambda x, w: x @ jnp.ones((3, 5))}
+  got = m.measure_candidates(cands, (x, w), options=options)
+  assert got["bad_shapes"].status == "compile_error" and got["bad_shapes"].profiled_s is None
+  assert got["1x"].ok and 0 < got["1x"].profiled_s < 1.0
+  assert m.measure_candidates({"1x": _matmul}, (x, w), options=FAST)["1x"].profiled_s is None
+
+
+@pytest.mark.timing
+def test_profiled_times_follow_the_work():
+  x, w = _x(), _x((160, 160), seed=1)
+  options = dataclasses.replace(FAST, rounds=2, leader_rounds=0, profile=True)
+  got = m.measure_candidates({"1x": _matmul, "20x": _matmul_20x}, (x, w), options=options)
+  # 20 times the work, in a loop thunk around 20 matmul thunks (counted once).
+  assert got["20x"].profiled_s > 2 * got["1x"].profiled_s
+
+
+class _AnyProgramBusyOneSecond(dict):
+  def __contains__(self, program):
+    return True
+
+  def __getitem__(self, program):
+    return 1.0
+
+
+def test_profiled_time_is_per_call_of_a_batch_and_of_a_loop(monkeypatch):
+  _loop_whatever_it_costs(monkeypatch)
+  monkeypatch.setattr(m.profile, "busy_time_by_program",
+                      lambda folder, **_: _AnyProgramBusyOneSecond())
+  # One call a batch, so a batch's second of device time is one call's, or 64 calls'
+  # of a looped candidate.
+  options = dataclasses.replace(FAST, rounds=1, leader_rounds=0, profile=True,
+                                loop_calls=64, max_batch_calls=1)
+  y = _x((16, 16))
+  looped = m.measure_candidates({"tiny": _tiny}, (y,), options=options)["tiny"]
+  assert looped.method == "cpu-looped" and looped.profiled_s == 1.0 / 64
+  batched = m.measure_candidates({"tiny": _tiny}, (y,),
+                                 options=dataclasses.replace(options, loop_calls=0))["tiny"]
+  assert batched.method == "cpu-batched" and batched.profiled_s == 1.0
+
+
+def test_profile_leaves_none_where_events_cannot_be_told_apart(monkeypatch):
+  # GPU events may carry only a module name, which two candidates share here.
+  monkeypatch.setattr(m.profile, "program_names", lambda compiled: (None, "jit_same"))
+  monkeypatch.setattr(m.profile, "busy_time_by_program", lambda folder, **_: {"jit_same": 1.0})
+  x, w = _x(), _x((160, 160), seed=1)
+  options = dataclasses.replace(FAST, rounds=1, leader_rounds=0, profile=True)
+  got = m.measure_candidates({"a": _matmul, "b": lambda x, w: _matmul(x, w) + 0}, (x, w),
+                             options=options)
+  assert [meas.profiled_s for meas in got.values()] == [None, None]
+  # One candidate alone owns its module's events: a second over its batch's calls.
+  one = m.measure_candidates({"a": _matmul}, (x, w), options=options)["a"]
+  assert one.profiled_s is not None and 0 < one.profiled_s <= 1.0
+
+
+def test_profile_while_the_caller_profiles_warns_and_measures(tmp_path):
+  x, w = _x(), _x((160, 160), seed=1)
+  options = dataclasses.replace(FAST, rounds=1, leader_rounds=0, profile=True)
+  with jax.profiler.trace(str(tmp_path)):
+    with pytest.warns(RuntimeWarning, match="no profile taken, the trace did not start"):
+      got = m.measure_candidates({"a": _matmul}, (x, w), options=options)
+  assert got["a"].ok and got["a"].profiled_s is None
+
+
 def test_order_sets_the_result_order_and_must_cover_every_candidate():
   x, w = _x(), _x((160, 160), seed=1)
   cands = {"a": _matmul, "b": lambda x, w: _matmul(x, w) + 0}
@@ -287,6 +353,11 @@ def test_measurement_json_round_trip():
     m.Measurement.from_json({**_ok().to_json(), "extra": 1})
   with pytest.raises(ValueError, match="missing \\['method'\\]"):
     m.Measurement.from_json({k: v for k, v in _ok().to_json().items() if k != "method"})
+  # profiled_s is written only when set: files without a profile read as before.
+  assert "profiled_s" not in _ok().to_json()
+  profiled = dataclasses.replace(_ok(), profiled_s=4e-4)
+  assert profiled.to_json()["profiled_s"] == 4e-4
+  assert m.Measurement.from_json(json.loads(json.dumps(profiled.to_json()))) == profiled
 
 
 def test_measurement_validation():
@@ -300,6 +371,10 @@ def test_measurement_validation():
     m.Measurement(status="timeout")
   with pytest.raises(ValueError, match="has no times"):
     m.Measurement(status="timeout", error="x", median_s=1.0)
+  with pytest.raises(ValueError, match="profiled_s=-1.0 must be None, or a finite time"):
+    dataclasses.replace(_ok(), profiled_s=-1.0)
+  with pytest.raises(ValueError, match="of an ok measurement"):
+    m.Measurement(status="timeout", error="x", profiled_s=1e-3)
 
 
 def test_options_validation_and_effort():

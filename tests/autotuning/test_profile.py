@@ -479,3 +479,63 @@ def test_counts_do_not_depend_on_what_else_was_compiled(tmp_path):
   assert {m: c.count for m, c in calls.items()} == {
       markers["ragged_dot.xla"]: 2 * RUNS, markers["ragged_dot.xla_vjp"]: 2 * RUNS}
   assert all(call.device_time_s > 0 for call in calls.values())
+
+
+def _streams(streams):
+  """A serialized XSpace with one GPU plane of kernels on several streams.
+
+  Args:
+    streams: stream name -> (start in ns from the line's start, duration in ns,
+      hlo_module, program_id or None) per kernel.
+  """
+  lines = []
+  for number, (stream, kernels) in enumerate(streams.items()):
+    events = []
+    for start, duration, module, program_id in kernels:
+      stats = (f'stats {{ metadata_id: 1 str_value: "fusion" }}'
+               f' stats {{ metadata_id: 2 str_value: "{module}" }}')
+      if program_id is not None:
+        stats += f" stats {{ metadata_id: 3 int64_value: {program_id} }}"
+      events.append(f"events {{ metadata_id: 1 offset_ps: {start * 1000}"
+                    f" duration_ps: {duration * 1000} {stats} }}")
+    lines.append(f'lines {{ id: {number + 1} name: "{stream}" timestamp_ns: 1000'
+                 f' {" ".join(events)} }}')
+  text = f"""planes {{
+    id: 1000 name: "/device:GPU:0" {" ".join(lines)}
+    event_metadata {{ key: 1 value {{ id: 1 name: "kernel" }} }}
+    stat_metadata {{ key: 1 value {{ id: 1 name: "hlo_op" }} }}
+    stat_metadata {{ key: 2 value {{ id: 2 name: "hlo_module" }} }}
+    stat_metadata {{ key: 3 value {{ id: 3 name: "program_id" }} }}
+  }}"""
+  return jax.profiler.ProfileData.text_proto_to_serialized_xspace(text)
+
+
+def test_busy_time_is_the_union_of_each_programs_kernels(tmp_path):
+  file = tmp_path / "gpu.xplane.pb"
+  file.write_bytes(_streams({
+      # Program 7 on two streams: [0, 100) and [50, 120) overlap, [200, 210) does not.
+      "Stream #1": [(0, 100, "jit_f", 7), (200, 10, "jit_f", 7), (300, 40, "jit_g(9)", None)],
+      "Stream #2": [(50, 70, "jit_f", 7), (120, 30, "jit_h", None)],
+  }))
+  busy = autotuning.profile.busy_time_by_program(file)
+  # By program_id, from the stat or from a module named "<name>(<id>)"; else by name.
+  assert busy == pytest.approx({7: 130e-9, 9: 40e-9, "jit_h": 30e-9}, rel=1e-9)
+  assert autotuning.profile.busy_time_by_program(file, host_events=False) == busy
+  with pytest.raises(ProfileError, match="no such file"):
+    autotuning.profile.busy_time_by_program(tmp_path / "missing")
+
+
+def test_a_compiled_program_is_found_under_its_names_in_a_trace(tmp_path):
+  drop_live_programs()
+  x = jax.random.normal(jax.random.key(3), (64, 64))
+  compiled = jax.jit(lambda x: jnp.tanh(x @ x)).lower(x).compile()
+  compiled(x).block_until_ready()
+  program_id, module = autotuning.profile.program_names(compiled)
+  assert isinstance(program_id, int) and module == "jit__lambda"
+  with jax.profiler.trace(str(tmp_path)):
+    compiled(x).block_until_ready()
+  busy = autotuning.profile.busy_time_by_program(tmp_path)
+  assert busy[program_id] > 0
+  # A device's profile is read from device planes only; a CPU's has none.
+  assert autotuning.profile.busy_time_by_program(tmp_path, host_events=False) == {}
+  assert autotuning.profile.program_names(object()) == (None, None)

@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -27,7 +28,13 @@ def test_gpu_check_smoke_run(tmp_path):
   assert (tmp_path / "tuned.json").exists()
   lines = proc.stdout.strip().splitlines()
   paths = lines.index("== code paths (tuning measurements of one op call) ==")
-  table = lines[lines.index("== all workloads ==") + 1:paths]
+  profiled = lines.index("== timing vs the profiler's device time ==")
+  table = lines[lines.index("== all workloads ==") + 1:profiled]
+  # Every timed row was profiled too (XLA:CPU's thunks are the CPU's device events).
+  timed = [r for r in rows if r["median_ms"]]
+  assert timed and all(r["profiled_ms"] > 0 for r in timed), [r for r in timed if not r["profiled_ms"]]
+  assert re.fullmatch(rf"\d+ of {len(timed)} profiled rows within 1.2x of their profiled device"
+                      r" time; 0 timed rows without one", lines[paths - 2]), lines[profiled:paths]
   # The whole table (the sliding-window attention last in smoke runs), the code paths of
   # every tuned op call, then the targets.
   assert table[-2].startswith("attention") and "window=32" in table[-2]
@@ -208,8 +215,23 @@ def test_dispatch_calibration_times_small_calls_both_ways():
   assert [r["name"] for r in calibration] == ["rms_norm (64, 1024) xla", "matmul 256^3 (cuBLAS on a GPU)"]
   for row in calibration:
     assert "error" not in row, row
-    assert all(row[k] > 0 for k in ("floor_us", "batched_us", "looped_us")), row
+    assert all(row[k] > 0 for k in ("floor_us", "batched_us", "looped_us", "profiled_us")), row
   lines = gpu_check.dispatch_lines(calibration + [dict(calibration[0], looped_us=None, error="E: x")])
   assert lines[0].startswith("rms_norm (64, 1024) xla: floor ") and ", looped " in lines[0]
-  assert lines[-1].endswith("looped - (E: x)")
+  assert ", profiled " in lines[0] and " us" in lines[0].split(", profiled ")[1]
+  assert ", looped -, profiled " in lines[-1] and lines[-1].endswith(" (E: x)")
+
+
+def test_profile_lines_list_the_rows_far_from_their_device_time():
+  gpu_check = _gpu_check()
+  Row = gpu_check.Row
+  rows = [Row("w", "near", median_ms=1.1, profiled_ms=1.0, method="gpu-batched"),
+          Row("w", "host-bound", median_ms=0.030, profiled_ms=0.004, method="gpu-batched"),
+          Row("w", "faster than its kernels?", median_ms=0.5, profiled_ms=1.0, method="gpu-looped"),
+          Row("w", "unprofiled", median_ms=2.0),
+          Row("w", "failed", status="timeout: slow")]
+  assert gpu_check.profile_lines(rows) == [
+      "w | host-bound: median 0.030 ms is 7.50x the profiled 0.004 ms (gpu-batched)",
+      "w | faster than its kernels?: median 0.500 ms is 0.50x the profiled 1.000 ms (gpu-looped)",
+      "1 of 3 profiled rows within 1.2x of their profiled device time; 1 timed rows without one"]
 

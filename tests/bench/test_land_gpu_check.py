@@ -60,7 +60,8 @@ def _results_folder(tmp_path, device="NVIDIA H200"):
   result.dump(folder / "tuned.json")
   config_of = lambda e: f"ragged_dot.pallas_triton: {e.best_config}"
   rows = [dict(workload="ragged_dot G=8 M=8192 K=4096 N=14336 fwd", impl="ragged_dot.pallas_triton tuned",
-               median_ms=1.5, rate="642.0 TFLOP/s", max_rel_err=1e-3, status="ok", config=config_of(good)),
+               median_ms=1.5, rate="642.0 TFLOP/s", max_rel_err=1e-3, status="ok", config=config_of(good),
+               profiled_ms=1.45),
           dict(workload="ragged_dot G=8 M=8192 K=4096 N=14336 fwd", impl="xla jax.lax.ragged_dot",
                median_ms=9.9, rate="97.0 TFLOP/s", max_rel_err=1e-3, status="ok", config=""),
           dict(workload="ragged_dot G=64 M=16384 K=2048 N=1536 fwd", impl="ragged_dot.pallas_triton tuned",
@@ -69,7 +70,7 @@ def _results_folder(tmp_path, device="NVIDIA H200"):
   env = {"device": device, "jax": "0.11.2", "stellarax": "0.1.0", "date": "2026-12-01 10:00:00 UTC",
          "argv": ["bench/gpu_check.py", "--out", "/out/gpu_check", "--tune-budget-s", "6"]}
   dispatch = [{"name": "matmul 256^3 (cuBLAS on a GPU)", "floor_us": 9.5, "batched_us": 11.25,
-               "looped_us": 3.5}]
+               "looped_us": 3.5, "profiled_us": 3.25}]
   (folder / "results.json").write_text(json.dumps({"env": env, "rows": rows, "dispatch": dispatch}))
   (folder / "profile" / "plugins" / "profile" / "t" / "host.xplane.pb").write_bytes(
       gzip.decompress(CPU_PROFILE.read_bytes()))
@@ -110,8 +111,11 @@ def test_land_ships_confirmed_configs_and_records_the_run(tmp_path, capsys):
   assert "ragged_dot.pallas_triton (4,) (64, 32) (4, 32, 48): heuristic 2.000 ms; best 1.000 ms" in text
   # num_warps is a tile, not a code path: no variant to report.
   assert "Faster than the heuristic beyond both confidence intervals:\n\n    none\n" in text
-  assert ("    matmul 256^3 (cuBLAS on a GPU): floor 9.50 us, batched 11.25 us, looped 3.50 us\n"
-          in text)
+  assert ("    matmul 256^3 (cuBLAS on a GPU): floor 9.50 us, batched 11.25 us, looped 3.50 us,"
+          " profiled 3.25 us\n" in text)
+  # Rows from a run before profiled times (the second row) load; the profiled one counts.
+  assert ("    1 of 1 profiled rows within 1.2x of their profiled device time; 2 timed rows"
+          " without one\n" in text)
   # The profile is test data that reads back as recorded; the target config is kept.
   fixture = root / "tests" / "data" / "profiles" / "NVIDIA_H200"
   recorded = json.loads((fixture / "calls.json").read_text())

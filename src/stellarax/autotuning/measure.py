@@ -44,6 +44,20 @@ Method, in the order `measure_candidates` runs it:
 7. Leaders. Candidates whose interval reaches the fastest one's (ci_low_s <= the fastest's
    ci_high_s) take `leader_rounds` more shuffled rounds among themselves, and their
    statistic is recomputed over all their samples: close calls get decided on more data.
+8. Profile (only with `MeasureOptions.profile`). Each surviving candidate runs one more
+   batch, all of them inside one `jax.profiler.trace`, and `Measurement.profiled_s` is
+   the time the device was busy with the candidate's program per call, from the
+   profiler's events (`profile.busy_time_by_program`; on a GPU, CUPTI's kernel times).
+   It is a check of the timing, not a sample: the choice stays with the medians. Well
+   above it, a median says the calls were not device-bound (dispatch, gaps between
+   kernels, a host-side sync); near it, that the batches timed the device. On a CPU the
+   events are XLA:CPU's thunks, each with the tracer's own cost in it: a program of
+   many small thunks (a loop, a Pallas kernel in interpret mode) looks several times
+   slower profiled (2026-12-02: 0.16 ms against 0.04 ms looped for a tiny interpreted
+   ragged_dot), so there the check only shows the mechanism works. A candidate
+   whose events cannot be told from others' (no program_id, and a module name that
+   several candidates share) or that left none gets None; so does every one when a
+   trace cannot start (another one is running: one warning).
 
 Budget. Time spent on one candidate (warm-up and samples) stops growing at about
 `max_total_s`: a round skips a candidate that has spent its share (the main rounds may use
@@ -76,14 +90,18 @@ import math
 import os
 import queue
 import random
+import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping
 from typing import Any, Final, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from stellarax.autotuning import profile
 
 K = TypeVar("K", bound=Hashable)
 
@@ -98,6 +116,8 @@ _MAX_BATCH_GROWTH: Final = 100
 # A call this long is never host-bound (no dispatch takes a tenth of it), so when every
 # candidate takes longer the dispatch floor is not measured.
 _SURELY_DEVICE_BOUND_S: Final = 1e-3
+# Measurement.to_json leaves these out when they are None.
+_OPTIONAL_JSON_KEYS: Final = frozenset({"profiled_s"})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,6 +134,8 @@ class Measurement:
     compile_time_s: seconds spent tracing, lowering and compiling; None when unknown.
     error: short reason for a failure; None exactly when status is "ok".
     method: how the time was taken, e.g. "gpu-batched" (see the module docstring).
+    profiled_s: seconds per call the device was busy with the candidate in a profiled
+      batch (step 8 of the module docstring), or None where not profiled.
   """
 
   status: str
@@ -124,6 +146,7 @@ class Measurement:
   compile_time_s: float | None = None
   error: str | None = None
   method: str = ""
+  profiled_s: float | None = None
 
   def __post_init__(self):
     if self.status not in STATUSES:
@@ -134,6 +157,9 @@ class Measurement:
       self._validate_failure()
     if self.compile_time_s is not None and not self.compile_time_s >= 0:
       raise ValueError(f"{self.compile_time_s=} must be None or >= 0.")
+    if self.profiled_s is not None and not (self.ok and 0 <= self.profiled_s < math.inf):
+      raise ValueError(f"{self.profiled_s=} must be None, or a finite time >= 0 of an ok"
+                       f" measurement (status is {self.status!r}).")
 
   def _validate_ok(self):
     times = (self.ci_low_s, self.median_s, self.ci_high_s)
@@ -166,15 +192,22 @@ class Measurement:
     return self.status == "ok"
 
   def to_json(self) -> dict[str, Any]:
-    """Returns the measurement as a dict of plain JSON values (str, int, float, None)."""
-    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    """Returns the measurement as a dict of plain JSON values (str, int, float, None).
+
+    `profiled_s` is written only when set, so files of measurements taken without a
+    profile stay as they were (and readable by earlier versions).
+    """
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    if self.profiled_s is None:
+      del d["profiled_s"]
+    return d
 
   @classmethod
   def from_json(cls, d: Mapping[str, Any]) -> Measurement:
     """Builds a measurement from `to_json`'s output.
 
     Args:
-      d: a mapping with exactly the keys that `to_json` writes.
+      d: a mapping with exactly the keys that `to_json` writes (`profiled_s` optional).
 
     Returns:
       The measurement.
@@ -185,15 +218,15 @@ class Measurement:
     names = [f.name for f in dataclasses.fields(cls)]
     if not isinstance(d, Mapping):
       raise ValueError(f"Expected a JSON object with keys {names}, got {type(d).__name__}.")
-    missing = [n for n in names if n not in d]
+    missing = [n for n in names if n not in d and n not in _OPTIONAL_JSON_KEYS]
     unknown = sorted(set(d) - set(names))
     if missing or unknown:
       raise ValueError(
           f"A measurement needs exactly the keys {names}; missing {missing},"
           f" unknown {unknown}, in {dict(d)!r}.")
     values = dict(d)
-    for name in ("median_s", "ci_low_s", "ci_high_s", "compile_time_s"):
-      if values[name] is not None:
+    for name in ("median_s", "ci_low_s", "ci_high_s", "compile_time_s", "profiled_s"):
+      if values.get(name) is not None:
         values[name] = float(values[name])
     return cls(**values)
 
@@ -226,6 +259,8 @@ class MeasureOptions:
       module docstring); 0 never loops, so that every candidate is timed in batches.
     host_bound_factor: a candidate whose warm-up time per call is below this multiple
       of the dispatch floor is host-bound (>= 1).
+    profile: after the rounds, run each candidate once more under the profiler and
+      record the device's busy time per call as `Measurement.profiled_s` (step 8).
   """
 
   warmup_s: float = 0.05
@@ -246,6 +281,7 @@ class MeasureOptions:
   stop_after_run_timeout: bool = False
   loop_calls: int = 256
   host_bound_factor: float = 8.0
+  profile: bool = False
 
   def __post_init__(self):
     for name in ("warmup_s", "min_batch_s", "max_total_s", "timeout_s"):
@@ -493,6 +529,7 @@ class _Candidate:
   spent_s: float = 0.0
   next_input: int = 0
   samples: list[float] = dataclasses.field(default_factory=list)
+  profiled_s: float | None = None  # step 8 of the module docstring
 
   @property
   def alive(self) -> bool:
@@ -851,6 +888,55 @@ def _time_all(cands: list[_Candidate], fns: Mapping[Any, Callable[..., Any]], ar
   if len(leaders) > 1 and options.leader_rounds:
     _take_rounds(leaders, input_sets, options, rng, options.leader_rounds,
                  options.max_total_s)
+  if options.profile:
+    _profile_batches(cands, input_sets, options)
+
+
+def _profiler_options() -> jax.profiler.ProfileOptions:
+  """What the profiled batches need: device (and XLA:CPU thunk) events, no Python
+  frames, no HLO (a trace embeds the HLO of every live program: slow after thousands)."""
+  options = jax.profiler.ProfileOptions()
+  options.python_tracer_level = 0
+  options.enable_hlo_proto = False
+  return options
+
+
+def _profile_batches(cands: list[_Candidate], input_sets: list[tuple], options: MeasureOptions):
+  """One more batch of every live candidate, inside one trace (step 8 of the module
+  docstring): sets each one's profiled_s that the profile's events tell apart."""
+  live = [c for c in cands if c.alive]
+  names = {c: profile.program_names(c.executable) for c in live}
+  with tempfile.TemporaryDirectory(prefix="stellarax-profile-") as folder:
+    try:
+      jax.profiler.start_trace(folder, profiler_options=_profiler_options())
+    except Exception as exc:  # e.g. the caller is profiling: one trace at a time
+      warnings.warn(f"MeasureOptions.profile: no profile taken, the trace did not start"
+                    f" ({_short_error(exc)}); profiled_s stays None.", RuntimeWarning,
+                    stacklevel=4)
+      return
+    try:
+      ran = [c for c in live if _run_batch(c, input_sets, c.batch_calls, options) is not None]
+    finally:
+      jax.profiler.stop_trace()
+    try:
+      # Off a CPU only the device's own events time the device (not the host's launches).
+      busy = profile.busy_time_by_program(folder, host_events=_platform(input_sets[0]) == "cpu")
+    except profile.ProfileError as exc:
+      warnings.warn(f"MeasureOptions.profile: the profile could not be read ({exc});"
+                    " profiled_s stays None.", RuntimeWarning, stacklevel=4)
+      return
+  # Events without a program_id name only their module, which candidates may share.
+  modules = collections.Counter(module for _, module in names.values())
+  for cand in ran:
+    program_id, module = names[cand]
+    if program_id in busy:
+      seconds = busy[program_id]
+    elif modules[module] == 1:
+      seconds = busy.get(module)
+    else:
+      seconds = None
+    if seconds is not None:
+      cand.profiled_s = seconds / (cand.batch_calls * cand.calls_per_run)
 
 
 def _platform(args: tuple) -> str:
@@ -869,7 +955,7 @@ def _to_measurement(cand: _Candidate, platform: str, options: MeasureOptions) ->
   median, low, high = median_interval(cand.samples)
   return Measurement(status="ok", median_s=median, ci_low_s=low, ci_high_s=high,
                      num_samples=len(cand.samples), compile_time_s=cand.compile_time_s,
-                     method=method)
+                     method=method, profiled_s=cand.profiled_s)
 
 
 def measure_candidates(

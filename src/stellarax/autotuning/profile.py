@@ -111,9 +111,11 @@ import collections
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 import dataclasses
 import functools
+import math
 import os
 import pathlib
 import re
+from typing import Any
 import warnings
 
 from jax import profiler
@@ -136,6 +138,8 @@ _DATA_MOVEMENT = frozenset({
 # Instructions that compute no result of their own, so never tell one call from another.
 _NOT_KERNELS = _DATA_MOVEMENT | _SEQUENCE_CALLERS | {"parameter", "constant"}
 _MODULE_WITH_ID = re.compile(r"^(?P<name>.*)\((?P<id>\d+)\)$")
+# HloModuleProto.id: the program_id that XLA writes into the events of the module's work.
+_HLO_MODULE_ID = 5
 _TRIP_COUNT = re.compile(rb'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 # This library's package directory: frames of its modules are cut from call sites.
 _PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -184,6 +188,83 @@ def read_op_calls(path: str | os.PathLike[str]) -> list[OpCall]:
       totals[marker][1] += time_ns
   calls = [OpCall(m, int(c), t * 1e-9) for m, (c, t) in totals.items()]
   return sorted(calls, key=lambda call: (-call.device_time_s, call.marker))
+
+
+def busy_time_by_program(path: str | os.PathLike[str], *,
+                         host_events: bool = True) -> dict[int | str, float]:
+  """How long the device was busy with each program that ran in a profile.
+
+  A program's busy time on a plane (a device; on a CPU, the host's XLA:CPU threads) is
+  the length of the union of its events' intervals there, so kernels on several
+  streams, a loop thunk and the thunks inside it, or thunks on several threads at
+  once count once; its time is that of its busiest plane, over every host's file of
+  the trace. Gaps between its kernels do not count: this is the device work, not the
+  host's or the launch queue's share.
+
+  Args:
+    path: as for `read_op_calls`.
+    host_events: read the host's events of XLA instructions when no device plane
+      holds any (a CPU's profile). False for a device's profile: there the host's
+      events, from the same annotations, time the launches, so a profile without the
+      device's own events (no CUPTI) gives no time rather than a wrong one.
+
+  Returns:
+    program -> seconds. A program is named by the program_id its events carry (see
+    `program_names`), or by its module name where they carry none.
+
+  Raises:
+    ProfileError: the path is missing or holds no profile, or a file is not one.
+  """
+  busy: dict[int | str, float] = collections.defaultdict(float)
+  for file in _profile_files(pathlib.Path(path)):
+    try:
+      space = profiler.ProfileData.from_serialized_xspace(file.read_bytes())
+    except (OSError, RuntimeError) as e:
+      raise ProfileError(f"{file}: cannot be read as a profile: {e}") from e
+    intervals: dict[tuple[int | str, str], list[tuple[float, float]]] = (
+        collections.defaultdict(list))
+    for event in _op_events(space):
+      if not host_events and not event.plane.startswith(_DEVICE_PLANE_PREFIX):
+        continue
+      if (program := event.program()) is not None:
+        intervals[program, event.plane].append(
+            (event.start_ns, event.start_ns + event.duration_ns))
+    for (program, _), spans in intervals.items():
+      busy[program] = max(busy[program], _union_length(spans) * 1e-9)
+  return dict(busy)
+
+
+def _union_length(spans: list[tuple[float, float]]) -> float:
+  """The total length covered by (start, end) intervals, overlaps counted once."""
+  total, reach = 0.0, -math.inf
+  for start, end in sorted(spans):
+    if end > reach:
+      total += end - max(start, reach)
+      reach = end
+  return total
+
+
+def program_names(compiled: Any) -> tuple[int | None, str | None]:
+  """The names under which a profile files the events of a compiled program.
+
+  Args:
+    compiled: a `jax.stages.Compiled` (``jax.jit(f).lower(...).compile()``).
+
+  Returns:
+    (program_id, module name): the id of its (first) HLO module, which XLA writes into
+    its events as ``program_id``, and the module's name (``hlo_module``); each None
+    where the executable does not say.
+  """
+  try:
+    module = compiled.runtime_executable().hlo_modules()[0]
+  except Exception:  # an executable of another kind, or one without modules
+    return None, None
+  try:
+    fields = _fields(memoryview(module.as_serialized_hlo_module_proto()))
+    ids = [value for number, _, value in fields if number == _HLO_MODULE_ID]
+  except Exception:  # a serialization this reader does not parse: no id, the name stays
+    ids = []
+  return (ids[0] if ids and isinstance(ids[0], int) else None), module.name
 
 
 def _profile_files(path: pathlib.Path) -> list[pathlib.Path]:
@@ -250,7 +331,7 @@ def _load(path: pathlib.Path) -> tuple[list[_Event], list[_Program]]:
 #   XEventMetadata: name=2, stats=5. XStatMetadata: id=1, name=2.
 #   XStat: metadata_id=1, uint64_value=3, int64_value=4, str_value=5, bytes_value=6.
 #   HloProto (xla/service/hlo.proto): hlo_module=1.
-#   HloModuleProto: name=1, computations=3, entry_computation_id=6,
+#   HloModuleProto: name=1, computations=3, id=5, entry_computation_id=6,
 #     stack_frame_index=17.
 #   HloComputationProto: instructions=2, id=5.
 #   HloInstructionProto: name=1, opcode=2, metadata=7, id=35, operand_ids=36,
@@ -1044,6 +1125,17 @@ class _Event:
   program_id: int | None
   module: str | None
   run: tuple[str, object, int] | None  # (plane, device_ordinal, run_id), if known
+  plane: str = ""
+  start_ns: float = 0.0
+
+  def program(self) -> int | str | None:
+    """The program this event ran in: its program_id, from the stat or from a module
+    name "<name>(<id>)", else its module name (None if it has neither)."""
+    if self.program_id is not None:
+      return self.program_id
+    if self.module is not None and (match := _MODULE_WITH_ID.match(self.module)):
+      return int(match["id"])
+    return self.module
 
 
 def _op_events(space: profiler.ProfileData) -> list[_Event]:
@@ -1074,7 +1166,8 @@ def _event(plane: str, event: profiler.ProfileEvent) -> _Event | None:
       program_id=program_id if isinstance(program_id, int) else None,
       module=module if isinstance(module, str) else None,
       run=((plane, stats.get("device_ordinal"), run_id)
-           if isinstance(run_id, int) else None))
+           if isinstance(run_id, int) else None),
+      plane=plane, start_ns=event.start_ns)
 
 
 class _ProgramIndex:
