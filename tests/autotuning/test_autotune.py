@@ -418,6 +418,23 @@ def test_bound_args_autotune_and_benchmark():
   assert ba.benchmark(XlaRaggedDotConfig(strategy="masked"), rounds=2, leader_rounds=0).status == "ok"
 
 
+def test_profiled_device_times_are_kept_and_shown():
+  lhs, rhs, gs = _inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  options = dataclasses.replace(FAST, profile=True)
+  result = ba.autotune(progress=False, measure_options=options, strategy="exhaustive")
+  (entry,) = result
+  assert entry.profiled_time_of(entry.best_config) > 0
+  assert all(m.profiled_s > 0 for _, m in entry.measurements if m.ok)
+  header = result.summary().splitlines()[0]
+  assert header.endswith("best profiled")
+  again = stellarax.AutotuningResult.loads(result.dumps())
+  assert again.entry(ba).profiled_time_of(entry.best_config) == entry.profiled_time_of(entry.best_config)
+  # Without the option: no column, and nothing in the file.
+  plain = ba.autotune(progress=False, measure_options=FAST, strategy="exhaustive")
+  assert "profiled" not in plain.summary() and "profiled_s" not in plain.dumps()
+
+
 def test_the_strategy_learns_what_an_effort_costs_from_the_measure_options():
   lhs, rhs, gs = _inputs()
   seen = []

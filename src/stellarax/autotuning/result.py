@@ -83,10 +83,17 @@ class Entry:
 
   def time_of(self, config: Any) -> float | None:
     """The median time of `config` if it was measured ok, else None."""
-    for c, m in self.measurements:
-      if c == config and m.status == "ok":
-        return m.median_s
-    return None
+    m = self._first_ok(config)
+    return None if m is None else m.median_s
+
+  def profiled_time_of(self, config: Any) -> float | None:
+    """The profiler's device time per call of `config` (`Measurement.profiled_s`, from
+    the measurement `time_of` reads), or None if it was not profiled."""
+    m = self._first_ok(config)
+    return None if m is None else m.profiled_s
+
+  def _first_ok(self, config: Any) -> Measurement | None:
+    return next((m for c, m in self.measurements if c == config and m.status == "ok"), None)
 
   @property
   def best_time(self) -> float | None:
@@ -166,13 +173,17 @@ class AutotuningResult:
     return None if entry is None else entry.best_time
 
   def summary(self) -> str:
-    """A table: op, shapes, best config, its time, the heuristic's, speed-up."""
-    rows = [("op", "arguments", "best config", "best", "heuristic", "speed-up", "measured", "failed")]
+    """A table: op, shapes, best config, its time, the heuristic's, speed-up (and the
+    best config's profiled device time, where measured with `MeasureOptions.profile`)."""
+    profiled = any(e.profiled_time_of(e.best_config) is not None for e in self)
+    rows = [("op", "arguments", "best config", "best", "heuristic", "speed-up", "measured", "failed")
+            + (("best profiled",) if profiled else ())]
     for e in self:
       best, heur = e.best_time, e.heuristic_time
       speedup = f"{heur / best:.2f}x" if best and heur else "-"
       rows.append((e.bound_args.op.name, _short_args(e.bound_args), _short_config(e.best_config),
-                   _fmt_time(best), _fmt_time(heur), speedup, str(len(e.measurements)), str(e.num_failed)))
+                   _fmt_time(best), _fmt_time(heur), speedup, str(len(e.measurements)), str(e.num_failed))
+                  + ((_fmt_time(e.profiled_time_of(e.best_config)),) if profiled else ()))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
