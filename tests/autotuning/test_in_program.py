@@ -8,6 +8,7 @@ import stellarax
 from stellarax import autotuning
 from stellarax.autotuning import in_program
 from stellarax.autotuning.measure import Measurement, MeasureOptions
+from profiling import drop_live_programs  # tests/ is on sys.path
 
 FAST = MeasureOptions(rounds=3, leader_rounds=0, warmup_s=0.0, max_total_s=0.3, min_batch_s=2e-4)
 
@@ -101,3 +102,22 @@ def test_keyword_arguments_reach_the_program():
   check = autotuning.check_in_program(result, lambda lhs, rhs, gs: program(lhs, rhs, gs), lhs,
                                       rhs=rhs, gs=gs, options=FAST)
   assert check.tuned.ok and len(check.calls) == 1
+
+
+def test_profile_gives_each_calls_own_device_time_in_the_program():
+  drop_live_programs()  # a trace embeds the HLO of every live program
+  result, entry = _result_with_other_config()
+  check = autotuning.check_in_program(result, program, *_inputs(), options=FAST, profile=True)
+  times = {t.op: t for t in check.call_times}
+  assert set(times) == {"ragged_dot.xla", "layer_norm.xla"}
+  ragged, norm = times["ragged_dot.xla"], times["layer_norm.xla"]
+  assert ragged.key == entry.key and ragged.alone == 2.0  # 2 ms -> 1 ms on its own
+  assert ragged.heuristic_s > 0 and ragged.tuned_s > 0 and norm.heuristic_s > 0
+  assert norm.alone is None  # not in the result
+  lines = check.lines()
+  start = lines.index("each call's own device time per run of the program (profiled, 3 runs):")
+  assert any(line.startswith("  ragged_dot.xla: ") and "on its own 2.00x" in line
+             for line in lines[start:]), lines
+  assert any(line.startswith("  layer_norm.xla: ") and line.endswith("not timed on its own)")
+             for line in lines[start:]), lines
+  assert autotuning.check_in_program(result, program, *_inputs(), options=FAST).call_times == ()

@@ -19,12 +19,28 @@ shows too. `ProgramCheck.kept()` is the result with the calls that did not help 
 back to their heuristics: a result for this program, not a better measurement of the
 call (the next program may differ), so it is returned, never written to a cache.
 
-It compiles the program 2 + (changed calls) times, plus once for the reference.
+With `profile=True` it also says where the difference lies: the heuristic and the tuned
+program each run `_PROFILED_RUNS` times inside `jax.profiler.trace`, and `read_op_calls`
+gives every op call's own device time per run of the program (`CallTime`), beside its
+speed-up on its own. Whole-program times mix the call's kernels with everything around
+them; these do not, and one profile decides what many noisy rounds of leave-one-out may
+not. A trace embeds the HLO of every program alive in the process, which is slow in a
+process that holds thousands, hence opt-in. On a GPU the times are the kernels' own
+(CUPTI); on a CPU every XLA:CPU thunk's event carries the tracer's cost, so a call made
+of many small thunks looks slower than it runs (2026-12-02, a 96-row XLA ragged_dot:
+0.070 ms profiled in a program that takes 0.017 ms): there the numbers show what the
+profile holds, not what the calls cost.
+
+It compiles the program 2 + (changed calls) times, plus once for the reference (and
+twice more to profile).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import json
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -32,10 +48,14 @@ import jax
 
 from stellarax.autotuning import capture
 from stellarax.autotuning import measure as measure_lib
+from stellarax.autotuning import profile as profile_lib
 from stellarax.autotuning.result import AutotuningResult, Entry
+from stellarax.core.bound_args import BoundArguments
 
 _HEURISTICS = "heuristics"
 _TUNED = "tuned"
+# Runs of each program in its profile: per-run times are averages over them.
+_PROFILED_RUNS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +75,34 @@ class CallCheck:
 
 
 @dataclasses.dataclass(frozen=True)
+class CallTime:
+  """One op call's own device time per run of the program, from its profiles.
+
+  Attributes:
+    op: the op's registered name.
+    key: the call's key (`Entry.key`).
+    heuristic_s: seconds per run in the program at heuristic configs (None if the
+      profile did not show the call).
+    tuned_s: the same in the tuned program.
+    alone: the call's tuned speed-up measured on its own (heuristic time over best
+      time, from the result), None where the result has no timed entry for it.
+  """
+
+  op: str
+  key: tuple[str, str]
+  heuristic_s: float | None
+  tuned_s: float | None
+  alone: float | None
+
+  @property
+  def speedup(self) -> float | None:
+    """heuristic_s / tuned_s, None where either is missing or zero."""
+    if not self.heuristic_s or not self.tuned_s:
+      return None
+    return self.heuristic_s / self.tuned_s
+
+
+@dataclasses.dataclass(frozen=True)
 class ProgramCheck:
   """What `check_in_program` measured.
 
@@ -65,6 +113,8 @@ class ProgramCheck:
     calls: one `CallCheck` per call of the program whose tuned config is not its
       heuristic, in program order.
     num_calls: op calls found in the program (tuned or not).
+    call_times: with `profile=True`, one `CallTime` per op call that a profile showed,
+      longest in the heuristic program first; else empty.
   """
 
   result: AutotuningResult
@@ -72,6 +122,7 @@ class ProgramCheck:
   tuned: measure_lib.Measurement
   calls: tuple[CallCheck, ...]
   num_calls: int
+  call_times: tuple[CallTime, ...] = ()
 
   @property
   def speedup(self) -> float | None:
@@ -110,6 +161,15 @@ class ProgramCheck:
         verdict = "not faster beyond noise: kept() keeps the heuristic"
       out.append(f"  {call.entry.bound_args.op.name}: without it {ms(call.without)}{gain};"
                  f" {verdict}")
+    if self.call_times:
+      out.append(f"each call's own device time per run of the program (profiled,"
+                 f" {_PROFILED_RUNS} runs):")
+    at = lambda s: "-" if s is None else f"{s * 1e3:.3f} ms"
+    for t in self.call_times:
+      ratios = [f"{t.speedup:.2f}x"] if t.speedup else []
+      ratios.append(f"on its own {t.alone:.2f}x" if t.alone else "not timed on its own")
+      out.append(f"  {t.op}: {at(t.heuristic_s)} with heuristics -> {at(t.tuned_s)} tuned"
+                 f" ({'; '.join(ratios)})")
     return out
 
 
@@ -132,9 +192,49 @@ def _under(result: AutotuningResult, f: Callable[..., Any]) -> Callable[..., Any
   return run
 
 
+def _call_key(marker: str) -> tuple[str, str]:
+  """The `Entry.key` of the op call that left `marker`."""
+  ba = BoundArguments.from_json(json.loads(marker)).with_config(None)
+  return (ba.op_json(), ba.key_json())
+
+
+def _per_call_device_time(program: Callable[..., Any], args: tuple) -> dict[tuple[str, str], float]:
+  """Call key -> its device seconds per run of `program(*args)`, from a profile."""
+  compiled = jax.jit(program).lower(*args).compile()
+  jax.block_until_ready(compiled(*args))  # the first run's one-time costs stay out
+  with tempfile.TemporaryDirectory(prefix="stellarax-in-program-") as folder:
+    with jax.profiler.trace(folder):
+      for _ in range(_PROFILED_RUNS):
+        jax.block_until_ready(compiled(*args))
+    calls = profile_lib.read_op_calls(folder)
+  times: dict[tuple[str, str], float] = collections.defaultdict(float)
+  for call in calls:
+    times[_call_key(call.marker)] += call.device_time_s / _PROFILED_RUNS
+  return dict(times)
+
+
+def _call_times(found: list[BoundArguments], result: AutotuningResult,
+                programs: dict[Any, Callable[..., Any]], args: tuple) -> tuple[CallTime, ...]:
+  """A `CallTime` per op call that the heuristic or the tuned program's profile shows."""
+  before = _per_call_device_time(programs[_HEURISTICS], args)
+  after = _per_call_device_time(programs[_TUNED], args)
+  tuned = {e.key: e for e in result}
+  out = []
+  for ba in found:
+    ba = ba.with_config(None)
+    key = (ba.op_json(), ba.key_json())
+    if key not in before and key not in after:
+      continue
+    e = tuned.get(key)
+    alone = (e.heuristic_time / e.best_time
+             if e is not None and e.heuristic_time and e.best_time else None)
+    out.append(CallTime(ba.op.name, key, before.get(key), after.get(key), alone))
+  return tuple(sorted(out, key=lambda t: -(t.heuristic_s or 0.0)))
+
+
 def check_in_program(result: AutotuningResult, f: Callable[..., Any], *args,
                      options: measure_lib.MeasureOptions | None = None,
-                     **kwargs) -> ProgramCheck:
+                     profile: bool = False, **kwargs) -> ProgramCheck:
   """Times the program `f(*args, **kwargs)` with heuristic and tuned configs, and with
   each tuned call left out (see the module docstring).
 
@@ -143,12 +243,16 @@ def check_in_program(result: AutotuningResult, f: Callable[..., Any], *args,
     f: the program, as `autotune` takes it (jittable; it is traced once per variant).
     *args, **kwargs: its arguments (arrays).
     options: how to measure; default `MeasureOptions()`.
+    profile: also profile the heuristic and the tuned program for each call's own
+      device time (`ProgramCheck.call_times`; the module docstring says what it costs).
 
   Returns:
     The `ProgramCheck`.
 
   Raises:
     ValueError: if the program has no stellarax op call.
+    stellarax.autotuning.profile.ProfileError: with `profile`, if a profile cannot be
+      read; RuntimeError if a trace is already running (one at a time).
   """
   found = capture.get_bound_args(f, *args, **kwargs)
   if not found:
@@ -173,4 +277,5 @@ def check_in_program(result: AutotuningResult, f: Callable[..., Any], *args,
     helps = with_it.ok and (not without.ok or measure_lib.pick_best(
         {i: without, _TUNED: with_it}, prefer=i, order=[i, _TUNED]) == _TUNED)
     calls.append(CallCheck(e, without, bool(helps)))
-  return ProgramCheck(result, got[_HEURISTICS], got[_TUNED], tuple(calls), len(found))
+  times = _call_times(found, result, programs, (args, kwargs)) if profile else ()
+  return ProgramCheck(result, got[_HEURISTICS], got[_TUNED], tuple(calls), len(found), times)
