@@ -905,6 +905,8 @@ def _profile_batches(cands: list[_Candidate], input_sets: list[tuple], options: 
   """One more batch of every live candidate, inside one trace (step 8 of the module
   docstring): sets each one's profiled_s that the profile's events tell apart."""
   live = [c for c in cands if c.alive]
+  if not live:
+    return
   names = {c: profile.program_names(c.executable) for c in live}
   with tempfile.TemporaryDirectory(prefix="stellarax-profile-") as folder:
     try:

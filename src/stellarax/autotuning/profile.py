@@ -1128,14 +1128,20 @@ class _Event:
   plane: str = ""
   start_ns: float = 0.0
 
+  def names(self) -> tuple[int | None, str | None]:
+    """(program_id, module name) of the program this event ran in: the id from its
+    stat, or from a module named "<name>(<id>)", whose name is then "<name>"."""
+    program_id, module = self.program_id, self.module
+    if module is not None and (match := _MODULE_WITH_ID.match(module)):
+      program_id = program_id if program_id is not None else int(match["id"])
+      module = match["name"]
+    return program_id, module
+
   def program(self) -> int | str | None:
-    """The program this event ran in: its program_id, from the stat or from a module
-    name "<name>(<id>)", else its module name (None if it has neither)."""
-    if self.program_id is not None:
-      return self.program_id
-    if self.module is not None and (match := _MODULE_WITH_ID.match(self.module)):
-      return int(match["id"])
-    return self.module
+    """The program this event ran in: its program_id, else its module name (None if
+    it has neither)."""
+    program_id, module = self.names()
+    return program_id if program_id is not None else module
 
 
 def _op_events(space: profiler.ProfileData) -> list[_Event]:
@@ -1182,10 +1188,7 @@ class _ProgramIndex:
 
   def find(self, event: _Event) -> list[_Program]:
     """The programs `event` may belong to that hold its instruction."""
-    program_id, module = event.program_id, event.module
-    if module is not None and (match := _MODULE_WITH_ID.match(module)):
-      program_id = program_id if program_id is not None else int(match["id"])
-      module = match["name"]
+    program_id, module = event.names()
     if program_id in self.by_id:
       candidates = [self.by_id[program_id]]
     else:
