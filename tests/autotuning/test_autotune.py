@@ -435,6 +435,74 @@ def test_profiled_device_times_are_kept_and_shown():
   assert "profiled" not in plain.summary() and "profiled_s" not in plain.dumps()
 
 
+def _budget_spy():
+  """A strategy that records (op, call's group sizes, budget) and measures the heuristic."""
+  seen = []
+  def spy(space, measure, *, heuristic, budget_s=None):
+    seen.append(budget_s)
+    return search_lib.exhaustive([heuristic], measure, heuristic=heuristic)
+  return spy, seen
+
+
+def _profile_records(calls_and_times):
+  """JSON as xplane_to_bound_args writes it."""
+  return json.dumps({"calls": [{"bound_args": ba.to_json(), "count": 1, "device_time_s": t}
+                               for ba, t in calls_and_times]})
+
+
+def _ragged_calls(n):
+  lhs, rhs, _ = _inputs()
+  return [stellarax.XlaRaggedDot.bind(lhs[:16 * (i + 1)], rhs, jnp.array([16 * (i + 1), 0, 0, 0], jnp.int32))
+          for i in range(n)]
+
+
+def test_a_total_budget_is_shared_by_device_time_heaviest_first():
+  light, heavy, idle = _ragged_calls(3)
+  records = _profile_records([(light, 1.0), (heavy, 3.0), (idle, 0.0)])
+  spy, seen = _budget_spy()
+  result = tuner(strategy=spy, total_budget_s=8.06).autotune(records)
+  assert len(result) == 3
+  # Weights 3, 1 and (no time in the profile) a hundredth of the heaviest: 0.03.
+  assert seen == pytest.approx([6.0, 2.0, 0.06])
+  assert autotuning.call_weights_from_json(records) == {light: 1.0, heavy: 3.0, idle: 0.0}
+  # Without device times (a plain list, a callable) the calls share it equally.
+  spy, seen = _budget_spy()
+  tuner(strategy=spy, total_budget_s=9.0).autotune([light, heavy, idle])
+  assert seen == pytest.approx([3.0, 3.0, 3.0])
+  assert autotuning.call_weights_from_json(autotuning.bound_args_to_json([light])) == {}
+
+
+def test_a_total_budget_counts_only_the_calls_still_to_tune(user_cache_dir):
+  light, heavy = _ragged_calls(2)
+  tuner(cache=True).autotune([heavy])
+  spy, seen = _budget_spy()
+  tuner(strategy=spy, total_budget_s=4.0).autotune(_profile_records([(light, 1.0), (heavy, 3.0)]))
+  assert seen == [4.0]  # the heavy call came from the cache
+
+
+def test_other_implementations_share_their_calls_weight():
+  q = jax.random.normal(jax.random.key(9), (1, 16, 2, 8))
+  small, big = (stellarax.XlaAttention.bind(x, x, x, is_causal=True) for x in (q[:, :8], q))
+  spy, seen = _budget_spy()
+  tuner(strategy=spy, total_budget_s=10.0, implementations="all").autotune(
+      _profile_records([(small, 1.0), (big, 4.0)]))
+  # big and its chunked twin weigh 4 each, small and its twin 1 each.
+  assert sorted(seen) == pytest.approx([1.0, 1.0, 4.0, 4.0])
+
+
+def test_total_budget_errors_say_what_to_pass(monkeypatch):
+  with pytest.raises(ValueError, match="exclude each other; pass one of them"):
+    stellarax.Autotuner(budget_s=1.0, total_budget_s=10.0)
+  with pytest.raises(ValueError, match="total_budget_s=0 must be a positive number"):
+    stellarax.Autotuner(total_budget_s=0)
+  from stellarax.autotuning import distributed
+  monkeypatch.setattr(distributed, "should_distribute", lambda: True)
+  with pytest.raises(ValueError, match="distribute=False to tune here alone"):
+    tuner(total_budget_s=5.0).autotune(_ragged_calls(1))
+  with pytest.raises(ValueError, match="device_time_s=-1 must be a number"):
+    autotuning.call_weights_from_json(_profile_records([(_ragged_calls(1)[0], -1)]))
+
+
 def test_the_strategy_learns_what_an_effort_costs_from_the_measure_options():
   lhs, rhs, gs = _inputs()
   seen = []

@@ -26,6 +26,9 @@ def test_autotune_report_and_cache_commands(tmp_path, user_cache_dir, capsys):
   assert "ragged_dot.xla.json: 1 entries" in capsys.readouterr().out
   assert cli.main(["cache", "path"]) == 0
   assert str(user_cache_dir) in capsys.readouterr().out
+  assert cli.main(["autotune", str(calls), "--total-budget-s", "3", "--no-progress"]) == 0
+  assert cli.main(["autotune", str(calls), "--budget-s", "1", "--total-budget-s", "3"]) == 2
+  assert "exclude each other" in capsys.readouterr().err
   library = tmp_path / "library"
   assert cli.main(["cache", "ship", str(out), "--root", str(library)]) == 0
   (shipped,) = library.glob("*/ragged_dot.xla.json")

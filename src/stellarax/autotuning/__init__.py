@@ -8,6 +8,7 @@ from stellarax.autotuning.cache import USER_CACHE as USER_CACHE
 from stellarax.autotuning.cache import user_cache_root as user_cache_root
 from stellarax.autotuning.capture import bound_args_from_json as bound_args_from_json
 from stellarax.autotuning.capture import bound_args_to_json as bound_args_to_json
+from stellarax.autotuning.capture import call_weights_from_json as call_weights_from_json
 from stellarax.autotuning.capture import get_bound_args as get_bound_args
 from stellarax.autotuning.distributed import DistributedTuningError as DistributedTuningError
 from stellarax.autotuning.distributed import check_consistent as check_consistent

@@ -83,6 +83,14 @@ class Autotuner:
       `(space, measure, *, heuristic, budget_s) -> search.SearchOutcome`.
     budget_s: wall-time budget per op call for budgeted strategies (None:
       the strategy's default).
+    total_budget_s: a wall-time budget for the whole run instead, shared by the
+      calls to tune (those not reused from a cache) in proportion to what each is
+      worth: its device time in the profile when `f` is `xplane_to_bound_args`
+      output (a call's other implementations, with implementations="all", share
+      its weight; a call the profile shows at no time weighs a hundredth of the
+      heaviest), else equally. The calls are tuned heaviest first, so an
+      interrupted run has tuned what mattered most. Not with `budget_s`, nor when
+      tuning is distributed over several devices (pass `distribute=False`).
     implementations: "resolved" tunes the implementation each call uses;
       "all" also tunes every other implementation of the op family that runs
       on this device (so `implementation=None` can pick the fastest).
@@ -112,6 +120,7 @@ class Autotuner:
 
   strategy: str | Callable[..., Any] = "auto"
   budget_s: float | None = None
+  total_budget_s: float | None = None
   implementations: str = "resolved"
   progress: bool = True
   ignore_cache: bool = False
@@ -127,8 +136,14 @@ class Autotuner:
       raise ValueError(f"strategy={self.strategy!r} must be one of {STRATEGIES} or a search function.")
     if self.implementations not in ("resolved", "all"):
       raise ValueError(f"implementations={self.implementations!r} must be 'resolved' or 'all'.")
-    if self.budget_s is not None and self.budget_s <= 0:
-      raise ValueError(f"budget_s={self.budget_s!r} must be positive or None.")
+    for name in ("budget_s", "total_budget_s"):
+      value = getattr(self, name)
+      if value is not None and not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+        raise ValueError(f"{name}={value!r} must be a positive number of seconds or None.")
+    if self.budget_s is not None and self.total_budget_s is not None:
+      raise ValueError(f"budget_s={self.budget_s!r} (per call) and total_budget_s="
+                       f"{self.total_budget_s!r} (shared by all calls) exclude each other;"
+                       " pass one of them.")
     if not self.distributed_timeout_s > 0:
       raise ValueError(f"distributed_timeout_s={self.distributed_timeout_s!r} must be a positive "
                        "number of seconds.")
@@ -175,7 +190,12 @@ class Autotuner:
     calls = self.collect(f, *args, **kwargs)
     from stellarax.autotuning import distributed  # It imports this module.
     if not (self.distribute and distributed.should_distribute()):
-      return self._tune_here(calls)
+      return self._tune_here(calls, self._weights(f, calls))
+    if self.total_budget_s is not None:
+      raise ValueError(
+          f"total_budget_s={self.total_budget_s!r} shares one budget among the calls one"
+          " process tunes, but tuning is distributed over several devices here. Pass"
+          " budget_s (per call) to distribute, or distribute=False to tune here alone.")
     try:
       result = distributed.tune_distributed(self, calls, timeout_s=self.distributed_timeout_s)
     except IncompleteTuningError as exc:
@@ -208,16 +228,35 @@ class Autotuner:
     """The call's current cached entry, unless ignore_cache."""
     return None if self.ignore_cache else _cached_entry(ba)
 
+  def _weights(self, f: Any, calls: Sequence[BoundArguments]) -> dict[BoundArguments, float]:
+    """What tuning each call is worth, for `total_budget_s` (see the class docstring)."""
+    if self.total_budget_s is None:
+      return {}
+    profiled = (capture.call_weights_from_json(f) if isinstance(f, (str, os.PathLike))
+                else {})
+    if self.implementations == "all":
+      for ba in list(profiled):
+        for alt in _alternatives(ba):
+          profiled.setdefault(alt, profiled[ba])
+    heaviest = max((profiled.get(ba, 0.0) for ba in calls), default=0.0)
+    if heaviest <= 0:
+      return {ba: 1.0 for ba in calls}
+    return {ba: max(profiled.get(ba, 0.0), heaviest / 100) for ba in calls}
+
   def _tune_and_keep(self, ba: BoundArguments, progress: Progress | None,
-                     device: jax.Device | None = None) -> Entry:
-    entry = self.tune_one(ba, progress=progress, device=device)
+                     device: jax.Device | None = None, budget_s: float | None = None) -> Entry:
+    tuner = self if budget_s is None else dataclasses.replace(
+        self, budget_s=budget_s, total_budget_s=None)
+    entry = tuner.tune_one(ba, progress=progress, device=device)
     kind = device.device_kind if device is not None else current_device_kind()
     self._keep(AutotuningResult(kind, {entry.key: entry}))
     return entry
 
-  def _tune_here(self, calls: Sequence[BoundArguments]) -> AutotuningResult:
+  def _tune_here(self, calls: Sequence[BoundArguments],
+                 weights: Mapping[BoundArguments, float]) -> AutotuningResult:
     """Tunes every call in this process, on the default device; a call that fails
-    does not stop the others (see `IncompleteTuningError`)."""
+    does not stop the others (see `IncompleteTuningError`). With `total_budget_s`,
+    the calls to tune share it by `weights`, heaviest first."""
     result = AutotuningResult(current_device_kind())
     todo = []
     for ba in calls:
@@ -226,12 +265,14 @@ class Autotuner:
         result = result.with_entry(cached)
       else:
         todo.append(ba)
+    budgets = _shares(todo, weights, self.total_budget_s)
+    todo.sort(key=lambda ba: -weights.get(ba, 0.0))  # stable: equal weights keep their order
     progress = Progress(sum(len(ba.autotuning_configs) for ba in todo), enabled=self.progress)
     errors: dict[BoundArguments, Exception] = {}
     try:
       for ba in todo:
         try:
-          result = result.with_entry(self._tune_and_keep(ba, progress))
+          result = result.with_entry(self._tune_and_keep(ba, progress, budget_s=budgets.get(ba)))
         except Exception as exc:  # Data about this call; the others are still tuned.
           errors[ba] = exc
     finally:
@@ -351,6 +392,15 @@ def _ordered_space(ba: BoundArguments) -> list[Any]:
   rest = sorted((c for c in ba.autotuning_configs if c != heuristic),
                 key=lambda c: canonical_json(config_to_json(c)))
   return [heuristic, *rest]
+
+
+def _shares(calls: Sequence[BoundArguments], weights: Mapping[BoundArguments, float],
+            total_s: float | None) -> dict[BoundArguments, float]:
+  """Each call's part of `total_s` in proportion to its weight; {} without a total."""
+  if total_s is None or not calls:
+    return {}
+  total_weight = sum(weights[ba] for ba in calls)
+  return {ba: total_s * weights[ba] / total_weight for ba in calls}
 
 
 def _strategy(name_or_fn, space_size: int) -> Callable[..., Any]:

@@ -84,6 +84,34 @@ def bound_args_from_json(path_or_json: str | os.PathLike) -> list[BoundArguments
     FileNotFoundError: for a path that does not exist.
     ValueError: for text that is not such JSON, naming the source.
   """
+  return [ba for ba, _ in _records(path_or_json)]
+
+
+def call_weights_from_json(path_or_json: str | os.PathLike) -> dict[BoundArguments, float]:
+  """The device time of each call in `xplane_to_bound_args` output: what it cost in the
+  profiled run, so what its tuning is worth.
+
+  Args:
+    path_or_json: as for `bound_args_from_json`.
+
+  Returns:
+    call (without config) -> seconds of device time in the profile, summed over the
+    records of one call; empty for JSON without times (`bound_args_to_json`'s list).
+
+  Raises:
+    As `bound_args_from_json`; also ValueError for a "device_time_s" that is not a
+    number >= 0.
+  """
+  weights: dict[BoundArguments, float] = {}
+  for ba, seconds in _records(path_or_json):
+    if seconds is not None:
+      ba = ba.with_config(None)
+      weights[ba] = weights.get(ba, 0.0) + seconds
+  return weights
+
+
+def _records(path_or_json: str | os.PathLike) -> list[tuple[BoundArguments, float | None]]:
+  """(bound arguments, device_time_s or None) per item of bound-argument JSON."""
   text, source = _read_text(path_or_json)
   try:
     data = json.loads(text)
@@ -95,10 +123,16 @@ def bound_args_from_json(path_or_json: str | os.PathLike) -> list[BoundArguments
     raise ValueError(f"{source}: expected a JSON list of bound arguments.")
   out = []
   for i, item in enumerate(data):
+    seconds = None
     if isinstance(item, dict) and "bound_args" in item:
+      seconds = item.get("device_time_s")
+      if seconds is not None and not (isinstance(seconds, (int, float))
+                                      and not isinstance(seconds, bool) and seconds >= 0):
+        raise ValueError(f"{source}: item {i}: device_time_s={seconds!r} must be a number"
+                         " of seconds >= 0 (xplane_to_bound_args writes one per call).")
       item = item["bound_args"]
     try:
-      out.append(BoundArguments.from_json(item))
+      out.append((BoundArguments.from_json(item), None if seconds is None else float(seconds)))
     except (KeyError, ValueError, TypeError) as e:
       raise ValueError(f"{source}: item {i}: {e}") from None
   return out

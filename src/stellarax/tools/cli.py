@@ -1,6 +1,7 @@
 """The `stellarax` command line.
 
-    stellarax autotune BOUND_ARGS_JSON [--output result.json] [--cache] [--budget-s S]
+    stellarax autotune BOUND_ARGS_JSON [--output result.json] [--cache]
+        [--budget-s S | --total-budget-s S]
     stellarax xplane_to_bound_args --xplane_file=X --output_file=Y
     stellarax cache list | path | prune | clear
     stellarax cache ship RESULT_JSON [--root DIR]   (developers: into the library cache)
@@ -19,8 +20,13 @@ def _autotune(args) -> int:
   """Tunes the calls of a bound-arguments file; exits 1 when some could not be tuned
   (after saving and caching the others, and saying why each failed)."""
   import stellarax
-  tuner = stellarax.Autotuner(budget_s=args.budget_s, cache=args.cache, progress=not args.no_progress,
-                              strategy=args.strategy, isolate=args.isolate)
+  try:
+    tuner = stellarax.Autotuner(budget_s=args.budget_s, total_budget_s=args.total_budget_s,
+                                cache=args.cache, progress=not args.no_progress,
+                                strategy=args.strategy, isolate=args.isolate)
+  except ValueError as exc:  # e.g. both budgets: the message says which to drop
+    print(f"stellarax autotune: {exc}", file=sys.stderr)
+    return 2
   failure = None
   try:
     result = tuner.autotune(args.bound_args)
@@ -108,6 +114,9 @@ def main(argv=None) -> int:
   p.add_argument("--output", help="write the result JSON here")
   p.add_argument("--cache", action="store_true", help="also write the result into the user cache")
   p.add_argument("--budget-s", type=float, default=None, help="tuning budget per op call")
+  p.add_argument("--total-budget-s", type=float, default=None,
+                 help="one budget for the whole run, shared by the calls by their device time"
+                      " in the profile (xplane_to_bound_args output), else equally")
   p.add_argument("--strategy", default="auto", choices=("auto", "exhaustive", "racing", "random"))
   p.add_argument("--no-progress", action="store_true")
   p.add_argument("--isolate", action="store_true",
