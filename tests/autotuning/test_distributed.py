@@ -214,6 +214,30 @@ def test_local_devices_split_the_calls_in_one_process(calls, calls_file, tmp_pat
   _check_measured_where_tuned(outputs)
 
 
+def test_a_total_budget_is_shared_by_the_devices_by_weight(calls, tmp_path):
+  # Device times as a profile would give them (xplane_to_bound_args output).
+  weights = dict(zip(sorted(calls, key=lambda ba: (ba.op_json(), ba.key_json())), (4.0, 2.0, 1.0, 1.0)))
+  weighted = tmp_path / "profiled_calls.json"
+  weighted.write_text(json.dumps({"calls": [
+      {"bound_args": ba.to_json(), "count": 1, "device_time_s": t} for ba, t in weights.items()]}))
+  outputs = _run_workers(tmp_path, weighted, 1, devices=2, total_budget_s=3.0)
+  _check_tuned_once_everywhere(outputs, calls)
+  # Two devices in parallel share twice the budget, 6 s, by weight: 3, 1.5, 0.75, 0.75,
+  # split so that each device's calls add up to 3 s, each share heaviest first.
+  expected = {(ba.op_json(), ba.key_json()): 6.0 * w / 8.0 for ba, w in weights.items()}
+  budgets = outputs[0]["budgets"]
+  assert {(op, key): b for _, op, key, b in budgets} == pytest.approx(expected)
+  per_device = {d: [b for device, _, _, b in budgets if device == d] for d in (0, 1)}
+  assert sorted(sum(b) for b in per_device.values()) == pytest.approx([3.0, 3.0])
+  assert all(b == sorted(b, reverse=True) for b in per_device.values())
+
+
+def test_split_balances_the_given_loads(calls):
+  loads = dict(zip(sorted(calls, key=lambda ba: (ba.op_json(), ba.key_json())), (4.0, 2.0, 1.0, 1.0)))
+  shares = distributed.split_calls(calls, 2, loads=loads)
+  assert sorted(sum(loads[ba] for ba in share) for share in shares) == [4.0, 4.0]
+
+
 @pytest.mark.slow
 def test_hung_and_failing_processes_are_reported_and_the_rest_kept(calls, calls_file, tmp_path):
   timeout_s = 15.0
@@ -240,14 +264,15 @@ def test_hung_and_failing_processes_are_reported_and_the_rest_kept(calls, calls_
 
 def _worker_main(spec: dict) -> None:
   """One process of a test: tunes the calls and writes what happened to spec["out"]."""
-  out: dict = {"tuned_by_me": [], "inputs_on": []}
+  out: dict = {"tuned_by_me": [], "inputs_on": [], "budgets": []}
   try:
     if spec["num_processes"] > 1:
       jax.distributed.initialize(coordinator_address=f"localhost:{spec['port']}",
                                  num_processes=spec["num_processes"], process_id=spec["process_id"])
     _record(spec, out)
     tuner = stellarax.Autotuner(progress=False, measure_options=FAST, strategy=two_configs,
-                                distributed_timeout_s=spec.get("timeout_s", 120.0))
+                                distributed_timeout_s=spec.get("timeout_s", 120.0),
+                                total_budget_s=spec.get("total_budget_s"))
     out.update(process_count=jax.process_count(), local_devices=len(jax.local_devices()))
     start = time.monotonic()
     try:
@@ -283,6 +308,7 @@ def _record(spec: dict, out: dict) -> None:
     entry = tune_one(self, ba, progress=progress, device=device)
     index = jax.local_devices().index(device)
     out["tuned_by_me"].append([index, ba.op_json(), ba.key_json()])
+    out["budgets"].append([index, ba.op_json(), ba.key_json(), self.budget_s])
     return entry
 
   def recording_measure(candidates, args, **kwargs):

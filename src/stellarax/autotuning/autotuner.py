@@ -89,8 +89,9 @@ class Autotuner:
       output (a call's other implementations, with implementations="all", share
       its weight; a call the profile shows at no time weighs a hundredth of the
       heaviest), else equally. The calls are tuned heaviest first, so an
-      interrupted run has tuned what mattered most. Not with `budget_s`, nor when
-      tuning is distributed over several devices (pass `distribute=False`).
+      interrupted run has tuned what mattered most. Distributed over N devices,
+      the calls share N times it, about `total_budget_s` of wall time
+      (`distributed.py`, step 2). Not with `budget_s`.
     implementations: "resolved" tunes the implementation each call uses;
       "all" also tunes every other implementation of the op family that runs
       on this device (so `implementation=None` can pick the fastest).
@@ -189,15 +190,12 @@ class Autotuner:
     """
     calls = self.collect(f, *args, **kwargs)
     from stellarax.autotuning import distributed  # It imports this module.
+    weights = self._weights(f, calls)
     if not (self.distribute and distributed.should_distribute()):
-      return self._tune_here(calls, self._weights(f, calls))
-    if self.total_budget_s is not None:
-      raise ValueError(
-          f"total_budget_s={self.total_budget_s!r} shares one budget among the calls one"
-          " process tunes, but tuning is distributed over several devices here. Pass"
-          " budget_s (per call) to distribute, or distribute=False to tune here alone.")
+      return self._tune_here(calls, weights)
     try:
-      result = distributed.tune_distributed(self, calls, timeout_s=self.distributed_timeout_s)
+      result = distributed.tune_distributed(self, calls, timeout_s=self.distributed_timeout_s,
+                                            weights=weights)
     except IncompleteTuningError as exc:
       self._keep(exc.partial_result)
       raise
@@ -210,10 +208,11 @@ class Autotuner:
       USER_CACHE.write(result)
 
   def entry_for(self, ba: BoundArguments, *, progress: Progress | None = None,
-                device: jax.Device | None = None) -> Entry:
+                device: jax.Device | None = None, budget_s: float | None = None) -> Entry:
     """The call's cached entry (unless ignore_cache), else `tune_one`'s, kept at once.
 
-    Args: as `tune_one`.
+    Args: as `tune_one`; budget_s, if given, replaces `self.budget_s` for this call
+      (its share of `total_budget_s`).
 
     Returns:
       The call's entry; a newly tuned one is in the user cache when `cache=True`.
@@ -222,14 +221,16 @@ class Autotuner:
       As `tune_one`.
     """
     cached = self._reusable_entry(ba)
-    return cached if cached is not None else self._tune_and_keep(ba, progress, device)
+    return cached if cached is not None else self._tune_and_keep(ba, progress, device, budget_s)
 
   def _reusable_entry(self, ba: BoundArguments) -> Entry | None:
     """The call's current cached entry, unless ignore_cache."""
     return None if self.ignore_cache else _cached_entry(ba)
 
   def _weights(self, f: Any, calls: Sequence[BoundArguments]) -> dict[BoundArguments, float]:
-    """What tuning each call is worth, for `total_budget_s` (see the class docstring)."""
+    """What tuning each call is worth, for `total_budget_s` (see the class docstring):
+    its device time in the profile `f` holds, or 1.0 each where none has any; {}
+    without a total budget."""
     if self.total_budget_s is None:
       return {}
     profiled = (capture.call_weights_from_json(f) if isinstance(f, (str, os.PathLike))
@@ -238,10 +239,9 @@ class Autotuner:
       for ba in list(profiled):
         for alt in _alternatives(ba):
           profiled.setdefault(alt, profiled[ba])
-    heaviest = max((profiled.get(ba, 0.0) for ba in calls), default=0.0)
-    if heaviest <= 0:
-      return {ba: 1.0 for ba in calls}
-    return {ba: max(profiled.get(ba, 0.0), heaviest / 100) for ba in calls}
+    if not any(profiled.get(ba, 0.0) > 0 for ba in calls):
+      return {ba: 1.0 for ba in calls}  # nothing measured: equal shares
+    return {ba: profiled.get(ba, 0.0) for ba in calls}
 
   def _tune_and_keep(self, ba: BoundArguments, progress: Progress | None,
                      device: jax.Device | None = None, budget_s: float | None = None) -> Entry:
@@ -265,7 +265,7 @@ class Autotuner:
         result = result.with_entry(cached)
       else:
         todo.append(ba)
-    budgets = _shares(todo, weights, self.total_budget_s)
+    budgets = budget_shares(todo, weights, self.total_budget_s) if weights else {}
     todo.sort(key=lambda ba: -weights.get(ba, 0.0))  # stable: equal weights keep their order
     progress = Progress(sum(len(ba.autotuning_configs) for ba in todo), enabled=self.progress)
     errors: dict[BoundArguments, Exception] = {}
@@ -394,13 +394,28 @@ def _ordered_space(ba: BoundArguments) -> list[Any]:
   return [heuristic, *rest]
 
 
-def _shares(calls: Sequence[BoundArguments], weights: Mapping[BoundArguments, float],
-            total_s: float | None) -> dict[BoundArguments, float]:
-  """Each call's part of `total_s` in proportion to its weight; {} without a total."""
-  if total_s is None or not calls:
+def budget_shares(calls: Sequence[BoundArguments], weights: Mapping[BoundArguments, float],
+                  total_s: float) -> dict[BoundArguments, float]:
+  """Each call's part of a total budget, in proportion to its weight.
+
+  Args:
+    calls: the calls that share it.
+    weights: call -> weight >= 0, for every call (a missing or zero weight counts a
+      hundredth of the heaviest, so that every call gets some budget).
+    total_s: the budget to share, seconds.
+
+  Returns:
+    call -> seconds; they add up to total_s ({} for no calls). Equal shares when no
+    call weighs anything.
+  """
+  if not calls:
     return {}
-  total_weight = sum(weights[ba] for ba in calls)
-  return {ba: total_s * weights[ba] / total_weight for ba in calls}
+  heaviest = max(weights.get(ba, 0.0) for ba in calls)
+  if heaviest <= 0:
+    return {ba: total_s / len(calls) for ba in calls}
+  floor = {ba: max(weights.get(ba, 0.0), heaviest / 100) for ba in calls}
+  total_weight = sum(floor.values())
+  return {ba: total_s * w / total_weight for ba, w in floor.items()}
 
 
 def _strategy(name_or_fn, space_size: int) -> Callable[..., Any]:

@@ -11,6 +11,12 @@ of its device kind (see `should_distribute`). The method:
 2. Split. Each process computes the same split from the same plans (`split_calls`): the
    calls sorted by their (op, key) JSON go, largest config space first, to the least
    loaded worker, one worker per device of the group ordered by (process, local device).
+   With `Autotuner.total_budget_s` the plans carry each call's weight too (its device
+   time in a profile, `Autotuner._weights`; the largest any process gives a call
+   counts): the workers run in parallel, so the calls share `total_budget_s` times
+   the number of workers in proportion to their weights, and the split balances those
+   budgets instead of config spaces; a share runs heaviest first. Calls that a
+   worker then finds in its cache keep their budgets unspent.
 3. Tuning. A process runs one thread per local device. A thread takes the calls of its
    share in order, reuses the owner's cached entry (unless `ignore_cache`) or tunes the
    call on its device (`Autotuner.entry_for(..., device=...)`: the inputs are placed on
@@ -109,16 +115,20 @@ def should_distribute() -> bool:
   return jax.process_count() > 1 or len(local_tuning_devices()) > 1
 
 
-def split_calls(calls: Sequence[BoundArguments], num_workers: int) -> list[list[BoundArguments]]:
+def split_calls(calls: Sequence[BoundArguments], num_workers: int, *,
+                loads: Mapping[BoundArguments, float] | None = None
+                ) -> list[list[BoundArguments]]:
   """Splits calls among workers: the same answer in every process, loads balanced.
 
-  The calls are sorted by their (op, key) JSON; then, largest config space first (ties in
-  sorted order), each goes to the worker with the smallest total config space so far
-  (ties to the lower worker). A share keeps the sorted order.
+  The calls are sorted by their (op, key) JSON; then, largest load first (ties in sorted
+  order), each goes to the worker with the smallest total load so far (ties to the
+  lower worker). A call's load is its config space's size, or `loads[call]`. A share
+  keeps the sorted order.
 
   Args:
     calls: the calls to split (one per autotuning key).
     num_workers: how many workers share them, >= 1.
+    loads: call -> its cost (e.g. its tuning budget); None counts configs.
 
   Returns:
     One list of calls per worker; every call is in exactly one list.
@@ -129,7 +139,8 @@ def split_calls(calls: Sequence[BoundArguments], num_workers: int) -> list[list[
   if num_workers < 1:
     raise ValueError(f"{num_workers=} must be >= 1: one worker per device that tunes.")
   ordered = sorted(calls, key=_call_key)
-  sizes = [len(ba.with_config(None).autotuning_configs) for ba in ordered]
+  sizes = [len(ba.with_config(None).autotuning_configs) if loads is None else loads[ba]
+           for ba in ordered]
   loads = [0] * num_workers
   owner = [0] * len(ordered)
   for i in sorted(range(len(ordered)), key=lambda i: (-sizes[i], i)):
@@ -231,10 +242,12 @@ class _Plan:
   device_kind: str
   num_devices: int
   calls: tuple[BoundArguments, ...]
+  weights: tuple[float, ...] = ()  # per call, with total_budget_s (else empty)
 
 
 def tune_distributed(tuner: autotuner_lib.Autotuner, calls: Sequence[BoundArguments], *,
-                     timeout_s: float) -> AutotuningResult:
+                     timeout_s: float,
+                     weights: Mapping[BoundArguments, float] | None = None) -> AutotuningResult:
   """Tunes calls spread over every device of every process of this device kind.
 
   Every process of the job must call it (through `Autotuner.autotune`) at the same point
@@ -245,6 +258,8 @@ def tune_distributed(tuner: autotuner_lib.Autotuner, calls: Sequence[BoundArgume
     calls: the calls this process wants tuned.
     timeout_s: how long to wait for a process's plan, and for a process's next tuned call
       while some of its share is missing, before taking it to have failed.
+    weights: with `tuner.total_budget_s`, what tuning each call is worth (every call of
+      `calls`); see step 2 of the module docstring.
 
   Returns:
     The result of the union of the calls of this device kind's processes, identical
@@ -262,15 +277,20 @@ def tune_distributed(tuner: autotuner_lib.Autotuner, calls: Sequence[BoundArgume
   devices = local_tuning_devices()
   kind, me = devices[0].device_kind, jax.process_index()
   store, prefix = _store(), f"stellarax/autotune/{next(_RUNS)}/"
-  plans = _exchange_plans(store, prefix, _Plan(me, kind, len(devices), tuple(calls)), timeout_s)
+  weighed = tuple(weights[ba] for ba in calls) if tuner.total_budget_s is not None else ()
+  plans = _exchange_plans(store, prefix, _Plan(me, kind, len(devices), tuple(calls), weighed),
+                          timeout_s)
   group = [p for p in plans if p.device_kind == kind]
   todo = _union(group)
   workers = [_Worker(p.process, d) for p in group for d in range(p.num_devices)]
-  shares = dict(zip(workers, split_calls(todo, len(workers))))
+  budgets = _budgets(tuner, group, todo, len(workers))
+  shares = dict(zip(workers, split_calls(todo, len(workers), loads=budgets)))
+  if budgets is not None:  # heaviest first; the same order in every process
+    shares = {w: sorted(share, key=lambda ba: -budgets[ba]) for w, share in shares.items()}
   mine = {w: shares[w] for w in workers if w.process == me}
   progress = _LockedProgress(sum(len(ba.autotuning_configs) for s in mine.values() for ba in s),
                              enabled=tuner.progress)
-  _start_workers(tuner, mine, devices, _Publisher(store, prefix, me, kind), progress)
+  _start_workers(tuner, mine, devices, _Publisher(store, prefix, me, kind), progress, budgets or {})
   try:
     delivered, errors, stalled = _gather(store, prefix, shares, kind, timeout_s)
   finally:
@@ -288,7 +308,8 @@ def _exchange_plans(store: _Store, prefix: str, plan: _Plan, timeout_s: float) -
   """Publishes this process's plan and reads every process's, waiting at most timeout_s."""
   store.set(f"{prefix}plan/{plan.process}", json.dumps({
       "device_kind": plan.device_kind, "num_devices": plan.num_devices,
-      "calls": [ba.with_config(None).to_json() for ba in plan.calls]}))
+      "calls": [ba.with_config(None).to_json() for ba in plan.calls],
+      "weights": list(plan.weights)}))
   deadline = time.monotonic() + timeout_s
   plans = []
   for process in range(jax.process_count()):
@@ -305,8 +326,25 @@ def _exchange_plans(store: _Store, prefix: str, plan: _Plan, timeout_s: float) -
     data = json.loads(raw)
     same_kind = data["device_kind"] == plan.device_kind  # Other kinds' calls are theirs.
     plans.append(_Plan(process, data["device_kind"], int(data["num_devices"]),
-                       tuple(BoundArguments.from_json(c) for c in data["calls"]) if same_kind else ()))
+                       tuple(BoundArguments.from_json(c) for c in data["calls"]) if same_kind else (),
+                       tuple(float(w) for w in data.get("weights", ())) if same_kind else ()))
   return plans
+
+
+def _budgets(tuner: autotuner_lib.Autotuner, group: Sequence[_Plan],
+             todo: Sequence[BoundArguments], num_workers: int
+             ) -> dict[BoundArguments, float] | None:
+  """Each call's tuning budget under `total_budget_s` (step 2 of the module docstring),
+  the same in every process; None without a total budget."""
+  if tuner.total_budget_s is None:
+    return None
+  weights: dict[CallKey, float] = {}
+  for plan in group:
+    for ba, weight in zip(plan.calls, plan.weights):
+      key = _call_key(ba)
+      weights[key] = max(weights.get(key, 0.0), weight)
+  by_call = {ba: weights.get(_call_key(ba), 0.0) for ba in todo}
+  return autotuner_lib.budget_shares(todo, by_call, tuner.total_budget_s * num_workers)
 
 
 def _union(group: Sequence[_Plan]) -> list[BoundArguments]:
@@ -352,21 +390,23 @@ class _Publisher:
 
 def _start_workers(tuner: autotuner_lib.Autotuner, shares: Mapping[_Worker, list[BoundArguments]],
                    devices: Sequence[jax.Device], publisher: _Publisher,
-                   progress: _LockedProgress) -> None:
+                   progress: _LockedProgress, budgets: Mapping[BoundArguments, float]) -> None:
   """One daemon thread per local device (a hung one must not keep the process alive)."""
   for worker, share in shares.items():
     thread = threading.Thread(
-        target=_tune_share, args=(tuner, worker, share, devices[worker.device], publisher, progress),
+        target=_tune_share,
+        args=(tuner, worker, share, devices[worker.device], publisher, progress, budgets),
         name=f"stellarax-tune-{worker.device}", daemon=True)
     thread.start()
 
 
 def _tune_share(tuner: autotuner_lib.Autotuner, worker: _Worker, share: Sequence[BoundArguments],
-                device: jax.Device, publisher: _Publisher, progress: _LockedProgress) -> None:
+                device: jax.Device, publisher: _Publisher, progress: _LockedProgress,
+                budgets: Mapping[BoundArguments, float]) -> None:
   for index, ba in enumerate(share):
     entry, error = None, None
     try:
-      entry = tuner.entry_for(ba, progress=progress, device=device)
+      entry = tuner.entry_for(ba, progress=progress, device=device, budget_s=budgets.get(ba))
     except Exception as exc:  # Reported to every process as data; the share goes on.
       error = f"{type(exc).__name__}: {exc}"
     publisher.publish(worker, index, entry, error)
