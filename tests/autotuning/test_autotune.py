@@ -490,6 +490,44 @@ def test_other_implementations_share_their_calls_weight():
   assert sorted(seen) == pytest.approx([1.0, 1.0, 4.0, 4.0])
 
 
+def two_sizes(lhs, rhs, gs):
+  small = stellarax.ragged_dot(lhs[:16], rhs, jnp.array([16, 0, 0, 0], jnp.int32))
+  return jnp.sum(stellarax.ragged_dot(lhs, rhs, gs)) + jnp.sum(small)
+
+
+def test_a_callables_calls_are_weighed_by_a_profile_of_one_run(monkeypatch):
+  lhs, rhs, gs = _inputs()
+  calls = tuner().collect(two_sizes, lhs, rhs, gs)
+  rows = lambda ba: max(spec.shape[0] for spec in ba.array_specs() if len(spec.shape) == 2)
+  big, small = sorted(calls, key=rows, reverse=True)
+  assert (rows(big), rows(small)) == (64, 16)
+  # The profile's real times: both calls ran, each with some device time.
+  from stellarax.autotuning import profile
+  real = profile.device_time_per_call(lambda a, k: two_sizes(*a, **k), (lhs, rhs, gs), {})
+  assert set(real) == {(ba.op_json(), ba.key_json()) for ba in (big, small)}
+  assert all(t > 0 for t in real.values())
+  # Its times set the shares (here fixed, so the test does not rest on timing).
+  fixed = {(big.op_json(), big.key_json()): 3e-3, (small.op_json(), small.key_json()): 1e-3}
+  monkeypatch.setattr(profile, "device_time_per_call", lambda fn, *a, **k: fixed)
+  spy, seen = _budget_spy()
+  tuner(strategy=spy, total_budget_s=4.0).autotune(two_sizes, lhs, rhs, gs)
+  assert seen == pytest.approx([3.0, 1.0])
+  # No profile to take (abstract arguments): equal shares.
+  spy, seen = _budget_spy()
+  specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (lhs, rhs, gs)]
+  tuner(strategy=spy, total_budget_s=4.0).autotune(two_sizes, *specs)
+  assert seen == pytest.approx([2.0, 2.0])
+
+
+def test_a_failed_profile_leaves_equal_shares_with_a_warning(tmp_path):
+  lhs, rhs, gs = _inputs()
+  spy, seen = _budget_spy()
+  with jax.profiler.trace(str(tmp_path)):  # one trace at a time: the tuner's cannot start
+    with pytest.warns(RuntimeWarning, match="share it equally, since profiling the program"):
+      tuner(strategy=spy, total_budget_s=4.0).autotune(two_sizes, lhs, rhs, gs)
+  assert seen == pytest.approx([2.0, 2.0])
+
+
 def test_total_budget_errors_say_what_to_pass():
   with pytest.raises(ValueError, match="exclude each other; pass one of them"):
     stellarax.Autotuner(budget_s=1.0, total_budget_s=10.0)

@@ -31,14 +31,17 @@ import dataclasses
 import datetime
 import os
 import sys
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from stellarax.autotuning import capture
 from stellarax.autotuning import isolation
 from stellarax.autotuning import measure as measure_lib
+from stellarax.autotuning import profile
 from stellarax.autotuning import search
 from stellarax.autotuning.cache import USER_CACHE, cached_results, current_device_kind
 from stellarax.autotuning.progress import Progress
@@ -86,9 +89,12 @@ class Autotuner:
     total_budget_s: a wall-time budget for the whole run instead, shared by the
       calls to tune (those not reused from a cache) in proportion to what each is
       worth: its device time in the profile when `f` is `xplane_to_bound_args`
-      output (a call's other implementations, with implementations="all", share
-      its weight; a call the profile shows at no time weighs a hundredth of the
-      heaviest), else equally. The calls are tuned heaviest first, so an
+      output, or, for a callable with array arguments, in a profile of three runs
+      of `f` at the configs it would use now (taken first, outside the budget;
+      `profile.device_time_per_call`); equally where there is no profile (bound
+      arguments, abstract arguments, or the profile failed: with a warning). A
+      call's other implementations, with implementations="all", share its weight;
+      a call a profile shows at no time weighs a hundredth of the heaviest. The calls are tuned heaviest first, so an
       interrupted run has tuned what mattered most. Distributed over N devices,
       the calls share N times it, about `total_budget_s` of wall time
       (`distributed.py`, step 2). Not with `budget_s`.
@@ -190,7 +196,7 @@ class Autotuner:
     """
     calls = self.collect(f, *args, **kwargs)
     from stellarax.autotuning import distributed  # It imports this module.
-    weights = self._weights(f, calls)
+    weights = self._weights(f, calls, args, kwargs)
     if not (self.distribute and distributed.should_distribute()):
       return self._tune_here(calls, weights)
     try:
@@ -227,14 +233,19 @@ class Autotuner:
     """The call's current cached entry, unless ignore_cache."""
     return None if self.ignore_cache else _cached_entry(ba)
 
-  def _weights(self, f: Any, calls: Sequence[BoundArguments]) -> dict[BoundArguments, float]:
+  def _weights(self, f: Any, calls: Sequence[BoundArguments], args: tuple,
+               kwargs: Mapping[str, Any]) -> dict[BoundArguments, float]:
     """What tuning each call is worth, for `total_budget_s` (see the class docstring):
-    its device time in the profile `f` holds, or 1.0 each where none has any; {}
-    without a total budget."""
+    its device time in the profile `f` holds or that a run of `f` gives, or 1.0 each
+    where none has any; {} without a total budget."""
     if self.total_budget_s is None:
       return {}
-    profiled = (capture.call_weights_from_json(f) if isinstance(f, (str, os.PathLike))
-                else {})
+    if isinstance(f, (str, os.PathLike)):
+      profiled = capture.call_weights_from_json(f)
+    elif callable(f) and _all_arrays((args, kwargs)):
+      profiled = _profiled_weights(f, args, kwargs, calls)
+    else:
+      profiled = {}
     if self.implementations == "all":
       for ba in list(profiled):
         for alt in _alternatives(ba):
@@ -392,6 +403,25 @@ def _ordered_space(ba: BoundArguments) -> list[Any]:
   rest = sorted((c for c in ba.autotuning_configs if c != heuristic),
                 key=lambda c: canonical_json(config_to_json(c)))
   return [heuristic, *rest]
+
+
+def _all_arrays(tree: Any) -> bool:
+  """Whether every leaf is a concrete array (a program can run on them)."""
+  return all(isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in jax.tree.leaves(tree))
+
+
+def _profiled_weights(f: Callable[..., Any], args: tuple, kwargs: Mapping[str, Any],
+                      calls: Sequence[BoundArguments]) -> dict[BoundArguments, float]:
+  """Each call's device time per run of `f(*args, **kwargs)`, from a profile; {} (with a
+  warning) where the profile cannot be taken or read."""
+  try:
+    times = profile.device_time_per_call(lambda a, k: f(*a, **k), args, dict(kwargs))
+  except (profile.ProfileError, RuntimeError) as exc:
+    warnings.warn(f"total_budget_s: the calls share it equally, since profiling the"
+                  f" program to weigh them failed: {exc}", RuntimeWarning, stacklevel=4)
+    return {}
+  by_key = {(ba.op_json(), ba.key_json()): ba for ba in calls}
+  return {by_key[key]: t for key, t in times.items() if key in by_key}
 
 
 def budget_shares(calls: Sequence[BoundArguments], weights: Mapping[BoundArguments, float],

@@ -37,10 +37,7 @@ twice more to profile).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import json
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -192,32 +189,11 @@ def _under(result: AutotuningResult, f: Callable[..., Any]) -> Callable[..., Any
   return run
 
 
-def _call_key(marker: str) -> tuple[str, str]:
-  """The `Entry.key` of the op call that left `marker`."""
-  ba = BoundArguments.from_json(json.loads(marker)).with_config(None)
-  return (ba.op_json(), ba.key_json())
-
-
-def _per_call_device_time(program: Callable[..., Any], args: tuple) -> dict[tuple[str, str], float]:
-  """Call key -> its device seconds per run of `program(*args)`, from a profile."""
-  compiled = jax.jit(program).lower(*args).compile()
-  jax.block_until_ready(compiled(*args))  # the first run's one-time costs stay out
-  with tempfile.TemporaryDirectory(prefix="stellarax-in-program-") as folder:
-    with jax.profiler.trace(folder):
-      for _ in range(_PROFILED_RUNS):
-        jax.block_until_ready(compiled(*args))
-    calls = profile_lib.read_op_calls(folder)
-  times: dict[tuple[str, str], float] = collections.defaultdict(float)
-  for call in calls:
-    times[_call_key(call.marker)] += call.device_time_s / _PROFILED_RUNS
-  return dict(times)
-
-
 def _call_times(found: list[BoundArguments], result: AutotuningResult,
                 programs: dict[Any, Callable[..., Any]], args: tuple) -> tuple[CallTime, ...]:
   """A `CallTime` per op call that the heuristic or the tuned program's profile shows."""
-  before = _per_call_device_time(programs[_HEURISTICS], args)
-  after = _per_call_device_time(programs[_TUNED], args)
+  before = profile_lib.device_time_per_call(programs[_HEURISTICS], *args, runs=_PROFILED_RUNS)
+  after = profile_lib.device_time_per_call(programs[_TUNED], *args, runs=_PROFILED_RUNS)
   tuned = {e.key: e for e in result}
   out = []
   for ba in found:

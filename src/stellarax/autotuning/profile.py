@@ -111,15 +111,19 @@ import collections
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 import dataclasses
 import functools
+import json
 import math
 import os
 import pathlib
 import re
+import tempfile
 from typing import Any
 import warnings
 
+import jax
 from jax import profiler
 
+from stellarax.core.bound_args import BoundArguments
 from stellarax.core.markers import MARKER_KEY
 from stellarax.core.markers import SCOPE_PREFIX
 from stellarax.core.markers import markers_in_op_name
@@ -188,6 +192,42 @@ def read_op_calls(path: str | os.PathLike[str]) -> list[OpCall]:
       totals[marker][1] += time_ns
   calls = [OpCall(m, int(c), t * 1e-9) for m, (c, t) in totals.items()]
   return sorted(calls, key=lambda call: (-call.device_time_s, call.marker))
+
+
+def device_time_per_call(fn: Callable[..., Any], *args: Any,
+                         runs: int = 3) -> dict[tuple[str, str], float]:
+  """Each stellarax op call's own device time per run of the program `fn(*args)`.
+
+  `fn` is compiled, run once outside the profile (one-time costs), then `runs` times
+  inside `jax.profiler.trace`, and `read_op_calls` attributes the device time.
+
+  Args:
+    fn: a jittable function of arrays.
+    *args: its arguments (arrays).
+    runs: runs inside the trace (>= 1); the times are per run.
+
+  Returns:
+    (op JSON, key JSON) of a call (as `Entry.key`) -> seconds per run.
+
+  Raises:
+    ProfileError: as `read_op_calls` (e.g. no stellarax op ran).
+    RuntimeError: if another trace is running (one at a time).
+    ValueError: if runs < 1.
+  """
+  if not isinstance(runs, int) or runs < 1:
+    raise ValueError(f"{runs=} must be an int >= 1: runs of the program inside the trace.")
+  compiled = jax.jit(fn).lower(*args).compile()
+  jax.block_until_ready(compiled(*args))
+  with tempfile.TemporaryDirectory(prefix="stellarax-calls-") as folder:
+    with jax.profiler.trace(folder):
+      for _ in range(runs):
+        jax.block_until_ready(compiled(*args))
+    calls = read_op_calls(folder)
+  times: dict[tuple[str, str], float] = collections.defaultdict(float)
+  for call in calls:
+    ba = BoundArguments.from_json(json.loads(call.marker)).with_config(None)
+    times[ba.op_json(), ba.key_json()] += call.device_time_s / runs
+  return dict(times)
 
 
 def busy_time_by_program(path: str | os.PathLike[str], *,
