@@ -435,13 +435,36 @@ def test_profiled_device_times_are_kept_and_shown():
   assert "profiled" not in plain.summary() and "profiled_s" not in plain.dumps()
 
 
-def _budget_spy():
-  """A strategy that records each call's budget and measures its heuristic only."""
-  seen = []
+def _budget_spy(monkeypatch=None, spends=0.0):
+  """A strategy that records each call's budget and measures its heuristic only; with
+  monkeypatch, the tuner's clock says each call took `spends` of its budget."""
+  seen, now = [], [0.0]
+  if monkeypatch is not None:
+    from stellarax.autotuning import autotuner as autotuner_lib
+    monkeypatch.setattr(autotuner_lib, "_clock", lambda: now[0])
   def spy(space, measure, *, heuristic, budget_s=None):
     seen.append(budget_s)
+    now[0] += spends * budget_s
     return search_lib.exhaustive([heuristic], measure, heuristic=heuristic)
   return spy, seen
+
+
+def test_a_budget_pool_passes_what_a_call_leaves_to_the_next():
+  a, b, c = _ragged_calls(3)
+  pool = autotuning.autotuner.BudgetPool({a: 2.0, b: 1.0, c: 1.0}, 8.0)
+  assert pool.take(a) == 4.0
+  pool.spend(1.0)  # 3 s of its 4 left: 7 s for b and c
+  assert pool.take(b) == 3.5
+  pool.spend(5.0)  # overran: 2 s left
+  assert pool.take(c) == 2.0
+  pool.spend(3.0)
+  assert pool.left_s == -1.0
+  with pytest.raises(KeyError):  # a drew already
+    pool.take(a)
+  # An exhausted pool still gives a thousandth of the total: the heuristic gets measured.
+  late = autotuning.autotuner.BudgetPool({a: 1.0}, 10.0)
+  late.spend(20.0)
+  assert late.take(a) == 0.01
 
 
 def _profile_records(calls_and_times):
@@ -456,34 +479,37 @@ def _ragged_calls(n):
           for i in range(n)]
 
 
-def test_a_total_budget_is_shared_by_device_time_heaviest_first():
+def test_a_total_budget_is_shared_by_device_time_heaviest_first(monkeypatch):
   light, heavy, idle = _ragged_calls(3)
   records = _profile_records([(light, 1.0), (heavy, 3.0), (idle, 0.0)])
-  spy, seen = _budget_spy()
+  spy, seen = _budget_spy(monkeypatch, spends=0.5)  # each call takes half its budget
   result = tuner(strategy=spy, total_budget_s=8.06).autotune(records)
   assert len(result) == 3
-  # Weights 3, 1 and (no time in the profile) a hundredth of the heaviest: 0.03.
-  assert seen == pytest.approx([6.0, 2.0, 0.06])
+  # Weights 3, 1 and (no time in the profile) a hundredth of the heaviest, 0.03. Each
+  # call, heaviest first, takes its weight's share of what is left.
+  left = 8.06 - 0.5 * 6.0
+  light_s = left / 1.03
+  assert seen == pytest.approx([6.0, light_s, left - 0.5 * light_s])
   assert autotuning.call_weights_from_json(records) == {light: 1.0, heavy: 3.0, idle: 0.0}
   # Without device times (a plain list, a callable) the calls share it equally.
-  spy, seen = _budget_spy()
+  spy, seen = _budget_spy(monkeypatch, spends=1.0)  # each call spends its share
   tuner(strategy=spy, total_budget_s=9.0).autotune([light, heavy, idle])
   assert seen == pytest.approx([3.0, 3.0, 3.0])
   assert autotuning.call_weights_from_json(autotuning.bound_args_to_json([light])) == {}
 
 
-def test_a_total_budget_counts_only_the_calls_still_to_tune(user_cache_dir):
+def test_a_total_budget_counts_only_the_calls_still_to_tune(user_cache_dir, monkeypatch):
   light, heavy = _ragged_calls(2)
   tuner(cache=True).autotune([heavy])
-  spy, seen = _budget_spy()
+  spy, seen = _budget_spy(monkeypatch, spends=1.0)  # each call spends its share
   tuner(strategy=spy, total_budget_s=4.0).autotune(_profile_records([(light, 1.0), (heavy, 3.0)]))
   assert seen == [4.0]  # the heavy call came from the cache
 
 
-def test_other_implementations_share_their_calls_weight():
+def test_other_implementations_share_their_calls_weight(monkeypatch):
   q = jax.random.normal(jax.random.key(9), (1, 16, 2, 8))
   small, big = (stellarax.XlaAttention.bind(x, x, x, is_causal=True) for x in (q[:, :8], q))
-  spy, seen = _budget_spy()
+  spy, seen = _budget_spy(monkeypatch, spends=1.0)  # each call spends its share
   tuner(strategy=spy, total_budget_s=10.0, implementations="all").autotune(
       _profile_records([(small, 1.0), (big, 4.0)]))
   # big and its chunked twin weigh 4 each, small and its twin 1 each.
@@ -509,19 +535,19 @@ def test_a_callables_calls_are_weighed_by_a_profile_of_one_run(monkeypatch):
   # Its times set the shares (here fixed, so the test does not rest on timing).
   fixed = {(big.op_json(), big.key_json()): 3e-3, (small.op_json(), small.key_json()): 1e-3}
   monkeypatch.setattr(profile, "device_time_per_call", lambda fn, *a, **k: fixed)
-  spy, seen = _budget_spy()
+  spy, seen = _budget_spy(monkeypatch, spends=1.0)  # each call spends its share
   tuner(strategy=spy, total_budget_s=4.0).autotune(two_sizes, lhs, rhs, gs)
   assert seen == pytest.approx([3.0, 1.0])
   # No profile to take (abstract arguments): equal shares.
-  spy, seen = _budget_spy()
+  spy, seen = _budget_spy(monkeypatch, spends=1.0)  # each call spends its share
   specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (lhs, rhs, gs)]
   tuner(strategy=spy, total_budget_s=4.0).autotune(two_sizes, *specs)
   assert seen == pytest.approx([2.0, 2.0])
 
 
-def test_a_failed_profile_leaves_equal_shares_with_a_warning(tmp_path):
+def test_a_failed_profile_leaves_equal_shares_with_a_warning(tmp_path, monkeypatch):
   lhs, rhs, gs = _inputs()
-  spy, seen = _budget_spy()
+  spy, seen = _budget_spy(monkeypatch, spends=1.0)  # each call spends its share
   with jax.profiler.trace(str(tmp_path)):  # one trace at a time: the tuner's cannot start
     with pytest.warns(RuntimeWarning, match="share it equally, since profiling the program"):
       tuner(strategy=spy, total_budget_s=4.0).autotune(two_sizes, lhs, rhs, gs)

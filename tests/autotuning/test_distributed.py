@@ -224,12 +224,17 @@ def test_a_total_budget_is_shared_by_the_devices_by_weight(calls, tmp_path):
   _check_tuned_once_everywhere(outputs, calls)
   # Two devices in parallel share twice the budget, 6 s, by weight: 3, 1.5, 0.75, 0.75,
   # split so that each device's calls add up to 3 s, each share heaviest first.
-  expected = {(ba.op_json(), ba.key_json()): 6.0 * w / 8.0 for ba, w in weights.items()}
+  static = {(ba.op_json(), ba.key_json()): 6.0 * w / 8.0 for ba, w in weights.items()}
   budgets = outputs[0]["budgets"]
-  assert {(op, key): b for _, op, key, b in budgets} == pytest.approx(expected)
-  per_device = {d: [b for device, _, _, b in budgets if device == d] for d in (0, 1)}
-  assert sorted(sum(b) for b in per_device.values()) == pytest.approx([3.0, 3.0])
-  assert all(b == sorted(b, reverse=True) for b in per_device.values())
+  per_device = {d: [(op, key, b) for device, op, key, b in budgets if device == d] for d in (0, 1)}
+  assert sorted(sum(static[op, key] for op, key, _ in calls_of) for calls_of in per_device.values()) \
+      == pytest.approx([3.0, 3.0])
+  for calls_of in per_device.values():
+    shares = [static[op, key] for op, key, _ in calls_of]
+    assert shares == sorted(shares, reverse=True)
+    # The first call takes its share; the next ones share what it left (BudgetPool, more
+    # or less than their static shares as it under- or overran).
+    assert calls_of[0][2] == pytest.approx(shares[0])
 
 
 def test_split_balances_the_given_loads(calls):

@@ -31,6 +31,7 @@ import dataclasses
 import datetime
 import os
 import sys
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -54,6 +55,8 @@ from stellarax.core.fingerprint import code_fingerprint
 from stellarax.core.specs import canonical_json
 
 STRATEGIES = ("auto", "exhaustive", "racing", "random")
+# What a call's tuning took, spent from a total budget (`BudgetPool`); tests replace it.
+_clock = time.monotonic
 # Lines of each failed call's error shown in an IncompleteTuningError's message.
 _SHOWN_ERROR_LINES = 40
 
@@ -94,10 +97,13 @@ class Autotuner:
       `profile.device_time_per_call`); equally where there is no profile (bound
       arguments, abstract arguments, or the profile failed: with a warning). A
       call's other implementations, with implementations="all", share its weight;
-      a call a profile shows at no time weighs a hundredth of the heaviest. The calls are tuned heaviest first, so an
-      interrupted run has tuned what mattered most. Distributed over N devices,
-      the calls share N times it, about `total_budget_s` of wall time
-      (`distributed.py`, step 2). Not with `budget_s`.
+      a call a profile shows at no time weighs a hundredth of the heaviest. The
+      calls are tuned heaviest first, so an interrupted run has tuned what
+      mattered most, and each takes its weight's share of what is left
+      (`BudgetPool`): what one leaves unspent (a small space searched whole)
+      goes to the calls after it. Distributed over N devices, the calls share N times it,
+      about `total_budget_s` of wall time (`distributed.py`, step 2). Not with
+      `budget_s`.
     implementations: "resolved" tunes the implementation each call uses;
       "all" also tunes every other implementation of the op family that runs
       on this device (so `implementation=None` can pick the fastest).
@@ -196,7 +202,9 @@ class Autotuner:
     """
     calls = self.collect(f, *args, **kwargs)
     from stellarax.autotuning import distributed  # It imports this module.
-    weights = self._weights(f, calls, args, kwargs)
+    # Weighing a callable's calls runs it: not when every call comes from a cache.
+    to_tune = any(self._reusable_entry(ba) is None for ba in calls)
+    weights = self._weights(f, calls, args, kwargs) if to_tune else {}
     if not (self.distribute and distributed.should_distribute()):
       return self._tune_here(calls, weights)
     try:
@@ -214,11 +222,11 @@ class Autotuner:
       USER_CACHE.write(result)
 
   def entry_for(self, ba: BoundArguments, *, progress: Progress | None = None,
-                device: jax.Device | None = None, budget_s: float | None = None) -> Entry:
+                device: jax.Device | None = None, pool: BudgetPool | None = None) -> Entry:
     """The call's cached entry (unless ignore_cache), else `tune_one`'s, kept at once.
 
-    Args: as `tune_one`; budget_s, if given, replaces `self.budget_s` for this call
-      (its share of `total_budget_s`).
+    Args: as `tune_one`; pool, if given, is where the call draws its budget from (its
+      share of `total_budget_s`), replacing `self.budget_s`.
 
     Returns:
       The call's entry; a newly tuned one is in the user cache when `cache=True`.
@@ -227,7 +235,11 @@ class Autotuner:
       As `tune_one`.
     """
     cached = self._reusable_entry(ba)
-    return cached if cached is not None else self._tune_and_keep(ba, progress, device, budget_s)
+    if cached is not None:
+      if pool is not None:
+        pool.take(ba)  # unspent: its share stays in the pool for the calls after it
+      return cached
+    return self._tune_and_keep_drawing(ba, progress, pool, device)
 
   def _reusable_entry(self, ba: BoundArguments) -> Entry | None:
     """The call's current cached entry, unless ignore_cache."""
@@ -236,8 +248,8 @@ class Autotuner:
   def _weights(self, f: Any, calls: Sequence[BoundArguments], args: tuple,
                kwargs: Mapping[str, Any]) -> dict[BoundArguments, float]:
     """What tuning each call is worth, for `total_budget_s` (see the class docstring):
-    its device time in the profile `f` holds or that a run of `f` gives, or 1.0 each
-    where none has any; {} without a total budget."""
+    its device time in the profile `f` holds or that a run of `f` gives, 0.0 where
+    none says (`budget_shares` gives those a floor); {} without a total budget."""
     if self.total_budget_s is None:
       return {}
     if isinstance(f, (str, os.PathLike)):
@@ -250,9 +262,19 @@ class Autotuner:
       for ba in list(profiled):
         for alt in _alternatives(ba):
           profiled.setdefault(alt, profiled[ba])
-    if not any(profiled.get(ba, 0.0) > 0 for ba in calls):
-      return {ba: 1.0 for ba in calls}  # nothing measured: equal shares
-    return {ba: profiled.get(ba, 0.0) for ba in calls}
+    return {ba: profiled.get(ba, 0.0) for ba in calls}  # all zero: equal shares
+
+  def _tune_and_keep_drawing(self, ba: BoundArguments, progress: Progress | None,
+                             pool: BudgetPool | None, device: jax.Device | None = None) -> Entry:
+    """`_tune_and_keep` with the call's budget drawn from `pool` (if any), and the time
+    it took spent from it."""
+    if pool is None:
+      return self._tune_and_keep(ba, progress, device)
+    budget_s, start = pool.take(ba), _clock()
+    try:
+      return self._tune_and_keep(ba, progress, device, budget_s)
+    finally:
+      pool.spend(_clock() - start)
 
   def _tune_and_keep(self, ba: BoundArguments, progress: Progress | None,
                      device: jax.Device | None = None, budget_s: float | None = None) -> Entry:
@@ -276,14 +298,16 @@ class Autotuner:
         result = result.with_entry(cached)
       else:
         todo.append(ba)
-    budgets = budget_shares(todo, weights, self.total_budget_s) if weights else {}
     todo.sort(key=lambda ba: -weights.get(ba, 0.0))  # stable: equal weights keep their order
+    pool = (BudgetPool({ba: weights[ba] for ba in todo}, self.total_budget_s)
+            if todo and weights else None)
     progress = Progress(sum(len(ba.autotuning_configs) for ba in todo), enabled=self.progress)
     errors: dict[BoundArguments, Exception] = {}
     try:
       for ba in todo:
         try:
-          result = result.with_entry(self._tune_and_keep(ba, progress, budget_s=budgets.get(ba)))
+          entry = self._tune_and_keep_drawing(ba, progress, pool)
+          result = result.with_entry(entry)
         except Exception as exc:  # Data about this call; the others are still tuned.
           errors[ba] = exc
     finally:
@@ -415,13 +439,44 @@ def _profiled_weights(f: Callable[..., Any], args: tuple, kwargs: Mapping[str, A
   """Each call's device time per run of `f(*args, **kwargs)`, from a profile; {} (with a
   warning) where the profile cannot be taken or read."""
   try:
-    times = profile.device_time_per_call(lambda a, k: f(*a, **k), args, dict(kwargs))
+    with resolution.miss_policy_scope("heuristics"):  # a miss must not tune here, as in capture
+      times = profile.device_time_per_call(lambda a, k: f(*a, **k), args, dict(kwargs))
   except (profile.ProfileError, RuntimeError) as exc:
     warnings.warn(f"total_budget_s: the calls share it equally, since profiling the"
                   f" program to weigh them failed: {exc}", RuntimeWarning, stacklevel=4)
     return {}
   by_key = {(ba.op_json(), ba.key_json()): ba for ba in calls}
   return {by_key[key]: t for key, t in times.items() if key in by_key}
+
+
+class BudgetPool:
+  """A total budget that calls draw on one after another: each takes its weight's
+  share of what is left, and gives back what it did not spend, so the calls after it
+  get it (a strategy that finishes a small space early leaves budget behind).
+
+  Args:
+    weights: call -> weight >= 0 of every call that will draw (`budget_shares` says
+      how zero weights count).
+    total_s: the budget, seconds (> 0).
+  """
+
+  # A call drawing on an exhausted pool still gets this fraction of the total: enough
+  # to measure its heuristic config, whose time the strategy then cannot beat.
+  _LEAST = 1e-3
+
+  def __init__(self, weights: Mapping[BoundArguments, float], total_s: float):
+    self.total_s = self.left_s = total_s
+    self._waiting = budget_shares(list(weights), weights, 1.0)  # normalised weights
+
+  def take(self, ba: BoundArguments) -> float:
+    """The budget of `ba` (which must not have drawn yet), in seconds."""
+    weight = self._waiting.pop(ba)
+    share = max(self.left_s, 0.0) * weight / (weight + sum(self._waiting.values()))
+    return max(share, self._LEAST * self.total_s)
+
+  def spend(self, seconds: float) -> None:
+    """Counts `seconds` as spent (a call's wall time, whatever its budget was)."""
+    self.left_s -= seconds
 
 
 def budget_shares(calls: Sequence[BoundArguments], weights: Mapping[BoundArguments, float],

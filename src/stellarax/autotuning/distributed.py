@@ -15,8 +15,9 @@ of its device kind (see `should_distribute`). The method:
    time in a profile, `Autotuner._weights`; the largest any process gives a call
    counts): the workers run in parallel, so the calls share `total_budget_s` times
    the number of workers in proportion to their weights, and the split balances those
-   budgets instead of config spaces; a share runs heaviest first. Calls that a
-   worker then finds in its cache keep their budgets unspent.
+   budgets instead of config spaces; a share runs heaviest first, its calls drawing on
+   the sum of their budgets (`Autotuner.BudgetPool`: what a call leaves, the next
+   ones get, a call found in the cache included).
 3. Tuning. A process runs one thread per local device. A thread takes the calls of its
    share in order, reuses the owner's cached entry (unless `ignore_cache`) or tunes the
    call on its device (`Autotuner.entry_for(..., device=...)`: the inputs are placed on
@@ -403,10 +404,13 @@ def _start_workers(tuner: autotuner_lib.Autotuner, shares: Mapping[_Worker, list
 def _tune_share(tuner: autotuner_lib.Autotuner, worker: _Worker, share: Sequence[BoundArguments],
                 device: jax.Device, publisher: _Publisher, progress: _LockedProgress,
                 budgets: Mapping[BoundArguments, float]) -> None:
+  # The share's calls draw on the sum of their budgets: what one leaves goes to the next.
+  pool = (autotuner_lib.BudgetPool({ba: budgets[ba] for ba in share}, sum(budgets[ba] for ba in share))
+          if budgets and share else None)
   for index, ba in enumerate(share):
     entry, error = None, None
     try:
-      entry = tuner.entry_for(ba, progress=progress, device=device, budget_s=budgets.get(ba))
+      entry = tuner.entry_for(ba, progress=progress, device=device, pool=pool)
     except Exception as exc:  # Reported to every process as data; the share goes on.
       error = f"{type(exc).__name__}: {exc}"
     publisher.publish(worker, index, entry, error)

@@ -64,6 +64,9 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--output", default="demo_out", help="folder for the result JSON")
   parser.add_argument("--budget-s", type=float, default=20.0, help="tuning budget per op call")
+  parser.add_argument("--total-budget-s", type=float, default=None,
+                      help="one budget for all calls instead, shared by their device time in a"
+                           " profile of the step (Autotuner.total_budget_s)")
   parser.add_argument("--no-progress", action="store_true")
   args = parser.parse_args(argv)
 
@@ -78,7 +81,9 @@ def main(argv=None) -> int:
     print(f"  {ba}")
 
   start = time.monotonic()
-  tuner = stellarax.Autotuner(budget_s=args.budget_s, progress=not args.no_progress)
+  budgets = (dict(total_budget_s=args.total_budget_s) if args.total_budget_s is not None
+             else dict(budget_s=args.budget_s))
+  tuner = stellarax.Autotuner(**budgets, progress=not args.no_progress)
   result = tuner.autotune(step, params, x)
   tuning_s = time.monotonic() - start
   if args.no_progress:  # with progress on, the tuner has printed the table already
