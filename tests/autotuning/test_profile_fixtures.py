@@ -50,3 +50,11 @@ def test_recorded_profile_gives_bound_arguments_to_tune(folder, tmp_path):
     specs = {name: list(ba.arguments[name].shape) for name in shapes}
     assert specs == shapes
     assert ba.op.config is None  # tuning chooses it
+
+
+def test_op_name_gives_time_to_an_op_whose_loops_lost_the_attribute(tmp_path):
+  # In the CPU profile XLA kept the attention VJP's attribute on some instructions and
+  # dropped it from loops of its backward; their op_name still names it.
+  calls = {json.loads(c.marker)["op"]["name"]: c
+           for c in read_op_calls(_unzipped(FIXTURES / "cpu", tmp_path))}
+  assert calls["attention.xla_vjp"].device_time_s > calls["attention.xla_chunked"].device_time_s / 2
