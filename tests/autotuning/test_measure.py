@@ -294,12 +294,12 @@ class _AnyProgramBusyOneSecond(dict):
 
 
 def test_profiled_time_is_per_call_of_a_batch_and_of_a_loop(monkeypatch):
-  _loop_whatever_it_costs(monkeypatch)
+  looping = _loop_whatever_it_costs(monkeypatch)
   monkeypatch.setattr(m.profile, "busy_time_by_program",
                       lambda folder, **_: _AnyProgramBusyOneSecond())
   # One call a batch, so a batch's second of device time is one call's, or 64 calls'
   # of a looped candidate.
-  options = dataclasses.replace(FAST, rounds=1, leader_rounds=0, profile=True,
+  options = dataclasses.replace(looping, rounds=1, leader_rounds=0, profile=True,
                                 loop_calls=64, max_batch_calls=1)
   y = _x((16, 16))
   looped = m.measure_candidates({"tiny": _tiny}, (y,), options=options)["tiny"]
