@@ -48,6 +48,7 @@ def test_the_program_is_timed_with_heuristics_tuned_and_each_call_left_out():
   assert check.num_calls == 2 and [c.entry for c in check.calls] == [entry]
   assert check.heuristics.ok and check.tuned.ok and check.calls[0].without.ok
   assert check.speedup == check.heuristics.median_s / check.tuned.median_s
+  assert check.call_times == ()  # profiled only when asked
   lines = check.lines()
   assert lines[0].startswith("program: ") and "1 of 2 op calls have a tuned config" in lines[0]
   assert lines[1].startswith("  ragged_dot.xla: without it ")
@@ -120,4 +121,3 @@ def test_profile_gives_each_calls_own_device_time_in_the_program():
              for line in lines[start:]), lines
   assert any(line.startswith("  layer_norm.xla: ") and line.endswith("not timed on its own)")
              for line in lines[start:]), lines
-  assert autotuning.check_in_program(result, program, *_inputs(), options=FAST).call_times == ()
