@@ -259,8 +259,8 @@ def tune_distributed(tuner: autotuner_lib.Autotuner, calls: Sequence[BoundArgume
     calls: the calls this process wants tuned.
     timeout_s: how long to wait for a process's plan, and for a process's next tuned call
       while some of its share is missing, before taking it to have failed.
-    weights: with `tuner.total_budget_s`, what tuning each call is worth (every call of
-      `calls`); see step 2 of the module docstring.
+    weights: with `tuner.total_budget_s`, what tuning each call is worth (a call not
+      in it weighs 0.0); see step 2 of the module docstring.
 
   Returns:
     The result of the union of the calls of this device kind's processes, identical
@@ -278,7 +278,9 @@ def tune_distributed(tuner: autotuner_lib.Autotuner, calls: Sequence[BoundArgume
   devices = local_tuning_devices()
   kind, me = devices[0].device_kind, jax.process_index()
   store, prefix = _store(), f"stellarax/autotune/{next(_RUNS)}/"
-  weighed = tuple(weights[ba] for ba in calls) if tuner.total_budget_s is not None else ()
+  # A process that weighed nothing (all its calls cached) sends zeros; the largest counts.
+  weighed = (tuple((weights or {}).get(ba, 0.0) for ba in calls)
+             if tuner.total_budget_s is not None else ())
   plans = _exchange_plans(store, prefix, _Plan(me, kind, len(devices), tuple(calls), weighed),
                           timeout_s)
   group = [p for p in plans if p.device_kind == kind]
