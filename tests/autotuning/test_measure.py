@@ -144,11 +144,15 @@ def test_compile_cache_skips_recompiling():
     traced.append(1)
     return _matmul(x, w)
   cache = {}
+  traces = []
   for _ in range(2):
     got = m.measure_candidates({"a": counted, "bad": lambda x, w: x @ x}, (x, w),
                                options=FAST, effort=0.2, compile_cache=cache)
     assert got["a"].ok and got["bad"].status == "compile_error"
-  assert len(traced) == 1
+    traces.append(len(traced))
+  # Traced once, or twice where the call was fast enough to be timed in a loop as well
+  # (the looped program is cached too); never again in the second run.
+  assert traces[0] in (1, 2) and traces[1] == traces[0]
 
 
 def test_cold_cache_rotates_enough_input_copies():

@@ -486,14 +486,16 @@ def _streams(streams):
 
   Args:
     streams: stream name -> (start in ns from the line's start, duration in ns,
-      hlo_module, program_id or None) per kernel.
+      hlo_module, program_id or None[, hlo_op or None: default "fusion"]) per kernel.
   """
   lines = []
   for number, (stream, kernels) in enumerate(streams.items()):
     events = []
-    for start, duration, module, program_id in kernels:
-      stats = (f'stats {{ metadata_id: 1 str_value: "fusion" }}'
-               f' stats {{ metadata_id: 2 str_value: "{module}" }}')
+    for start, duration, module, program_id, *hlo_op in kernels:
+      hlo_op = hlo_op[0] if hlo_op else "fusion"
+      stats = f' stats {{ metadata_id: 2 str_value: "{module}" }}'
+      if hlo_op is not None:
+        stats += f' stats {{ metadata_id: 1 str_value: "{hlo_op}" }}'
       if program_id is not None:
         stats += f" stats {{ metadata_id: 3 int64_value: {program_id} }}"
       events.append(f"events {{ metadata_id: 1 offset_ps: {start * 1000}"
@@ -523,6 +525,10 @@ def test_busy_time_is_the_union_of_each_programs_kernels(tmp_path):
   assert autotuning.profile.busy_time_by_program(file, host_events=False) == busy
   with pytest.raises(ProfileError, match="no such file"):
     autotuning.profile.busy_time_by_program(tmp_path / "missing")
+  # A device event that names its program but no instruction (a kernel of a CUDA
+  # graph) is device work of the program too.
+  file.write_bytes(_streams({"Stream #1": [(0, 100, "jit_f", 7), (100, 50, "jit_f", 7, None)]}))
+  assert autotuning.profile.busy_time_by_program(file) == pytest.approx({7: 150e-9}, rel=1e-9)
 
 
 def test_a_compiled_program_is_found_under_its_names_in_a_trace(tmp_path):

@@ -241,7 +241,8 @@ def busy_time_by_program(path: str | os.PathLike[str], *,
   """How long the device was busy with each program that ran in a profile.
 
   A program's busy time on a plane (a device; on a CPU, the host's XLA:CPU threads) is
-  the length of the union of its events' intervals there, so kernels on several
+  the length of the union of its events' intervals there (on a device, every event
+  that names the program, with or without an instruction), so kernels on several
   streams, a loop thunk and the thunks inside it, or thunks on several threads at
   once count once; its time is that of its busiest plane, over every host's file of
   the trace. Gaps between its kernels do not count: this is the device work, not the
@@ -269,7 +270,7 @@ def busy_time_by_program(path: str | os.PathLike[str], *,
       raise ProfileError(f"{file}: cannot be read as a profile: {e}") from e
     intervals: dict[tuple[int | str, str], list[tuple[float, float]]] = (
         collections.defaultdict(list))
-    for event in _op_events(space):
+    for event in _op_events(space, device_work=True):
       if not host_events and not event.plane.startswith(_DEVICE_PLANE_PREFIX):
         continue
       if (program := event.program()) is not None:
@@ -1195,8 +1196,10 @@ class _Event:
     return program_id if program_id is not None else module
 
 
-def _op_events(space: profiler.ProfileData) -> list[_Event]:
-  """The events of XLA instructions (module doc, 1)."""
+def _op_events(space: profiler.ProfileData, *, device_work: bool = False) -> list[_Event]:
+  """The events of XLA instructions (module doc, 1); with `device_work`, also the device
+  planes' events that name only their program (a kernel or copy of it without an
+  instruction, as in a CUDA graph): they are its device work too (hlo_op "")."""
   device, other = [], []
   # jaxlib's iterator types warn once, when first built, that they lack __module__.
   with warnings.catch_warnings():
@@ -1205,19 +1208,24 @@ def _op_events(space: profiler.ProfileData) -> list[_Event]:
     for plane in space.planes:
       if plane.name == _METADATA_PLANE:
         continue
-      target = device if plane.name.startswith(_DEVICE_PLANE_PREFIX) else other
+      on_device = plane.name.startswith(_DEVICE_PLANE_PREFIX)
+      target = device if on_device else other
       for line in plane.lines:
-        target.extend(e for e in (_event(plane.name, e) for e in line.events) if e)
+        target.extend(e for e in (_event(plane.name, e, device_work and on_device)
+                                  for e in line.events) if e)
   return device or other
 
 
-def _event(plane: str, event: profiler.ProfileEvent) -> _Event | None:
+def _event(plane: str, event: profiler.ProfileEvent, program_only: bool = False
+           ) -> _Event | None:
   stats = dict(event.stats)
   hlo_op = stats.get("hlo_op")
-  if not isinstance(hlo_op, str):
-    return None
   program_id, module, run_id = (
       stats.get("program_id"), stats.get("hlo_module"), stats.get("run_id"))
+  if not isinstance(hlo_op, str):
+    if not (program_only and (isinstance(program_id, int) or isinstance(module, str))):
+      return None
+    hlo_op = ""
   return _Event(
       name=event.name, duration_ns=event.duration_ns, hlo_op=hlo_op,
       program_id=program_id if isinstance(program_id, int) else None,
