@@ -128,7 +128,13 @@ def _close(name, actual, expected, tol):
                              atol=atol, rtol=rtol, err_msg=name)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+# The head-split case is the slowest (~25 s on 2 cores): CI's slow set runs it, so that
+# `make test` keeps within its budget.
+_SLOW_CASES = frozenset({"causal_gqa_h256_head_split"})
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c.name in _SLOW_CASES
+                                  else c for c in CASES], ids=lambda c: c.name)
 @pytest.mark.mosaic_interpret
 def test_forward_and_backward_match_reference(case):
   q, k, v, do = _inputs(case)
