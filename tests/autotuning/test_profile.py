@@ -235,18 +235,20 @@ def _gpu_plane(events, run_ids=None):
     lines.append(f"events {{ metadata_id: {names.index(kernel) + 1} "
                  f"offset_ps: {offset} duration_ps: {duration} {stats} }}")
     offset += duration + 1000
+  line = f'lines {{ id: 1 name: "Stream #13(compute)" timestamp_ns: 1000 {" ".join(lines)} }}'
+  return _gpu_xspace([line], names, ["hlo_op", "hlo_module", "kernel_details", "run_id"])
+
+
+def _gpu_xspace(lines, kernels, stats):
+  """A serialized XSpace of one GPU plane: the `lines` texts, events naming `kernels`
+  (metadata ids 1, 2, ... in order) and stats named `stats` (ids 1, 2, ... in order)."""
   metadata = " ".join(
       f'event_metadata {{ key: {i + 1} value {{ id: {i + 1} name: "{name}" }} }}'
-      for i, name in enumerate(names))
-  text = f"""planes {{
-    id: 1000 name: "/device:GPU:0"
-    lines {{ id: 1 name: "Stream #13(compute)" timestamp_ns: 1000 {" ".join(lines)} }}
-    {metadata}
-    stat_metadata {{ key: 1 value {{ id: 1 name: "hlo_op" }} }}
-    stat_metadata {{ key: 2 value {{ id: 2 name: "hlo_module" }} }}
-    stat_metadata {{ key: 3 value {{ id: 3 name: "kernel_details" }} }}
-    stat_metadata {{ key: 4 value {{ id: 4 name: "run_id" }} }}
-  }}"""
+      for i, name in enumerate(kernels))
+  metadata += " " + " ".join(
+      f'stat_metadata {{ key: {i + 1} value {{ id: {i + 1} name: "{name}" }} }}'
+      for i, name in enumerate(stats))
+  text = f'planes {{ id: 1000 name: "/device:GPU:0" {" ".join(lines)} {metadata} }}'
   return jax.profiler.ProfileData.text_proto_to_serialized_xspace(text)
 
 
@@ -502,14 +504,7 @@ def _streams(streams):
                     f" duration_ps: {duration * 1000} {stats} }}")
     lines.append(f'lines {{ id: {number + 1} name: "{stream}" timestamp_ns: 1000'
                  f' {" ".join(events)} }}')
-  text = f"""planes {{
-    id: 1000 name: "/device:GPU:0" {" ".join(lines)}
-    event_metadata {{ key: 1 value {{ id: 1 name: "kernel" }} }}
-    stat_metadata {{ key: 1 value {{ id: 1 name: "hlo_op" }} }}
-    stat_metadata {{ key: 2 value {{ id: 2 name: "hlo_module" }} }}
-    stat_metadata {{ key: 3 value {{ id: 3 name: "program_id" }} }}
-  }}"""
-  return jax.profiler.ProfileData.text_proto_to_serialized_xspace(text)
+  return _gpu_xspace(lines, ["kernel"], ["hlo_op", "hlo_module", "program_id"])
 
 
 def test_busy_time_is_the_union_of_each_programs_kernels(tmp_path):

@@ -892,15 +892,6 @@ def _time_all(cands: list[_Candidate], fns: Mapping[Any, Callable[..., Any]], ar
     _profile_batches(cands, input_sets, options)
 
 
-def _profiler_options() -> jax.profiler.ProfileOptions:
-  """What the profiled batches need: device (and XLA:CPU thunk) events, no Python
-  frames, no HLO (a trace embeds the HLO of every live program: slow after thousands)."""
-  options = jax.profiler.ProfileOptions()
-  options.python_tracer_level = 0
-  options.enable_hlo_proto = False
-  return options
-
-
 def _profile_batches(cands: list[_Candidate], input_sets: list[tuple], options: MeasureOptions):
   """One more batch of every live candidate, inside one trace (step 8 of the module
   docstring): sets each one's profiled_s that the profile's events tell apart."""
@@ -910,7 +901,7 @@ def _profile_batches(cands: list[_Candidate], input_sets: list[tuple], options: 
   names = {c: profile.program_names(c.executable) for c in live}
   with tempfile.TemporaryDirectory(prefix="stellarax-profile-") as folder:
     try:
-      jax.profiler.start_trace(folder, profiler_options=_profiler_options())
+      jax.profiler.start_trace(folder, profiler_options=profile.trace_options(hlo=False))
     except Exception as exc:  # e.g. the caller is profiling: one trace at a time
       warnings.warn(f"MeasureOptions.profile: no profile taken, the trace did not start"
                     f" ({_short_error(exc)}); profiled_s stays None.", RuntimeWarning,

@@ -225,7 +225,7 @@ def device_time_per_call(fn: Callable[..., Any], *args: Any,
   compiled = jax.jit(fn).lower(*args).compile()
   jax.block_until_ready(compiled(*args))
   with tempfile.TemporaryDirectory(prefix="stellarax-calls-") as folder:
-    with jax.profiler.trace(folder):
+    with jax.profiler.trace(folder, profiler_options=trace_options(hlo=True)):
       for _ in range(runs):
         jax.block_until_ready(compiled(*args))
     calls = read_op_calls(folder)
@@ -234,6 +234,23 @@ def device_time_per_call(fn: Callable[..., Any], *args: Any,
     ba = BoundArguments.from_json(json.loads(call.marker)).with_config(None)
     times[ba.op_json(), ba.key_json()] += call.device_time_s / runs
   return dict(times)
+
+
+def trace_options(*, hlo: bool) -> jax.profiler.ProfileOptions:
+  """Options for this library's own traces: device (and XLA:CPU thunk) events, no
+  Python frames.
+
+  Args:
+    hlo: embed the HLO of every live program, as `read_op_calls` needs (slow in a
+      process that holds thousands); `busy_time_by_program` does not need it.
+
+  Returns:
+    Options for `jax.profiler.trace(..., profiler_options=...)`.
+  """
+  options = jax.profiler.ProfileOptions()
+  options.python_tracer_level = 0
+  options.enable_hlo_proto = hlo
+  return options
 
 
 def busy_time_by_program(path: str | os.PathLike[str], *,
