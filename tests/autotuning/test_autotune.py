@@ -211,6 +211,24 @@ def test_autotune_passes_keyword_arguments_to_f():
   assert [e.bound_args.op.name for e in result] == ["ragged_dot.xla"]
 
 
+def test_an_input_without_op_calls_warns_and_gives_an_empty_result(tmp_path):
+  x = jnp.ones((8, 4))
+
+  def plain(x):
+    return jax.lax.ragged_dot(x, jnp.ones((2, 4, 3)), jnp.array([3, 5], jnp.int32))
+
+  t = tuner()
+  with pytest.warns(autotuning.NothingToTuneWarning, match="no stellarax op call in plain"):
+    assert len(t.autotune(plain, x)) == 0
+  path = tmp_path / "none.json"
+  autotuning.bound_args_to_json([], path)
+  with pytest.warns(autotuning.NothingToTuneWarning, match="JSON holds no op calls"):
+    assert len(t.autotune(str(path))) == 0
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert len(t.autotune([])) == 0  # an empty list was asked for: nothing to say
+
+
 def test_every_config_failing_says_why():
   lhs, rhs, gs = _inputs()
   ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)

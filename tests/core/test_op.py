@@ -170,6 +170,10 @@ def test_implementation_selection_and_errors():
     np.testing.assert_allclose(stellarax.ragged_dot(lhs, rhs, gs, implementation=impl), ref, rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="no such implementation"):
     stellarax.ragged_dot(lhs, rhs, gs, implementation="cuda_magic")
+  with pytest.raises(ValueError, match=r"implementation=\[\] names no ragged_dot implementation"):
+    stellarax.ragged_dot(lhs, rhs, gs, implementation=[])
+  with pytest.raises(ValueError, match="is not a ragged_dot op"):
+    stellarax.ragged_dot(lhs, rhs, gs, implementation=stellarax.XlaLayerNorm())
 
 
 def _result_with(ba, config):

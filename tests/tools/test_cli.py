@@ -93,3 +93,32 @@ def test_cache_list_counts_stale_entries_and_prune_removes_them(tmp_path, user_c
   with pytest.raises(PermissionError, match="read-only"):
     autotuning.LIBRARY_CACHE.prune()
 
+
+
+def test_bad_input_files_are_error_messages_not_tracebacks(tmp_path, capsys):
+  missing = tmp_path / "missing.json"
+  assert cli.main(["autotune", str(missing)]) == 2
+  assert f"stellarax autotune: error: {missing}" in capsys.readouterr().err
+  garbage = tmp_path / "garbage.json"
+  garbage.write_text("{not json")
+  assert cli.main(["autotune", str(garbage)]) == 2
+  assert "stellarax autotune: error:" in capsys.readouterr().err
+  empty = tmp_path / "empty.json"
+  autotuning.bound_args_to_json([], empty)
+  assert cli.main(["autotune", str(empty)]) == 1
+  assert "holds no op calls; nothing to tune" in capsys.readouterr().err
+  not_a_result = tmp_path / "not_a_result.json"
+  not_a_result.write_text("{}")
+  assert cli.main(["report", str(not_a_result)]) == 2
+  assert "stellarax report: error:" in capsys.readouterr().err
+  assert cli.main(["report", str(missing)]) == 2
+  assert cli.main(["cache", "ship", str(missing), "--root", str(tmp_path / "library")]) == 2
+  assert "stellarax cache: error:" in capsys.readouterr().err
+
+
+def test_demo_command_takes_the_demos_options(capsys):
+  with pytest.raises(SystemExit) as exit_:
+    cli.main(["demo", "--help"])
+  assert exit_.value.code == 0
+  out = capsys.readouterr().out
+  assert "--total-budget-s" in out and "--budget-s" in out and "--no-progress" in out

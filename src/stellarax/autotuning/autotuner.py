@@ -170,7 +170,7 @@ class Autotuner:
     elif isinstance(f, (str, os.PathLike)):
       _no_args(args, kwargs, "bound-argument JSON")
       found = capture.bound_args_from_json(f)
-    elif isinstance(f, Sequence) and all(isinstance(b, BoundArguments) for b in f):
+    elif _is_bound_args(f):
       _no_args(args, kwargs, "a sequence of BoundArguments")
       found = list(f)
     else:
@@ -199,8 +199,14 @@ class Autotuner:
         and carries the other calls in `partial_result`.
       distributed.DistributedTuningError: (an IncompleteTuningError) when
         distributing, if a process stalled or some call failed.
+
+    Warns:
+      NothingToTuneWarning: when a callable, Lowered or JSON holds no op call (the
+        result is then empty); an empty sequence of BoundArguments does not warn.
     """
     calls = self.collect(f, *args, **kwargs)
+    if not calls and not _is_bound_args(f):
+      warnings.warn(_nothing_found(f), NothingToTuneWarning, stacklevel=2)
     from stellarax.autotuning import distributed  # It imports this module.
     # Weighing a callable's calls runs it: not when every call comes from a cache.
     to_tune = any(self._reusable_entry(ba) is None for ba in calls)
@@ -377,6 +383,28 @@ class Autotuner:
     return measure
 
 
+class NothingToTuneWarning(UserWarning):
+  """`autotune` found no stellarax op call in what it was given; its result is empty."""
+
+
+def _is_bound_args(f: Any) -> bool:
+  """Whether `f` is a BoundArguments or a sequence of them (given, not found)."""
+  return isinstance(f, BoundArguments) or (
+      isinstance(f, Sequence) and not isinstance(f, str) and all(isinstance(b, BoundArguments) for b in f))
+
+
+def _nothing_found(f: Any) -> str:
+  """Why an autotune input held no op call, and what to check."""
+  if isinstance(f, (str, os.PathLike)):
+    return ("autotune: the bound-argument JSON holds no op calls, so nothing was tuned and the "
+            "result is empty. Was the profile it came from made of a run that called stellarax "
+            "ops (stellarax.ragged_dot, ...)?")
+  return (f"autotune: found no stellarax op call in {getattr(f, '__name__', type(f).__name__)}, "
+          "so nothing was tuned and the result is empty. Only calls of stellarax's ops are tuned "
+          "(stellarax.ragged_dot, stellarax.dot_product_attention, ...); jax.lax.ragged_dot or "
+          "jax.nn.dot_product_attention called directly are XLA's, not stellarax's.")
+
+
 def autotune(f: Any, *args, **kwargs) -> AutotuningResult:
   """Tunes every stellarax op call in `f` with default options.
 
@@ -394,6 +422,9 @@ def autotune(f: Any, *args, **kwargs) -> AutotuningResult:
   Raises:
     IncompleteTuningError: (a ValueError) when some call could not be tuned, e.g.
       every config of it failed; it says why and carries the tuned calls.
+
+  Warns:
+    NothingToTuneWarning: when `f` holds no op call (see `Autotuner.autotune`).
   """
   return Autotuner().autotune(f, *args, **kwargs)
 

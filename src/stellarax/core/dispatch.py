@@ -73,6 +73,8 @@ def call_family(family: str, preference: Sequence[str], implementation: Any, arg
   Raises:
     NotImplementedError: when no candidate supports the arguments, listing
       each one's reason.
+    ValueError: for an unknown implementation name, an Op of another family, or an
+      empty sequence.
   """
   if implementation is None:
     device = jax.devices()[0]
@@ -84,6 +86,10 @@ def call_family(family: str, preference: Sequence[str], implementation: Any, arg
     ops, explicit = [_as_op(family, implementation)], True
   else:
     ops, explicit = [_as_op(family, i) for i in implementation], True
+    if not ops:
+      raise ValueError(f"implementation={implementation!r} names no {family} implementation; "
+                       "give a name, an Op or a non-empty sequence of those, or None for the "
+                       "best available.")
 
   bound, reasons = [], []
   for op in ops:

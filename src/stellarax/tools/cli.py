@@ -6,7 +6,7 @@
     stellarax cache list | path | prune | clear
     stellarax cache ship RESULT_JSON [--root DIR]   (developers: into the library cache)
     stellarax report RESULT_JSON
-    stellarax demo [--output DIR]
+    stellarax demo [--output DIR] [--budget-s S | --total-budget-s S] [--no-progress]
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from pathlib import Path
 
 def _autotune(args) -> int:
   """Tunes the calls of a bound-arguments file; exits 1 when some could not be tuned
-  (after saving and caching the others, and saying why each failed)."""
+  (after saving and caching the others, and saying why each failed) or the file holds
+  none, 2 when it cannot be read."""
   import stellarax
   try:
     tuner = stellarax.Autotuner(budget_s=args.budget_s, total_budget_s=args.total_budget_s,
@@ -27,6 +28,15 @@ def _autotune(args) -> int:
   except ValueError as exc:  # e.g. both budgets: the message says which to drop
     print(f"stellarax autotune: {exc}", file=sys.stderr)
     return 2
+  try:  # Read first, so that a bad file is an error message, not a traceback.
+    calls = stellarax.autotuning.bound_args_from_json(args.bound_args)
+  except ValueError as exc:
+    print(f"stellarax autotune: error: {exc}", file=sys.stderr)
+    return 2
+  if not calls:
+    print(f"stellarax autotune: {args.bound_args} holds no op calls; nothing to tune.",
+          file=sys.stderr)
+    return 1
   failure = None
   try:
     result = tuner.autotune(args.bound_args)
@@ -105,7 +115,16 @@ def _report(args) -> int:
 
 
 def main(argv=None) -> int:
-  """Runs the command line; returns the exit status."""
+  """Runs the command line.
+
+  Args:
+    argv: the arguments after the program name (None: sys.argv's).
+
+  Returns:
+    The exit status: 0 done, 1 something could not be done (`autotune`: some call
+    could not be tuned, or none was given), 2 bad input (a file that cannot be read or
+    is not in its format, conflicting options).
+  """
   parser = argparse.ArgumentParser(prog="stellarax", description="stellarax kernels and autotuning")
   sub = parser.add_subparsers(dest="command", required=True)
 
@@ -139,12 +158,20 @@ def main(argv=None) -> int:
   p.add_argument("result")
   p.set_defaults(run=_report)
 
+  from stellarax.tools import demo
   p = sub.add_parser("demo", help="autotune the demo model on this machine")
-  p.add_argument("--output", default="demo_out")
-  p.set_defaults(run=lambda a: __import__("stellarax.tools.demo", fromlist=["main"]).main(["--output", a.output]))
+  demo.add_arguments(p)
+  p.set_defaults(run=demo.run)
 
   args = parser.parse_args(argv)
-  return args.run(args)
+  from stellarax.autotuning.file_format import FormatError
+  try:
+    return args.run(args)
+  except (OSError, FormatError) as exc:  # a file to read or write: say which, no traceback
+    what = (f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) and exc.filename
+            else str(exc))
+    print(f"stellarax {args.command}: error: {what}", file=sys.stderr)
+    return 2
 
 
 def _xplane(args) -> int:

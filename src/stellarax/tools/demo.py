@@ -60,16 +60,32 @@ def loss(params, x):
   return jnp.mean(block(params, x) ** 2)
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  """The demo's options, on its own parser or on `stellarax demo`'s."""
   parser.add_argument("--output", default="demo_out", help="folder for the result JSON")
   parser.add_argument("--budget-s", type=float, default=20.0, help="tuning budget per op call")
   parser.add_argument("--total-budget-s", type=float, default=None,
                       help="one budget for all calls instead, shared by their device time in a"
                            " profile of the step (Autotuner.total_budget_s)")
   parser.add_argument("--no-progress", action="store_true")
-  args = parser.parse_args(argv)
 
+
+def main(argv=None) -> int:
+  """Runs the demo (`python -m stellarax.tools.demo --help` lists its options).
+
+  Args:
+    argv: command-line arguments (None: sys.argv's).
+
+  Returns:
+    0 (the exit status).
+  """
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  add_arguments(parser)
+  return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+  """Runs the demo with parsed options (see `add_arguments`); returns 0."""
   params = init_params(jax.random.key(0), **CONFIG)
   x = jax.random.normal(jax.random.key(1), (CONFIG["batch"], CONFIG["seq"], CONFIG["heads"] * CONFIG["head_dim"]))
   step = jax.value_and_grad(loss)
