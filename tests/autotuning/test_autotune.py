@@ -186,6 +186,11 @@ def test_merge_keeps_the_faster_and_refuses_other_devices(grad_result):
   other = autotuning.AutotuningResult(grad_result.device_kind, {slower.key: slower})
   assert (other | grad_result).entry(entry.bound_args) == entry
   assert (grad_result | other).entry(entry.bound_args) == entry
+  assert entry.bound_args in other and entry.bound_args.with_config(entry.best_config) in other
+  assert slower in other and entry not in other and entry in grad_result
+  assert stellarax.XlaRaggedDot.bind(jnp.ones((7, 16)), jnp.ones((2, 16, 8)),
+                                     jnp.array([3, 4], jnp.int32)) not in other
+  assert "not an entry" not in other
   with pytest.raises(ValueError, match="different devices"):
     grad_result | autotuning.AutotuningResult("NVIDIA H200")
 
@@ -227,6 +232,12 @@ def test_an_input_without_op_calls_warns_and_gives_an_empty_result(tmp_path):
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     assert len(t.autotune([])) == 0  # an empty list was asked for: nothing to say
+
+
+def test_autotune_inside_a_transformation_says_to_call_it_outside():
+  f = lambda y: stellarax.rms_norm(y, None)
+  with pytest.raises(TypeError, match=r"traced values \(float32\[4,8\]\).*outside the transformation"):
+    jax.jit(lambda x: len(tuner().autotune(f, x)))(jnp.ones((4, 8)))
 
 
 def test_every_config_failing_says_why():

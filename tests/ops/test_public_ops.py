@@ -22,6 +22,31 @@ def test_ragged_dot_matches_lax_with_empty_groups_and_short_sums(sizes):
                              rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("m, k, n", [(0, 64, 128), (48, 0, 128), (48, 64, 0)])
+def test_ragged_dot_with_an_empty_dimension_is_lax_s_zeros_in_every_implementation(m, k, n):
+  keys = _keys(3)
+  # bfloat16: the Mosaic GPU kernel takes no float32.
+  lhs = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+  rhs = jax.random.normal(keys[1], (4, k, n), jnp.bfloat16)
+  gs = jnp.asarray([m // 4, 0, m // 2, m // 8], jnp.int32)
+  dout = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
+  expected, pullback = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, gs), lhs, rhs)
+  for impl in ("xla", stellarax.PallasTritonRaggedDot(interpret=True),
+               stellarax.PallasMosaicGpuRaggedDot(interpret=True)):
+    out, ours = jax.vjp(lambda a, b: stellarax.ragged_dot(a, b, gs, implementation=impl), lhs, rhs)
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    np.testing.assert_array_equal(out.astype(jnp.float32), expected.astype(jnp.float32))
+    for got, want in zip(ours(dout), pullback(dout)):
+      assert got.shape == want.shape
+      np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32), atol=1e-2)
+    # Under jit and vmap too; no op call is left in the program to tune.
+    batched = jax.jit(jax.vmap(lambda a: stellarax.ragged_dot(a, rhs, gs, implementation=impl)))
+    assert batched(jnp.stack([lhs, lhs])).shape == (2, m, n)
+  assert stellarax.autotuning.get_bound_args(lambda a: stellarax.ragged_dot(a, rhs, gs), lhs) == []
+  bound = stellarax.PallasTritonRaggedDot.bind(lhs, rhs, gs)  # its tile heuristic needs sizes > 0
+  assert len(stellarax.Autotuner(budget_s=1, progress=False).autotune([bound])) == 0
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(is_causal=True),
     dict(local_window_size=(3, 1)),
@@ -68,6 +93,11 @@ def test_layer_and_rms_norm_and_their_gradients():
                 argnums=(0, 1))(x, scale)
   for a, b in zip(g, gr):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(stellarax.rms_norm(x, None, epsilon=0),
+                             x / jnp.sqrt((x * x).mean(-1, keepdims=True)), rtol=1e-5, atol=1e-5)
+  for bad in (-1e-6, float("nan")):
+    with pytest.raises(ValueError, match="epsilon=.* must be >= 0"):
+      stellarax.layer_norm(x, scale, offset, epsilon=bad)
 
 
 def test_gated_linear_unit_and_named_activations():

@@ -175,7 +175,8 @@ class Autotuner:
       found = list(f)
     else:
       found = capture.get_bound_args(f, *args, **kwargs)
-    found = [ba.with_config(None) for ba in found]
+    # A call whose output is zeros whatever its inputs runs no kernel: nothing to tune.
+    found = [ba.with_config(None) for ba in found if not ba.op._is_trivial(ba.arguments)]
     if self.implementations == "all":
       found = found + [alt for ba in found for alt in _alternatives(ba)]
     return capture.unique(found)
@@ -199,11 +200,13 @@ class Autotuner:
         and carries the other calls in `partial_result`.
       distributed.DistributedTuningError: (an IncompleteTuningError) when
         distributing, if a process stalled or some call failed.
+      TypeError: for traced arguments (autotune called inside jit, vmap, grad).
 
     Warns:
       NothingToTuneWarning: when a callable, Lowered or JSON holds no op call (the
         result is then empty); an empty sequence of BoundArguments does not warn.
     """
+    _check_not_traced(args, kwargs)
     calls = self.collect(f, *args, **kwargs)
     if not calls and not _is_bound_args(f):
       warnings.warn(_nothing_found(f), NothingToTuneWarning, stacklevel=2)
@@ -385,6 +388,16 @@ class Autotuner:
 
 class NothingToTuneWarning(UserWarning):
   """`autotune` found no stellarax op call in what it was given; its result is empty."""
+
+
+def _check_not_traced(args: tuple, kwargs: Mapping[str, Any]) -> None:
+  """Tuning compiles and runs programs: it cannot happen inside a jax transformation."""
+  traced = [x for x in jax.tree.leaves((args, kwargs)) if isinstance(x, jax.core.Tracer)]
+  if traced:
+    raise TypeError(f"autotune was given traced values ({traced[0].aval.str_short()}): it was "
+                    "called inside jax.jit, vmap, grad or another transformation. Tuning compiles "
+                    "and times programs of its own; call autotune outside the transformation, "
+                    "with concrete arrays or jax.ShapeDtypeStruct.")
 
 
 def _is_bound_args(f: Any) -> bool:

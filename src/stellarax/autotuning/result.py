@@ -113,7 +113,8 @@ class AutotuningResult:
 
   Use it as a context manager (`with result: f(x)`), save it (`dump`,
   `dumps`), load it (`load`, `loads`), merge results (`a | b`), and read it
-  (`len`, iteration over entries, `best_config(ba)`, `summary()`).
+  (`len`, iteration over entries, `ba in result`, `entry(ba)`, `best_config(ba)`,
+  `summary()`).
   """
 
   def __init__(self, device_kind: str, entries: Mapping[tuple[str, str], Entry] | None = None,
@@ -147,6 +148,13 @@ class AutotuningResult:
 
   def __iter__(self) -> Iterator[Entry]:
     return iter(self._entries.values())
+
+  def __contains__(self, item: object) -> bool:
+    """`ba in result`: whether the call was tuned here (its config need not be pinned);
+    `entry in result`: whether this very entry is here."""
+    if isinstance(item, BoundArguments):
+      return self.entry(item) is not None
+    return isinstance(item, Entry) and self._entries.get(item.key) == item
 
   def __eq__(self, other: object) -> bool:
     return (isinstance(other, AutotuningResult) and self.device_kind == other.device_kind

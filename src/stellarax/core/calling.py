@@ -95,6 +95,8 @@ def call_op(op, values: dict[str, Any]) -> Any:
     The op's output (forward ops: without residuals).
   """
   arrays, rebuild = _split(values)
+  if op.fwd_cls is None and op._is_trivial(values):
+    return _zeros_of_reference(op, arrays, rebuild)
   ba = BoundArguments.from_values(op, values)
   if not trace_keys.building() and not any(isinstance(x, jax.core.Tracer) for x in arrays):
     # Called eagerly: the pieces below (custom_vjp, custom_vmap, the marker) are
@@ -130,6 +132,14 @@ def call_op(op, values: dict[str, Any]) -> Any:
 
   primal.defvjp(primal_fwd, primal_bwd)
   return primal(*arrays)
+
+
+def _zeros_of_reference(op, arrays: list[Any], rebuild: Callable[[list[Any]], dict[str, Any]]) -> Any:
+  """Zeros shaped like the op's reference output for these arguments (`Op._is_trivial`);
+  they depend on no input, so their gradients are zeros too."""
+  avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays]
+  shapes = jax.eval_shape(lambda *a: op._reference(**rebuild(list(a))), *avals)
+  return jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes)
 
 
 @functools.lru_cache(maxsize=256)

@@ -102,6 +102,15 @@ class Op(abc.ABC):
     """
     return arguments
 
+  def _is_trivial(self, arguments: dict[str, Any]) -> bool:
+    """Whether a call's output is zeros whatever its inputs (a matmul with an empty
+    dimension): such a call of a forward op returns zeros of its reference's output
+    shapes and dtypes, with no kernel, config, marker or tuning, so that no kernel
+    or tile heuristic has to handle sizes of zero. `arguments` are arrays or
+    ArraySpecs: read shapes, dtypes and static options only."""
+    del arguments
+    return False
+
   @abc.abstractmethod
   def _get_heuristics_config(self, ba: Any) -> Any:
     """Returns the config to use when nothing was measured."""

@@ -46,6 +46,9 @@ class LayerNorm(Op):
         raise ValueError(f"{name}.shape={tuple(p.shape)} must be x's sizes along axis={axes}: {expected}.")
     arguments["axis"] = axes[0] if len(axes) == 1 else axes
     arguments["epsilon"] = float(arguments["epsilon"])
+    if not arguments["epsilon"] >= 0:  # NaN fails too
+      raise ValueError(f"epsilon={arguments['epsilon']} must be >= 0: it is added to the variance"
+                       " (or mean square) before the square root; typical values are 1e-6 to 1e-5.")
     arguments["subtract_mean"] = bool(arguments["subtract_mean"])
     return arguments
 

@@ -48,6 +48,11 @@ class RaggedDot(Op):
         arguments["preferred_element_type"], what="preferred_element_type")
     return arguments
 
+  def _is_trivial(self, arguments):
+    # M, K or N of zero: an empty output, or (K = 0) an empty sum; zeros either way.
+    (m, k), n = arguments["lhs"].shape, arguments["rhs"].shape[2]
+    return 0 in (m, k, n)
+
   def _example_value(self, name, spec, key, arguments):
     if name == "group_sizes":
       return example_group_sizes(key, arguments["lhs"].shape[0], spec.shape[0])
