@@ -118,6 +118,9 @@ _CASES = {
     "3x5x96-bf16": ((3, 5, 96), -1, jnp.bfloat16, {}),
     "64x512-f32-exact": ((64, 512), -1, jnp.float32, dict(block_rows=8, blocks_per_program=2)),
     "5x96x3-f32-axis1": ((5, 96, 3), 1, jnp.float32, {}),
+    # Rows shorter than the shortest chunk (MIN_BLOCK_COLS): masked within one.
+    "7x3-f32-short": ((7, 3), -1, jnp.float32, {}),
+    "5x1-bf16-one-column": ((5, 1), -1, jnp.bfloat16, {}),
 }
 
 
@@ -220,7 +223,7 @@ def test_no_rows_gives_empty_outputs_and_zero_grads():
 # ---------------------------------------------------------------------------
 
 SPACE_SHAPES = [(8192, 8192), (37, 200), (3, 5), (4096, 1024), (100_000, 128), (16, 65_536),
-                (1, 40_000)]
+                (1, 40_000), (9, 1)]
 
 
 @pytest.mark.parametrize("backward", [False, True])
@@ -232,9 +235,11 @@ def test_space_is_valid_and_holds_the_heuristic(rows, cols, dtype, backward):
   assert heuristic in space
   assert 1 <= len(space) <= 30
   assert len({tuple(sorted(c.items())) for c in space}) == len(space)
+  config_cls = pt.PallasTritonLayerNormVjpConfig if backward else pt.PallasTritonLayerNormConfig
   for config in space:
     assert ("blocks_per_program" in config) == backward
     pt.check_tunables(rows, cols, **config)
+    config_cls(**config)  # what the op resolves must be a valid config too
 
 
 @pytest.mark.parametrize("backward", [False, True])

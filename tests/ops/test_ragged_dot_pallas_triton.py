@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
+import stellarax
 from stellarax.ops.ragged_dot import pallas_triton as pt
 from stellarax.ops.ragged_dot import split_k as splits
 from stellarax.ops.ragged_dot.reference import ragged_dot_reference, ragged_dot_rhs_grad_reference
@@ -325,6 +326,16 @@ def test_arrays_beyond_int32_addressing_are_rejected():
   with pytest.raises(ValueError, match=r"rhs.shape=\(64, 4096, 8192\) has too many elements"):
     jax.eval_shape(lambda a, b, c: pt.ragged_dot_pallas_triton(a, b, c, **tunables),
                    lhs, rhs, sizes)
+  # The op does not take such a call, so dispatch goes on to the next implementation.
+  with pytest.raises(NotImplementedError, match="too many elements"):
+    pt.PallasTritonRaggedDot.bind(lhs, rhs, sizes)
+  with pytest.raises(NotImplementedError, match="too many elements"):
+    pt.PallasTritonRaggedDotVjp.bind(residuals=None, out=jax.ShapeDtypeStruct((8, 8192), jnp.bfloat16),
+                                     dout=jax.ShapeDtypeStruct((8, 8192), jnp.bfloat16), lhs=lhs,
+                                     rhs=rhs, group_sizes=sizes)
+  out = jax.eval_shape(lambda a, b, c: stellarax.ragged_dot(
+      a, b, c, implementation=[pt.PallasTritonRaggedDot(interpret=True), "xla"]), lhs, rhs, sizes)
+  assert out.shape == (8, 8192)
 
 
 # ---------------------------------------------------------------------- tunables

@@ -26,8 +26,8 @@ store per tile, with a CTA barrier between tiles); still deterministic.
 
 Tunables (keyword-only in every wrapper; None picks the heuristic value):
   block_rows: rows per tile, a power of two.
-  block_cols: columns per chunk, a power of two <= next_power_of_2(cols) and
-    <= MAX_BLOCK_COLS.
+  block_cols: columns per chunk, a power of two from MIN_BLOCK_COLS to
+    max(MIN_BLOCK_COLS, next_power_of_2(cols)), and <= MAX_BLOCK_COLS.
   num_warps, num_stages: Triton compiler parameters.
   blocks_per_program (backward only): row tiles per program.
 """
@@ -48,6 +48,9 @@ from stellarax.core.config import check_choice, check_positive_int
 
 MAX_BLOCK_COLS = 16384
 """The longest chunk of a row; longer rows are read in several chunks."""
+
+MIN_BLOCK_COLS = 16
+"""The shortest chunk (the configs' floor); shorter rows are masked within one."""
 
 MAX_TILE_ELEMENTS = 32768
 """The largest tile (block_rows * block_cols); larger tiles exhaust registers."""
@@ -115,12 +118,12 @@ def check_tunables(
     raise ValueError(
         f"block_rows={block_rows!r} must be a power of two <= {max_rows} "
         f"(next_power_of_2({rows=})); a larger tile would only hold padding.")
-  max_cols = min(_next_power_of_2(cols), MAX_BLOCK_COLS)
+  max_cols = min(_padded_cols(cols), MAX_BLOCK_COLS)
   if not _is_power_of_2_at_most(block_cols, max_cols):
     raise ValueError(
         f"block_cols={block_cols!r} must be a power of two <= {max_cols} "
-        f"(min(next_power_of_2({cols=}), {MAX_BLOCK_COLS})); pass {max_cols} to "
-        "read a row in as few chunks as possible.")
+        f"(min(max({MIN_BLOCK_COLS}, next_power_of_2({cols=})), {MAX_BLOCK_COLS})); pass "
+        f"{max_cols} to read a row in as few chunks as possible.")
   if block_rows * block_cols > MAX_TILE_ELEMENTS:
     raise ValueError(
         f"block_rows * block_cols = {block_rows} * {block_cols} exceeds "
@@ -143,8 +146,13 @@ def check_tunables(
 # ---------------------------------------------------------------------------
 
 
+def _padded_cols(cols: int) -> int:
+  """A row's length in lanes as one chunk: a power of two, at least MIN_BLOCK_COLS."""
+  return max(MIN_BLOCK_COLS, _next_power_of_2(cols))
+
+
 def _heuristic_block_cols(cols: int, itemsize: int) -> int:
-  cols_p2 = _next_power_of_2(cols)
+  cols_p2 = _padded_cols(cols)
   if cols_p2 <= MAX_BLOCK_COLS:
     return cols_p2
   return _TILE_BYTES // itemsize
@@ -220,7 +228,7 @@ def _space_axes(rows: int, cols: int, *, backward: bool):
   programs is the number of backward programs aimed at (None for the forward),
   turned into blocks_per_program per block_rows.
   """
-  cols_p2 = _next_power_of_2(cols)
+  cols_p2 = _padded_cols(cols)
   if cols_p2 <= MAX_BLOCK_COLS:
     # A row is one chunk: vary the rows per tile. The forward has no loop, so
     # num_stages does not matter there.
@@ -810,7 +818,7 @@ class PallasTritonLayerNormConfig:
 
   def __post_init__(self):
     check_power_of_two("block_rows", self.block_rows)
-    check_power_of_two("block_cols", self.block_cols, minimum=16)
+    check_power_of_two("block_cols", self.block_cols, minimum=MIN_BLOCK_COLS)
     check_power_of_two("num_warps", self.num_warps, maximum=32)
     if not 1 <= self.num_stages <= MAX_NUM_STAGES:
       raise ValueError(f"num_stages={self.num_stages!r} must be in [1, {MAX_NUM_STAGES}].")

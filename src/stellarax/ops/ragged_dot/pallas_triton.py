@@ -143,8 +143,8 @@ def _check_same_dtype(a_name: str, a: jax.Array, b_name: str, b: jax.Array) -> N
         f"needs one element type. Cast {b_name} to {a.dtype} (or both to a common dtype).")
 
 
-def _check_int32_addressing(**shapes: tuple[int, ...]) -> None:
-  """Refuses arrays whose element offsets would overflow Pallas Triton's int32 indexing.
+def _int32_overflow(**shapes: tuple[int, ...]) -> str | None:
+  """Why some array's element offsets would overflow Pallas Triton's int32 indexing, or None.
 
   Masked edge tiles reach up to MAX_BLOCK rows and columns past an array, so the
   bound leaves that much room.
@@ -152,10 +152,17 @@ def _check_int32_addressing(**shapes: tuple[int, ...]) -> None:
   for name, shape in shapes.items():
     reach = math.prod(shape) + (MAX_BLOCK + 1) * (shape[-1] + MAX_BLOCK)
     if reach >= 2**31:
-      raise ValueError(
-          f"{name}.shape={shape} has too many elements for the Triton kernels, which "
-          f"address elements with int32 offsets (limit about 2**31 = {2**31}). Split "
-          "the call, e.g. over groups or rows.")
+      return (f"{name}.shape={shape} has too many elements for the Triton kernels, which "
+              f"address elements with int32 offsets (limit about 2**31 = {2**31}). Split "
+              "the call, e.g. over groups or rows.")
+  return None
+
+
+def _check_int32_addressing(**shapes: tuple[int, ...]) -> None:
+  """Raises ValueError for arrays the kernels cannot index (`_int32_overflow`)."""
+  why = _int32_overflow(**shapes)
+  if why:
+    raise ValueError(why)
 
 
 def _out_dtype(preferred_element_type: Any, like: jax.Array) -> jnp.dtype:
@@ -813,6 +820,11 @@ def _check_supported(arguments):
   if len(dtypes) != 1 or not dtypes <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)}:
     raise NotImplementedError(f"lhs and rhs dtypes {sorted(map(str, dtypes))}: the kernel needs one of "
                               "bfloat16, float16, float32 for both.")
+  # Too large to index: not this kernel's input, so dispatch goes on to the next one.
+  (m, k), n = arguments["lhs"].shape, arguments["rhs"].shape[2]
+  why = _int32_overflow(lhs=(m, k), rhs=tuple(arguments["rhs"].shape), out=(m, n))
+  if why:
+    raise NotImplementedError(why)
 
 
 class PallasTritonRaggedDotVjp(pallas_common.PallasTritonOp, _base.RaggedDotVjp, name="ragged_dot.pallas_triton_vjp"):
