@@ -207,6 +207,12 @@ def test_autotune_accepts_bound_args_sequences_json_and_lowered(tmp_path):
   assert {e.bound_args for e in t.autotune(jax.jit(model).lower(lhs, rhs, gs))} == {ba}
   with pytest.raises(TypeError, match="Autotuner"):
     t.autotune([ba], 1)
+  with pytest.raises(TypeError, match=r"got one: pass \[ba\]"):
+    autotuning.bound_args_to_json(ba)
+  with pytest.raises(TypeError, match="item 1 is a str"):
+    autotuning.bound_args_to_json([ba, "ragged_dot"])
+  with pytest.raises(TypeError, match="explain takes a BoundArguments"):
+    autotuning.explain("ragged_dot.xla")
 
 
 def test_autotune_passes_keyword_arguments_to_f():

@@ -92,6 +92,30 @@ def test_kept_puts_back_the_calls_that_do_not_help(monkeypatch, without_ms, tune
   assert ("its config is the culprit" in check.lines()[1]) is (tuned_status != "ok")
 
 
+@pytest.mark.parametrize("tuned_ms, says", [
+    (1.0, "program: 2.000 ms with heuristics -> 1.000 ms tuned (2.00x);"),
+    (1.99, "program: 2.000 ms with heuristics -> 1.990 ms tuned (1.01x, within noise);"),
+    (0.0005, "program: 2.000 ms with heuristics -> 0.5 us tuned (4000.00x);"),
+])
+def test_the_program_line_says_whether_the_gain_is_beyond_noise(monkeypatch, tuned_ms, says):
+  result, _ = _result_with_other_config()
+  monkeypatch.setattr(in_program.measure_lib, "measure_candidates", lambda programs, *a, **k: {
+      "heuristics": _ok(2.0), "tuned": _ok(tuned_ms), 0: _ok(2.0)})
+  check = autotuning.check_in_program(result, program, *_inputs())
+  assert check.faster_beyond_noise is (tuned_ms < 1.99)
+  assert check.lines()[0].startswith(says), check.lines()
+  gain = {1.0: "1.000 ms", 1.99: "10.0 us", 0.0005: "2.000 ms"}[tuned_ms]
+  assert check.lines()[1].endswith(f"without it 2.000 ms, its gain +{gain}; "
+                                   + ("helps" if tuned_ms < 1.99 else "not faster beyond noise: kept() keeps the heuristic"))
+
+
+def test_a_result_that_changes_no_config_reports_no_ratio(monkeypatch):
+  monkeypatch.setattr(in_program.measure_lib, "measure_candidates", lambda programs, *a, **k: {
+      "heuristics": _ok(2.0), "tuned": _ok(1.8)})
+  check = autotuning.check_in_program(autotuning.AutotuningResult("cpu"), program, *_inputs())
+  assert check.calls == () and "(the same configs: no call's tuned config" in check.lines()[0]
+
+
 def test_a_program_without_ops_is_refused():
   with pytest.raises(ValueError, match="calls no stellarax op"):
     autotuning.check_in_program(autotuning.AutotuningResult("cpu"), lambda x: x * 2, jnp.ones(3))

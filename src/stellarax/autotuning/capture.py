@@ -64,9 +64,24 @@ def get_bound_args(f: Callable[..., Any] | jax.stages.Lowered, *args, **kwargs) 
 def bound_args_to_json(bound_args: Iterable[BoundArguments], path: str | os.PathLike | None = None) -> str:
   """Serialises bound arguments (a JSON list); writes it to `path` if given.
 
+  Args:
+    bound_args: BoundArguments (e.g. from `get_bound_args` or `SomeOp.bind`).
+    path: a file to write the text to, or None.
+
   Returns:
     The JSON text.
+
+  Raises:
+    TypeError: for an item that is not a BoundArguments (a single BoundArguments
+      must be given in a list).
   """
+  if isinstance(bound_args, BoundArguments):
+    raise TypeError("bound_args_to_json takes a sequence of BoundArguments; got one: pass [ba].")
+  bound_args = list(bound_args)
+  for i, ba in enumerate(bound_args):
+    if not isinstance(ba, BoundArguments):
+      raise TypeError(f"bound_args_to_json: item {i} is a {type(ba).__name__} ({ba!r:.80}), not a "
+                      "BoundArguments (from get_bound_args or SomeOp.bind).")
   text = json.dumps([ba.to_json() for ba in bound_args], indent=1, sort_keys=True) + "\n"
   if path is not None:
     Path(path).write_text(text, encoding="utf-8")

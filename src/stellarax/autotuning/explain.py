@@ -66,7 +66,13 @@ def explain(bound_args: BoundArguments) -> Explanation:
     An `Explanation` (printable); on a miss it names the nearest tuned call
     of the same op and how its key differs; for a transferred config, the
     call it came from and the confidence.
+
+  Raises:
+    TypeError: if `bound_args` is not a BoundArguments.
   """
+  if not isinstance(bound_args, BoundArguments):
+    raise TypeError(f"explain takes a BoundArguments (from SomeOp.bind(...) or get_bound_args), "
+                    f"got {type(bound_args).__name__}: {bound_args!r:.80}.")
   resolved = resolution.resolve_config(bound_args)
   if isinstance(resolved, TransferResolution):
     diffs = _diff(bound_args.autotuning_cache_key, resolved.neighbour.autotuning_cache_key)

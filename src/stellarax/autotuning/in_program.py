@@ -46,7 +46,7 @@ import jax
 from stellarax.autotuning import capture
 from stellarax.autotuning import measure as measure_lib
 from stellarax.autotuning import profile as profile_lib
-from stellarax.autotuning.result import AutotuningResult, Entry
+from stellarax.autotuning.result import AutotuningResult, Entry, format_time
 from stellarax.core.bound_args import BoundArguments
 
 _HEURISTICS = "heuristics"
@@ -128,6 +128,15 @@ class ProgramCheck:
       return None
     return self.heuristics.median_s / self.tuned.median_s
 
+  @property
+  def faster_beyond_noise(self) -> bool:
+    """Whether the tuned program is faster than the heuristic one beyond noise (the
+    rule that picks configs, `measure.pick_best`, with the heuristic program preferred)."""
+    if not (self.heuristics.ok and self.tuned.ok):
+      return False
+    both = {_HEURISTICS: self.heuristics, _TUNED: self.tuned}
+    return measure_lib.pick_best(both, prefer=_HEURISTICS, order=[_HEURISTICS, _TUNED]) == _TUNED
+
   def kept(self) -> AutotuningResult:
     """The result with each call that did not help put back to its heuristic config
     (its measurements kept, its method saying why); calls that helped, and entries of
@@ -142,14 +151,21 @@ class ProgramCheck:
 
   def lines(self) -> list[str]:
     """A short report: the program both ways, then each tuned call left out."""
-    ms = lambda m: f"{m.median_s * 1e3:.3f} ms" if m.ok else f"{m.status} ({m.error})"
-    speedup = f" ({self.speedup:.2f}x)" if self.speedup else ""
+    ms = lambda m: format_time(m.median_s) if m.ok else f"{m.status} ({m.error})"
+    if not self.calls:  # both programs ran the same configs: any ratio is noise
+      speedup = " (the same configs: no call's tuned config differs from its heuristic)"
+    elif self.speedup:
+      noise = "" if self.faster_beyond_noise else ", within noise"
+      speedup = f" ({self.speedup:.2f}x{noise})"
+    else:
+      speedup = ""
     out = [f"program: {ms(self.heuristics)} with heuristics -> {ms(self.tuned)} tuned{speedup};"
            f" {len(self.calls)} of {self.num_calls} op calls have a tuned config"]
     for call in self.calls:
       gain = ""
       if call.without.ok and self.tuned.ok:
-        gain = f", its gain {(call.without.median_s - self.tuned.median_s) * 1e3:+.3f} ms"
+        gain = call.without.median_s - self.tuned.median_s
+        gain = f", its gain {'-' if gain < 0 else '+'}{format_time(abs(gain))}"
       if call.helps:
         verdict = "helps"
       elif not self.tuned.ok and call.without.ok:
@@ -161,7 +177,7 @@ class ProgramCheck:
     if self.call_times:
       out.append(f"each call's own device time per run of the program (profiled,"
                  f" {_PROFILED_RUNS} runs):")
-    at = lambda s: "-" if s is None else f"{s * 1e3:.3f} ms"
+    at = format_time
     for t in self.call_times:
       ratios = [f"{t.speedup:.2f}x"] if t.speedup else []
       ratios.append(f"on its own {t.alone:.2f}x" if t.alone else "not timed on its own")

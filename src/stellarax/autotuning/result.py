@@ -190,8 +190,8 @@ class AutotuningResult:
       best, heur = e.best_time, e.heuristic_time
       speedup = f"{heur / best:.2f}x" if best and heur else "-"
       rows.append((e.bound_args.op.name, _short_args(e.bound_args), _short_config(e.best_config),
-                   _fmt_time(best), _fmt_time(heur), speedup, str(len(e.measurements)), str(e.num_failed))
-                  + ((_fmt_time(e.profiled_time_of(e.best_config)),) if profiled else ()))
+                   format_time(best), format_time(heur), speedup, str(len(e.measurements)), str(e.num_failed))
+                  + ((format_time(e.profiled_time_of(e.best_config)),) if profiled else ()))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -303,7 +303,8 @@ def _faster(a: Entry, b: Entry) -> bool:
   return tb is None or ta < tb
 
 
-def _fmt_time(t: float | None) -> str:
+def format_time(t: float | None) -> str:
+  """Seconds as "1.234 ms" (from a millisecond up) or "12.3 us"; None as "-"."""
   if t is None:
     return "-"
   if t >= 1e-3:
