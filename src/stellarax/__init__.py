@@ -11,6 +11,7 @@ from stellarax.autotuning import AutotuningResult as AutotuningResult
 from stellarax.autotuning import Autotuner as Autotuner
 from stellarax.autotuning import autotune as autotune
 from stellarax.core.bound_args import BoundArguments as BoundArguments
+from stellarax.core.calling import BackwardFallbackWarning as BackwardFallbackWarning
 from stellarax.core.op import Op as Op
 from stellarax.ops.attention.api import dot_product_attention as dot_product_attention
 from stellarax.ops.attention.base import XlaAttention as XlaAttention

@@ -386,6 +386,23 @@ def test_op_forward_and_gradients_match_lax_ragged_dot():
   _assert_close(drhs, expected_drhs, jnp.bfloat16)
 
 
+def test_a_backward_the_kernel_does_not_take_comes_from_xla_with_a_warning():
+  # K=64: the forward kernel takes it, the backward's (K a multiple of 128) does not.
+  keys = jax.random.split(jax.random.key(3), 3)
+  lhs = jax.random.normal(keys[0], (96, 64), jnp.bfloat16)
+  rhs = jax.random.normal(keys[1], (3, 64, 64), jnp.bfloat16)
+  sizes = jnp.array([40, 0, 50], jnp.int32)
+  dout = jax.random.normal(keys[2], (96, 64), jnp.bfloat16)
+  op = pm.PallasMosaicGpuRaggedDot(interpret=True)
+  with pytest.warns(stellarax.BackwardFallbackWarning, match="K a multiple of 128.*ragged_dot.xla_vjp"):
+    _, pullback = jax.vjp(lambda l, r: stellarax.ragged_dot(l, r, sizes, implementation=op), lhs, rhs)
+    dlhs, drhs = pullback(dout)
+  _, expected = jax.vjp(lambda l, r: stellarax.ragged_dot(l, r, sizes, implementation="xla"), lhs, rhs)
+  expected_dlhs, expected_drhs = expected(dout)
+  _assert_close(dlhs, expected_dlhs, jnp.bfloat16)
+  _assert_close(drhs, expected_drhs, jnp.bfloat16)
+
+
 # ---------------------------------------------------------- race-freedom invariants
 
 

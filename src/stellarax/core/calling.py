@@ -16,12 +16,14 @@ and runs the implementation under `jax.vmap`. The marker is attached with
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
 from stellarax.core import markers
+from stellarax.core import registry
 from stellarax.core import specs
 from stellarax.core import trace_keys
 from stellarax.core.bound_args import BoundArguments
@@ -127,11 +129,36 @@ def call_op(op, values: dict[str, Any]) -> Any:
 
   def primal_bwd(saved, dout):
     arrs, out, residuals = saved
-    grads = op.vjp_op()(residuals=residuals, out=out, dout=dout, **rebuild(arrs))
+    grads = _backward(op, dict(residuals=residuals, out=out, dout=dout, **rebuild(arrs)))
     return _grads_for_leaves(values, grads)
 
   primal.defvjp(primal_fwd, primal_bwd)
   return primal(*arrays)
+
+
+class BackwardFallbackWarning(UserWarning):
+  """A call's backward kernel does not take a call its forward kernel took; the op
+  family's XLA backward computes the gradients instead."""
+
+
+def _backward(op, arguments: dict[str, Any]) -> dict[str, Any]:
+  """The gradients from `op`'s VJP op; where that refuses a call the forward took (a
+  backward kernel with narrower limits, e.g. Mosaic GPU ragged_dot's K), from the
+  family's XLA VJP op (`<family>.xla_vjp`, which needs no residuals), with a warning."""
+  vjp = op.vjp_op()
+  try:
+    values = vjp._bind_values(**arguments)
+  except NotImplementedError as exc:
+    family = op.name.partition(".")[0]
+    fallback_name = f"{family}.xla_vjp"
+    if fallback_name == vjp.name or fallback_name not in registry.names(family):
+      raise
+    warnings.warn(f"{vjp.name} does not take this call ({str(exc).rstrip('.')}); its gradients come from "
+                  f"{fallback_name} instead. For one implementation in both passes, choose a "
+                  "forward whose backward takes the call.", BackwardFallbackWarning, stacklevel=2)
+    vjp = registry.lookup(fallback_name)()
+    values = vjp._bind_values(**arguments)
+  return call_op(vjp, values)
 
 
 def _zeros_of_reference(op, arrays: list[Any], rebuild: Callable[[list[Any]], dict[str, Any]]) -> Any:
