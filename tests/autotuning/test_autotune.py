@@ -96,6 +96,38 @@ def test_corrupt_files_name_themselves(tmp_path, grad_result):
     stellarax.AutotuningResult.load(bad)
 
 
+def test_an_unreadable_user_cache_costs_a_warning_not_the_program(user_cache_dir):
+  lhs, rhs, gs = _inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  path = cache_lib.USER_CACHE.path_for(cache_lib.current_device_kind(), ba.op.name)
+  path.parent.mkdir(parents=True)
+  path.write_text("{not json")
+  expected = (jax.lax.ragged_dot(lhs, rhs, gs) ** 2).sum()
+  with pytest.warns(autotuning.CacheWarning, match="not valid JSON.*passes over it"):
+    np.testing.assert_allclose(model(lhs, rhs, gs), expected, rtol=1e-5)
+  with warnings.catch_warnings():  # once per version of the file
+    warnings.simplefilter("error")
+    assert autotuning.explain(ba).source == "heuristics"
+  # Tuning into the cache keeps the unreadable file aside and writes a good one.
+  with pytest.warns(autotuning.CacheWarning, match="moved to .*json.unreadable"):
+    result = tuner(cache=True).autotune([ba])
+  assert path.with_suffix(".json.unreadable").read_text() == "{not json"
+  assert stellarax.AutotuningResult.load(path) == result
+
+
+def test_a_user_cache_that_cannot_be_written_keeps_the_result(tmp_path, monkeypatch):
+  not_a_folder = tmp_path / "file"
+  not_a_folder.write_text("")
+  monkeypatch.setenv("STELLARAX_CACHE_DIR", str(not_a_folder))
+  lhs, rhs, gs = _inputs()
+  with pytest.warns(autotuning.CacheWarning) as caught:
+    result = tuner(cache=True).autotune(model, lhs, rhs, gs)
+  assert len(result) == 1
+  messages = [str(w.message) for w in caught]
+  assert any("cannot be read (Not a directory)" in m for m in messages), messages
+  assert any("cannot be written" in m and "result.dump" in m for m in messages), messages
+
+
 def _recorded_with(data, *, entries=None, **versions):
   """Result-file data as if `entries` (indexes; default all) were measured, and the file
   written, under `versions` (e.g. jax="0.0.1") instead of the running ones."""

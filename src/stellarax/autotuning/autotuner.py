@@ -44,7 +44,7 @@ from stellarax.autotuning import isolation
 from stellarax.autotuning import measure as measure_lib
 from stellarax.autotuning import profile
 from stellarax.autotuning import search
-from stellarax.autotuning.cache import USER_CACHE, cached_results, current_device_kind
+from stellarax.autotuning.cache import USER_CACHE, CacheWarning, cached_results, current_device_kind
 from stellarax.autotuning.progress import Progress
 from stellarax.autotuning.result import AutotuningResult, Entry
 from stellarax.core import registry
@@ -226,9 +226,16 @@ class Autotuner:
     return result
 
   def _keep(self, result: AutotuningResult) -> None:
-    """With `cache=True`, merges `result` into the user cache."""
+    """With `cache=True`, merges `result` into the user cache; a cache that cannot be
+    written costs a warning, never the measurements (the result still holds them)."""
     if self.cache and len(result):
-      USER_CACHE.write(result)
+      try:
+        USER_CACHE.write(result)
+      except OSError as exc:
+        warnings.warn(f"Autotuner(cache=True): the user cache at {USER_CACHE.root} cannot be "
+                      f"written ({exc}); the result holds every measurement, but the cache does "
+                      "not. Set STELLARAX_CACHE_DIR to a writable folder, or save the result "
+                      "(result.dump(path)).", CacheWarning, stacklevel=3)
 
   def entry_for(self, ba: BoundArguments, *, progress: Progress | None = None,
                 device: jax.Device | None = None, pool: BudgetPool | None = None) -> Entry:

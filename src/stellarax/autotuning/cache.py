@@ -13,7 +13,10 @@ Both are folders of result files, one per device kind and op:
 - The library cache ships in `stellarax/data/autotuning/` and is read-only.
 
 Files are read lazily, once per (device kind, op), and re-read when their
-modification time changes.
+modification time changes. A cache only saves time: a file that cannot be read is
+passed over with a `CacheWarning` (once per version of it), a corrupt file that a
+writer finds is moved aside to `<file>.json.unreadable`, and `Autotuner` turns a
+cache it cannot write into a warning, keeping its result.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 import re
 import sys
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +39,10 @@ from stellarax.autotuning.result import AutotuningResult
 from stellarax.core import resolution
 
 LIBRARY_ROOT = Path(__file__).resolve().parent.parent / "data" / "autotuning"
+
+
+class CacheWarning(UserWarning):
+  """A cache file could not be read or written; resolution or tuning went on without it."""
 
 
 def device_kind_slug(device_kind: str) -> str:
@@ -79,6 +87,7 @@ class FileCache:
     self.writable = writable
     self.warn_other_versions = warn_other_versions
     self._loaded: dict[Path, tuple[float, AutotuningResult | None]] = {}
+    self._warned: dict[Path, int | None] = {}  # the file version last warned about
     self._lock = threading.Lock()
 
   @property
@@ -90,18 +99,43 @@ class FileCache:
     return self.root / device_kind_slug(device_kind) / f"{op_name}.json"
 
   def result_for(self, device_kind: str, op_name: str) -> AutotuningResult | None:
-    """The cached result of one op on one device kind, or None."""
+    """The cached result of one op on one device kind, or None.
+
+    A cache only saves time, so a file that cannot be read (corrupt, not in the format,
+    or a cache folder that is not one) is passed over with a `CacheWarning` naming it,
+    once per version of the file, and the calls it held resolve further down the
+    order (`AutotuningResult.load` of the same file raises instead).
+    """
     path = self.path_for(device_kind, op_name)
     try:
       mtime = path.stat().st_mtime_ns
     except FileNotFoundError:
       return None
+    except OSError as exc:  # e.g. the cache root is a file
+      self._warn_once(path, None, f"{path}: cannot be read ({exc.strerror}).")
+      return None
     with self._lock:
       cached = self._loaded.get(path)
       if cached is None or cached[0] != mtime:
-        cached = (mtime, AutotuningResult.load(path, warn_other_versions=self.warn_other_versions))
+        try:
+          result = AutotuningResult.load(path, warn_other_versions=self.warn_other_versions)
+        except (OSError, file_format.FormatError) as exc:
+          self._warn_once(path, mtime, str(exc).splitlines()[0])  # it names the file
+          result = None
+        cached = (mtime, result)
         self._loaded[path] = cached
     return cached[1]
+
+  def _warn_once(self, path: Path, mtime: int | None, problem: str) -> None:
+    """Warns that `path` is passed over, once per version (mtime) of it."""
+    if path in self._warned and self._warned[path] == mtime:
+      return
+    self._warned[path] = mtime
+    fix = ("`stellarax cache clear` empties the user cache" if self.writable
+           else "reinstalling stellarax restores the library cache")
+    source = self.source_name.replace("_", " ")
+    warnings.warn(f"{problem} The {source} passes over it: its calls resolve as if it were "
+                  f"absent ({fix}).", CacheWarning, stacklevel=4)
 
   def _entry(self, bound_args) -> Any:
     result = self.result_for(current_device_kind(), bound_args.op.name)
@@ -135,6 +169,11 @@ class FileCache:
 
     Raises:
       PermissionError: for the read-only library cache.
+      OSError: when a file cannot be written (the caller decides what that costs).
+
+    Warns:
+      CacheWarning: when an existing file is unreadable; it is moved aside to
+        `<file>.json.unreadable` and the file written anew.
     """
     if not self.writable:
       raise PermissionError(f"The {self.source_name} at {self.root} is read-only.")
@@ -148,7 +187,15 @@ class FileCache:
       with _exclusive_lock(path.with_suffix(".json.lock")):
         merged = AutotuningResult(result.device_kind)
         if path.exists():
-          merged = AutotuningResult.load(path)
+          try:
+            merged = AutotuningResult.load(path)
+          except file_format.FormatError as exc:
+            # Nothing in it can be read: keep it aside for inspection, write afresh.
+            aside = path.with_suffix(".json.unreadable")
+            os.replace(path, aside)
+            warnings.warn(f"{str(exc).splitlines()[0]} It was moved to {aside}, and the new "
+                          f"entries were written to {path} without it.", CacheWarning,
+                          stacklevel=2)
         for entry in entries:
           merged = merged | AutotuningResult(result.device_kind, {entry.key: entry})
         merged.dump(path)
