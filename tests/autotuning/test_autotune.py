@@ -14,6 +14,7 @@ import pytest
 
 import stellarax
 from stellarax import autotuning
+from stellarax.autotuning import autotuner as autotuner_lib
 from stellarax.autotuning import cache as cache_lib
 from stellarax.autotuning import file_format
 from stellarax.autotuning import search as search_lib
@@ -458,6 +459,20 @@ def test_miss_policy_autotune_tunes_on_the_spot(user_cache_dir):
   with resolution.miss_policy_scope("autotune"):
     r = resolution.resolve_config(ba)
   assert r.source == "autotuned" and r.config in ba.autotuning_configs
+  # Where calls resolve for real: while their program is traced.
+  seen = []
+  original = stellarax.XlaRaggedDot._fwd
+
+  def spy(self, *args, config, **kwargs):
+    seen.append(config)
+    return original(self, *args, config=config, **kwargs)
+
+  other = stellarax.XlaRaggedDot.bind(lhs[:24], rhs, gs)
+  with pytest.MonkeyPatch.context() as mp, resolution.miss_policy_scope("autotune"):
+    mp.setattr(stellarax.XlaRaggedDot, "_fwd", spy)
+    out = jax.jit(lambda l: stellarax.ragged_dot(l, rhs, gs))(lhs[:24])
+  np.testing.assert_allclose(out, jax.lax.ragged_dot(lhs[:24], rhs, gs), rtol=1e-5, atol=1e-5)
+  assert seen[-1] == autotuner_lib._TUNED_ON_MISS[(other.op_json(), other.key_json())]
 
 
 def test_results_are_per_thread_context():

@@ -27,6 +27,7 @@ measured, and running it again tunes only the calls still missing.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime
 import os
@@ -598,10 +599,17 @@ _TUNED_ON_MISS: dict[tuple[str, str], Any] = {}
 
 
 def _autotune_on_miss(ba: BoundArguments) -> Any:
-  """The "autotune" miss policy: tune the call once per process, keep it."""
+  """The "autotune" miss policy: tune the call once per process, keep it.
+
+  A call resolves its config while its program is traced; tuning compiles and runs
+  programs of its own, which inside that trace would be staged into it. JAX's trace
+  state is per thread, so the tuning runs in a thread of its own.
+  """
   key = (ba.op_json(), ba.key_json())
   if key not in _TUNED_ON_MISS:
-    _TUNED_ON_MISS[key] = Autotuner(progress=False).tune_one(ba).best_config
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stellarax-tune") as pool:
+      entry = pool.submit(Autotuner(progress=False).tune_one, ba).result()
+    _TUNED_ON_MISS[key] = entry.best_config
   return _TUNED_ON_MISS[key]
 
 
