@@ -11,6 +11,12 @@ Under `jax.vmap` the custom_vmap rule re-binds the call one level further out
 (so `BoundArguments.vmap_axes` records it), resolves the config for that key,
 and runs the implementation under `jax.vmap`. The marker is attached with
 `ad_metadata="drop"` so the backward pass carries only the VJP op's marker.
+
+Two calls take shorter ways: a trivial one (`Op._is_trivial`: its output is zeros
+whatever its inputs) returns zeros of its reference's shape with none of the above;
+and a backward whose VJP op refuses the call (a backward kernel with narrower limits
+than its forward) runs the family's XLA VJP op instead, with a
+`BackwardFallbackWarning`.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from stellarax.core import markers
 from stellarax.core import registry
@@ -153,7 +160,8 @@ def _backward(op, arguments: dict[str, Any]) -> dict[str, Any]:
     fallback_name = f"{family}.xla_vjp"
     if fallback_name == vjp.name or fallback_name not in registry.names(family):
       raise
-    warnings.warn(f"{vjp.name} does not take this call ({str(exc).rstrip('.')}); its gradients come from "
+    why = str(exc).rstrip(".")
+    warnings.warn(f"{vjp.name} does not take this call ({why}); its gradients come from "
                   f"{fallback_name} instead. For one implementation in both passes, choose a "
                   "forward whose backward takes the call.", BackwardFallbackWarning, stacklevel=2)
     vjp = registry.lookup(fallback_name)()
@@ -166,7 +174,7 @@ def _zeros_of_reference(op, arrays: list[Any], rebuild: Callable[[list[Any]], di
   they depend on no input, so their gradients are zeros too."""
   avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays]
   shapes = jax.eval_shape(lambda *a: op._reference(**rebuild(list(a))), *avals)
-  return jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes)
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 @functools.lru_cache(maxsize=256)
