@@ -684,3 +684,15 @@ def test_progress_counts_configs_once_and_ends_full():
   tuner(strategy="racing", budget_s=2).tune_one(ba, progress=progress)
   assert progress.done == progress.total == len(ba.autotuning_configs)
   assert f"{progress.total}/{progress.total} configs" in stream.getvalue()
+
+
+@pytest.mark.parametrize("option, value, says", [
+    ("cache", "no", r"Autotuner\(cache='no'\): pass True or False"),  # "no" is truthy
+    ("progress", 1, r"Autotuner\(progress=1\): pass True or False"),
+    ("isolate", None, r"Autotuner\(isolate=None\): pass True or False"),
+    ("measure_options", {"rounds": 3}, r"pass a stellarax.autotuning.MeasureOptions"),
+    ("seed", 1.5, r"Autotuner\(seed=1.5\): pass an int"),
+])
+def test_options_of_the_wrong_type_are_refused(option, value, says):
+  with pytest.raises(TypeError, match=says):
+    stellarax.Autotuner(**{option: value})

@@ -268,6 +268,8 @@ def test_fit_heuristics_rejects_too_little_data():
     autotuning.fit_heuristics(few.with_entry(partial), "ragged_dot.xla")
   with pytest.raises(TypeError, match="AutotuningResult or a cache"):
     autotuning.fit_heuristics([few], "ragged_dot.xla")
+  with pytest.raises(TypeError, match="pass an op's registered name"):
+    autotuning.fit_heuristics(few, 3)
 
 
 # ---- the recorded sweeps ------------------------------------------------------------------

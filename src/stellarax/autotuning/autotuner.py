@@ -161,6 +161,14 @@ class Autotuner:
     if not self.distributed_timeout_s > 0:
       raise ValueError(f"distributed_timeout_s={self.distributed_timeout_s!r} must be a positive "
                        "number of seconds.")
+    for name in ("progress", "ignore_cache", "cache", "distribute", "isolate"):
+      if not isinstance(getattr(self, name), bool):  # "no" would be true
+        raise TypeError(f"Autotuner({name}={getattr(self, name)!r}): pass True or False.")
+    if not isinstance(self.measure_options, measure_lib.MeasureOptions):
+      raise TypeError(f"Autotuner(measure_options={self.measure_options!r}): pass a "
+                      "stellarax.autotuning.MeasureOptions(...), e.g. MeasureOptions(rounds=5).")
+    if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+      raise TypeError(f"Autotuner(seed={self.seed!r}): pass an int.")
 
   # ---- inputs -----------------------------------------------------------
 

@@ -195,11 +195,15 @@ def fit_heuristics(result_or_cache: Any, op: str | Op | type[Op], *, max_depth: 
     held-out keys (see the module docstring).
 
   Raises:
-    TypeError: for a `result_or_cache` that is neither a result nor a cache.
+    TypeError: for a `result_or_cache` that is neither a result nor a cache, or an `op`
+      that is no name, op class or op.
     ValueError: for bad options, fewer than `MIN_KEYS` full sweeps, or entries of several
       op identities under one name when `op` is a name or class.
   """
   _check_options(max_depth, min_leaf, min_gain)
+  if not (isinstance(op, (str, Op)) or (isinstance(op, type) and issubclass(op, Op))):
+    raise TypeError(f"op={op!r}: pass an op's registered name (e.g. 'ragged_dot.xla'), its "
+                    "class or an instance.")
   name = op if isinstance(op, str) else op.name
   entries = _entries(result_or_cache, op, name, device_kind)
   sweeps = [s for s in map(_Sweep.of, entries) if s is not None]
