@@ -47,6 +47,36 @@ def test_ragged_dot_with_an_empty_dimension_is_lax_s_zeros_in_every_implementati
   assert len(stellarax.Autotuner(budget_s=1, progress=False).autotune([bound])) == 0
 
 
+@pytest.mark.parametrize("batch, t", [(0, 16), (2, 0)])
+def test_attention_without_queries_is_empty_in_every_implementation(batch, t):
+  q = jax.random.normal(_keys(1)[0], (batch, t, 2, 64), jnp.bfloat16)
+  kv = jax.random.normal(_keys(2)[1], (batch, 16, 1, 64), jnp.bfloat16)
+  for impl in ("xla", stellarax.PallasTritonAttention(interpret=True),
+               stellarax.PallasMosaicGpuAttention(interpret=True)):
+    out, pullback = jax.vjp(
+        lambda q, k: stellarax.dot_product_attention(q, k, k, implementation=impl), q, kv)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    dq, dkv = pullback(out)
+    assert dq.shape == q.shape and dkv.shape == kv.shape and not dkv.any()
+  if batch:  # queries with no key: the kernels refuse them, so dispatch moves on
+    no_keys = kv[:, :0]
+    for impl in (stellarax.PallasTritonAttention(interpret=True),
+                 stellarax.PallasMosaicGpuAttention(interpret=True)):
+      with pytest.raises(NotImplementedError, match=r"no keys \(S=0\)"):
+        stellarax.dot_product_attention(jnp.ones((batch, 4, 2, 64), jnp.bfloat16), no_keys,
+                                        no_keys, implementation=impl)
+
+
+@pytest.mark.parametrize("shape", [(4, 0), (0, 16)])
+def test_norms_of_an_empty_array_in_every_implementation(shape):
+  x, scale = jnp.ones(shape), jnp.ones(shape[1:])
+  for impl in ("xla", stellarax.PallasTritonLayerNorm(interpret=True)):
+    out, pullback = jax.vjp(lambda x, s: stellarax.rms_norm(x, s, implementation=impl), x, scale)
+    assert out.shape == shape
+    dx, dscale = pullback(out)
+    assert dx.shape == shape and dscale.shape == scale.shape and not dscale.any()
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(is_causal=True),
     dict(local_window_size=(3, 1)),

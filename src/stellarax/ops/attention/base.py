@@ -8,6 +8,7 @@ classes and its XLA implementations (full and chunked online-softmax).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -42,6 +43,11 @@ class Attention(Op):
     window = ref.normalize_local_window(a["local_window_size"])
     a["local_window_size"] = None if window is None else tuple(window)
     return a
+
+  def _is_trivial(self, arguments):
+    # No query row (B, T, N or H of zero): the output is empty. (No key, S of zero,
+    # is not trivial: a softmax over nothing is the reference's to define.)
+    return math.prod(arguments["query"].shape) == 0
 
   def _example_value(self, name, spec, key, arguments):
     if name in ("query_seq_lengths", "key_value_seq_lengths"):

@@ -13,6 +13,7 @@ is removed, which both backward passes add outside their inner loops.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -92,6 +93,18 @@ def require_window_the_kernels_take(window: tuple[int, int] | None) -> None:
   if window is not None and min(window) < 0:
     raise NotImplementedError(f"local_window_size={window} has a negative side; the flash"
                               f" kernels take windows of sizes >= 0.")
+
+
+def require_keys_the_kernels_take(arguments: Any) -> None:
+  """Raises NotImplementedError (so dispatch falls back) for queries with no key (S=0).
+
+  A call with no query is trivial (`Attention._is_trivial`: an empty output) and is
+  taken; queries with no key to attend to are the reference's to define.
+  """
+  q, k = arguments["query"].shape, arguments["key"].shape
+  if k[1] == 0 and math.prod(q) > 0:
+    raise NotImplementedError(f"no keys (S=0) for {q[1]} queries: the flash kernels need at "
+                              "least one key.")
 
 
 def check_seq_lengths(name: str, x: Any, batch: int) -> None:

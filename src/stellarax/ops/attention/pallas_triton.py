@@ -978,6 +978,7 @@ class PallasTritonAttentionVjpConfig:
 
 def _check_supported(arguments):
   flash_blocks.require_window_the_kernels_take(arguments.get("local_window_size"))
+  flash_blocks.require_keys_the_kernels_take(arguments)
   q = arguments["query"]
   if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
     raise NotImplementedError(f"head dim {q.shape[-1]} is not one of the kernel's {SUPPORTED_HEAD_DIMS}.")

@@ -9,6 +9,7 @@ and its XLA implementation.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from stellarax.core.config import NoConfig
@@ -51,6 +52,10 @@ class LayerNorm(Op):
                        " (or mean square) before the square root; typical values are 1e-6 to 1e-5.")
     arguments["subtract_mean"] = bool(arguments["subtract_mean"])
     return arguments
+
+  def _is_trivial(self, arguments):
+    # An empty x (no rows, or rows of no elements): the output is empty too.
+    return math.prod(arguments["x"].shape) == 0
 
   def _reference(self, x, scale=None, offset=None, **static):
     return _normalize(x, scale, offset, **static, impl_layer=ref.layer_norm_reference,

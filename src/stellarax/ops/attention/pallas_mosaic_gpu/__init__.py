@@ -46,16 +46,14 @@ from stellarax.ops.attention.pallas_mosaic_gpu.tunables import (
 def _check_supported(arguments: dict[str, Any]) -> None:
   """Raises NotImplementedError for inputs the kernels do not handle (dispatch falls back)."""
   flash_blocks.require_window_the_kernels_take(arguments.get("local_window_size"))
-  q, k = arguments["query"], arguments["key"]
+  q = arguments["query"]
   if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
     raise NotImplementedError(f"head dim {q.shape[-1]} is not one of the kernel's"
                               f" {SUPPORTED_HEAD_DIMS}.")
   if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
     raise NotImplementedError(f"dtype {q.dtype} is not one of the kernel's"
                               f" {[str(d) for d in SUPPORTED_DTYPES]}.")
-  if q.shape[1] == 0 or k.shape[1] == 0:
-    raise NotImplementedError(f"empty sequences (T={q.shape[1]}, S={k.shape[1]}) are not"
-                              f" supported.")
+  flash_blocks.require_keys_the_kernels_take(arguments)
 
 
 def _shape_of(ba: Any) -> tuple[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct], dict]:
