@@ -210,6 +210,18 @@ def test_autotune_measures_stale_cached_calls_again(user_cache_dir, grad_result)
   assert autotuning.explain(stale.bound_args).stale is None
 
 
+def test_a_result_of_another_device_applies_with_a_warning(grad_result):
+  entry = next(iter(grad_result))
+  h200 = autotuning.AutotuningResult("NVIDIA H200", {entry.key: entry})
+  with pytest.warns(autotuning.OtherDeviceWarning, match="measured on 'NVIDIA H200' and is applied"):
+    with h200:
+      assert autotuning.explain(entry.bound_args).source == "result"
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    with autotuning.AutotuningResult("NVIDIA H200"), grad_result:  # empty, or this device's
+      pass
+
+
 def test_merge_keeps_the_faster_and_refuses_other_devices(grad_result):
   entry = next(iter(grad_result))
   slower_m = [(c, m.__class__(**{**m.to_json(), "median_s": m.median_s * 10, "ci_low_s": m.median_s * 9,

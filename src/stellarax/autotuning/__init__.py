@@ -25,6 +25,7 @@ from stellarax.autotuning.measure import Measurement as Measurement
 from stellarax.autotuning.measure import MeasureOptions as MeasureOptions
 from stellarax.autotuning.result import AutotuningResult as AutotuningResult
 from stellarax.autotuning.result import Entry as Entry
+from stellarax.autotuning.result import OtherDeviceWarning as OtherDeviceWarning
 from stellarax.autotuning.transfer import transfer_scope as transfer_scope
 from stellarax.core.bound_args import BoundArguments as BoundArguments
 from stellarax.core.resolution import ConfigMissError as ConfigMissError

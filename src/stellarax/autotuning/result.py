@@ -14,8 +14,11 @@ import functools
 import hashlib
 import io
 import os
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
+
+import jax
 
 from stellarax.autotuning import file_format
 from stellarax.autotuning.measure import Measurement
@@ -106,6 +109,10 @@ class Entry:
   @property
   def num_failed(self) -> int:
     return sum(m.status != "ok" for _, m in self.measurements)
+
+
+class OtherDeviceWarning(UserWarning):
+  """A result measured on one device kind is applied on another."""
 
 
 class AutotuningResult:
@@ -200,6 +207,20 @@ class AutotuningResult:
   # ---- context manager --------------------------------------------------
 
   def __enter__(self) -> AutotuningResult:
+    """Applies this result's configs inside the block (innermost result first).
+
+    Warns:
+      OtherDeviceWarning: when the result was measured on another device kind than
+        the default device's: its configs still apply (they are valid there) but
+        were not measured there.
+    """
+    running = jax.devices()[0].device_kind
+    if len(self) and self.device_kind != running:
+      warnings.warn(f"This result was measured on {self.device_kind!r} and is applied on "
+                    f"{running!r}: its configs are valid here but were not measured here, and "
+                    f"may not be the fastest. Tune on this device for its own "
+                    f"(stellarax.autotune), or silence OtherDeviceWarning to apply them anyway.",
+                    OtherDeviceWarning, stacklevel=2)
     self._tokens.append(resolution.push_result(self))
     return self
 
