@@ -218,9 +218,9 @@ class AutotuningResult:
     if len(self) and self.device_kind != running:
       warnings.warn(f"This result was measured on {self.device_kind!r} and is applied on "
                     f"{running!r}: its configs are valid here but were not measured here, and "
-                    f"may not be the fastest. Tune on this device for its own "
-                    f"(stellarax.autotune), or silence OtherDeviceWarning to apply them anyway.",
-                    OtherDeviceWarning, stacklevel=2)
+                    "may not be the fastest. Tune on this device for configs of its own "
+                    "(stellarax.autotune); where applying these is intended, filter out "
+                    "OtherDeviceWarning.", OtherDeviceWarning, stacklevel=2)
     self._tokens.append(resolution.push_result(self))
     return self
 
