@@ -47,6 +47,17 @@ def test_ragged_dot_with_an_empty_dimension_is_lax_s_zeros_in_every_implementati
   assert len(stellarax.Autotuner(budget_s=1, progress=False).autotune([bound])) == 0
 
 
+def test_vmap_over_an_empty_batch_runs_no_kernel():
+  rhs, gs = jnp.ones((2, 32, 24)), jnp.array([15, 20], jnp.int32)
+  lhs = jnp.ones((0, 40, 32))
+  for impl in ("xla", stellarax.PallasTritonRaggedDot(interpret=True)):
+    f = jax.vmap(lambda l: stellarax.ragged_dot(l, rhs, gs, implementation=impl))
+    assert f(lhs).shape == (0, 40, 24)
+    assert jax.grad(lambda l: f(l).sum())(lhs).shape == lhs.shape
+  norm = lambda x: stellarax.rms_norm(x, None, implementation=stellarax.PallasTritonLayerNorm(interpret=True))
+  assert jax.vmap(jax.vmap(norm))(jnp.ones((3, 0, 4, 16))).shape == (3, 0, 4, 16)
+
+
 @pytest.mark.parametrize("batch, t", [(0, 16), (2, 0)])
 def test_attention_without_queries_is_empty_in_every_implementation(batch, t):
   q = jax.random.normal(_keys(1)[0], (batch, t, 2, 64), jnp.bfloat16)

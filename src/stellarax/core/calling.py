@@ -12,9 +12,9 @@ Under `jax.vmap` the custom_vmap rule re-binds the call one level further out
 and runs the implementation under `jax.vmap`. The marker is attached with
 `ad_metadata="drop"` so the backward pass carries only the VJP op's marker.
 
-Two calls take shorter ways: a trivial one (`Op._is_trivial`: its output is zeros
-whatever its inputs) returns zeros of its reference's shape with none of the above;
-and a backward whose VJP op refuses the call (a backward kernel with narrower limits
+Three calls take shorter ways: a trivial one (`Op._is_trivial`: its output is zeros
+whatever its inputs) returns zeros of its reference's shape with none of the above; one
+vmapped over an empty batch returns empty outputs without a kernel; and a backward whose VJP op refuses the call (a backward kernel with narrower limits
 than its forward) runs the family's XLA VJP op instead, with a
 `BackwardFallbackWarning`.
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -86,11 +86,23 @@ def _vmappable(ba: BoundArguments, make_impl: Callable[[Any], Callable[..., Any]
 
   @call.def_vmap
   def rule(axis_size, in_batched, *arrays):
+    if axis_size == 0:  # an empty batch: empty outputs, and no kernel to run on none
+      return _empty_batch(call, in_batched, arrays)
     outer = ba.with_outer_vmap(axis_size, tuple(in_batched))
     out = _vmappable(outer, make_impl)(*arrays)
     return out, jax.tree.map(lambda _: True, out)
 
   return call
+
+
+def _empty_batch(call: Callable[..., Any], in_batched: Sequence[bool], arrays: Sequence[Any]):
+  """A call vmapped over a batch of size 0: zeros of its outputs' per-example shapes
+  (found abstractly, from one example's shapes) with a leading batch of 0."""
+  example = [jax.ShapeDtypeStruct(a.shape[1:] if b else a.shape, a.dtype)
+             for a, b in zip(arrays, in_batched)]
+  shapes = jax.eval_shape(call, *example)
+  out = jax.tree.map(lambda s: jnp.zeros((0, *s.shape), s.dtype), shapes)
+  return out, jax.tree.map(lambda _: True, out)
 
 
 def call_op(op, values: dict[str, Any]) -> Any:
