@@ -106,6 +106,13 @@ def test_attention_matches_jax_with_gqa(kwargs):
     np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("scale", ["a", float("inf"), [0.5]])
+def test_attention_refuses_a_scale_that_is_not_a_number(scale):
+  q = jnp.ones((1, 4, 1, 8))
+  with pytest.raises(ValueError, match=r"must be None \(1/sqrt\(H\) = 0.3536\) or a finite"):
+    stellarax.dot_product_attention(q, q, q, scale=scale)
+
+
 def test_attention_bias_mask_and_gradients():
   k = _keys(5)
   q = jax.random.normal(k[0], (1, 16, 2, 8), jnp.float32)

@@ -100,8 +100,22 @@ def check_attention_inputs(query, key, value, bias=None, mask=None, query_seq_le
 
 
 def default_scale(head_dim: int, scale: float | None) -> float:
-  """Returns `scale`, or 1/sqrt(head_dim) when it is None."""
-  return 1.0 / float(np.sqrt(head_dim)) if scale is None else float(scale)
+  """Returns `scale`, or 1/sqrt(head_dim) when it is None.
+
+  Raises:
+    ValueError: for a scale that is not a finite real number (a traced scale included:
+      the logit scale is a static option of the call).
+  """
+  if scale is None:
+    return 1.0 / float(np.sqrt(head_dim))
+  try:
+    value = float(scale)
+  except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
+    value = None
+  if value is None or not np.isfinite(value):
+    raise ValueError(f"scale={scale!r} must be None (1/sqrt(H) = {1 / np.sqrt(head_dim):.4g}) or "
+                     "a finite Python number; it is a static option of the call.")
+  return value
 
 
 def _keep_mask(b, n, t, s, mask, is_causal, window, q_lengths, kv_lengths) -> jax.Array:
