@@ -24,9 +24,11 @@ from stellarax.core.bound_args import BoundArguments
 S = jax.ShapeDtypeStruct
 
 
-def _arrays(values):
-  """The array arguments (specs) of bound values, by name."""
-  return {k: v for k, v in values.items() if isinstance(v, S)}
+def _split(values, *, skip=()):
+  """Bound values as (array specs, the rest), by name, without the names in `skip`."""
+  kept = {k: v for k, v in values.items() if k not in skip}
+  return ({k: v for k, v in kept.items() if isinstance(v, S)},
+          {k: v for k, v in kept.items() if not isinstance(v, S)})
 
 
 def _check_heuristics(op, args, kwargs) -> str:
@@ -40,7 +42,7 @@ def _check_heuristics(op, args, kwargs) -> str:
     return "refused"
   _check_bound(ba)
   values = op._bind_values(*args, **kwargs)
-  arrays, statics = _arrays(values), {k: v for k, v in values.items() if not isinstance(v, S)}
+  arrays, statics = _split(values)
   out, residuals = jax.eval_shape(
       lambda a: op._fwd(**a, **statics, config=ba.heuristics_config), arrays)
   if op.vjp_cls is not None:
@@ -52,8 +54,7 @@ def _check_heuristics(op, args, kwargs) -> str:
       vjp_ba = vjp.bind(**grads)
     _check_bound(vjp_ba)
     vjp_values = vjp._bind_values(residuals=residuals, out=out, dout=out, **values)
-    vjp_arrays = {k: v for k, v in vjp_values.items() if k != "residuals" and isinstance(v, S)}
-    vjp_statics = {k: v for k, v in vjp_values.items() if k != "residuals" and not isinstance(v, S)}
+    vjp_arrays, vjp_statics = _split(vjp_values, skip=("residuals",))
     jax.eval_shape(lambda a, r: vjp._fwd(residuals=r, **a, **vjp_statics,
                                          config=vjp_ba.heuristics_config), vjp_arrays, residuals)
   return "ok"
