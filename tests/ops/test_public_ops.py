@@ -22,6 +22,19 @@ def test_ragged_dot_matches_lax_with_empty_groups_and_short_sums(sizes):
                              rtol=1e-5, atol=1e-5)
 
 
+def test_ragged_dot_of_two_dtypes_promotes_as_lax():
+  k = _keys(2)
+  lhs = jax.random.normal(k[0], (48, 12), jnp.bfloat16)
+  rhs = jax.random.normal(k[1], (4, 12, 20), jnp.float32)
+  gs = jnp.asarray([5, 0, 17, 3], jnp.int32)
+  expected = jax.lax.ragged_dot(lhs, rhs, gs)
+  out = stellarax.ragged_dot(lhs, rhs, gs)
+  assert out.dtype == expected.dtype == jnp.float32
+  np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+  grads = jax.grad(lambda a, b: stellarax.ragged_dot(a, b, gs).sum(), argnums=(0, 1))(lhs, rhs)
+  assert [g.dtype for g in grads] == [jnp.bfloat16, jnp.float32]
+
+
 @pytest.mark.parametrize("m, k, n", [(0, 64, 128), (48, 0, 128), (48, 64, 0)])
 def test_ragged_dot_with_an_empty_dimension_is_lax_s_zeros_in_every_implementation(m, k, n):
   keys = _keys(3)

@@ -21,7 +21,8 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
     group_sizes: (G,) integer array; may sum to less than M (the remaining
       rows give zeros) and contain zeros (empty groups).
     precision: None, a `jax.lax.Precision` or its name.
-    preferred_element_type: output dtype (default: lhs's).
+    preferred_element_type: output dtype (default: the operands' dtype, or their
+      promoted type when they differ, as in jax.lax.ragged_dot).
     implementation: None (best available), a name ("xla", "pallas_triton",
       ...), an Op instance, or a sequence of these tried in order.
 

@@ -44,8 +44,11 @@ class RaggedDot(Op):
     common.check_floating("lhs", lhs)
     common.check_floating("rhs", rhs)
     arguments["precision"] = common.canonical_precision(arguments["precision"])
-    arguments["preferred_element_type"] = common.canonical_dtype(
-        arguments["preferred_element_type"], what="preferred_element_type")
+    out = common.canonical_dtype(arguments["preferred_element_type"], what="preferred_element_type")
+    if out is None and common.dtype_of(lhs) != common.dtype_of(rhs):
+      # As jax.lax.ragged_dot: operands of two dtypes give their promoted type.
+      out = jnp.result_type(common.dtype_of(lhs), common.dtype_of(rhs)).name
+    arguments["preferred_element_type"] = out
     return arguments
 
   def _is_trivial(self, arguments):
