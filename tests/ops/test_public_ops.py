@@ -58,6 +58,8 @@ def test_ragged_dot_with_an_empty_dimension_is_lax_s_zeros_in_every_implementati
   assert stellarax.autotuning.get_bound_args(lambda a: stellarax.ragged_dot(a, rhs, gs), lhs) == []
   bound = stellarax.PallasTritonRaggedDot.bind(lhs, rhs, gs)  # its tile heuristic needs sizes > 0
   assert len(stellarax.Autotuner(budget_s=1, progress=False).autotune([bound])) == 0
+  explained = stellarax.autotuning.explain(bound)
+  assert explained.source == "trivial" and "runs no kernel" in str(explained)
 
 
 def test_vmap_over_an_empty_batch_runs_no_kernel():

@@ -21,7 +21,8 @@ class Explanation:
     op: the op's registered name.
     config: the config the call resolves to.
     source: where it comes from ("explicit", "result", "user_cache",
-      "library_cache", "transfer:<distance>", "heuristics", ...).
+      "library_cache", "transfer:<distance>", "heuristics", ...), or "trivial" (config
+      None) for a call that runs no kernel (`Op._is_trivial`).
     nearest: on a miss, the nearest tuned key of the same op: where it is
       and the differences, as (where, ["path: ours != theirs", ...]); None
       when nothing of this op was tuned. For a transferred config, the key
@@ -40,6 +41,9 @@ class Explanation:
   stale: str | None = None
 
   def __str__(self) -> str:
+    if self.source == "trivial":
+      return (f"{self.op}: no config: the call's output is zeros whatever its inputs (an empty "
+              "dimension), so it runs no kernel")
     lines = [f"{self.op}: {json.dumps(config_to_json(self.config))} from {self.source}"]
     if self.stale is not None:
       lines.append(f"  stale ({self.stale}): autotune measures this call again")
@@ -73,6 +77,8 @@ def explain(bound_args: BoundArguments) -> Explanation:
   if not isinstance(bound_args, BoundArguments):
     raise TypeError(f"explain takes a BoundArguments (from SomeOp.bind(...) or get_bound_args), "
                     f"got {type(bound_args).__name__}: {bound_args!r:.80}.")
+  if bound_args.op.fwd_cls is None and bound_args.op._is_trivial(bound_args.arguments):
+    return Explanation(bound_args.op.name, None, "trivial", None)
   resolved = resolution.resolve_config(bound_args)
   if isinstance(resolved, TransferResolution):
     diffs = _diff(bound_args.autotuning_cache_key, resolved.neighbour.autotuning_cache_key)
