@@ -121,6 +121,19 @@ def test_attention_matches_jax_with_gqa(kwargs):
     np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-5)
 
 
+def test_lists_where_arrays_belong_say_so():
+  x, rhs = jnp.ones((8, 4)), jnp.ones((2, 4, 3))
+  with pytest.raises(TypeError, match=r"group_sizes must be an array .* jnp.asarray\(group_sizes\)"):
+    stellarax.ragged_dot(x, rhs, [3, 5])
+  with pytest.raises(TypeError, match="x must be an array"):
+    stellarax.rms_norm([[1.0, 2.0]], None)
+  with pytest.raises(TypeError, match="scale must be an array"):
+    stellarax.rms_norm(x, [1.0] * 4)
+  q = jnp.ones((1, 4, 1, 8))
+  with pytest.raises(TypeError, match="bias must be an array"):
+    stellarax.dot_product_attention(q, q, q, bias=[[0.0]])
+
+
 @pytest.mark.parametrize("scale", ["a", float("inf"), [0.5]])
 def test_attention_refuses_a_scale_that_is_not_a_number(scale):
   q = jnp.ones((1, 4, 1, 8))

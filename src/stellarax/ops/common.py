@@ -45,14 +45,24 @@ def dtype_of(x: Any) -> jnp.dtype:
   return jnp.dtype(x.dtype)
 
 
+def check_array(name: str, x: Any) -> None:
+  """Raises TypeError unless `x` is array-like (an array, tracer or spec: shape and dtype)."""
+  if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+    raise TypeError(f"{name} must be an array (jax or numpy), got {type(x).__name__}: "
+                    f"{x!r:.60}. Wrap it: jnp.asarray({name}).")
+
+
 def check_rank(name: str, x: Any, rank: int, layout: str) -> None:
-  """Raises ValueError unless `x` has `rank` dims (`layout` names them)."""
+  """Raises ValueError unless `x` has `rank` dims (`layout` names them); TypeError unless
+  it is an array."""
+  check_array(name, x)
   if len(x.shape) != rank:
     raise ValueError(f"{name} must have shape {layout}, got shape {tuple(x.shape)}.")
 
 
 def check_floating(name: str, x: Any) -> None:
-  """Raises TypeError unless `x` has a floating dtype."""
+  """Raises TypeError unless `x` is an array of a floating dtype."""
+  check_array(name, x)
   if not jnp.issubdtype(dtype_of(x), jnp.floating):
     raise TypeError(f"{name} must be a floating array, got dtype {dtype_of(x)}.")
 

@@ -35,6 +35,9 @@ class Attention(Op):
     a = arguments
     for name in ("query", "key", "value"):
       common.check_floating(name, a[name])
+    for name in ("bias", "mask", "query_seq_lengths", "key_value_seq_lengths"):
+      if a[name] is not None:
+        common.check_array(name, a[name])
     ref.check_attention_inputs(_view(a["query"]), _view(a["key"]), _view(a["value"]), _view(a["bias"]),
                                _view(a["mask"]), _view(a["query_seq_lengths"]),
                                _view(a["key_value_seq_lengths"]))
