@@ -43,9 +43,10 @@ class LayerNorm(Op):
     expected = tuple(x.shape[a] for a in axes)
     for name in ("scale", "offset"):
       p = arguments[name]
-      if p is not None:
-        common.check_array(name, p)
-      if p is not None and tuple(p.shape) != expected:
+      if p is None:
+        continue
+      common.check_array(name, p)
+      if tuple(p.shape) != expected:
         raise ValueError(f"{name}.shape={tuple(p.shape)} must be x's sizes along axis={axes}: {expected}.")
     arguments["axis"] = axes[0] if len(axes) == 1 else axes
     arguments["epsilon"] = float(arguments["epsilon"])
