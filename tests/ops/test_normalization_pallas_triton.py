@@ -36,29 +36,38 @@ def _strict_promotion():
 # ---------------------------------------------------------------------------
 
 
-def _param_shape(ndim: int, axis: int) -> list[int]:
+def _axes(ndim: int, axis) -> tuple[int, ...]:
+  return tuple(sorted(a % ndim for a in ((axis,) if isinstance(axis, int) else axis)))
+
+
+def _param(p, ndim, axis):
+  """A scale or offset (x's sizes along the axes) as float32, broadcastable against x."""
+  axes = _axes(ndim, axis)
   shape = [1] * ndim
-  shape[axis] = -1
-  return shape
+  for a, size in zip(axes, p.shape):
+    shape[a] = size
+  return p.astype(jnp.float32).reshape(shape)
+
+
+def _affine(y, scale, offset, axis):
+  if scale is not None:
+    y = y * _param(scale, y.ndim, axis)
+  if offset is not None:
+    y = y + _param(offset, y.ndim, axis)
+  return y
 
 
 def _layer_norm_ref(x, scale, offset, *, axis):
   x = x.astype(jnp.float32)
   mean = jnp.mean(x, axis=axis, keepdims=True)
   y = (x - mean) * jax.lax.rsqrt(jnp.mean(jnp.square(x - mean), axis=axis, keepdims=True) + EPSILON)
-  if scale is not None:
-    y = y * scale.astype(jnp.float32).reshape(_param_shape(x.ndim, axis))
-  if offset is not None:
-    y = y + offset.astype(jnp.float32).reshape(_param_shape(x.ndim, axis))
-  return y
+  return _affine(y, scale, offset, axis)
 
 
-def _rms_norm_ref(x, scale, *, axis):
+def _rms_norm_ref(x, scale, offset, *, axis):
   x = x.astype(jnp.float32)
   y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=axis, keepdims=True) + EPSILON)
-  if scale is not None:
-    y = y * scale.astype(jnp.float32).reshape(_param_shape(x.ndim, axis))
-  return y
+  return _affine(y, scale, offset, axis)
 
 
 def _f32(a):
@@ -76,10 +85,10 @@ def _layer_norm_expected(x, scale, offset, dy, *, axis):
 
 
 @functools.partial(jax.jit, static_argnames="axis")
-def _rms_norm_expected(x, scale, dy, *, axis):
-  """Reference (y, rstd, (dx, dscale)) in float32; one compile per case."""
+def _rms_norm_expected(x, scale, offset, dy, *, axis):
+  """Reference (y, rstd, (dx, dscale, doffset)) in float32; one compile per case."""
   x32 = _f32(x)
-  y, vjp = jax.vjp(functools.partial(_rms_norm_ref, axis=axis), x32, _f32(scale))
+  y, vjp = jax.vjp(functools.partial(_rms_norm_ref, axis=axis), x32, _f32(scale), _f32(offset))
   rstd = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=axis) + EPSILON)
   return y, rstd, vjp(_f32(dy))
 
@@ -96,10 +105,10 @@ def _assert_close(actual, expected, dtype, what):
 def _inputs(shape, axis, dtype, seed):
   """Fresh random x, scale, offset, dy; x has a non-zero mean so centring matters."""
   kx, ks, ko, kd = jax.random.split(jax.random.key(seed), 4)
-  cols = shape[axis]
+  pshape = tuple(shape[a] for a in _axes(len(shape), axis))
   x = (1.5 * jax.random.normal(kx, shape) + 0.7).astype(dtype)
-  scale = (1.0 + 0.5 * jax.random.normal(ks, (cols,))).astype(dtype)
-  offset = jax.random.normal(ko, (cols,)).astype(dtype)
+  scale = (1.0 + 0.5 * jax.random.normal(ks, pshape)).astype(dtype)
+  offset = jax.random.normal(ko, pshape).astype(dtype)
   dy = jax.random.normal(kd, shape).astype(dtype)
   return x, scale, offset, dy
 
@@ -121,6 +130,11 @@ _CASES = {
     # Rows shorter than the shortest chunk (MIN_BLOCK_COLS): masked within one.
     "7x3-f32-short": ((7, 3), -1, jnp.float32, {}),
     "5x1-bf16-one-column": ((5, 1), -1, jnp.bfloat16, {}),
+    # Several normalised axes, adjacent or not, flattened into one row (and a
+    # row of 8 * 64 read in 64-column chunks).
+    "4x6x40-bf16-axes12": ((4, 6, 40), (1, 2), jnp.bfloat16, {}),
+    "6x20x5-f32-axes02": ((6, 20, 5), (0, 2), jnp.float32, {}),
+    "13x8x64-f32-axes12-chunked": ((13, 8, 64), (-2, -1), jnp.float32, _CHUNKED),
 }
 
 
@@ -145,12 +159,15 @@ _LAYER_NORM_CASES = _cases(
     (("3x5x96-bf16", "5x96x3-f32-axis1"), (True, False)),
     (("37x200-f32-heuristic", "37x200-bf16-chunked"), (False, True)),
 )
-_RMS_NORM_CASES = _cases((("37x200-bf16-chunked", "64x512-f32-exact"), (False,)))
+_RMS_NORM_CASES = _cases(
+    (("37x200-bf16-chunked", "64x512-f32-exact"), (False, False)),
+    (("37x200-f32-heuristic", "3x5x96-bf16"), (True, False)),
+)
 
 
 @pytest.mark.parametrize("shape,axis,dtype,tunables,with_scale,with_offset", _LAYER_NORM_CASES)
 def test_layer_norm_matches_reference(shape, axis, dtype, tunables, with_scale, with_offset):
-  x, scale, offset, dy = _inputs(shape, axis, dtype, seed=len(shape) + shape[axis])
+  x, scale, offset, dy = _inputs(shape, axis, dtype, seed=sum(shape))
   scale = scale if with_scale else None
   offset = offset if with_offset else None
 
@@ -184,26 +201,28 @@ def _assert_grads_close(grads, ref_grads, primals, dtype):
       _assert_close(grad, ref, dtype, name)
 
 
-@pytest.mark.parametrize("shape,axis,dtype,tunables,with_scale", _RMS_NORM_CASES)
-def test_rms_norm_matches_reference(shape, axis, dtype, tunables, with_scale):
-  x, scale, _, dy = _inputs(shape, axis, dtype, seed=3 * shape[axis])
+@pytest.mark.parametrize("shape,axis,dtype,tunables,with_scale,with_offset", _RMS_NORM_CASES)
+def test_rms_norm_matches_reference(shape, axis, dtype, tunables, with_scale, with_offset):
+  x, scale, offset, dy = _inputs(shape, axis, dtype, seed=3 * sum(shape))
   scale = scale if with_scale else None
+  offset = offset if with_offset else None
 
-  ref_y, ref_rstd, ref_grads = _rms_norm_expected(x, scale, dy, axis=axis)
+  ref_y, ref_rstd, ref_grads = _rms_norm_expected(x, scale, offset, dy, axis=axis)
 
   @jax.jit
-  def run(x, scale, dy):
+  def run(x, scale, offset, dy):
     y, rstd = pt.rms_norm_fwd_pallas_triton(
-        x, scale, axis=axis, epsilon=EPSILON, interpret=True, **_fwd_tunables(tunables))
-    grads = pt.rms_norm_bwd_pallas_triton(x, scale, rstd, dy, axis=axis, interpret=True,
-                                          **tunables)
+        x, scale, offset, axis=axis, epsilon=EPSILON, interpret=True, **_fwd_tunables(tunables))
+    grads = pt.rms_norm_bwd_pallas_triton(
+        x, scale, rstd, dy, offset_dtype=None if offset is None else offset.dtype, axis=axis,
+        interpret=True, **tunables)
     return y, rstd, grads
 
-  y, rstd, grads = run(x, scale, dy)
+  y, rstd, grads = run(x, scale, offset, dy)
   assert y.dtype == x.dtype and rstd.dtype == jnp.float32
   _assert_close(y, ref_y, dtype, "y")
   _assert_close(rstd, ref_rstd, jnp.float32, "rstd")
-  _assert_grads_close(grads, ref_grads, (x, scale), dtype)
+  _assert_grads_close(grads, ref_grads, (x, scale, offset), dtype)
 
 
 def test_no_rows_gives_empty_outputs_and_zero_grads():

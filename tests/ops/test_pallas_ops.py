@@ -32,12 +32,31 @@ def test_layer_norm_pallas_matches_xla_with_gradients():
   assert names == ["layer_norm.pallas_triton", "layer_norm.pallas_triton_vjp"]
 
 
-def test_layer_norm_pallas_falls_back_for_what_it_lacks():
-  x = jnp.ones((4, 6, 8))
-  with pytest.raises(NotImplementedError, match="several axes"):
-    stellarax.layer_norm(x, None, None, axis=(1, 2), implementation=PallasTritonLayerNorm(interpret=True))
-  out = stellarax.layer_norm(x, None, None, axis=(1, 2), implementation=[PallasTritonLayerNorm(interpret=True), "xla"])
-  assert out.shape == x.shape
+@pytest.mark.parametrize("axis,subtract_mean", [((1, 2), True), ((0, 2), False), (1, False)],
+                         ids=["layer-trailing-axes", "rms-split-axes", "rms-middle-axis"])
+def test_norm_pallas_over_several_axes_and_rms_with_offset(axis, subtract_mean):
+  """Several normalised axes (adjacent or not) and rms_norm with an offset: both
+  run in the Triton kernel (not an XLA fallback) and match XLA, gradients too."""
+  k = jax.random.split(jax.random.key(3), 4)
+  x = jax.random.normal(k[0], (5, 6, 24)) * 1.5 + 0.5
+  axes = (axis,) if isinstance(axis, int) else axis
+  pshape = tuple(x.shape[a] for a in axes)
+  s, o = jax.random.normal(k[1], pshape) + 1.0, jax.random.normal(k[2], pshape)
+  dy = jax.random.normal(k[3], x.shape)
+  op = PallasTritonLayerNorm(interpret=True)
+
+  def norm(x, s, o, impl):
+    if subtract_mean:
+      return stellarax.layer_norm(x, s, o, axis=axis, implementation=impl)
+    return stellarax.rms_norm(x, s, offset=o, axis=axis, implementation=impl)
+
+  def vjp(impl):
+    y, pull = jax.vjp(lambda x, s, o: norm(x, s, o, impl), x, s, o)
+    return y, pull(dy)
+
+  _close(vjp(op), vjp("xla"), 1e-4)
+  names = [b.op.name for b in autotuning.get_bound_args(lambda x, s, o: vjp(op), x, s, o)]
+  assert names == ["layer_norm.pallas_triton", "layer_norm.pallas_triton_vjp"]
 
 
 def test_attention_pallas_matches_jax_with_bias_gradient():

@@ -33,12 +33,14 @@ def layer_norm(x, scale, offset, *, axis=-1, epsilon=1e-6, implementation=None):
                               dict(axis=axis, epsilon=epsilon, subtract_mean=True))
 
 
-def rms_norm(x, scale, *, axis=-1, epsilon=1e-6, implementation=None):
-  """RMS normalisation: x / sqrt(mean(x^2) + epsilon) * scale.
+def rms_norm(x, scale, *, offset=None, axis=-1, epsilon=1e-6, implementation=None):
+  """RMS normalisation: x / sqrt(mean(x^2) + epsilon) * scale + offset.
 
   Args:
     x: input array (floating).
     scale: None or an array of x's sizes along `axis`.
+    offset: None (the usual RMS norm) or an array of x's sizes along `axis`,
+      added last.
     axis: int or tuple of ints to normalise over.
     epsilon: added to the mean square.
     implementation: None (best available), a name, an Op, or a sequence.
@@ -50,5 +52,5 @@ def rms_norm(x, scale, *, axis=-1, epsilon=1e-6, implementation=None):
     ValueError: for a bad axis or parameter shape.
     NotImplementedError: when no requested implementation supports the input.
   """
-  return dispatch.call_family("layer_norm", PREFERENCE, implementation, (x, scale, None),
+  return dispatch.call_family("layer_norm", PREFERENCE, implementation, (x, scale, offset),
                               dict(axis=axis, epsilon=epsilon, subtract_mean=False))

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from typing import Any
 
 import jax
@@ -532,27 +533,52 @@ def _bwd_kernel(*refs, rows, cols, block_rows, block_cols, blocks_per_program,
 # ---------------------------------------------------------------------------
 
 
-def _to_rows(x: jax.Array, axis: int) -> tuple[jax.Array, tuple[int, ...]]:
-  """Moves `axis` last and flattens the rest; returns (rows array, batch shape)."""
-  if x.ndim == 0:
-    raise ValueError(f"x must have at least one dimension to normalise, got shape {x.shape}.")
-  if not -x.ndim <= axis < x.ndim:
-    raise ValueError(f"{axis=} is out of range for x of shape {x.shape} (ndim {x.ndim}).")
-  moved = jnp.moveaxis(x, axis, -1)
-  if moved.shape[-1] == 0:
-    raise ValueError(f"The normalised axis {axis} of x (shape {x.shape}) is empty; "
+def _normalised_axes(axis: int | tuple[int, ...], ndim: int) -> tuple[int, ...]:
+  """Returns `axis` (an int or a tuple of ints) as sorted non-negative axes."""
+  if ndim == 0:
+    raise ValueError("x must have at least one dimension to normalise, got a scalar.")
+  axes = (axis,) if isinstance(axis, int) else tuple(axis)
+  if not axes or not all(isinstance(a, int) and -ndim <= a < ndim for a in axes):
+    raise ValueError(f"axis={axis!r} is out of range for an array of {ndim} dimensions: pass an "
+                     f"int or a non-empty tuple of ints in [{-ndim}, {ndim}).")
+  canonical = tuple(sorted(a % ndim for a in axes))
+  if len(set(canonical)) != len(canonical):
+    raise ValueError(f"axis={axis!r} names the same dimension twice.")
+  return canonical
+
+
+def _to_rows(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, tuple[int, ...]]:
+  """Moves the normalised `axes` last and flattens both parts into (rows, cols).
+
+  Returns (rows array, batch shape): the batch shape is x's shape less `axes`.
+  """
+  last = tuple(range(x.ndim - len(axes), x.ndim))
+  moved = jnp.moveaxis(x, axes, last)
+  batch, norm_shape = moved.shape[:x.ndim - len(axes)], moved.shape[x.ndim - len(axes):]
+  if math.prod(norm_shape) == 0:
+    raise ValueError(f"x (shape {x.shape}) is empty along the normalised axes {axes}; "
                      "a norm needs at least one element per row.")
-  return moved.reshape(-1, moved.shape[-1]), moved.shape[:-1]
+  return moved.reshape(math.prod(batch), math.prod(norm_shape)), batch
 
 
-def _from_rows(y2d: jax.Array, batch: tuple[int, ...], axis: int, ndim: int) -> jax.Array:
-  return jnp.moveaxis(y2d.reshape(*batch, y2d.shape[-1]), -1, axis % ndim)
+def _from_rows(y2d: jax.Array, x_shape: tuple[int, ...], axes: tuple[int, ...]) -> jax.Array:
+  """Inverts `_to_rows` for an output of x's shape."""
+  kept = [a for a in range(len(x_shape)) if a not in axes]
+  moved_shape = tuple(x_shape[a] for a in kept) + tuple(x_shape[a] for a in axes)
+  last = tuple(range(len(kept), len(x_shape)))
+  return jnp.moveaxis(y2d.reshape(moved_shape), last, axes)
 
 
-def _check_param(name: str, value: jax.Array | None, cols: int) -> None:
-  if value is not None and value.shape != (cols,):
-    raise ValueError(f"{name} must have shape ({cols},) (the normalised axis of x), "
-                     f"got {value.shape}.")
+def _param_as_row(name: str, value: jax.Array | None, x_shape: tuple[int, ...],
+                  axes: tuple[int, ...]) -> jax.Array | None:
+  """Checks a scale or offset (x's sizes along `axes`) and flattens it to one row."""
+  if value is None:
+    return None
+  expected = tuple(x_shape[a] for a in axes)
+  if value.shape != expected:
+    raise ValueError(f"{name} must have shape {expected} (x's sizes along the normalised "
+                     f"axes {axes}), got {value.shape}.")
+  return value.reshape(-1)
 
 
 def _check_residual(name: str, value: jax.Array, batch: tuple[int, ...]) -> None:
@@ -567,10 +593,11 @@ def _compiler_params(config: dict[str, int]) -> plgpu.CompilerParams:
 
 def _norm_fwd(x, scale, offset, *, axis, epsilon, subtract_mean, given, interpret, name):
   """Shared forward: returns (y, mean or None, rstd)."""
-  x2d, batch = _to_rows(x, axis)
+  axes = _normalised_axes(axis, x.ndim)
+  x2d, batch = _to_rows(x, axes)
   rows, cols = x2d.shape
-  _check_param("scale", scale, cols)
-  _check_param("offset", offset, cols)
+  scale = _param_as_row("scale", scale, x.shape, axes)
+  offset = _param_as_row("offset", offset, x.shape, axes)
   if rows == 0:
     empty = jnp.zeros(batch, jnp.float32)
     return x, (empty if subtract_mean else None), empty
@@ -586,26 +613,36 @@ def _norm_fwd(x, scale, offset, *, axis, epsilon, subtract_mean, given, interpre
       kernel, out_shape=out_shape, grid=(_cdiv(rows, config["block_rows"]),),
       compiler_params=_compiler_params(config), interpret=interpret, name=name,
   )(*[a for a in (x2d, scale, offset) if a is not None])
-  y = _from_rows(outs[0], batch, axis, x.ndim)
+  y = _from_rows(outs[0], x.shape, axes)
   stats_out = [s.reshape(batch) for s in outs[1:]]
   return y, (stats_out[0] if subtract_mean else None), stats_out[-1]
 
 
-def _norm_bwd(x, scale, mean, rstd, dy, *, axis, want_doffset, given, interpret, name):
-  """Shared backward: returns (dx, dscale float32 or None, doffset float32 or None)."""
+def _norm_bwd(x, scale, mean, rstd, dy, *, axis, offset_dtype, given, interpret, name):
+  """Shared backward: returns (dx, dscale or None, doffset or None).
+
+  dscale has scale's dtype, doffset offset_dtype (None: the forward had no offset).
+  """
   if dy.shape != x.shape:
     raise ValueError(f"dy must have x's shape {x.shape}, got {dy.shape}.")
-  x2d, batch = _to_rows(x, axis)
-  dy2d, _ = _to_rows(dy, axis)
+  axes = _normalised_axes(axis, x.ndim)
+  x2d, batch = _to_rows(x, axes)
+  dy2d, _ = _to_rows(dy, axes)
   rows, cols = x2d.shape
-  _check_param("scale", scale, cols)
+  scale = _param_as_row("scale", scale, x.shape, axes)
   for label, residual in (("mean", mean), ("rstd", rstd)):
     if residual is not None:
       _check_residual(label, residual, batch)
-  has_scale = scale is not None
+  has_scale, want_doffset = scale is not None, offset_dtype is not None
+  norm_shape = tuple(x.shape[a] for a in axes)
+  sum_dtypes = [d for d in (None if scale is None else scale.dtype, offset_dtype) if d is not None]
+
+  def finish(dx, column_sums):
+    sums = iter([c.reshape(norm_shape).astype(d) for c, d in zip(column_sums, sum_dtypes)])
+    return dx, (next(sums) if has_scale else None), (next(sums) if want_doffset else None)
+
   if rows == 0:
-    zeros = jnp.zeros((cols,), jnp.float32)
-    return jnp.zeros_like(x), (zeros if has_scale else None), (zeros if want_doffset else None)
+    return finish(jnp.zeros_like(x), [jnp.zeros((cols,), jnp.float32)] * len(sum_dtypes))
   config = _resolve_tunables(rows, cols, x.dtype, given, backward=True)
   programs = _cdiv(_cdiv(rows, config["block_rows"]), config["blocks_per_program"])
   kernel = functools.partial(
@@ -622,11 +659,7 @@ def _norm_bwd(x, scale, mean, rstd, dy, *, axis, want_doffset, given, interpret,
       kernel, out_shape=out_shape, grid=(programs,),
       compiler_params=_compiler_params(config), interpret=interpret, name=name,
   )(*[a for a in inputs if a is not None])
-  dx = _from_rows(outs[0], batch, axis, x.ndim)
-  totals = iter([jnp.sum(p, axis=0) for p in outs[1:]])
-  dscale = next(totals) if has_scale else None
-  doffset = next(totals) if want_doffset else None
-  return dx, dscale, doffset
+  return finish(_from_rows(outs[0], x.shape, axes), [jnp.sum(p, axis=0) for p in outs[1:]])
 
 
 def layer_norm_fwd_pallas_triton(
@@ -634,7 +667,7 @@ def layer_norm_fwd_pallas_triton(
     scale: jax.Array | None,
     offset: jax.Array | None,
     *,
-    axis: int = -1,
+    axis: int | tuple[int, ...] = -1,
     epsilon: float = 1e-6,
     block_rows: int | None = None,
     block_cols: int | None = None,
@@ -646,9 +679,9 @@ def layer_norm_fwd_pallas_triton(
 
   Args:
     x: input of any shape with at least one dimension.
-    scale: (x.shape[axis],) multiplier, or None for none.
-    offset: (x.shape[axis],) addend, or None for none.
-    axis: the dimension to normalise over.
+    scale: multiplier of x's sizes along `axis`, or None for none.
+    offset: addend of x's sizes along `axis`, or None for none.
+    axis: the dimension, or dimensions, to normalise over.
     epsilon: added to the variance before the reciprocal square root.
     block_rows, block_cols, num_warps, num_stages: tunables (module doc); None
       takes the value of `heuristic_tunables`.
@@ -671,8 +704,9 @@ def layer_norm_fwd_pallas_triton(
 def rms_norm_fwd_pallas_triton(
     x: jax.Array,
     scale: jax.Array | None,
+    offset: jax.Array | None = None,
     *,
-    axis: int = -1,
+    axis: int | tuple[int, ...] = -1,
     epsilon: float = 1e-6,
     block_rows: int | None = None,
     block_cols: int | None = None,
@@ -680,12 +714,15 @@ def rms_norm_fwd_pallas_triton(
     num_stages: int | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-  """rms_norm forward: x * rsqrt(mean(x^2) + epsilon) * scale.
+  """rms_norm forward: x * rsqrt(mean(x^2) + epsilon) * scale + offset.
 
   Args:
     x: input of any shape with at least one dimension.
-    scale: (x.shape[axis],) multiplier, or None for none.
-    axis: the dimension to normalise over.
+    scale: multiplier of x's sizes along `axis`, or None for none.
+    offset: addend of x's sizes along `axis`, or None for none (the usual
+      rms_norm has none; its backward's doffset is `rms_norm_bwd_pallas_triton`'s
+      with offset_dtype).
+    axis: the dimension, or dimensions, to normalise over.
     epsilon: added to the mean square before the reciprocal square root.
     block_rows, block_cols, num_warps, num_stages: tunables (module doc); None
       takes the value of `heuristic_tunables`.
@@ -696,12 +733,12 @@ def rms_norm_fwd_pallas_triton(
     `axis`, the residual `rms_norm_bwd_pallas_triton` takes.
 
   Raises:
-    ValueError: for an empty normalised axis, an out-of-range axis, a scale of
-      the wrong shape, or an invalid tunable (`check_tunables`).
+    ValueError: for an empty normalised axis, an out-of-range axis, a scale or
+      offset of the wrong shape, or an invalid tunable (`check_tunables`).
   """
   given = dict(block_rows=block_rows, block_cols=block_cols, num_warps=num_warps,
                num_stages=num_stages)
-  y, _, rstd = _norm_fwd(x, scale, None, axis=axis, epsilon=epsilon, subtract_mean=False,
+  y, _, rstd = _norm_fwd(x, scale, offset, axis=axis, epsilon=epsilon, subtract_mean=False,
                          given=given, interpret=interpret, name="rms_norm_fwd")
   return y, rstd
 
@@ -714,7 +751,7 @@ def layer_norm_bwd_pallas_triton(
     dy: jax.Array,
     *,
     offset_dtype: Any | None,
-    axis: int = -1,
+    axis: int | tuple[int, ...] = -1,
     block_rows: int | None = None,
     block_cols: int | None = None,
     num_warps: int | None = None,
@@ -749,12 +786,8 @@ def layer_norm_bwd_pallas_triton(
                      "for a norm without mean subtraction use rms_norm_bwd_pallas_triton.")
   given = dict(block_rows=block_rows, block_cols=block_cols, num_warps=num_warps,
                num_stages=num_stages, blocks_per_program=blocks_per_program)
-  dx, dscale, doffset = _norm_bwd(
-      x, scale, mean, rstd, dy, axis=axis, want_doffset=offset_dtype is not None,
-      given=given, interpret=interpret, name="layer_norm_bwd")
-  dscale = None if dscale is None else dscale.astype(scale.dtype)
-  doffset = None if doffset is None else doffset.astype(offset_dtype)
-  return dx, dscale, doffset
+  return _norm_bwd(x, scale, mean, rstd, dy, axis=axis, offset_dtype=offset_dtype, given=given,
+                   interpret=interpret, name="layer_norm_bwd")
 
 
 def rms_norm_bwd_pallas_triton(
@@ -763,14 +796,15 @@ def rms_norm_bwd_pallas_triton(
     rstd: jax.Array,
     dy: jax.Array,
     *,
-    axis: int = -1,
+    offset_dtype: Any | None = None,
+    axis: int | tuple[int, ...] = -1,
     block_rows: int | None = None,
     block_cols: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     blocks_per_program: int | None = None,
     interpret: bool = False,
-) -> tuple[jax.Array, jax.Array | None]:
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
   """rms_norm backward from the forward's residual.
 
   Args:
@@ -778,24 +812,24 @@ def rms_norm_bwd_pallas_triton(
     scale: the forward's scale, or None.
     rstd: the residual `rms_norm_fwd_pallas_triton` returned.
     dy: cotangent of y, x's shape.
+    offset_dtype: dtype of the forward's offset, or None if it had none (the
+      usual rms_norm; then doffset is None).
     axis: the forward's axis.
     block_rows, block_cols, num_warps, num_stages, blocks_per_program: tunables
       (module doc); None takes the value of `heuristic_tunables(backward=True)`.
     interpret: run the kernel in Pallas interpret mode (on any backend).
 
   Returns:
-    (dx, dscale): dx with x's shape and dtype; dscale in scale's dtype (None
-    without scale).
+    (dx, dscale, doffset): dx with x's shape and dtype; dscale in scale's dtype
+    (None without scale); doffset in offset_dtype (None without offset).
 
   Raises:
     ValueError: for shapes that do not match x or an invalid tunable.
   """
   given = dict(block_rows=block_rows, block_cols=block_cols, num_warps=num_warps,
                num_stages=num_stages, blocks_per_program=blocks_per_program)
-  dx, dscale, _ = _norm_bwd(
-      x, scale, None, rstd, dy, axis=axis, want_doffset=False, given=given,
-      interpret=interpret, name="rms_norm_bwd")
-  return dx, (None if dscale is None else dscale.astype(scale.dtype))
+  return _norm_bwd(x, scale, None, rstd, dy, axis=axis, offset_dtype=offset_dtype, given=given,
+                   interpret=interpret, name="rms_norm_bwd")
 
 
 # ---------------------------------------------------------------------------
@@ -841,18 +875,11 @@ class PallasTritonLayerNormVjpConfig:
 
 
 def _rows_cols(ba) -> tuple[int, int, str]:
+  """The (rows, cols) problem the kernels see (`_to_rows`), and x's dtype."""
   x = ba.arguments["x"]
-  axis = ba.arguments["axis"]
-  cols = x.shape[axis]
-  return max(1, x.size // max(cols, 1)), cols, x.dtype
-
-
-def _check_supported(arguments):
-  if not isinstance(arguments["axis"], int):
-    raise NotImplementedError(f"axis={arguments['axis']} (several axes): the Pallas Triton kernel "
-                              "normalises over one axis; the XLA implementation takes several.")
-  if not arguments["subtract_mean"] and arguments["offset"] is not None:
-    raise NotImplementedError("rms_norm with an offset is not in the Pallas Triton kernel.")
+  axes = _normalised_axes(ba.arguments["axis"], len(x.shape))
+  cols = math.prod(x.shape[a] for a in axes)
+  return max(1, math.prod(x.shape) // max(cols, 1)), cols, x.dtype
 
 
 class PallasTritonLayerNormVjp(pallas_common.PallasTritonOp, _base.LayerNormVjp,
@@ -862,23 +889,16 @@ class PallasTritonLayerNormVjp(pallas_common.PallasTritonOp, _base.LayerNormVjp,
 
   config_cls = PallasTritonLayerNormVjpConfig
 
-  def _canonicalize(self, arguments):
-    arguments = _base.LayerNormVjp._canonicalize(self, arguments)
-    _check_supported(arguments)
-    return arguments
-
   def _fwd(self, residuals, out, dout, x, scale=None, offset=None, *, axis, epsilon, subtract_mean, config):
     del out, epsilon
-    kw = dict(axis=axis, interpret=self.interpret, **pallas_common.tunables_of(config))
-    if subtract_mean:
-      mean, rstd = residuals
-      dx, dscale, doffset = layer_norm_bwd_pallas_triton(
-          x, scale, mean, rstd, dout.astype(x.dtype),
-          offset_dtype=None if offset is None else offset.dtype, **kw)
-      return {"x": dx, "scale": dscale, "offset": doffset}
-    (rstd,) = residuals
-    dx, dscale = rms_norm_bwd_pallas_triton(x, scale, rstd, dout.astype(x.dtype), **kw)
-    return {"x": dx, "scale": dscale}
+    mean, rstd = residuals if subtract_mean else (None, *residuals)
+    dx, dscale, doffset = _norm_bwd(
+        x, scale, mean, rstd, dout.astype(x.dtype), axis=axis,
+        offset_dtype=None if offset is None else offset.dtype,
+        given=pallas_common.tunables_of(config), interpret=self.interpret,
+        name="layer_norm_bwd" if subtract_mean else "rms_norm_bwd")
+    grads = {"x": dx, "scale": dscale, "offset": doffset}
+    return {name: g for name, g in grads.items() if g is not None}  # as the reference's
 
   def _get_heuristics_config(self, ba):
     rows, cols, dtype = _rows_cols(ba)
@@ -891,23 +911,17 @@ class PallasTritonLayerNormVjp(pallas_common.PallasTritonOp, _base.LayerNormVjp,
 
 
 class PallasTritonLayerNorm(pallas_common.PallasTritonOp, _base.LayerNorm, name="layer_norm.pallas_triton"):
-  """layer_norm / rms_norm forward in Pallas Triton (one normalised axis)."""
+  """layer_norm / rms_norm forward in Pallas Triton, over any axes (moved last)."""
 
   config_cls = PallasTritonLayerNormConfig
   vjp_cls = PallasTritonLayerNormVjp
 
-  def _canonicalize(self, arguments):
-    arguments = _base.LayerNorm._canonicalize(self, arguments)
-    _check_supported(arguments)
-    return arguments
-
   def _fwd(self, x, scale=None, offset=None, *, axis, epsilon, subtract_mean, config):
-    kw = dict(axis=axis, epsilon=epsilon, interpret=self.interpret, **pallas_common.tunables_of(config))
-    if subtract_mean:
-      y, mean, rstd = layer_norm_fwd_pallas_triton(x, scale, offset, **kw)
-      return y, (mean, rstd)
-    y, rstd = rms_norm_fwd_pallas_triton(x, scale, **kw)
-    return y, (rstd,)
+    y, mean, rstd = _norm_fwd(
+        x, scale, offset, axis=axis, epsilon=epsilon, subtract_mean=subtract_mean,
+        given=pallas_common.tunables_of(config), interpret=self.interpret,
+        name="layer_norm_fwd" if subtract_mean else "rms_norm_fwd")
+    return y, ((mean, rstd) if subtract_mean else (rstd,))
 
   def _get_heuristics_config(self, ba):
     return PallasTritonLayerNormConfig(**heuristic_tunables(*_rows_cols(ba)))
