@@ -46,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from stellarax.core.config import check_choice, check_positive_int
+from stellarax.ops.normalization.reference import normalize_axes
 
 MAX_BLOCK_COLS = 16384
 """The longest chunk of a row; longer rows are read in several chunks."""
@@ -537,14 +538,7 @@ def _normalised_axes(axis: int | tuple[int, ...], ndim: int) -> tuple[int, ...]:
   """Returns `axis` (an int or a tuple of ints) as sorted non-negative axes."""
   if ndim == 0:
     raise ValueError("x must have at least one dimension to normalise, got a scalar.")
-  axes = (axis,) if isinstance(axis, int) else tuple(axis)
-  if not axes or not all(isinstance(a, int) and -ndim <= a < ndim for a in axes):
-    raise ValueError(f"axis={axis!r} is out of range for an array of {ndim} dimensions: pass an "
-                     f"int or a non-empty tuple of ints in [{-ndim}, {ndim}).")
-  canonical = tuple(sorted(a % ndim for a in axes))
-  if len(set(canonical)) != len(canonical):
-    raise ValueError(f"axis={axis!r} names the same dimension twice.")
-  return canonical
+  return normalize_axes(axis, ndim)
 
 
 def _to_rows(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, tuple[int, ...]]:
