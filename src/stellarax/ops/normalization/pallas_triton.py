@@ -628,15 +628,17 @@ def _norm_bwd(x, scale, mean, rstd, dy, *, axis, offset_dtype, given, interpret,
     if residual is not None:
       _check_residual(label, residual, batch)
   has_scale, want_doffset = scale is not None, offset_dtype is not None
-  norm_shape = tuple(x.shape[a] for a in axes)
-  sum_dtypes = [d for d in (None if scale is None else scale.dtype, offset_dtype) if d is not None]
 
-  def finish(dx, column_sums):
-    sums = iter([c.reshape(norm_shape).astype(d) for c, d in zip(column_sums, sum_dtypes)])
-    return dx, (next(sums) if has_scale else None), (next(sums) if want_doffset else None)
+  def finish(dx, partials):
+    # Each (programs, cols) float32 partial sum becomes one total in its parameter's shape.
+    totals = iter(jnp.sum(p, axis=0).reshape(tuple(x.shape[a] for a in axes))
+              for p in partials)
+    dscale = next(totals).astype(scale.dtype) if has_scale else None
+    doffset = next(totals).astype(offset_dtype) if want_doffset else None
+    return dx, dscale, doffset
 
   if rows == 0:
-    return finish(jnp.zeros_like(x), [jnp.zeros((cols,), jnp.float32)] * len(sum_dtypes))
+    return finish(jnp.zeros_like(x), [jnp.zeros((1, cols), jnp.float32)] * (has_scale + want_doffset))
   config = _resolve_tunables(rows, cols, x.dtype, given, backward=True)
   programs = _cdiv(_cdiv(rows, config["block_rows"]), config["blocks_per_program"])
   kernel = functools.partial(
@@ -653,7 +655,7 @@ def _norm_bwd(x, scale, mean, rstd, dy, *, axis, offset_dtype, given, interpret,
       kernel, out_shape=out_shape, grid=(programs,),
       compiler_params=_compiler_params(config), interpret=interpret, name=name,
   )(*[a for a in inputs if a is not None])
-  return finish(_from_rows(outs[0], x.shape, axes), [jnp.sum(p, axis=0) for p in outs[1:]])
+  return finish(_from_rows(outs[0], x.shape, axes), outs[1:])
 
 
 def layer_norm_fwd_pallas_triton(
@@ -714,8 +716,8 @@ def rms_norm_fwd_pallas_triton(
     x: input of any shape with at least one dimension.
     scale: multiplier of x's sizes along `axis`, or None for none.
     offset: addend of x's sizes along `axis`, or None for none (the usual
-      rms_norm has none; its backward's doffset is `rms_norm_bwd_pallas_triton`'s
-      with offset_dtype).
+      rms_norm has none; with one, pass its dtype as `offset_dtype` to
+      `rms_norm_bwd_pallas_triton` for doffset).
     axis: the dimension, or dimensions, to normalise over.
     epsilon: added to the mean square before the reciprocal square root.
     block_rows, block_cols, num_warps, num_stages: tunables (module doc); None
