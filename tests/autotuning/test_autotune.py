@@ -595,6 +595,19 @@ def test_a_total_budget_is_shared_by_device_time_heaviest_first(monkeypatch):
   assert autotuning.call_weights_from_json(autotuning.bound_args_to_json([light])) == {}
 
 
+def test_a_profile_file_is_read_once_for_its_calls_and_their_weights(tmp_path, monkeypatch):
+  light, heavy = _ragged_calls(2)
+  path = tmp_path / "calls.json"
+  path.write_text(_profile_records([(light, 1.0), (heavy, 3.0)]))
+  reads = []
+  read_text = autotuning.capture._read_text
+  monkeypatch.setattr(autotuning.capture, "_read_text", lambda p: reads.append(p) or read_text(p))
+  spy, seen = _budget_spy(monkeypatch, spends=1.0)  # each call spends its share
+  result = tuner(strategy=spy, total_budget_s=4.0).autotune(path)
+  assert len(result) == 2 and seen == pytest.approx([3.0, 1.0])
+  assert reads == [path]  # the calls and their weights describe the same contents
+
+
 def test_a_total_budget_counts_only_the_calls_still_to_tune(user_cache_dir, monkeypatch):
   light, heavy = _ragged_calls(2)
   tuner(cache=True).autotune([heavy])

@@ -35,14 +35,17 @@ def test_ragged_dot_of_two_dtypes_promotes_as_lax():
   assert [g.dtype for g in grads] == [jnp.bfloat16, jnp.float32]
 
 
-@pytest.mark.parametrize("m, k, n", [(0, 64, 128), (48, 0, 128), (48, 64, 0)])
-def test_ragged_dot_with_an_empty_dimension_is_lax_s_zeros_in_every_implementation(m, k, n):
+@pytest.mark.parametrize("m, k, n, dtype", [
+    (0, 64, 128, jnp.bfloat16), (48, 0, 128, jnp.bfloat16), (48, 64, 0, jnp.bfloat16),
+    # Sizes and a dtype the Mosaic GPU kernel does not take: it runs no kernel, so it
+    # takes the call all the same (Op._check_supported is not asked of trivial calls).
+    (0, 40, 24, jnp.float32), (48, 40, 0, jnp.float32)])
+def test_ragged_dot_with_an_empty_dimension_is_lax_s_zeros_in_every_implementation(m, k, n, dtype):
   keys = _keys(3)
-  # bfloat16: the Mosaic GPU kernel takes no float32.
-  lhs = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
-  rhs = jax.random.normal(keys[1], (4, k, n), jnp.bfloat16)
+  lhs = jax.random.normal(keys[0], (m, k), dtype)
+  rhs = jax.random.normal(keys[1], (4, k, n), dtype)
   gs = jnp.asarray([m // 4, 0, m // 2, m // 8], jnp.int32)
-  dout = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
+  dout = jax.random.normal(keys[2], (m, n), dtype)
   expected, pullback = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, gs), lhs, rhs)
   for impl in ("xla", stellarax.PallasTritonRaggedDot(interpret=True),
                stellarax.PallasMosaicGpuRaggedDot(interpret=True)):
@@ -73,10 +76,14 @@ def test_vmap_over_an_empty_batch_runs_no_kernel():
   assert jax.vmap(jax.vmap(norm))(jnp.ones((3, 0, 4, 16))).shape == (3, 0, 4, 16)
 
 
-@pytest.mark.parametrize("batch, t", [(0, 16), (2, 0)])
-def test_attention_without_queries_is_empty_in_every_implementation(batch, t):
-  q = jax.random.normal(_keys(1)[0], (batch, t, 2, 64), jnp.bfloat16)
-  kv = jax.random.normal(_keys(2)[1], (batch, 16, 1, 64), jnp.bfloat16)
+@pytest.mark.parametrize("batch, t, head_dim, dtype", [
+    (0, 16, 64, jnp.bfloat16), (2, 0, 64, jnp.bfloat16),
+    # A head dim and a dtype the flash kernels do not take: no kernel runs, so they
+    # take the call all the same.
+    (2, 0, 40, jnp.float32)])
+def test_attention_without_queries_is_empty_in_every_implementation(batch, t, head_dim, dtype):
+  q = jax.random.normal(_keys(1)[0], (batch, t, 2, head_dim), dtype)
+  kv = jax.random.normal(_keys(2)[1], (batch, 16, 1, head_dim), dtype)
   for impl in ("xla", stellarax.PallasTritonAttention(interpret=True),
                stellarax.PallasMosaicGpuAttention(interpret=True)):
     out, pullback = jax.vjp(
@@ -85,7 +92,7 @@ def test_attention_without_queries_is_empty_in_every_implementation(batch, t):
     dq, dkv = pullback(out)
     assert dq.shape == q.shape and dkv.shape == kv.shape and not dkv.any()
   if batch:  # queries with no key: the kernels refuse them, so dispatch moves on
-    no_keys = kv[:, :0]
+    no_keys = jnp.ones((batch, 0, 1, 64), jnp.bfloat16)
     for impl in (stellarax.PallasTritonAttention(interpret=True),
                  stellarax.PallasMosaicGpuAttention(interpret=True)):
       with pytest.raises(NotImplementedError, match=r"no keys \(S=0\)"):

@@ -174,16 +174,10 @@ class Autotuner:
 
   def collect(self, f: Any, *args, **kwargs) -> list[BoundArguments]:
     """The unique bound arguments to tune, from any accepted input."""
-    if isinstance(f, BoundArguments):
-      found = [f]
-    elif isinstance(f, (str, os.PathLike)):
-      _no_args(args, kwargs, "bound-argument JSON")
-      found = capture.bound_args_from_json(f)
-    elif _is_bound_args(f):
-      _no_args(args, kwargs, "a sequence of BoundArguments")
-      found = list(f)
-    else:
-      found = capture.get_bound_args(f, *args, **kwargs)
+    return self._to_tune(_found_calls(f, args, kwargs)[0])
+
+  def _to_tune(self, found: Sequence[BoundArguments]) -> list[BoundArguments]:
+    """The unique calls to tune among those found, without configs."""
     # A call whose output is zeros whatever its inputs runs no kernel: nothing to tune.
     found = [ba.with_config(None) for ba in found if not ba.op._is_trivial(ba.arguments)]
     if self.implementations == "all":
@@ -216,13 +210,14 @@ class Autotuner:
         result is then empty); an empty sequence of BoundArguments does not warn.
     """
     _check_not_traced(args, kwargs)
-    calls = self.collect(f, *args, **kwargs)
+    found, profiled = _found_calls(f, args, kwargs)
+    calls = self._to_tune(found)
     if not calls and not _is_bound_args(f):
       warnings.warn(_nothing_found(f), NothingToTuneWarning, stacklevel=2)
     from stellarax.autotuning import distributed  # It imports this module.
     # Weighing a callable's calls runs it: not when every call comes from a cache.
     to_tune = any(self._reusable_entry(ba) is None for ba in calls)
-    weights = self._weights(f, calls, args, kwargs) if to_tune else {}
+    weights = self._weights(f, calls, args, kwargs, profiled) if to_tune else {}
     if not (self.distribute and distributed.should_distribute()):
       return self._tune_here(calls, weights)
     try:
@@ -271,14 +266,16 @@ class Autotuner:
     return None if self.ignore_cache else _cached_entry(ba)
 
   def _weights(self, f: Any, calls: Sequence[BoundArguments], args: tuple,
-               kwargs: Mapping[str, Any]) -> dict[BoundArguments, float]:
+               kwargs: Mapping[str, Any], in_file: Mapping[BoundArguments, float] | None
+               ) -> dict[BoundArguments, float]:
     """What tuning each call is worth, for `total_budget_s` (see the class docstring):
-    its device time in the profile `f` holds or that a run of `f` gives, 0.0 where
-    none says (`budget_shares` gives those a floor); {} without a total budget."""
+    its device time in the profile `f` holds (`in_file`, for bound-argument JSON) or
+    that a run of `f` gives, 0.0 where none says (`budget_shares` gives those a floor);
+    {} without a total budget."""
     if self.total_budget_s is None:
       return {}
-    if isinstance(f, (str, os.PathLike)):
-      profiled = capture.call_weights_from_json(f)
+    if in_file is not None:
+      profiled = dict(in_file)
     elif callable(f) and _all_arrays((args, kwargs)):
       profiled = _profiled_weights(f, args, kwargs, calls)
     else:
@@ -414,6 +411,21 @@ def _check_not_traced(args: tuple, kwargs: Mapping[str, Any]) -> None:
                     "called inside jax.jit, vmap, grad or another transformation. Tuning compiles "
                     "and times programs of its own; call autotune outside the transformation, "
                     "with concrete arrays or jax.ShapeDtypeStruct.")
+
+
+def _found_calls(f: Any, args: tuple, kwargs: Mapping[str, Any]
+                 ) -> tuple[list[BoundArguments], dict[BoundArguments, float] | None]:
+  """The op calls an autotune input holds, and for bound-argument JSON the device time
+  of each in the profile it came from, from one read of the file (None for other inputs)."""
+  if isinstance(f, BoundArguments):
+    return [f], None
+  if isinstance(f, (str, os.PathLike)):
+    _no_args(args, kwargs, "bound-argument JSON")
+    return capture.calls_and_weights_from_json(f)
+  if _is_bound_args(f):
+    _no_args(args, kwargs, "a sequence of BoundArguments")
+    return list(f), None
+  return capture.get_bound_args(f, *args, **kwargs), None
 
 
 def _is_bound_args(f: Any) -> bool:

@@ -99,7 +99,7 @@ def bound_args_from_json(path_or_json: str | os.PathLike) -> list[BoundArguments
     FileNotFoundError: for a path that does not exist.
     ValueError: for text that is not such JSON, naming the source.
   """
-  return [ba for ba, _ in _records(path_or_json)]
+  return calls_and_weights_from_json(path_or_json)[0]
 
 
 def call_weights_from_json(path_or_json: str | os.PathLike) -> dict[BoundArguments, float]:
@@ -117,12 +117,30 @@ def call_weights_from_json(path_or_json: str | os.PathLike) -> dict[BoundArgumen
     As `bound_args_from_json`; also ValueError for a "device_time_s" that is not a
     number >= 0.
   """
+  return calls_and_weights_from_json(path_or_json)[1]
+
+
+def calls_and_weights_from_json(path_or_json: str | os.PathLike
+                                ) -> tuple[list[BoundArguments], dict[BoundArguments, float]]:
+  """`bound_args_from_json` and `call_weights_from_json` from one read of the file, so that
+  both describe the same contents.
+
+  Args:
+    path_or_json: as for `bound_args_from_json`.
+
+  Returns:
+    (calls, weights): what each of the two functions returns.
+
+  Raises:
+    As `call_weights_from_json`.
+  """
+  records = _records(path_or_json)
   weights: dict[BoundArguments, float] = {}
-  for ba, seconds in _records(path_or_json):
+  for ba, seconds in records:
     if seconds is not None:
       ba = ba.with_config(None)
       weights[ba] = weights.get(ba, 0.0) + seconds
-  return weights
+  return [ba for ba, _ in records], weights
 
 
 def _records(path_or_json: str | os.PathLike) -> list[tuple[BoundArguments, float | None]]:

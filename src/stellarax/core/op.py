@@ -1,7 +1,7 @@
 """`Op`: one implementation of one operation, with its config space.
 
 An `Op` subclass is one implementation (XLA, Pallas Triton, ...) of an op
-family. It declares a config class and five hooks:
+family. It declares a config class and six hooks:
 
 - `_fwd(*args, config, **kwargs)`: compute. A forward op returns
   `(out, residuals)`; residuals are what its VJP op needs (or None).
@@ -10,6 +10,8 @@ family. It declares a config class and five hooks:
 - `_get_autotuning_cache_key(ba)`: the key results are stored under
   (default: the canonical abstract arguments, vmap axes included).
 - `supported_on(device)`: whether it runs on a device.
+- `_check_supported(arguments)`: refuses, with NotImplementedError, a call its
+  kernel does not take (dispatch then tries the next implementation).
 
 Calling an op binds its arguments (`bind`), resolves a config (see
 `resolution.py`) and runs `_fwd` inside a marker that names the op and its
@@ -97,10 +99,17 @@ class Op(abc.ABC):
   def _canonicalize(self, arguments: dict[str, Any]) -> dict[str, Any]:
     """Validates and canonicalises bound arguments (arrays or ArraySpecs).
 
-    Raise ValueError/TypeError for bad input, NotImplementedError for input
-    this implementation does not support (dispatch then tries the next one).
+    Raise ValueError/TypeError for bad input (input no implementation of the
+    family takes); what one implementation does not support is `_check_supported`'s.
     """
     return arguments
+
+  def _check_supported(self, arguments: dict[str, Any]) -> None:
+    """Raises NotImplementedError, saying why, for canonical `arguments` this
+    implementation does not take (a dtype or size its kernel lacks); dispatch then
+    tries the next one. Not asked of a trivial call (`_is_trivial`), which runs no
+    kernel, so every implementation takes it."""
+    del arguments
 
   def _is_trivial(self, arguments: dict[str, Any]) -> bool:
     """Whether a call's output is zeros whatever its inputs (a matmul with an empty
@@ -194,7 +203,10 @@ class Op(abc.ABC):
     except TypeError as e:
       raise TypeError(f"{type(self).__name__}{self._signature()}: {e}") from None
     bound.apply_defaults()
-    return self._canonicalize(dict(bound.arguments))
+    values = self._canonicalize(dict(bound.arguments))
+    if self.fwd_cls is not None or not self._is_trivial(values):
+      self._check_supported(values)
+    return values
 
   @_bind_descriptor
   def bind(self, *args, **kwargs):

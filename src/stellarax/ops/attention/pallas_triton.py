@@ -976,7 +976,7 @@ class PallasTritonAttentionVjpConfig:
     _check_warps_stages(self.num_warps, self.num_stages)
 
 
-def _check_supported(arguments):
+def _check_kernel_takes(arguments):
   flash_blocks.require_window_the_kernels_take(arguments.get("local_window_size"))
   flash_blocks.require_keys_the_kernels_take(arguments)
   q = arguments["query"]
@@ -998,10 +998,8 @@ class PallasTritonAttentionVjp(pallas_common.PallasTritonOp, _base.AttentionVjp,
 
   config_cls = PallasTritonAttentionVjpConfig
 
-  def _canonicalize(self, arguments):
-    arguments = _base.AttentionVjp._canonicalize(self, arguments)
-    _check_supported(arguments)
-    return arguments
+  def _check_supported(self, arguments):
+    _check_kernel_takes(arguments)
 
   def _fwd(self, residuals, out, dout, query, key, value, bias=None, mask=None, *, config, **static):
     (lse,) = residuals
@@ -1026,10 +1024,8 @@ class PallasTritonAttention(pallas_common.PallasTritonOp, _base.Attention, name=
   config_cls = PallasTritonAttentionConfig
   vjp_cls = PallasTritonAttentionVjp
 
-  def _canonicalize(self, arguments):
-    arguments = _base.Attention._canonicalize(self, arguments)
-    _check_supported(arguments)
-    return arguments
+  def _check_supported(self, arguments):
+    _check_kernel_takes(arguments)
 
   def _fwd(self, query, key, value, bias=None, mask=None, *, config, **static):
     out, lse = attention_fwd_pallas_triton(query, key, value, bias, mask, **static, interpret=self.interpret,

@@ -815,7 +815,7 @@ def _mkng(ba) -> tuple[int, int, int, int, str]:
   return lhs.shape[0], lhs.shape[1], rhs.shape[2], rhs.shape[0], lhs.dtype
 
 
-def _check_supported(arguments):
+def _check_kernel_takes(arguments):
   dtypes = {jnp.dtype(arguments["lhs"].dtype), jnp.dtype(arguments["rhs"].dtype)}
   if len(dtypes) != 1 or not dtypes <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)}:
     raise NotImplementedError(f"lhs and rhs dtypes {sorted(map(str, dtypes))}: the kernel needs one of "
@@ -834,10 +834,8 @@ class PallasTritonRaggedDotVjp(pallas_common.PallasTritonOp, _base.RaggedDotVjp,
 
   config_cls = PallasTritonRaggedDotVjpConfig
 
-  def _canonicalize(self, arguments):
-    arguments = _base.RaggedDotVjp._canonicalize(self, arguments)
-    _check_supported(arguments)
-    return arguments
+  def _check_supported(self, arguments):
+    _check_kernel_takes(arguments)
 
   def _fwd(self, residuals, out, dout, lhs, rhs, group_sizes, *, precision=None, preferred_element_type=None,
            config):
@@ -865,10 +863,8 @@ class PallasTritonRaggedDot(pallas_common.PallasTritonOp, _base.RaggedDot, name=
   config_cls = PallasTritonRaggedDotConfig
   vjp_cls = PallasTritonRaggedDotVjp
 
-  def _canonicalize(self, arguments):
-    arguments = _base.RaggedDot._canonicalize(self, arguments)
-    _check_supported(arguments)
-    return arguments
+  def _check_supported(self, arguments):
+    _check_kernel_takes(arguments)
 
   def _fwd(self, lhs, rhs, group_sizes, *, precision=None, preferred_element_type=None, config):
     del precision

@@ -43,7 +43,7 @@ from stellarax.ops.attention.pallas_mosaic_gpu.tunables import (
     PallasMosaicGpuAttentionVjpConfig, heuristic_tunables, tunable_space)
 
 
-def _check_supported(arguments: dict[str, Any]) -> None:
+def _check_kernel_takes(arguments: dict[str, Any]) -> None:
   """Raises NotImplementedError for inputs the kernels do not handle (dispatch falls back)."""
   flash_blocks.require_window_the_kernels_take(arguments.get("local_window_size"))
   q = arguments["query"]
@@ -82,10 +82,8 @@ class PallasMosaicGpuAttentionVjp(pallas_common.PallasMosaicGpuOp, _base.Attenti
 
   config_cls = PallasMosaicGpuAttentionVjpConfig
 
-  def _canonicalize(self, arguments):
-    arguments = _base.AttentionVjp._canonicalize(self, arguments)
-    _check_supported(arguments)
-    return arguments
+  def _check_supported(self, arguments):
+    _check_kernel_takes(arguments)
 
   def _fwd(self, residuals, out, dout, query, key, value, bias=None, mask=None, *, config,
            **static):
@@ -116,10 +114,8 @@ class PallasMosaicGpuAttention(pallas_common.PallasMosaicGpuOp, _base.Attention,
   config_cls = PallasMosaicGpuAttentionConfig
   vjp_cls = PallasMosaicGpuAttentionVjp
 
-  def _canonicalize(self, arguments):
-    arguments = _base.Attention._canonicalize(self, arguments)
-    _check_supported(arguments)
-    return arguments
+  def _check_supported(self, arguments):
+    _check_kernel_takes(arguments)
 
   def _fwd(self, query, key, value, bias=None, mask=None, *, config, **static):
     out, lse = attention_fwd_pallas_mosaic_gpu(

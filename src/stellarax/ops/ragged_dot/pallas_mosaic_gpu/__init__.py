@@ -51,7 +51,7 @@ def _problem(ba) -> tuple[int, int, int, int, Any]:
   return lhs.shape[0], lhs.shape[1], rhs.shape[2], rhs.shape[0], lhs.dtype
 
 
-def _check_supported(arguments, *, backward: bool) -> None:
+def _check_kernel_takes(arguments, *, backward: bool) -> None:
   """Raises NotImplementedError for input the kernels do not take, so dispatch falls back."""
   lhs, rhs = arguments["lhs"], arguments["rhs"]
   dtypes = {jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype)}
@@ -77,10 +77,8 @@ class PallasMosaicGpuRaggedDotVjp(pallas_common.PallasMosaicGpuOp, _base.RaggedD
 
   config_cls = PallasMosaicGpuRaggedDotConfig
 
-  def _canonicalize(self, arguments):
-    arguments = _base.RaggedDotVjp._canonicalize(self, arguments)
-    _check_supported(arguments, backward=True)
-    return arguments
+  def _check_supported(self, arguments):
+    _check_kernel_takes(arguments, backward=True)
 
   def _fwd(self, residuals, out, dout, lhs, rhs, group_sizes, *, precision=None,
            preferred_element_type=None, config):
@@ -112,10 +110,8 @@ class PallasMosaicGpuRaggedDot(pallas_common.PallasMosaicGpuOp, _base.RaggedDot,
   config_cls = PallasMosaicGpuRaggedDotConfig
   vjp_cls = PallasMosaicGpuRaggedDotVjp
 
-  def _canonicalize(self, arguments):
-    arguments = _base.RaggedDot._canonicalize(self, arguments)
-    _check_supported(arguments, backward=False)
-    return arguments
+  def _check_supported(self, arguments):
+    _check_kernel_takes(arguments, backward=False)
 
   def _fwd(self, lhs, rhs, group_sizes, *, precision=None, preferred_element_type=None, config):
     del precision
