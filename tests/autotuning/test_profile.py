@@ -332,6 +332,57 @@ def test_events_matching_several_programs_are_left_out(traced, tmp_path):
   assert [c.device_time_s for c in calls[1:]] == [0.0, 0.0]
 
 
+_FROM_THE_PERSISTENT_CACHE = """
+import sys, warnings
+import jax, jax.numpy as jnp, stellarax
+from stellarax.autotuning.profile import read_op_calls
+cache, trace, shapes = sys.argv[1], sys.argv[2], eval(sys.argv[3])
+jax.config.update("jax_compilation_cache_dir", cache)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+if trace != "-":  # the reading process compiles other programs first: other ids
+  for n in range(3):
+    jax.jit(lambda x, n=n: x + n)(jnp.ones(3)).block_until_ready()
+step = jax.jit(lambda x: jnp.sum(jnp.sin(stellarax.rms_norm(x, None))))
+inputs = [jnp.ones(shape) for shape in shapes]
+for x in inputs:
+  step(x).block_until_ready()
+if trace != "-":
+  with jax.profiler.trace(trace):
+    for x in inputs:
+      step(x).block_until_ready()
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    try:
+      print(sorted(call.count for call in read_op_calls(trace)))
+    except Exception as e:
+      print(type(e).__name__, e)
+  print("\\n".join(str(w.message) for w in caught))
+"""
+
+
+@pytest.mark.parametrize("shapes, counts", [([(8, 16)], "[1]"), ([(8, 16), (8, 32)], None)])
+def test_programs_loaded_from_the_persistent_compilation_cache(tmp_path, shapes, counts):
+  # XLA:CPU's events of a program loaded from JAX's persistent compilation cache carry
+  # the program_id of the process that compiled it, which names no program of the
+  # profile (or another one): its events are found by module name, where that tells.
+  import subprocess
+  import sys
+  def run(trace):
+    proc = subprocess.run([sys.executable, "-c", _FROM_THE_PERSISTENT_CACHE, str(tmp_path / "cache"),
+                           trace, repr(shapes)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+  run("-")  # compiles into the cache
+  out = run(str(tmp_path / "trace"))
+  if counts is not None:  # one program of its name: found
+    assert out.splitlines()[0] == counts, out
+  else:  # one function at two shapes: no telling which ran; the warning says why
+    assert out.startswith("ProfileError"), out
+    assert "events were left out" in out and "persistent compilation cache" in out, out
+    assert "jax_enable_compilation_cache" in out, out
+
+
 def test_no_stellarax_ops_names_the_programs_that_ran(unmarked_profile):
   with pytest.raises(ProfileError, match="no stellarax ops") as error:
     read_op_calls(unmarked_profile)

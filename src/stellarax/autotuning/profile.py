@@ -29,7 +29,12 @@ How events become op calls:
 1. Events are the ones with an ``hlo_op`` stat on ``/device:*`` planes; a profile with
    none there (CPU) uses the other planes instead. An event names a program by
    ``program_id``, or else by ``hlo_module``, and an instruction of it by ``hlo_op``. A
-   program *ran* when at least one event is filed under it.
+   program *ran* when at least one event is filed under it. Where several programs
+   may have run an event (found by module name: an event without ``program_id``, or
+   of a module whose ids the file's programs do not match, as after JAX's persistent
+   compilation cache, see `_ProgramIndex`), it is filed only if its instruction does
+   the same ops' work in all of them, left out with a warning if it does different
+   ops' work, and left out silently if no op's work in any.
 2. Markers. An instruction runs the work of its own HLO and of the computations it calls
    (fusion bodies, reducers, wrapped calls), but not of ``while``/``conditional`` bodies,
    which run as events of their own. Its markers are the ``stellarax_op`` attributes
@@ -352,7 +357,7 @@ def _profile_files(path: pathlib.Path) -> list[pathlib.Path]:
 def _read_file(path: pathlib.Path) -> dict[str, tuple[int, float]]:
   """Counts and device time (ns) per marker of one ``*.xplane.pb`` file."""
   events, programs = _load(path)
-  tally = _Tally(_ProgramIndex(programs))
+  tally = _Tally(_ProgramIndex(programs, events))
   for event in events:
     tally.add(event)
   result = tally.result()
@@ -590,6 +595,10 @@ class _Program:
   enclosing: Mapping[str, frozenset[str]]
   home: Mapping[str, int]
   sequences: Mapping[int, _Sequence]
+
+  def ops_of(self, name: str) -> frozenset[str]:
+    """The markers that instruction `name`'s events may give time to (module doc, 5)."""
+    return self.markers_with_bodies[name] or self.shares.get(name, frozenset())
 
 
 def _programs(plane: memoryview) -> list[_Program]:
@@ -1253,19 +1262,36 @@ def _event(plane: str, event: profiler.ProfileEvent, program_only: bool = False
 
 
 class _ProgramIndex:
-  """Finds the program of an event: by program_id, else by module name."""
+  """Finds the program of an event: by program_id, else by module name.
 
-  def __init__(self, programs: Iterable[_Program]):
+  A module's program_ids are not trusted where one of its events carries an id that
+  names no program of that module in the file: programs that JAX loaded from its
+  persistent compilation cache keep, in XLA:CPU's events, the ids of the process that
+  compiled them, and such an id may name another program of the file, even one of the
+  same module compiled for other inputs. All events of such a module are found by its
+  name.
+  """
+
+  def __init__(self, programs: Iterable[_Program], events: Iterable[_Event]):
     self.by_id: dict[int, _Program] = {}
     self.by_name: dict[str, list[_Program]] = collections.defaultdict(list)
     for program in programs:
       self.by_id[program.program_id] = program
       self.by_name[program.name].append(program)
+    self.foreign_ids: dict[str, set[int]] = collections.defaultdict(set)
+    for event in events:
+      program_id, module = event.names()
+      if program_id is not None and module is not None and not self._names(program_id, module):
+        self.foreign_ids[module].add(program_id)
+
+  def _names(self, program_id: int, module: str) -> bool:
+    program = self.by_id.get(program_id)
+    return program is not None and program.name == module
 
   def find(self, event: _Event) -> list[_Program]:
     """The programs `event` may belong to that hold its instruction."""
     program_id, module = event.names()
-    if program_id in self.by_id:
+    if program_id in self.by_id and (module is None or module not in self.foreign_ids):
       candidates = [self.by_id[program_id]]
     else:
       candidates = self.by_name.get(module, [])
@@ -1282,6 +1308,8 @@ class _Tally:
         lambda: collections.defaultdict(list))
     self.ran: collections.Counter[str] = collections.Counter()
     self.ambiguous = 0
+    # The modules of ambiguous events whose program_ids were not trusted (_ProgramIndex).
+    self.untrusted: set[str] = set()
 
   def add(self, event: _Event) -> None:
     """Files `event` under its program and instruction."""
@@ -1291,10 +1319,15 @@ class _Tally:
       return
     program = candidates[0]
     self.ran[f"{program.name}({program.program_id})"] += 1
-    if any(p.markers[event.hlo_op] != program.markers[event.hlo_op] for p in candidates):
+    ops = program.ops_of(event.hlo_op)
+    if any(p.ops_of(event.hlo_op) != ops for p in candidates):
       self.ambiguous += 1
-    else:
+      if program.name in self.index.foreign_ids:
+        self.untrusted.add(program.name)
+    elif len(candidates) == 1 or ops:
       self.events[program.program_id][event.hlo_op].append(event)
+    # Else it is no op's work in any of its programs: it tells no op's time, and filed
+    # under one of them it would count that program's calls for the runs of another.
 
   def result(self) -> dict[str, tuple[int, float]]:
     """Marker -> (count, time in ns) of the ops of every program that ran."""
@@ -1326,10 +1359,20 @@ class _Tally:
     return message
 
   def describe_ambiguous(self) -> str:
-    """Why events were left out as ambiguous."""
-    return (f"{self.ambiguous} events were left out: they carry no program_id, and "
-            "several programs of their module name hold an instruction of their name "
-            "with different markers (one function compiled for several inputs).")
+    """Why events were left out as ambiguous, and what to do."""
+    why = (f"{self.ambiguous} events were left out: several programs of their module name "
+           "hold an instruction of their name with different markers (one function compiled "
+           "for several inputs), and ")
+    if not self.untrusted:
+      return why + "the events carry no program_id to tell which one ran."
+    ids = "; ".join(f"{module}: {', '.join(map(str, sorted(self.index.foreign_ids[module])))}"
+                    for module in sorted(self.untrusted))
+    return why + (
+        f"their program_ids do not tell: some name no program of their module in this "
+        f"profile ({ids}), as where JAX loaded the programs from its persistent "
+        "compilation cache (XLA:CPU's events keep the ids of the process that compiled "
+        "them). Profile a run that compiles its programs itself: "
+        "jax.config.update('jax_enable_compilation_cache', False) before the first call.")
 
 
 class _Runs:
