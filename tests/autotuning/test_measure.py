@@ -300,6 +300,9 @@ class _AnyProgramBusyOneSecond(dict):
   def __getitem__(self, program):
     return 1.0
 
+  def get(self, program, default=None):
+    return 1.0
+
 
 def test_profiled_time_is_per_call_of_a_batch_and_of_a_loop(monkeypatch):
   looping = _loop_whatever_it_costs(monkeypatch)

@@ -383,6 +383,39 @@ def test_programs_loaded_from_the_persistent_compilation_cache(tmp_path, shapes,
     assert "jax_enable_compilation_cache" in out, out
 
 
+_PROFILED_CANDIDATES = """
+import sys
+import jax, jax.numpy as jnp
+from stellarax.autotuning.measure import MeasureOptions, measure_candidates
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# Two candidates of one module name: only program_ids tell their events apart.
+fns = {"sin": lambda x: jnp.sin(x) @ x, "cos": lambda x: jnp.cos(x) @ x}
+x = jnp.ones((128, 128))
+if sys.argv[2] == "fill":
+  for fn in fns.values():
+    jax.jit(fn).lower(x).compile()
+else:
+  for n in range(3):  # other programs first: other ids than the filling process's
+    jax.jit(lambda y, n=n: y + n)(jnp.ones(3)).block_until_ready()
+  options = MeasureOptions(profile=True, rounds=2, leader_rounds=0, warmup_s=0.0,
+                           max_total_s=0.3, loop_calls=0)
+  found = measure_candidates(fns, (x,), options=options)
+  print(sorted((name, m.profiled_s is not None and m.profiled_s > 0) for name, m in found.items()))
+"""
+
+
+def test_profiled_candidates_are_compiled_here_not_loaded_from_the_persistent_cache(tmp_path):
+  import subprocess
+  import sys
+  for mode in ("fill", "measure"):
+    proc = subprocess.run([sys.executable, "-c", _PROFILED_CANDIDATES, str(tmp_path / "cache"), mode],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.strip() == "[('cos', True), ('sin', True)]", proc.stdout + proc.stderr
+
+
 def test_no_stellarax_ops_names_the_programs_that_ran(unmarked_profile):
   with pytest.raises(ProfileError, match="no stellarax ops") as error:
     read_op_calls(unmarked_profile)
@@ -569,6 +602,9 @@ def test_busy_time_is_the_union_of_each_programs_kernels(tmp_path):
   # By program_id, from the stat or from a module named "<name>(<id>)"; else by name.
   assert busy == pytest.approx({7: 130e-9, 9: 40e-9, "jit_h": 30e-9}, rel=1e-9)
   assert autotuning.profile.busy_time_by_program(file, host_events=False) == busy
+  # By module name alone, whatever ids the events carry.
+  assert autotuning.profile.busy_time_by_program(file, by_module=True) == pytest.approx(
+      {"jit_f": 130e-9, "jit_g": 40e-9, "jit_h": 30e-9}, rel=1e-9)
   with pytest.raises(ProfileError, match="no such file"):
     autotuning.profile.busy_time_by_program(tmp_path / "missing")
   # A device event that names its program but no instruction (a kernel of a CUDA

@@ -54,10 +54,12 @@ Method, in the order `measure_candidates` runs it:
    events are XLA:CPU's thunks, each with the tracer's own cost in it: a program of
    many small thunks (a loop, a Pallas kernel in interpret mode) looks several times
    slower profiled (2026-12-02: 0.16 ms against 0.04 ms looped for a tiny interpreted
-   ragged_dot), so there the check only shows the mechanism works. A candidate
-   whose events cannot be told from others' (no program_id, and a module name that
-   several candidates share) or that left none gets None; so does every one when a
-   trace cannot start (another one is running: one warning).
+   ragged_dot), so there the check only shows the mechanism works. Each candidate's
+   events are found by its program's module name, which is its own (`_program_name`),
+   not by program_id (a program loaded from JAX's persistent compilation cache keeps,
+   in XLA:CPU's events, the id of the process that compiled it). A candidate that left
+   no events gets None; so does every one when a trace cannot start (another one is
+   running: one warning).
 
 Budget. Time spent on one candidate (warm-up and samples) stops growing at about
 `max_total_s`: a round skips a candidate that has spent its share (the main rounds may use
@@ -86,6 +88,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import math
 import os
 import queue
@@ -605,10 +608,24 @@ def _ordered_keys(mapping: Mapping[K, Any], order: Iterable[K] | None) -> list[K
 # --- phases -----------------------------------------------------------------------------
 
 
-def _compile_one(fn: Callable[..., Any], args: tuple) -> tuple[str, Any, float]:
+def _program_name(key: Any) -> str:
+  """The name a candidate's program is compiled under: the same for one key in every
+  call and process (so JAX's persistent compilation cache still finds it), another for
+  every other key of a call (so a profile tells its events from the others' by module
+  name, step 8: a program loaded from that cache keeps, in XLA:CPU's events, the
+  program_id of the process that compiled it)."""
+  return "stellarax_candidate_" + hashlib.sha1(repr(key).encode()).hexdigest()[:12]
+
+
+def _compile_one(fn: Callable[..., Any], args: tuple, name: str) -> tuple[str, Any, float]:
+  """Compiles `fn` for `args` as a program named `name`: ("ok", executable, seconds), or
+  ("error", the exception, seconds)."""
+  def program(*arrays):
+    return fn(*arrays)
+  program.__name__ = program.__qualname__ = name
   start = time.perf_counter()
   try:
-    executable = jax.jit(fn).lower(*args).compile()
+    executable = jax.jit(program).lower(*args).compile()
   except Exception as exc:  # Any failure to build the program is the candidate's.
     return "error", exc, time.perf_counter() - start
   return "ok", executable, time.perf_counter() - start
@@ -630,7 +647,8 @@ def _compile_all(cands: list[_Candidate], fns: Mapping[Any, Callable[..., Any]],
     while todo and len(running) < threads:
       cand = todo.popleft()
       running[cand] = time.perf_counter()
-      worker = lambda cand=cand: finished.put((cand, _compile_one(fns[cand.key], args)))
+      worker = lambda cand=cand: finished.put(
+          (cand, _compile_one(fns[cand.key], args, _program_name(cand.key))))
       threading.Thread(target=worker, name="stellarax-compile", daemon=True).start()
     wait_s = min(running.values()) + options.timeout_s - time.perf_counter()
     try:
@@ -898,7 +916,7 @@ def _profile_batches(cands: list[_Candidate], input_sets: list[tuple], options: 
   live = [c for c in cands if c.alive]
   if not live:
     return
-  names = {c: profile.program_names(c.executable) for c in live}
+  modules = {c: profile.program_names(c.executable)[1] for c in live}
   with tempfile.TemporaryDirectory(prefix="stellarax-profile-") as folder:
     try:
       jax.profiler.start_trace(folder, profiler_options=profile.trace_options(hlo=False))
@@ -913,21 +931,17 @@ def _profile_batches(cands: list[_Candidate], input_sets: list[tuple], options: 
       jax.profiler.stop_trace()
     try:
       # Off a CPU only the device's own events time the device (not the host's launches).
-      busy = profile.busy_time_by_program(folder, host_events=_platform(input_sets[0]) == "cpu")
+      busy = profile.busy_time_by_program(folder, by_module=True,
+                                          host_events=_platform(input_sets[0]) == "cpu")
     except profile.ProfileError as exc:
       warnings.warn(f"MeasureOptions.profile: the profile could not be read ({exc});"
                     " profiled_s stays None.", RuntimeWarning, stacklevel=4)
       return
-  # Events without a program_id name only their module, which candidates may share.
-  modules = collections.Counter(module for _, module in names.values())
+  # Each candidate's program has a name of its own (_program_name), unless two keys
+  # have one repr: those cannot be told apart.
+  shared = collections.Counter(modules.values())
   for cand in ran:
-    program_id, module = names[cand]
-    if program_id in busy:
-      seconds = busy[program_id]
-    elif modules[module] == 1:
-      seconds = busy.get(module)
-    else:
-      seconds = None
+    seconds = busy.get(modules[cand]) if shared[modules[cand]] == 1 else None
     if seconds is not None:
       cand.profiled_s = seconds / (cand.batch_calls * cand.calls_per_run)
 

@@ -258,8 +258,8 @@ def trace_options(*, hlo: bool) -> jax.profiler.ProfileOptions:
   return options
 
 
-def busy_time_by_program(path: str | os.PathLike[str], *,
-                         host_events: bool = True) -> dict[int | str, float]:
+def busy_time_by_program(path: str | os.PathLike[str], *, host_events: bool = True,
+                         by_module: bool = False) -> dict[int | str, float]:
   """How long the device was busy with each program that ran in a profile.
 
   A program's busy time on a plane (a device; on a CPU, the host's XLA:CPU threads) is
@@ -276,10 +276,15 @@ def busy_time_by_program(path: str | os.PathLike[str], *,
       holds any (a CPU's profile). False for a device's profile: there the host's
       events, from the same annotations, time the launches, so a profile without the
       device's own events (no CUPTI) gives no time rather than a wrong one.
+    by_module: name every program by its module name, whatever id its events carry:
+      for programs named apart (the ids of programs loaded from JAX's persistent
+      compilation cache come from the process that compiled them, see _ProgramIndex);
+      programs of one name add up.
 
   Returns:
     program -> seconds. A program is named by the program_id its events carry (see
-    `program_names`), or by its module name where they carry none.
+    `program_names`), or by its module name where they carry none (always, with
+    by_module).
 
   Raises:
     ProfileError: the path is missing or holds no profile, or a file is not one.
@@ -295,7 +300,8 @@ def busy_time_by_program(path: str | os.PathLike[str], *,
     for event in _op_events(space, device_work=True):
       if not host_events and not event.plane.startswith(_DEVICE_PLANE_PREFIX):
         continue
-      if (program := event.program()) is not None:
+      program = event.names()[1] if by_module else event.program()
+      if program is not None:
         intervals[program, event.plane].append(
             (event.start_ns, event.start_ns + event.duration_ns))
     for (program, _), spans in intervals.items():
