@@ -14,3 +14,11 @@ def test_tests_compile_at_level_one_unless_told_otherwise():
   assert conftest._cheap_cpu_compiles(kept).startswith(kept + " --xla_backend_optimization_level=1")
   chosen = "--xla_backend_optimization_level=3"
   assert conftest._cheap_cpu_compiles(chosen) == chosen
+
+
+def test_the_tests_share_one_persistent_compilation_cache():
+  import jax
+  folder = os.environ["JAX_COMPILATION_CACHE_DIR"]
+  assert os.path.basename(folder).startswith("stellarax-test-jax-cache-")
+  assert jax.config.jax_compilation_cache_dir == folder
+  assert jax.config.jax_persistent_cache_min_compile_time_secs == 0

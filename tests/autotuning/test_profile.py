@@ -87,7 +87,14 @@ def _loop_marker(size):
 
 
 def _loop_program(size):
-  return jax.jit(_marked(loop_op, _loop_marker(size)))
+  # The sizes' programs share a module name, which only program_ids tell apart; named
+  # for this process, so that none is loaded from the tests' persistent compilation
+  # cache (conftest.py) with the id another process gave it.
+  marked = _marked(loop_op, _loop_marker(size))
+  def program(x, n):
+    return marked(x, n)
+  program.__name__ = program.__qualname__ = f"loop_op_{os.getpid()}"
+  return jax.jit(program)
 
 
 def _entry_instructions(hlo_text):
@@ -330,90 +337,6 @@ def test_events_matching_several_programs_are_left_out(traced, tmp_path):
   assert [(c.marker, c.count) for c in calls] == [(MATMUL, 2), (TANH, 2), (TANH_VJP, 2)]
   assert calls[0].device_time_s == pytest.approx(1e-6, rel=1e-9)
   assert [c.device_time_s for c in calls[1:]] == [0.0, 0.0]
-
-
-_FROM_THE_PERSISTENT_CACHE = """
-import sys, warnings
-import jax, jax.numpy as jnp, stellarax
-from stellarax.autotuning.profile import read_op_calls
-cache, trace, shapes = sys.argv[1], sys.argv[2], eval(sys.argv[3])
-jax.config.update("jax_compilation_cache_dir", cache)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-if trace != "-":  # the reading process compiles other programs first: other ids
-  for n in range(3):
-    jax.jit(lambda x, n=n: x + n)(jnp.ones(3)).block_until_ready()
-step = jax.jit(lambda x: jnp.sum(jnp.sin(stellarax.rms_norm(x, None))))
-inputs = [jnp.ones(shape) for shape in shapes]
-for x in inputs:
-  step(x).block_until_ready()
-if trace != "-":
-  with jax.profiler.trace(trace):
-    for x in inputs:
-      step(x).block_until_ready()
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    try:
-      print(sorted(call.count for call in read_op_calls(trace)))
-    except Exception as e:
-      print(type(e).__name__, e)
-  print("\\n".join(str(w.message) for w in caught))
-"""
-
-
-@pytest.mark.parametrize("shapes, counts", [([(8, 16)], "[1]"), ([(8, 16), (8, 32)], None)])
-def test_programs_loaded_from_the_persistent_compilation_cache(tmp_path, shapes, counts):
-  # XLA:CPU's events of a program loaded from JAX's persistent compilation cache carry
-  # the program_id of the process that compiled it, which names no program of the
-  # profile (or another one): its events are found by module name, where that tells.
-  import subprocess
-  import sys
-  def run(trace):
-    proc = subprocess.run([sys.executable, "-c", _FROM_THE_PERSISTENT_CACHE, str(tmp_path / "cache"),
-                           trace, repr(shapes)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
-  run("-")  # compiles into the cache
-  out = run(str(tmp_path / "trace"))
-  if counts is not None:  # one program of its name: found
-    assert out.splitlines()[0] == counts, out
-  else:  # one function at two shapes: no telling which ran; the warning says why
-    assert out.startswith("ProfileError"), out
-    assert "events were left out" in out and "persistent compilation cache" in out, out
-    assert "jax_enable_compilation_cache" in out, out
-
-
-_PROFILED_CANDIDATES = """
-import sys
-import jax, jax.numpy as jnp
-from stellarax.autotuning.measure import MeasureOptions, measure_candidates
-jax.config.update("jax_compilation_cache_dir", sys.argv[1])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-# Two candidates of one module name: only program_ids tell their events apart.
-fns = {"sin": lambda x: jnp.sin(x) @ x, "cos": lambda x: jnp.cos(x) @ x}
-x = jnp.ones((128, 128))
-if sys.argv[2] == "fill":
-  for fn in fns.values():
-    jax.jit(fn).lower(x).compile()
-else:
-  for n in range(3):  # other programs first: other ids than the filling process's
-    jax.jit(lambda y, n=n: y + n)(jnp.ones(3)).block_until_ready()
-  options = MeasureOptions(profile=True, rounds=2, leader_rounds=0, warmup_s=0.0,
-                           max_total_s=0.3, loop_calls=0)
-  found = measure_candidates(fns, (x,), options=options)
-  print(sorted((name, m.profiled_s is not None and m.profiled_s > 0) for name, m in found.items()))
-"""
-
-
-def test_profiled_candidates_are_compiled_here_not_loaded_from_the_persistent_cache(tmp_path):
-  import subprocess
-  import sys
-  for mode in ("fill", "measure"):
-    proc = subprocess.run([sys.executable, "-c", _PROFILED_CANDIDATES, str(tmp_path / "cache"), mode],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-  assert proc.stdout.strip() == "[('cos', True), ('sin', True)]", proc.stdout + proc.stderr
 
 
 def test_no_stellarax_ops_names_the_programs_that_ran(unmarked_profile):
