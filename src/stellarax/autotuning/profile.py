@@ -1287,10 +1287,11 @@ class _ProgramIndex:
     self.foreign_ids: dict[str, set[int]] = collections.defaultdict(set)
     for event in events:
       program_id, module = event.names()
-      if program_id is not None and module is not None and not self._names(program_id, module):
+      if program_id is not None and module is not None and not self._is_of(program_id, module):
         self.foreign_ids[module].add(program_id)
 
-  def _names(self, program_id: int, module: str) -> bool:
+  def _is_of(self, program_id: int, module: str) -> bool:
+    """Whether `program_id` names a program of module `module` in the file."""
     program = self.by_id.get(program_id)
     return program is not None and program.name == module
 
