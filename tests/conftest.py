@@ -1,4 +1,5 @@
-"""Test settings: strict rank promotion, and a private user cache per run."""
+"""Test settings: cheap XLA:CPU compiles, one persistent compilation cache per run, strict
+rank promotion, and a private user cache per process."""
 
 import atexit
 import os
