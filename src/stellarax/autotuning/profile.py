@@ -279,7 +279,7 @@ def busy_time_by_program(path: str | os.PathLike[str], *, host_events: bool = Tr
     by_module: name every program by its module name, whatever id its events carry:
       for programs named apart (the ids of programs loaded from JAX's persistent
       compilation cache come from the process that compiled them, see _ProgramIndex);
-      programs of one name add up.
+      programs of one name add up, and events that name no module are left out.
 
   Returns:
     program -> seconds. A program is named by the program_id its events carry (see
