@@ -3,9 +3,12 @@
 The structure of one call, from the outside in:
 
     custom_vjp                     backward pass = the op's VJP op
-      custom_vmap                  jax.vmap re-enters with the vmap level recorded
-        marker                     a call op tagged with the bound arguments (JSON)
-          op._fwd(config=...)      the implementation
+      custom_vjp                   where no VJP op differentiates (an op without one,
+                                   second derivatives): JAX differentiates the marked
+                                   implementation, which custom_vmap would not let it
+        custom_vmap                jax.vmap re-enters with the vmap level recorded
+          marker                   a call op tagged with the bound arguments (JSON)
+            op._fwd(config=...)    the implementation
 
 Under `jax.vmap` the custom_vmap rule re-binds the call one level further out
 (so `BoundArguments.vmap_axes` records it), resolves the config for that key,
@@ -131,7 +134,7 @@ def call_op(op, values: dict[str, Any]) -> Any:
       return op._fwd(**rebuild(arrs), config=config)
     return impl
 
-  vcall = _vmappable(ba, make_impl)
+  vcall = _differentiated_by_jax(op, ba, _vmappable(ba, make_impl), make_impl)
   if op.vjp_cls is None and getattr(op, "vjp", None) is None:
     out = vcall(*arrays)
     # A VJP op returns its gradients; a forward op with no VJP op of its own
@@ -153,6 +156,54 @@ def call_op(op, values: dict[str, Any]) -> Any:
 
   primal.defvjp(primal_fwd, primal_bwd)
   return primal(*arrays)
+
+
+def _differentiated_by_jax(op, ba: BoundArguments, vcall: Callable[..., Any],
+                           make_impl: Callable[[Any], Callable[..., Any]]) -> Callable[..., Any]:
+  """`vcall` (the marked implementation), made differentiable in reverse mode by JAX.
+
+  `custom_vmap`, which records the vmap axes, has no transpose rule, so JAX cannot
+  differentiate `vcall` in reverse mode. That matters where no VJP op does it: an op
+  without one (a user's op, or a VJP op whose gradients are differentiated again), and
+  the forward pass of an op with one under a second derivative. There the forward pass
+  runs the implementation with its resolved config, marked, but without `custom_vmap`:
+  under `jax.vmap` JAX batches it, and the marker and config are the unbatched call's.
+  JAX differentiates it and keeps its residuals for the backward pass, as for any JAX
+  code. Integer and boolean inputs get float0 (no) gradients.
+  """
+
+  @jax.custom_vjp
+  def call(*arrs):
+    return vcall(*arrs)
+
+  def call_fwd(*arrs):
+    marked = markers.mark(ba, make_impl(resolve_config(ba).config))
+    try:
+      return jax.vjp(marked, *arrs)
+    except Exception as exc:  # noqa: BLE001 (re-raised, saying which op and what to do)
+      raise NotImplementedError(_not_differentiable(op, exc)) from exc
+
+  def call_bwd(pullback, dout):
+    return pullback(dout)
+
+  call.defvjp(call_fwd, call_bwd)
+  return call
+
+
+def _not_differentiable(op, exc: Exception) -> str:
+  """Why JAX had to differentiate `op`'s implementation, what failed, and the way out."""
+  detail = (str(exc).strip().splitlines() or ["no message"])[0].rstrip(".")
+  second = ("For a second derivative, choose an implementation JAX can differentiate "
+            "(`implementation=\"xla\"`).")
+  if op.fwd_cls is not None:
+    why, fix = "a second derivative differentiates the backward pass", second
+  elif op.vjp_cls is not None or getattr(op, "vjp", None) is not None:
+    why, fix = "a second derivative differentiates the forward pass too", second
+  else:
+    why, fix = "it has no VJP op", "Give the op a VJP op of its own (`vjp_cls`)."
+  return (f"JAX could not differentiate the implementation of {type(op).__name__} "
+          f"({op.name}), which it must where no VJP op does ({why}): "
+          f"{type(exc).__name__}: {detail}. {fix}")
 
 
 class BackwardFallbackWarning(UserWarning):
