@@ -1,7 +1,8 @@
 """stellarax: JAX accelerator kernels with first-class autotuning.
 
-The public surface: op functions, op classes (`<Backend><Op>`), and the
-autotuning entry points. Everything else is internal.
+The public surface: op functions, op classes (`<Backend><Op>`), the autotuning
+entry points, and what a user's own op is made of (`Op`, `config_dataclass`).
+Everything else is internal.
 """
 
 __version__ = "0.1.0"
@@ -12,6 +13,7 @@ from stellarax.autotuning import Autotuner as Autotuner
 from stellarax.autotuning import autotune as autotune
 from stellarax.core.bound_args import BoundArguments as BoundArguments
 from stellarax.core.calling import BackwardFallbackWarning as BackwardFallbackWarning
+from stellarax.core.config import config_dataclass as config_dataclass
 from stellarax.core.op import Op as Op
 from stellarax.ops.attention.api import dot_product_attention as dot_product_attention
 from stellarax.ops.attention.base import XlaAttention as XlaAttention

@@ -441,6 +441,35 @@ def test_library_cache_is_consulted_after_the_user_cache(tmp_path, monkeypatch, 
     lib.write(grad_result)
 
 
+def test_a_package_ships_its_own_library_cache_and_adds_it(tmp_path, monkeypatch, user_cache_dir,
+                                                           grad_result):
+  # Registrations are process-wide: this test's stay in copies it drops.
+  monkeypatch.setattr(resolution, "_cache_sources", list(resolution.cache_sources()))
+  monkeypatch.setattr(cache_lib, "_added_library_caches", {})
+  monkeypatch.setattr(cache_lib.LIBRARY_CACHE, "_root", tmp_path / "stellarax_library")
+  lhs, rhs, gs = _inputs()
+  (ba,) = autotuning.get_bound_args(model, lhs, rhs, gs)
+  folder = tmp_path / "mylib" / "data" / "autotuning"
+  written = autotuning.write_library_cache(grad_result, folder)
+  slug = cache_lib.device_kind_slug(grad_result.device_kind)
+  assert sorted(written) == [folder / slug / "ragged_dot.xla.json", folder / slug / "ragged_dot.xla_vjp.json"]
+  assert resolution.resolve_config(ba).source != "library_cache"  # not added yet
+  added = autotuning.add_library_cache(folder)
+  assert autotuning.add_library_cache(str(folder)) is added  # once, however often added
+  assert resolution.cache_sources().count(added) == 1 and resolution.cache_sources()[-1] is added
+  assert resolution.resolve_config(ba) == resolution.Resolution(grad_result.best_config(ba),
+                                                                "library_cache")
+  # The user cache still comes first, and the added folder is read-only.
+  mine = next(c for c in ba.autotuning_configs if c != grad_result.best_config(ba))
+  entry = dataclasses.replace(grad_result.entry(ba), best_config=mine)
+  cache_lib.USER_CACHE.write(autotuning.AutotuningResult(grad_result.device_kind, {entry.key: entry}))
+  assert resolution.resolve_config(ba) == resolution.Resolution(mine, "user_cache")
+  with pytest.raises(PermissionError, match="read-only"):
+    added.write(grad_result)
+  with pytest.raises(NotADirectoryError, match="no such folder.*write_library_cache"):
+    autotuning.add_library_cache(tmp_path / "not_installed")
+
+
 def test_library_cache_from_other_versions_applies_without_warnings(tmp_path, monkeypatch, grad_result):
   # Shipped configs recorded with an older jax: still used (and one that no longer
   # validates dropped), silently; the same file in the user cache warns.

@@ -7,7 +7,9 @@ from stellarax.autotuning.autotuner import autotune as autotune
 from stellarax.autotuning.cache import CacheWarning as CacheWarning
 from stellarax.autotuning.cache import LIBRARY_CACHE as LIBRARY_CACHE
 from stellarax.autotuning.cache import USER_CACHE as USER_CACHE
+from stellarax.autotuning.cache import add_library_cache as add_library_cache
 from stellarax.autotuning.cache import user_cache_root as user_cache_root
+from stellarax.autotuning.cache import write_library_cache as write_library_cache
 from stellarax.autotuning.capture import bound_args_from_json as bound_args_from_json
 from stellarax.autotuning.capture import bound_args_to_json as bound_args_to_json
 from stellarax.autotuning.capture import call_weights_from_json as call_weights_from_json

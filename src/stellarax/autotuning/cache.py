@@ -10,7 +10,9 @@ Both are folders of result files, one per device kind and op:
   Writers take an exclusive `fcntl` lock on `<file>.lock`, re-read the file,
   merge (`AutotuningResult.__or__`), and replace it atomically, so several
   processes writing at once lose nothing and readers never see a torn file.
-- The library cache ships in `stellarax/data/autotuning/` and is read-only.
+- The library cache ships in `stellarax/data/autotuning/` and is read-only. A package
+  that defines ops of its own ships their configs the same way (`write_library_cache`)
+  and adds its folder when imported (`add_library_cache`), after stellarax's.
 
 Files are read lazily, once per (device kind, op), and re-read when their
 modification time changes. A cache only saves time: a file that cannot be read is
@@ -285,6 +287,63 @@ def cached_results(op_name: str, device_kind: str | None = None):
     result = result_for(kind, op_name) if result_for is not None else None
     if result is not None:
       yield cache.source_name, result
+
+
+def write_library_cache(result: AutotuningResult, root: str | Path) -> list[Path]:
+  """Merges `result` into a library cache folder, for a package to ship.
+
+  The folder takes the shipped library cache's layout (`<device kind>/<op name>.json`,
+  one file per op); a package built on stellarax ships it as package data and hands it
+  to `add_library_cache` when imported (`stellarax cache ship RESULT --root FOLDER`
+  does the same from the command line). Entries already in the folder stay; per call,
+  the faster current measurement wins (`AutotuningResult.__or__`).
+
+  Args:
+    result: the measured result to ship.
+    root: the folder (created if missing).
+
+  Returns:
+    The files written.
+
+  Raises:
+    OSError: when a file cannot be written.
+  """
+  return FileCache(Path(root), "library_cache", writable=True).write(result)
+
+
+_added_library_caches: dict[Path, FileCache] = {}
+
+
+def add_library_cache(root: str | Path) -> FileCache:
+  """Makes a folder of shipped configs part of config resolution, read-only.
+
+  For a package that defines its own ops and ships their tuned configs (written by
+  `write_library_cache`): its calls then resolve from the folder after the active
+  results, the user cache and stellarax's own library cache, and before transfer and
+  heuristics; `explain()` names the source "library_cache". As with stellarax's own,
+  entries recorded under other versions apply without a warning. Adding a folder
+  twice adds it once.
+
+  Args:
+    root: the folder, e.g. `Path(mylib.__file__).parent / "data" / "autotuning"`.
+
+  Returns:
+    The cache (read-only), e.g. for `fit_heuristics`.
+
+  Raises:
+    NotADirectoryError: when `root` is not an existing folder.
+  """
+  path = Path(root).resolve()
+  if not path.is_dir():
+    raise NotADirectoryError(
+        f"add_library_cache({str(root)!r}): no such folder. Pass the folder that "
+        "write_library_cache (or `stellarax cache ship RESULT --root FOLDER`) wrote, as "
+        "installed with your package.")
+  if path not in _added_library_caches:
+    added = FileCache(path, "library_cache", writable=False, warn_other_versions=False)
+    _added_library_caches[path] = added
+    resolution.register_cache_source(added)
+  return _added_library_caches[path]
 
 
 USER_CACHE = FileCache(None, "user_cache", writable=True)

@@ -16,8 +16,23 @@ from stellarax.core import specs
 
 T = TypeVar("T")
 
-config_dataclass = dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-"""Decorator for config classes: `@config_dataclass class MyConfig: ...`."""
+def config_dataclass(cls: type[T]) -> type[T]:
+  """Makes `cls` a config class: `@config_dataclass class MyConfig: ...`.
+
+  Args:
+    cls: a class whose annotated attributes are the tunables, each with a default.
+      Validate values in `__post_init__` (e.g. `check_power_of_two`), raising
+      ValueError, so that a search space holds valid configs only.
+
+  Returns:
+    A frozen, keyword-only, slotted dataclass: hashable (a search space is a set) and
+    comparable, serialised field by field (`config_to_json`).
+
+  Raises:
+    TypeError: as `dataclasses.dataclass` does, e.g. for a field without a default
+      after one with a default.
+  """
+  return dataclasses.dataclass(frozen=True, kw_only=True, slots=True)(cls)
 
 
 @config_dataclass

@@ -17,8 +17,13 @@ Calling an op binds its arguments (`bind`), resolves a config (see
 `resolution.py`) and runs `_fwd` inside a marker that names the op and its
 bound arguments in the lowered program, so capture finds it later. The
 backward pass is its own op (`vjp_cls`), reached through `jax.custom_vjp`,
-with its own config space; `jax.vmap` goes through `custom_vmap` so the key
+with its own config space; an op without one is differentiated by JAX through
+`_fwd` (see `calling.py`). `jax.vmap` goes through `custom_vmap` so the key
 records the vmap axes.
+
+An op of a user's own is written the same way, outside this package: subclass
+`Op` under a name of one's own, with a `config_dataclass` config (README: "Your
+own kernel").
 """
 
 from __future__ import annotations

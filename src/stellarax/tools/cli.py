@@ -72,13 +72,13 @@ def _cache(args) -> int:
       print(f"user cache at {root}: no stale entries")
   elif args.action == "ship":
     # For developers: merge a measured result into the shipped library cache
-    # (src/stellarax/data/autotuning/<device kind>/<op>.json), one file per op.
+    # (src/stellarax/data/autotuning/<device kind>/<op>.json, one file per op), or with
+    # --root into a package's own (stellarax.autotuning.add_library_cache reads it).
     if not args.result:
       raise SystemExit("stellarax cache ship needs a result file: stellarax cache ship tuned.json")
     from stellarax.autotuning.result import AutotuningResult
     root = Path(args.root) if args.root else cache.LIBRARY_ROOT
-    library = cache.FileCache(root, "library_cache", writable=True)
-    for path in library.write(AutotuningResult.load(args.result)):
+    for path in cache.write_library_cache(AutotuningResult.load(args.result), root):
       print(f"wrote {path}")
   elif args.action == "clear":
     import shutil
