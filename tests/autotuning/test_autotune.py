@@ -561,6 +561,12 @@ def test_profiled_device_times_are_kept_and_shown():
   assert "profiled" not in plain.summary() and "profiled_s" not in plain.dumps()
 
 
+def test_times_are_shown_in_a_unit_that_keeps_their_digits():
+  from stellarax.autotuning.result import format_time
+  assert [format_time(t) for t in (None, 2.5e-3, 1e-3, 12.34e-6, 1e-7, 2.3e-8)] == [
+      "-", "2.500 ms", "1.000 ms", "12.3 us", "0.1 us", "23 ns"]
+
+
 def _budget_spy(monkeypatch=None, spends=0.0):
   """A strategy that records each call's budget and measures its heuristic only; with
   monkeypatch, the tuner's clock says each call took `spends` of its budget."""

@@ -122,3 +122,66 @@ def test_demo_command_takes_the_demos_options(capsys):
   assert exit_.value.code == 0
   out = capsys.readouterr().out
   assert "--total-budget-s" in out and "--budget-s" in out and "--no-progress" in out
+
+
+_PLUGIN = '''
+import dataclasses
+import stellarax
+
+@stellarax.config_dataclass
+class TwiceConfig:
+  unroll: int = 1
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Twice(stellarax.Op, name="cli_plugin.twice"):
+  config_cls = TwiceConfig
+
+  def _fwd(self, x, *, config):
+    return x * 2, None
+
+  def _get_heuristics_config(self, ba):
+    return TwiceConfig()
+
+  def _get_autotuning_configs(self, ba):
+    return {TwiceConfig(unroll=u) for u in (1, 2)}
+
+  def _reference(self, x):
+    return x * 2
+'''
+
+
+def _cli(tmp_path, *args):
+  """Runs the command line in a new process (whose registry knows only stellarax's ops,
+  and the plug-in's once it is imported), with the plug-in's folder on the path."""
+  import os
+  import subprocess
+  import sys
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+             STELLARAX_CACHE_DIR=str(tmp_path / "cache"))
+  return subprocess.run([sys.executable, "-m", "stellarax.tools.cli", *args], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=300)
+
+
+def test_import_makes_a_package_s_own_ops_known_to_every_command(tmp_path):
+  (tmp_path / "cli_plugin_ops.py").write_text(_PLUGIN)
+  calls = tmp_path / "calls.json"
+  script = ("import jax, stellarax, cli_plugin_ops as m; stellarax.autotuning.bound_args_to_json("
+            f"[m.Twice.bind(jax.ShapeDtypeStruct((8, 4), 'float32'))], {str(calls)!r})")
+  import subprocess
+  import sys
+  subprocess.run([sys.executable, "-c", script], cwd=tmp_path, check=True, timeout=300)
+  without = _cli(tmp_path, "autotune", str(calls), "--no-progress")
+  assert without.returncode == 2
+  assert "'cli_plugin.twice'" in without.stderr and "--import MODULE" in without.stderr
+  out = tmp_path / "result.json"
+  tuned = _cli(tmp_path, "autotune", str(calls), "--import", "cli_plugin_ops", "--no-progress",
+               "--budget-s", "1", "--output", str(out), "--cache")
+  assert tuned.returncode == 0, tuned.stderr
+  assert "cli_plugin.twice" in tuned.stdout
+  report = _cli(tmp_path, "report", str(out), "--import", "cli_plugin_ops")
+  assert report.returncode == 0 and "cli_plugin.twice" in report.stdout
+  listed = _cli(tmp_path, "cache", "list", "--import", "cli_plugin_ops")
+  assert listed.returncode == 0 and "cli_plugin.twice.json: 1 entries" in listed.stdout
+  missing = _cli(tmp_path, "report", str(out), "--import", "no_such_plugin")
+  assert missing.returncode == 2
+  assert "--import no_such_plugin: cannot import it" in missing.stderr

@@ -325,12 +325,15 @@ def _faster(a: Entry, b: Entry) -> bool:
 
 
 def format_time(t: float | None) -> str:
-  """Seconds as "1.234 ms" (from a millisecond up) or "12.3 us"; None as "-"."""
+  """Seconds as "1.234 ms" (from a millisecond up), "12.3 us" (from 0.1 us up) or
+  "23 ns" (a call timed in a loop can take less); None as "-"."""
   if t is None:
     return "-"
   if t >= 1e-3:
     return f"{t * 1e3:.3f} ms"
-  return f"{t * 1e6:.1f} us"
+  if t >= 1e-7:
+    return f"{t * 1e6:.1f} us"
+  return f"{t * 1e9:.0f} ns"
 
 
 def _short_args(ba: BoundArguments) -> str:

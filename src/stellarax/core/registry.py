@@ -51,8 +51,28 @@ def lookup(name: str) -> type[Any]:
   except KeyError:
     raise KeyError(
         f"No stellarax op is registered as {name!r}. Known ops: {sorted(_REGISTRY)}. "
-        "The data may come from a newer stellarax, or from a plug-in that is not imported."
+        "The data may come from a newer stellarax, or from a package of ops of its own "
+        "that is not imported: import it first (on the command line: `--import MODULE`)."
     ) from None
+
+
+def import_op_modules(modules: list[str] | tuple[str, ...]) -> None:
+  """Imports modules that define ops, so that their ops register before data naming
+  them is read (the command line's `--import MODULE`).
+
+  Args:
+    modules: importable module names, e.g. ["mylib.ops"].
+
+  Raises:
+    ImportError: naming the module that could not be imported, and why.
+  """
+  for module in modules:
+    try:
+      importlib.import_module(module)
+    except ImportError as exc:
+      raise ImportError(f"--import {module}: cannot import it ({exc}). Name a module on "
+                        "this Python's path (PYTHONPATH, or an installed package) whose "
+                        "import defines the ops.") from exc
 
 
 def names(family: str | None = None) -> list[str]:

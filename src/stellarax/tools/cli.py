@@ -7,6 +7,9 @@
     stellarax cache ship RESULT_JSON [--root DIR]   (developers: into the library cache)
     stellarax report RESULT_JSON
     stellarax demo [--output DIR] [--budget-s S | --total-budget-s S] [--no-progress]
+
+Every command but demo takes `--import MODULE` (repeatable): a module to import first,
+so that the ops a package defines of its own are known when data names them.
 """
 
 from __future__ import annotations
@@ -127,8 +130,15 @@ def main(argv=None) -> int:
   """
   parser = argparse.ArgumentParser(prog="stellarax", description="stellarax kernels and autotuning")
   sub = parser.add_subparsers(dest="command", required=True)
+  # Every command that reads op names from data (calls, results, caches, profiles).
+  reads_ops = argparse.ArgumentParser(add_help=False)
+  reads_ops.add_argument("--import", dest="imports", action="append", default=[],
+                         metavar="MODULE",
+                         help="import this module first, so that the ops it defines register "
+                              "(a package with ops of its own); may be repeated")
 
-  p = sub.add_parser("autotune", help="tune the op calls in a bound-arguments JSON file")
+  p = sub.add_parser("autotune", parents=[reads_ops],
+                     help="tune the op calls in a bound-arguments JSON file")
   p.add_argument("bound_args", help="JSON from bound_args_to_json or xplane_to_bound_args")
   p.add_argument("--output", help="write the result JSON here")
   p.add_argument("--cache", action="store_true", help="also write the result into the user cache")
@@ -142,19 +152,20 @@ def main(argv=None) -> int:
                  help="measure in worker processes, so that a hung or crashing config cannot stop the run")
   p.set_defaults(run=_autotune)
 
-  p = sub.add_parser("xplane_to_bound_args", help="extract stellarax op calls from an XProf profile")
+  p = sub.add_parser("xplane_to_bound_args", parents=[reads_ops],
+                     help="extract stellarax op calls from an XProf profile")
   p.add_argument("--xplane_file", required=True)
   p.add_argument("--output_file", required=True)
   p.set_defaults(run=lambda a: _xplane(a))
 
-  p = sub.add_parser("cache", help="inspect, prune or clear the user cache")
+  p = sub.add_parser("cache", parents=[reads_ops], help="inspect, prune or clear the user cache")
   p.add_argument("action", choices=("list", "path", "prune", "clear", "ship"),
                  help="prune: remove entries measured under other versions or on other code")
   p.add_argument("result", nargs="?", help="with ship: the result JSON to add to the library cache")
   p.add_argument("--root", help="with ship: the library cache folder (default: the package's)")
   p.set_defaults(run=_cache)
 
-  p = sub.add_parser("report", help="print the summary table of a result file")
+  p = sub.add_parser("report", parents=[reads_ops], help="print the summary table of a result file")
   p.add_argument("result")
   p.set_defaults(run=_report)
 
@@ -165,6 +176,12 @@ def main(argv=None) -> int:
 
   args = parser.parse_args(argv)
   from stellarax.autotuning.file_format import FormatError
+  from stellarax.core import registry
+  try:
+    registry.import_op_modules(getattr(args, "imports", []))
+  except ImportError as exc:
+    print(f"stellarax {args.command}: error: {exc}", file=sys.stderr)
+    return 2
   try:
     return args.run(args)
   except (OSError, FormatError) as exc:  # a file to read or write: say which, no traceback

@@ -1,10 +1,12 @@
 """Extract the stellarax op calls of a profiled run as bound-argument JSON.
 
     python -m stellarax.tools.xplane_to_bound_args \\
-        --xplane_file=my_model.xplane.pb --output_file=/tmp/bound_args.json
+        --xplane_file=my_model.xplane.pb --output_file=/tmp/bound_args.json \\
+        [--import mylib.ops]
 
 `--xplane_file` is a `*.xplane.pb` file or a folder as `jax.profiler.trace`
-writes it. The output lists the unique `BoundArguments` of every stellarax op
+writes it; `--import` names a module defining ops of a package's own, so that
+their calls can be read. The output lists the unique `BoundArguments` of every stellarax op
 that ran, forward and VJP, with how many times each ran and its total device
 time, most expensive first, so that the calls that cost most are tuned first:
 
@@ -64,10 +66,15 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="xplane_to_bound_args", description=__doc__.splitlines()[0])
   parser.add_argument("--xplane_file", required=True, help="*.xplane.pb file or jax.profiler.trace folder")
   parser.add_argument("--output_file", required=True, help="where to write the bound-argument JSON")
+  parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                      help="import this module first, so that the ops it defines register "
+                           "(a package with ops of its own); may be repeated")
   args = parser.parse_args(argv)
+  from stellarax.core import registry
   try:
+    registry.import_op_modules(args.imports)
     records = extract(args.xplane_file)
-  except (ProfileError, ExtractError) as e:
+  except (ImportError, ProfileError, ExtractError) as e:
     print(f"xplane_to_bound_args: error: {e}", file=sys.stderr)
     return 2
   out = {"stellarax": __version__, "source": os.fspath(args.xplane_file), "calls": records}
