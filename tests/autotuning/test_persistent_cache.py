@@ -101,3 +101,20 @@ def test_profiled_candidates_are_found_by_their_programs_names(tmp_path):
       print(sorted((name, (m.profiled_s or 0) > 0) for name, m in found.items()))
   """)
   assert [out.strip() for out in runs] == ["[('cos', True), ('sin', True)]"] * 2
+
+
+def test_profiled_programs_are_found_by_their_names(tmp_path):
+  # One function at two shapes, each profiled on its own (as check_in_program and a
+  # total budget profile a program): found by the names device_time_per_call compiles
+  # them under, in the process that loads them from the cache too.
+  runs = _run_twice(tmp_path, """
+      import json
+      from stellarax.autotuning.profile import device_time_per_call
+      if sys.argv[2] == "second":  # other programs first: other ids than the first run's
+        for n in range(3):
+          jax.jit(lambda y, n=n: y + n)(jnp.ones(3)).block_until_ready()
+      step = lambda x: jnp.sum(jnp.sin(stellarax.rms_norm(x, None)))
+      found = [device_time_per_call(step, jnp.ones(shape)) for shape in [(8, 16), (8, 32)]]
+      print([[(json.loads(op)["name"], t > 0) for (op, _), t in times.items()] for times in found])
+  """)
+  assert [out.strip() for out in runs] == ["[[('layer_norm.xla', True)], [('layer_norm.xla', True)]]"] * 2

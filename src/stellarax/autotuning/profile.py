@@ -119,6 +119,7 @@ read: events carry instruction names, never frontend attributes.
 from __future__ import annotations
 
 import collections
+import hashlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 import dataclasses
 import functools
@@ -227,7 +228,7 @@ def device_time_per_call(fn: Callable[..., Any], *args: Any,
   """
   if not isinstance(runs, int) or runs < 1:
     raise ValueError(f"{runs=} must be an int >= 1: runs of the program inside the trace.")
-  compiled = jax.jit(fn).lower(*args).compile()
+  compiled = _compile_under_own_name(fn, args)
   jax.block_until_ready(compiled(*args))
   with tempfile.TemporaryDirectory(prefix="stellarax-calls-") as folder:
     with jax.profiler.trace(folder, profiler_options=trace_options(hlo=True)):
@@ -239,6 +240,23 @@ def device_time_per_call(fn: Callable[..., Any], *args: Any,
     ba = BoundArguments.from_json(json.loads(call.marker)).with_config(None)
     times[ba.op_json(), ba.key_json()] += call.device_time_s / runs
   return dict(times)
+
+
+def _compile_under_own_name(fn: Callable[..., Any], args: tuple) -> Any:
+  """Compiles `fn` for `args` as a program named after its own text: the same program
+  gets the same name in every process (so JAX's persistent compilation cache still finds
+  it), another program another name. A profile then finds its events by module name,
+  which a program loaded from that cache needs (its XLA:CPU events keep the program_id
+  of the process that compiled it), even where the process also holds the same function
+  compiled for other inputs or configs (`_ProgramIndex`)."""
+  text = jax.jit(fn).lower(*args).as_text()
+
+  def program(*arrays):
+    return fn(*arrays)
+
+  program.__name__ = program.__qualname__ = (
+      "stellarax_profiled_" + hashlib.sha1(text.encode()).hexdigest()[:12])
+  return jax.jit(program).lower(*args).compile()
 
 
 def trace_options(*, hlo: bool) -> jax.profiler.ProfileOptions:
