@@ -71,6 +71,23 @@ def test_bound_args_from_json_reads_a_path(tmp_path):
     autotuning.bound_args_from_json("[{oops")
 
 
+@pytest.mark.parametrize("change, complaint", [
+    (lambda d: d.update(vmap_axes=[[3, [True]]]), r"flags \[True\] are not 3 bools"),
+    (lambda d: d.update(vmap_axes=[[-2, [True, False, False]]]), "size -2 is not an int >= 0"),
+    (lambda d: d.update(vmap_axes=[[2.5, [True, False, False]]]), "size 2.5 is not an int"),
+    (lambda d: d.update(vmap_axes={"3": True}), "not a list"),
+    (lambda d: d["arguments"]["lhs"].update(shape=[48.7, 16]), "shape must hold ints"),
+    (lambda d: d["arguments"]["lhs"].update(shape=[True, 16]), "shape must hold ints")])
+def test_bound_args_from_json_says_what_is_wrong_with_a_call(change, complaint):
+  lhs, rhs, gs = _ragged_inputs()
+  data = json.loads(autotuning.bound_args_to_json([
+      stellarax.XlaRaggedDot.bind(lhs, rhs, gs).with_outer_vmap(3, (True, False, False))]))
+  assert autotuning.bound_args_from_json(json.dumps(data))[0].vmap_axes == ((3, (True, False, False)),)
+  change(data[0] if isinstance(data, list) else data["calls"][0])
+  with pytest.raises(ValueError, match=complaint):
+    autotuning.bound_args_from_json(json.dumps(data))
+
+
 def test_op_call_matches_jax_and_differentiates():
   lhs, rhs, gs = _ragged_inputs()
   out = stellarax.ragged_dot(lhs, rhs, gs)

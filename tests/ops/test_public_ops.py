@@ -80,7 +80,8 @@ def test_vmap_over_an_empty_batch_runs_no_kernel():
     (0, 16, 64, jnp.bfloat16), (2, 0, 64, jnp.bfloat16),
     # A head dim and a dtype the flash kernels do not take: no kernel runs, so they
     # take the call all the same.
-    (2, 0, 40, jnp.float32)])
+    (2, 0, 40, jnp.float32),
+    (2, 16, 0, jnp.float32)])  # heads of size 0: no logits, and no scale to derive
 def test_attention_without_queries_is_empty_in_every_implementation(batch, t, head_dim, dtype):
   q = jax.random.normal(_keys(1)[0], (batch, t, 2, head_dim), dtype)
   kv = jax.random.normal(_keys(2)[1], (batch, 16, 1, head_dim), dtype)
@@ -91,13 +92,33 @@ def test_attention_without_queries_is_empty_in_every_implementation(batch, t, he
     assert out.shape == q.shape and out.dtype == q.dtype
     dq, dkv = pullback(out)
     assert dq.shape == q.shape and dkv.shape == kv.shape and not dkv.any()
-  if batch:  # queries with no key: the kernels refuse them, so dispatch moves on
+  if batch:  # queries with no key: zeros, as jax gives, with no kernel
+    queries = jax.random.normal(_keys(3)[2], (batch, 4, 2, 64), jnp.bfloat16)
     no_keys = jnp.ones((batch, 0, 1, 64), jnp.bfloat16)
-    for impl in (stellarax.PallasTritonAttention(interpret=True),
+    expected = jax.nn.dot_product_attention(queries, no_keys, no_keys)
+    for impl in ("xla", "xla_chunked", stellarax.PallasTritonAttention(interpret=True),
                  stellarax.PallasMosaicGpuAttention(interpret=True)):
-      with pytest.raises(NotImplementedError, match=r"no keys \(S=0\)"):
-        stellarax.dot_product_attention(jnp.ones((batch, 4, 2, 64), jnp.bfloat16), no_keys,
-                                        no_keys, implementation=impl)
+      attend = lambda q, k: stellarax.dot_product_attention(q, k, k, implementation=impl)
+      out, pullback = jax.vjp(attend, queries, no_keys)
+      assert out.dtype == expected.dtype
+      np.testing.assert_array_equal(out.astype(jnp.float32), expected.astype(jnp.float32))
+      dq, dk = pullback(out)
+      assert dq.shape == queries.shape and not dq.any() and dk.shape == no_keys.shape
+    # The kernels' backward, bound on its own, still refuses what it cannot run.
+    with pytest.raises(NotImplementedError, match=r"no keys \(S=0\)"):
+      stellarax.PallasTritonAttentionVjp.bind(
+          residuals=None, out=queries, dout=queries, query=queries, key=no_keys, value=no_keys)
+
+
+def test_ragged_dot_without_groups_is_lax_s_zeros():
+  lhs = jax.random.normal(_keys(1)[0], (16, 8))
+  rhs, gs = jnp.zeros((0, 8, 4)), jnp.zeros((0,), jnp.int32)
+  for impl in ("xla", stellarax.PallasTritonRaggedDot(interpret=True)):
+    f = lambda l, r: stellarax.ragged_dot(l, r, gs, implementation=impl)
+    np.testing.assert_array_equal(f(lhs, rhs), jax.lax.ragged_dot(lhs, rhs, gs))
+    dl, dr = jax.grad(lambda l, r: f(l, r).sum(), argnums=(0, 1))(lhs, rhs)
+    assert not dl.any() and dl.shape == lhs.shape and dr.shape == rhs.shape
+  assert stellarax.autotuning.get_bound_args(lambda l: stellarax.ragged_dot(l, rhs, gs), lhs) == []
 
 
 @pytest.mark.parametrize("shape", [(4, 0), (0, 16)])

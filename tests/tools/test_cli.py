@@ -182,6 +182,10 @@ def test_import_makes_a_package_s_own_ops_known_to_every_command(tmp_path):
   assert report.returncode == 0 and "cli_plugin.twice" in report.stdout
   listed = _cli(tmp_path, "cache", "list", "--import", "cli_plugin_ops")
   assert listed.returncode == 0 and "cli_plugin.twice.json: 1 entries" in listed.stdout
+  for action in ("list", "prune"):  # without the module: not called unreadable
+    unknown = _cli(tmp_path, "cache", action)
+    assert unknown.returncode == 0 and "unreadable" not in unknown.stdout, unknown.stdout
+    assert "an op no imported module defines (`--import MODULE`" in unknown.stdout
   missing = _cli(tmp_path, "report", str(out), "--import", "no_such_plugin")
   assert missing.returncode == 2
   assert "--import no_such_plugin: cannot import it" in missing.stderr

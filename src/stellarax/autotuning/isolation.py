@@ -258,15 +258,43 @@ class CallMeasurer:
       arrays = jax.device_put(arrays, device)
     self.arrays = tuple(arrays)
     self.reference = jax.jit(bound_args.runner(reference=True))(*self.arrays)
+    self.output_types = _output_types(bound_args, self.arrays)
     self.compiled: dict[Any, Any] = {}  # racing re-measures configs: compile each once
 
   def __call__(self, configs: Sequence[Any], effort: float,
               options: measure_lib.MeasureOptions) -> dict[Any, measure_lib.Measurement]:
     """`measure_candidates` over `configs`, in their order."""
     configs = list(configs)
+    def check(output, reference):
+      return (_other_output_types(output, self.output_types)
+              or measure_lib.check_close(output, reference, rtol=options.rtol, atol=options.atol))
     return measure_lib.measure_candidates(
         {c: self.bound_args.runner(c) for c in configs}, self.arrays, reference=self.reference,
-        options=options, order=configs, compile_cache=self.compiled, effort=effort)
+        check=check, options=options, order=configs, compile_cache=self.compiled, effort=effort)
+
+
+def _output_types(bound_args: Any, arrays: tuple) -> Any:
+  """The shapes and dtypes of the call's output with its heuristic config: what the op
+  returns, which no config may change (a reference may compute in another dtype). None
+  where the heuristic config's program cannot be traced (its measurement says why)."""
+  import jax
+  try:
+    return jax.eval_shape(bound_args.runner(bound_args.heuristics_config), *arrays)
+  except Exception:  # noqa: BLE001 (the heuristic's own measurement records the failure)
+    return None
+
+
+def _other_output_types(output: Any, expected: Any) -> str | None:
+  """Why `output` does not have the `expected` output types, or None when it does."""
+  import jax
+  if expected is None:
+    return None
+  got = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(output)]
+  want = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(expected)]
+  if got != want:
+    return (f"the output's shapes and dtypes {got} differ from those the heuristic config "
+            f"gives, {want}: a config may change how the op computes, not what it returns")
+  return None
 
 
 def _serve(request: _Request, measurer: CallMeasurer | None) -> tuple[dict[str, Any], CallMeasurer]:

@@ -337,13 +337,41 @@ def format_time(t: float | None) -> str:
 
 
 def _short_args(ba: BoundArguments) -> str:
+  """The call's arrays as dtype[shape], and its other arguments but None where they
+  differ from the op's defaults (so that calls differing only in an option, e.g.
+  epsilon, differ)."""
   parts = []
   for k, v in ba.arguments.items():
-    if isinstance(v, specs.ArraySpec):
-      parts.append(f"{k}={v.dtype}{list(v.shape)}".replace(" ", ""))
+    if isinstance(v, specs.ArraySpec) or (v is not None and v != _default_spec(ba.op, k)):
+      parts.append(f"{k}={_short_value(v)}")
   if ba.vmap_axes:
     parts.append(f"vmap={[n for n, _ in ba.vmap_axes]}")
   return " ".join(parts)
+
+
+def _default_spec(op: Any, name: str) -> Any:
+  """The canonical default of argument `name` of `op`, or a marker that equals nothing
+  when it has none (or none that bound arguments could record)."""
+  parameter = op._signature().parameters.get(name)
+  if parameter is None or parameter.default is parameter.empty:
+    return _NO_DEFAULT
+  try:
+    return specs.to_spec(parameter.default, what=name)
+  except TypeError:  # e.g. a callable default, recorded by name once canonicalised
+    return _NO_DEFAULT
+
+
+_NO_DEFAULT = object()
+
+
+def _short_value(v: Any) -> str:
+  if isinstance(v, specs.ArraySpec):
+    return f"{v.dtype}{list(v.shape)}".replace(" ", "")
+  if isinstance(v, tuple):
+    return "(" + ",".join(_short_value(x) for x in v) + ("," if len(v) == 1 else "") + ")"
+  if isinstance(v, specs.FrozenDict):
+    return "{" + ",".join(f"{k}:{_short_value(x)}" for k, x in v.items()) + "}"
+  return repr(v).replace(" ", "")
 
 
 def _short_config(config: Any) -> str:

@@ -87,7 +87,8 @@ class BoundArguments:
 
   def array_specs(self) -> list[specs.ArraySpec]:
     """The unbatched array leaves of the arguments, in flattening order."""
-    return [leaf for leaf in jax.tree.leaves(dict(self.arguments), is_leaf=_is_spec) if isinstance(leaf, specs.ArraySpec)]
+    return [leaf for leaf in jax.tree.leaves(_thaw(dict(self.arguments)), is_leaf=_is_spec)
+            if isinstance(leaf, specs.ArraySpec)]
 
   def batched_array_specs(self) -> list[specs.ArraySpec]:
     """The array leaves as the vmapped call sees them (vmap dims in front)."""
@@ -194,7 +195,9 @@ class BoundArguments:
       raise ValueError(f"'arguments' must be a JSON object, got {data['arguments']!r}.")
     values = {k: _to_struct(v) for k, v in arguments.items()}
     values = op._bind_values(**values)
-    return cls.from_values(op, values, tuple((n, tuple(b)) for n, b in data.get("vmap_axes", ())))
+    call = cls.from_values(op, values)
+    return dataclasses.replace(call, vmap_axes=_vmap_axes_from_json(
+        data.get("vmap_axes", []), len(call.array_specs())))
 
   def to_marker(self) -> str:
     """The compact JSON left in the lowered program."""
@@ -204,6 +207,53 @@ class BoundArguments:
     args = ", ".join(f"{k}={_short(v)}" for k, v in self.arguments.items())
     vmap = f", vmap_axes={self.vmap_axes}" if self.vmap_axes else ""
     return f"BoundArguments({self.op.name}, {args}{vmap})"
+
+
+def as_recorded(values: Mapping[str, Any]) -> dict[str, Any]:
+  """Argument values as bound arguments record them, arrays kept.
+
+  An op's `_fwd` and `_reference` get static values in this form on every path: a
+  traced call, an eager one, and tuning, which has only the recorded values (JSON).
+  Enums and dtypes become their names, lists tuples, numpy scalars Python numbers
+  (`specs.to_spec`); dicts stay dicts.
+
+  Args:
+    values: argument name -> value (arrays, tracers and statics).
+
+  Returns:
+    The same names, with the arrays as given and every other value canonical.
+
+  Raises:
+    TypeError: for a value bound arguments cannot record (`specs.to_spec`).
+  """
+  out = {}
+  for name, value in values.items():
+    arrays = iter([x for x in jax.tree.leaves(value) if specs.is_array_value(x)])
+    out[name] = jax.tree.map(lambda s: next(arrays) if isinstance(s, specs.ArraySpec) else s,
+                             _thaw(specs.to_spec(value, what=name)), is_leaf=_is_spec)
+  return out
+
+
+def _vmap_axes_from_json(data: Any, num_arrays: int) -> VmapAxes:
+  """Checks and reads `vmap_axes` JSON: [[size, [one bool per array leaf]], ...]."""
+  def fail(why: str):
+    raise ValueError(f"'vmap_axes' must be a list of [size, flags] pairs, a size >= 0 and one "
+                     f"flag (true or false) for each of the call's {num_arrays} array "
+                     f"arguments; {why}: {str(data)[:200]}.")
+  if not isinstance(data, list):
+    fail("not a list")
+  axes = []
+  for level in data:
+    if not (isinstance(level, list) and len(level) == 2):
+      fail("a level is not a [size, flags] pair")
+    size, flags = level
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+      fail(f"size {size!r} is not an int >= 0")
+    if not (isinstance(flags, list) and len(flags) == num_arrays
+            and all(isinstance(f, bool) for f in flags)):
+      fail(f"flags {flags!r} are not {num_arrays} bools")
+    axes.append((size, tuple(flags)))
+  return tuple(axes)
 
 
 def _vmap_level(fn, batched, reference):

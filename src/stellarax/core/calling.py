@@ -36,7 +36,7 @@ from stellarax.core import markers
 from stellarax.core import registry
 from stellarax.core import specs
 from stellarax.core import trace_keys
-from stellarax.core.bound_args import BoundArguments
+from stellarax.core.bound_args import BoundArguments, as_recorded
 from stellarax.core.resolution import resolve_config
 
 
@@ -118,6 +118,7 @@ def call_op(op, values: dict[str, Any]) -> Any:
   Returns:
     The op's output (forward ops: without residuals).
   """
+  values = as_recorded(values)  # what tuning runs the op with, so the same here
   arrays, rebuild = _split(values)
   if op.fwd_cls is None and op._is_trivial(values):
     return _zeros_of_reference(op, arrays, rebuild)
@@ -127,7 +128,7 @@ def call_op(op, values: dict[str, Any]) -> Any:
     # new functions on every call, so JAX would trace and compile them every
     # time. One cached jit per call signature is compiled once, and its trace
     # resolves the config like any traced call (re-traced where a result changes it).
-    return _eager_callable(ba)(*arrays)
+    return _eager_callable(ba, ba.to_marker())(*arrays)
 
   def make_impl(config):
     def impl(*arrs):
@@ -241,7 +242,10 @@ def _zeros_of_reference(op, arrays: list[Any], rebuild: Callable[[list[Any]], di
 
 
 @functools.lru_cache(maxsize=256)
-def _eager_callable(ba: BoundArguments) -> Callable[..., Any]:
+def _eager_callable(ba: BoundArguments, marker: str) -> Callable[..., Any]:
+  # Keyed by the marker too: bound arguments that Python finds equal may differ in
+  # type (1, 1.0 and True are equal and hash alike), and so compute differently.
+  del marker
   fn = ba.runner()
   fn.__name__ = fn.__qualname__ = ba.op.name.replace(".", "_")  # the program's name in profiles
   return jax.jit(fn)

@@ -176,7 +176,8 @@ class Op(abc.ABC):
     arrays = {k: v for k, v in primal.items() if specs.is_array_value(v)}
     statics = {k: v for k, v in primal.items() if k not in arrays}
     out, residuals = jax.jit(lambda a: fwd._fwd(**a, **statics, config=config))(arrays)
-    return {**values, "out": out.astype(values["out"].dtype), "residuals": residuals}
+    out = jax.tree.map(lambda o, like: o.astype(like.dtype), out, values["out"])
+    return {**values, "out": out, "residuals": residuals}
 
   def _reference(self, **arguments) -> Any:
     """The op's plain high-precision reference output for `arguments`."""

@@ -39,6 +39,9 @@ class ArraySpec:
   dtype: str
 
   def __post_init__(self):
+    if not all(isinstance(d, (int, np.integer)) and not isinstance(d, (bool, np.bool_))
+               for d in self.shape):
+      raise ValueError(f"ArraySpec shape must hold ints, got {tuple(self.shape)}.")
     shape = tuple(int(d) for d in self.shape)
     if any(d < 0 for d in shape):
       raise ValueError(f"ArraySpec shape must be non-negative, got {shape}.")

@@ -66,7 +66,9 @@ def _cache(args) -> int:
     pruned = cache.USER_CACHE.prune()
     for p in pruned:
       name = p.path.relative_to(root)
-      if p.error:
+      if p.error and _of_an_op_not_imported(p.path):
+        print(f"{name}: left as it is: {_NOT_IMPORTED.format(op=p.path.stem)}")
+      elif p.error:
         print(f"{name}: unreadable, left as it is: {p.error} (`stellarax cache clear` removes it)")
       else:
         print(f"{name}: removed {p.removed} stale entries, kept {p.kept}"
@@ -102,11 +104,32 @@ def _list(user_cache) -> None:
     try:
       result = AutotuningResult.load(path, warn_other_versions=False)
     except ValueError as exc:
-      print(f"{name}: unreadable: {str(exc).splitlines()[0]} (`stellarax cache clear` removes it)")
+      if _of_an_op_not_imported(path):
+        print(f"{name}: {_NOT_IMPORTED.format(op=path.stem)}")
+      else:
+        print(f"{name}: unreadable: {str(exc).splitlines()[0]} (`stellarax cache clear` removes it)")
       continue
     stale = sum(not e.is_current for e in result)
     print(f"{name}: {len(result)} entries" + (f", {stale} stale (`stellarax cache prune`"
                                                " removes them)" if stale else ""))
+
+
+_NOT_IMPORTED = ("entries of {op}, an op no imported module defines (`--import MODULE` names "
+                 "the module that does)")
+
+
+def _of_an_op_not_imported(path: Path) -> bool:
+  """Whether a cache file that failed to load is JSON of an op no imported module
+  defines (each file holds one op's entries and is named after it), not a broken file."""
+  import json
+  from stellarax.core import registry
+  if path.stem in registry.names():
+    return False
+  try:
+    json.loads(path.read_text())
+  except (OSError, ValueError):
+    return False
+  return True
 
 
 def _report(args) -> int:

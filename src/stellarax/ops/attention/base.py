@@ -48,9 +48,9 @@ class Attention(Op):
     return a
 
   def _is_trivial(self, arguments):
-    # No query row (B, T, N or H of zero): the output is empty. (No key, S of zero,
-    # is not trivial: a softmax over nothing is the reference's to define.)
-    return math.prod(arguments["query"].shape) == 0
+    # No query row (B, T, N or H of zero): the output is empty. No key (S of zero):
+    # zeros, as jax.nn.dot_product_attention gives (the reference says so too).
+    return math.prod(arguments["query"].shape) == 0 or arguments["key"].shape[1] == 0
 
   def _example_value(self, name, spec, key, arguments):
     if name in ("query_seq_lengths", "key_value_seq_lengths"):

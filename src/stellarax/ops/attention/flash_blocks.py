@@ -98,8 +98,9 @@ def require_window_the_kernels_take(window: tuple[int, int] | None) -> None:
 def require_keys_the_kernels_take(arguments: Any) -> None:
   """Raises NotImplementedError (so dispatch falls back) for queries with no key (S=0).
 
-  A call with no query is trivial (`Attention._is_trivial`: an empty output) and is
-  taken; queries with no key to attend to are the reference's to define.
+  A forward call with no query or no key is trivial (`Attention._is_trivial`: an empty
+  output, or zeros) and runs no kernel, so only a backward call bound on its own
+  (`...AttentionVjp.bind`) meets this.
   """
   q, k = arguments["query"].shape, arguments["key"].shape
   if k[1] == 0 and math.prod(q) > 0:

@@ -106,8 +106,8 @@ def default_scale(head_dim: int, scale: float | None) -> float:
     ValueError: for a scale that is not a finite real number (a traced scale included:
       the logit scale is a static option of the call).
   """
-  if scale is None:
-    return 1.0 / float(np.sqrt(head_dim))
+  if scale is None:  # (a head dim of 0 has no logits to scale)
+    return 1.0 / float(np.sqrt(head_dim)) if head_dim else 1.0
   try:
     value = float(scale)
   except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
@@ -164,6 +164,8 @@ def attention_reference_with_lse(
   check_attention_inputs(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths)
   b, t, n, h = query.shape
   s, k = key.shape[1], key.shape[2]
+  if s == 0:  # no key: zeros, as jax.nn.dot_product_attention gives, and an empty sum
+    return jnp.zeros(query.shape, query.dtype), jnp.full((b, n, t), -jnp.inf, jnp.float32)
   # Query head n reads key/value head n // (N // K).
   key32 = jnp.repeat(key.astype(jnp.float32), n // k, axis=2)
   value32 = jnp.repeat(value.astype(jnp.float32), n // k, axis=2)

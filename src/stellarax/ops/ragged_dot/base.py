@@ -52,9 +52,10 @@ class RaggedDot(Op):
     return arguments
 
   def _is_trivial(self, arguments):
-    # M, K or N of zero: an empty output, or (K = 0) an empty sum; zeros either way.
-    (m, k), n = arguments["lhs"].shape, arguments["rhs"].shape[2]
-    return 0 in (m, k, n)
+    # M, K or N of zero: an empty output, or (K = 0) an empty sum; no group (G = 0):
+    # every row in none. Zeros in each case, as jax.lax.ragged_dot gives.
+    (m, k), (g, _, n) = arguments["lhs"].shape, arguments["rhs"].shape
+    return 0 in (m, k, n, g)
 
   def _example_value(self, name, spec, key, arguments):
     if name == "group_sizes":

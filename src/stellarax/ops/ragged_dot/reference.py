@@ -36,13 +36,15 @@ def group_bounds(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array, jax.
   return starts, ends
 
 
-def check_ragged_dot_shapes(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> None:
+def check_ragged_dot_shapes(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                            min_groups: int = 1) -> None:
   """Checks the operand shapes of a ragged_dot.
 
   Args:
     lhs: expected (M, K).
     rhs: expected (G, K, N).
     group_sizes: expected (G,) with an integer dtype.
+    min_groups: the fewest groups taken (a kernel needs one; the reference none).
 
   Raises:
     ValueError: naming the operand whose shape or dtype does not fit.
@@ -55,17 +57,19 @@ def check_ragged_dot_shapes(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Arr
     raise ValueError(
         f"The contracting sizes differ: lhs.shape={lhs.shape} has K={lhs.shape[1]} but "
         f"rhs.shape={rhs.shape} has K={rhs.shape[1]}; rhs must be (G, K, N).")
-  check_group_sizes(group_sizes, rhs.shape[0])
+  check_group_sizes(group_sizes, rhs.shape[0], min_groups=min_groups)
 
 
-def check_group_sizes(group_sizes: jax.Array, num_groups: int) -> None:
-  """Checks that `group_sizes` is a (num_groups,) integer array with num_groups >= 1.
+def check_group_sizes(group_sizes: jax.Array, num_groups: int, *, min_groups: int = 1) -> None:
+  """Checks that `group_sizes` is a (num_groups,) integer array with num_groups >=
+  min_groups (a kernel needs a group; the reference and the op take none: zeros).
 
   Raises:
     ValueError: when the shape, dtype or group count does not fit.
   """
-  if num_groups < 1:
-    raise ValueError(f"ragged_dot needs at least one group; got {num_groups=}.")
+  if num_groups < min_groups:
+    raise ValueError(f"this ragged_dot kernel needs at least {min_groups} group; got "
+                     f"{num_groups=} (stellarax.ragged_dot takes none, returning zeros).")
   if group_sizes.shape != (num_groups,):
     raise ValueError(
         f"group_sizes.shape={group_sizes.shape} must be ({num_groups},), one size per group "
@@ -102,7 +106,7 @@ def ragged_dot_reference(
   Raises:
     ValueError: when the operand shapes do not fit together.
   """
-  check_ragged_dot_shapes(lhs, rhs, group_sizes)
+  check_ragged_dot_shapes(lhs, rhs, group_sizes, min_groups=0)
   out_dtype = preferred_element_type or lhs.dtype
   lhs32 = lhs.astype(jnp.float32)
 
@@ -144,7 +148,7 @@ def ragged_dot_rhs_grad_reference(
     raise ValueError(
         f"The weight gradient needs lhs (M, K) and dout (M, N) with the same M; got "
         f"lhs.shape={lhs.shape} and dout.shape={dout.shape}.")
-  check_group_sizes(group_sizes, num_groups)
+  check_group_sizes(group_sizes, num_groups, min_groups=0)
   out_dtype = preferred_element_type or lhs.dtype
   lhs32, dout32 = lhs.astype(jnp.float32), dout.astype(jnp.float32)
 

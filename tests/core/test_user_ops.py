@@ -1,0 +1,190 @@
+"""Ops as a user writes them (README: "Your own kernel"): pytree arguments, outputs and
+residuals, static options in any form `specs.to_spec` records, each on every path (a
+traced call, an eager one, tuning)."""
+
+import dataclasses
+import enum
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import stellarax
+from stellarax import autotuning
+
+
+@stellarax.config_dataclass
+class _Config:
+  unroll: int = 1
+
+
+class _Tunable:
+  """Heuristic and a two-config space, for every op here."""
+
+  config_cls = _Config
+
+  def _get_heuristics_config(self, ba):
+    return _Config()
+
+  def _get_autotuning_configs(self, ba):
+    return {_Config(unroll=1), _Config(unroll=2)}
+
+
+class AffineVjpBase(stellarax.Op):
+  def _fwd(self, residuals, out, dout, x, params, *, config):
+    raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AffineVjp(_Tunable, AffineVjpBase, name="test_user_ops.affine_vjp"):
+  """Gradients from dict residuals (the input, kept by the forward)."""
+
+  def _fwd(self, residuals, out, dout, x, params, *, config):
+    return {"x": dout @ params["w"].T,
+            "params": {"w": residuals["x"].T @ dout, "b": dout.sum(0)}}
+
+  def _reference(self, residuals, out, dout, x, params):
+    _, pullback = jax.vjp(lambda x, p: x @ p["w"] + p["b"][None], x, params)
+    dx, dparams = pullback(dout)
+    return {"x": dx, "params": dparams}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Affine(_Tunable, stellarax.Op, name="test_user_ops.affine"):
+  """x @ w + b, with the weights in a dict argument and dict residuals."""
+
+  vjp_cls = AffineVjp
+
+  def _fwd(self, x, params, *, config):
+    return x @ params["w"] + params["b"][None], {"x": x}
+
+  def _reference(self, x, params):
+    return x @ params["w"] + params["b"][None]
+
+
+def test_dict_arguments_and_residuals_are_tuned():
+  keys = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(keys[0], (4, 8))
+  params = {"w": jax.random.normal(keys[1], (8, 2)), "b": jax.random.normal(keys[2], (2,))}
+  loss = lambda x, p: jnp.sum(jnp.sin(Affine()(x, p)))
+  want = jax.grad(lambda x, p: jnp.sum(jnp.sin(x @ p["w"] + p["b"][None])), argnums=(0, 1))(x, params)
+  grads = jax.grad(loss, argnums=(0, 1))(x, params)
+  for got, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+  ba = Affine.bind(x, params)
+  assert len(ba.array_specs()) == 3 and set(ba.example_values()["params"]) == {"b", "w"}
+  result = stellarax.Autotuner(budget_s=1, progress=False).autotune(
+      jax.grad(loss, argnums=(0, 1)), x, params)
+  assert sorted(e.bound_args.op.name for e in result) == ["test_user_ops.affine",
+                                                          "test_user_ops.affine_vjp"]
+  assert all(e.num_failed == 0 for e in result)
+
+
+class Mode(enum.Enum):
+  DOUBLE = 2
+  TRIPLE = 3
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Scale(_Tunable, stellarax.Op, name="test_user_ops.scale"):
+  """x * factor[mode] + sum(offsets); records what its _fwd was given."""
+
+  seen = []  # (mode, offsets, factor) of every _fwd trace
+
+  def _fwd(self, x, mode=Mode.DOUBLE, offsets=(0,), factor=1, *, config):
+    Scale.seen.append((mode, offsets, factor))
+    return x * {"DOUBLE": 2, "TRIPLE": 3}[mode] * factor + sum(offsets), None
+
+  def _reference(self, x, mode=Mode.DOUBLE, offsets=(0,), factor=1):
+    return x * {"DOUBLE": 2, "TRIPLE": 3}[mode] * factor + sum(offsets)
+
+
+def test_static_arguments_reach_the_op_as_recorded_on_every_path():
+  # Tuning has only the recorded values (enum names, tuples), so a traced call and an
+  # eager one get those too: one code path, the one tuning measured.
+  x, op = jnp.ones((4,)), Scale()
+  Scale.seen.clear()
+  eager = op(x, Mode.TRIPLE, [1, 2])
+  traced = jax.jit(lambda x: op(x, Mode.TRIPLE, [1, 2]))(x)
+  stellarax.Autotuner(budget_s=0.5, progress=False).autotune(lambda x: op(x, Mode.TRIPLE, [1, 2]), x)
+  np.testing.assert_array_equal(eager, traced)
+  np.testing.assert_array_equal(eager, jnp.full((4,), 6.0))
+  assert {(mode, offsets) for mode, offsets, _ in Scale.seen} == {("TRIPLE", (1, 2))}
+
+
+def test_eager_calls_that_differ_only_in_a_value_s_type_are_not_confused():
+  # 1, 1.0 and True are equal in Python and hash alike; their results' dtypes differ.
+  x, op = jnp.arange(4, dtype=jnp.int32), Scale()
+  for factor in (1, 1.0, True):
+    assert op(x, factor=factor).dtype == jax.jit(lambda x: op(x, factor=factor))(x).dtype
+  assert op(x, factor=1.0).dtype == jnp.float32 and op(x, factor=1).dtype == jnp.int32
+
+
+class PairVjpBase(stellarax.Op):
+  def _fwd(self, residuals, out, dout, x, *, config):
+    raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PairVjp(_Tunable, PairVjpBase, name="test_user_ops.pair_vjp"):
+  def _fwd(self, residuals, out, dout, x, *, config):
+    return {"x": 2 * dout[0] + 3 * dout[1]}
+
+  def _reference(self, residuals, out, dout, x):
+    return {"x": 2 * dout[0] + 3 * dout[1]}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Pair(_Tunable, stellarax.Op, name="test_user_ops.pair"):
+  """A tuple output: (2 x, 3 x)."""
+
+  vjp_cls = PairVjp
+
+  def _fwd(self, x, *, config):
+    return (2 * x, 3 * x), None
+
+  def _reference(self, x):
+    return (2 * x, 3 * x)
+
+
+def test_the_backward_of_a_forward_with_a_tuple_output_is_tuned():
+  x = jax.random.normal(jax.random.key(1), (4, 4))
+  loss = lambda x: sum(jnp.sum(o ** 2) for o in Pair()(x))
+  np.testing.assert_allclose(jax.grad(loss)(x), 26 * x, rtol=1e-6)
+  result = stellarax.Autotuner(budget_s=1, progress=False).autotune(jax.grad(loss), x)
+  assert sorted(e.bound_args.op.name for e in result) == ["test_user_ops.pair",
+                                                          "test_user_ops.pair_vjp"]
+  assert all(e.num_failed == 0 for e in result)
+
+
+def test_the_summary_tells_calls_apart_by_their_options():
+  x = jnp.ones((8, 4))
+  result = stellarax.Autotuner(budget_s=0.5, progress=False).autotune(
+      lambda x: Scale()(x) + Scale()(x, Mode.TRIPLE) + Scale()(x, offsets=[1]), x)
+  rows = result.summary().splitlines()[2:]
+  assert len(rows) == 3 and len({row.split("  ")[1] for row in rows}) == 3
+  assert any("mode='TRIPLE'" in row for row in rows) and any("offsets=(1,)" in row for row in rows)
+  assert not any("factor=" in row for row in rows)  # the default is left out
+  assert autotuning.AutotuningResult.loads(result.dumps()).summary() == result.summary()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Narrowing(_Tunable, stellarax.Op, name="test_user_ops.narrowing"):
+  """A config (unroll=2) that returns float16 where the op returns float32: close to the
+  float32 reference, but it would change the program's types under `with result:`."""
+
+  def _fwd(self, x, *, config):
+    out = x * 2
+    return (out.astype(jnp.float16) if config.unroll == 2 else out), None
+
+  def _reference(self, x):
+    return x * 2
+
+
+def test_a_config_that_changes_the_output_dtype_is_never_chosen():
+  x = jax.random.normal(jax.random.key(2), (16, 16))
+  tuner = stellarax.Autotuner(strategy="exhaustive", progress=False)
+  (entry,) = tuner.autotune([Narrowing.bind(x)])
+  measured = dict(entry.measurements)
+  assert measured[_Config(unroll=2)].status == "wrong_result"
+  assert "float16" in measured[_Config(unroll=2)].error and entry.best_config == _Config(unroll=1)
