@@ -120,6 +120,29 @@ def test_outer_function_reusing_a_cached_inner_jit_is_traced_again(traced):
   assert len(count) == 2 and traced[-1] == TUNED
 
 
+def test_inner_jit_first_traced_inside_another_then_called_alone(traced):
+  # f's trace, made inside g's, is reused when f is called on its own (no top-level
+  # trace of f): the executable compiled from it must still follow the results.
+  lhs, rhs, gs = _inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  pinned = lambda config: stellarax.ragged_dot(
+      lhs, rhs, gs, implementation=stellarax.XlaRaggedDot(config=config))
+  heuristic, tuned = pinned(ba.heuristics_config), pinned(TUNED)
+  f = jax.jit(lambda l: stellarax.ragged_dot(l, rhs, gs) + 0)
+  g = jax.jit(lambda l: f(l) * 1)
+  g(lhs)
+  jax.eval_shape(lambda l: l * 2, lhs)  # a top-level trace that is never lowered
+  np.testing.assert_array_equal(f(lhs), heuristic)
+  with _result((ba, TUNED)):
+    np.testing.assert_array_equal(f(lhs), tuned)
+    assert traced[-1] == TUNED
+  np.testing.assert_array_equal(f(lhs), heuristic)
+  with _result((ba, TUNED)):
+    np.testing.assert_array_equal(g(lhs), tuned)
+  with _result((ba, OTHER)):
+    np.testing.assert_array_equal(f(lhs), pinned(OTHER))
+
+
 def test_outer_function_reusing_a_cached_scan_body_is_traced_again(traced):
   lhs, rhs, gs = _inputs()
   ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)

@@ -42,6 +42,11 @@ active results it was created under, and a record made deeper in the stack
 keeps the extra results, so the question is asked again with the same inner
 results on top of whatever is active then.
 
+A trace reused without a top-level trace of its own (a function first traced inside
+another's trace, then called on its own) is compiled into an executable cached under
+the current key, which asked nothing: when such a program is lowered, the current key
+takes the answers of the entries reused since the last lowering (`_on_lowering`).
+
 Equality is memoised per stack of active results until the next record: JAX
 checks it on every call of a jitted function whose cached key is not the
 current one.
@@ -56,6 +61,7 @@ again by the next top-level trace instead of reused: tracing and lowering the
 from __future__ import annotations
 
 import threading
+import types
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -80,6 +86,8 @@ _MEMO_LIMIT = 64
 # Emitted by `jax.jit` when a top-level trace starts (a scalar: its start time)
 # and when it ends (its duration); see jax/_src/pjit.py and dispatch.py.
 _TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+# Emitted when a top-level program starts being lowered (jax/_src/interpreters/pxla.py).
+_LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 
 
 def _empty_stack() -> Stack:
@@ -127,7 +135,10 @@ class TraceKey:
       # answers from the new trace's key: trace it again (once per outer
       # trace; it is then cached under the current key, which has them).
       return False
-    return self.holds() and other.holds()
+    if not (self.holds() and other.holds()):
+      return False
+    _note_reuse(self, other)
+    return True
 
   def __repr__(self) -> str:
     return f"TraceKey({len(self._records)} recorded answers)"
@@ -241,6 +252,47 @@ def _add(records: list[_Record]) -> None:
       key._merge(records, now)
 
 
+def _reuse_state() -> Any:
+  """This thread's record of cache entries reused since the last lowering (`_note_reuse`)."""
+  state = getattr(_local, "reuse", None)
+  if state is None:
+    state = _local.reuse = types.SimpleNamespace(keys=[], unlowered_trace=None)
+  return state
+
+
+def _note_reuse(a: TraceKey, b: TraceKey) -> None:
+  """Two keys found equal outside a trace, one of them current: JAX may be reusing the
+  other's cache entry. Kept until the next lowering, which decides (`_on_lowering`)."""
+  key = current()
+  for source, target in ((a, b), (b, a)):
+    if target is key and source._records:
+      keys = _reuse_state().keys
+      if all(source is not k for k in keys) and len(keys) < _MEMO_LIMIT:
+        keys.append(source)
+
+
+def _on_lowering() -> None:
+  """A top-level program is being lowered. After a trace of its own, its executable is
+  cached under that trace's key, which holds its answers. Without one, it was lowered
+  from a trace JAX reused: one made inside another function's trace (a nested jit,
+  first called on its own now). Its executable is cached under the current key, which
+  asked nothing, so a result entered later would find it with nothing to tell it
+  apart: the current key takes the answers of the entries reused since the last
+  lowering, and a fresh key becomes current for what comes next. The key of the last
+  trace not lowered yet is left out: this lowering may be that trace's own, whose
+  executable is cached under that key (a trace may also never be lowered, as
+  `jax.eval_shape`'s)."""
+  state = _reuse_state()
+  keys, state.keys = state.keys, []
+  if _top_level():
+    return
+  own, state.unlowered_trace = state.unlowered_trace, None
+  records = [r for k in keys if k is not own for r in k._records.values()]
+  if records:
+    _add(records)
+    _renew()
+
+
 def record(question: Question, subject: Hashable, answer: Any) -> None:
   """Records, for the traces being built, that `question(stack, subject)`
   answered `answer` under the active stack. Outside any trace (e.g. `explain()`)
@@ -259,6 +311,9 @@ def _on_trace_start(event: str, value: float, **kwargs: Any) -> None:
   del value, kwargs
   if event == _TRACE_EVENT:
     _top_level().append(current())
+    _reuse_state().keys.clear()
+  elif event == _LOWERING_EVENT:
+    _on_lowering()
 
 
 def _on_trace_end(event: str, duration: float, **kwargs: Any) -> None:
@@ -266,7 +321,7 @@ def _on_trace_end(event: str, duration: float, **kwargs: Any) -> None:
   if event == _TRACE_EVENT:
     top_level = _top_level()
     if top_level:
-      top_level.pop()
+      _reuse_state().unlowered_trace = top_level.pop()
     _renew()
 
 
