@@ -223,6 +223,31 @@ def test_threads_see_their_own_results(traced):
   assert seen["plain_again"] == 0  # reused its own heuristic trace
 
 
+def test_threads_may_enter_one_result_at_once():
+  lhs, rhs, gs = _inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  shared = _result((ba, TUNED))
+  inside, released = threading.Barrier(2), threading.Barrier(2)
+  seen, errors = [], []
+
+  def worker():
+    try:
+      with shared:
+        inside.wait(timeout=60)  # both threads inside the one result
+        seen.append(autotuning.explain(ba).config)
+        released.wait(timeout=60)
+      seen.append(autotuning.explain(ba).config)  # and each left it
+    except Exception as exc:  # noqa: BLE001 (reported below)
+      errors.append(exc)
+
+  threads = [threading.Thread(target=worker) for _ in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=120)
+  assert not errors and sorted(map(repr, seen)) == sorted(map(repr, [TUNED] * 2 + [ba.heuristics_config] * 2))
+
+
 def test_async_tasks_see_their_own_results(traced):
   lhs, rhs, gs = _inputs()
   ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)

@@ -9,6 +9,7 @@ JSON format of `file_format.py`, and merges with `|`.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import hashlib
@@ -115,6 +116,11 @@ class OtherDeviceWarning(UserWarning):
   """A result measured on one device kind is applied on another."""
 
 
+# The results entered in this context, innermost last, each with its resolution token.
+_entered: contextvars.ContextVar[tuple[tuple[Any, Any], ...]] = contextvars.ContextVar(
+    "stellarax_entered_results", default=())
+
+
 class AutotuningResult:
   """Best configs per op call, for one device kind.
 
@@ -135,7 +141,6 @@ class AutotuningResult:
     self.device_kind = device_kind
     self.versions = dict(versions or file_format.current_versions())
     self._entries: dict[tuple[str, str], Entry] = dict(entries or {})
-    self._tokens: list[Any] = []
 
   source_name = "result"
 
@@ -221,11 +226,18 @@ class AutotuningResult:
                     "may not be the fastest. Tune on this device for configs of its own "
                     "(stellarax.autotune); where applying these is intended, filter out "
                     "OtherDeviceWarning.", OtherDeviceWarning, stacklevel=2)
-    self._tokens.append(resolution.push_result(self))
+    _entered.set(_entered.get() + ((self, resolution.push_result(self)),))
     return self
 
   def __exit__(self, *exc) -> None:
-    resolution.pop_result(self._tokens.pop())
+    # The tokens live in a context variable, not on the result: threads and async tasks
+    # may enter one result at once, each in its own context.
+    entered = _entered.get()
+    if not entered or entered[-1][0] is not self:
+      raise RuntimeError("An AutotuningResult is left that is not the innermost one "
+                         "entered in this thread or task: nest `with result:` blocks.")
+    _entered.set(entered[:-1])
+    resolution.pop_result(entered[-1][1])
 
   # ---- merging ----------------------------------------------------------
 
