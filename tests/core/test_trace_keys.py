@@ -224,28 +224,36 @@ def test_threads_see_their_own_results(traced):
 
 
 def test_threads_may_enter_one_result_at_once():
+  # The first thread in leaves first, while the second is still inside.
   lhs, rhs, gs = _inputs()
   ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
   shared = _result((ba, TUNED))
-  inside, released = threading.Barrier(2), threading.Barrier(2)
-  seen, errors = [], []
+  first_in, second_in, first_out = (threading.Event() for _ in range(3))
+  seen, errors = {}, []
 
-  def worker():
+  def worker(name, wait_for, then_set, leave_after):
     try:
+      wait_for.wait(timeout=60)
       with shared:
-        inside.wait(timeout=60)  # both threads inside the one result
-        seen.append(autotuning.explain(ba).config)
-        released.wait(timeout=60)
-      seen.append(autotuning.explain(ba).config)  # and each left it
+        then_set.set()
+        leave_after.wait(timeout=60)
+        seen[name + " inside"] = autotuning.explain(ba).config
+      seen[name + " after"] = autotuning.explain(ba).config
+      first_out.set()
     except Exception as exc:  # noqa: BLE001 (reported below)
       errors.append(exc)
 
-  threads = [threading.Thread(target=worker) for _ in range(2)]
+  go = threading.Event()
+  go.set()
+  threads = [threading.Thread(target=worker, args=("first", go, first_in, second_in)),
+             threading.Thread(target=worker, args=("second", first_in, second_in, first_out))]
   for t in threads:
     t.start()
   for t in threads:
     t.join(timeout=120)
-  assert not errors and sorted(map(repr, seen)) == sorted(map(repr, [TUNED] * 2 + [ba.heuristics_config] * 2))
+  assert not errors, errors
+  assert seen == {"first inside": TUNED, "first after": ba.heuristics_config,
+                  "second inside": TUNED, "second after": ba.heuristics_config}
 
 
 def test_async_tasks_see_their_own_results(traced):
