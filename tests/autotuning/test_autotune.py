@@ -97,6 +97,39 @@ def test_corrupt_files_name_themselves(tmp_path, grad_result):
     stellarax.AutotuningResult.load(bad)
 
 
+@pytest.mark.parametrize("edit, complaint", [
+    (lambda d: d["entries"][0]["bound_args"]["op"].update(fields=[]),
+     "entry 0 is invalid: AttributeError"),
+    (lambda d: d["entries"][0]["bound_args"]["op"].update(name="ragged_dot.pallas_mosaic_gpu"),
+     "entry 0 is invalid: NotImplementedError: .*Mosaic GPU"),  # a kernel refusing the call
+    (lambda d: d.update(schema=True), "schema True is not a schema version"),
+    (lambda d: d.update(schema=0), "schema 0 is not a schema version"),
+    (lambda d: d.update(device_kind=None), "'device_kind' must name a device kind"),
+    (None, "not valid JSON.*RecursionError")])  # nested deeper than json reads
+def test_whatever_is_wrong_in_a_file_is_a_format_error_naming_it(tmp_path, grad_result, edit,
+                                                                complaint):
+  bad = tmp_path / "bad.json"
+  if edit is None:
+    bad.write_text("[" * 100_000 + "]" * 100_000)
+  else:
+    data = json.loads(grad_result.dumps())
+    edit(data)
+    bad.write_text(json.dumps(data))
+  with pytest.raises(file_format.FormatError, match="bad.json.*" + complaint):
+    stellarax.AutotuningResult.load(bad)
+
+
+def test_files_are_written_with_the_umask_s_permissions(tmp_path, grad_result):
+  old = os.umask(0o022)
+  try:
+    grad_result.dump(tmp_path / "result.json")
+    written = autotuning.write_library_cache(grad_result, tmp_path / "library")
+  finally:
+    os.umask(old)
+  for path in [tmp_path / "result.json", *written]:
+    assert path.stat().st_mode & 0o777 == 0o644, path
+
+
 def test_an_unreadable_user_cache_costs_a_warning_not_the_program(user_cache_dir):
   lhs, rhs, gs = _inputs()
   ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)

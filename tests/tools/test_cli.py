@@ -189,3 +189,15 @@ def test_import_makes_a_package_s_own_ops_known_to_every_command(tmp_path):
   missing = _cli(tmp_path, "report", str(out), "--import", "no_such_plugin")
   assert missing.returncode == 2
   assert "--import no_such_plugin: cannot import it" in missing.stderr
+
+
+def test_cache_clear_removes_the_cache_s_files_only(tmp_path, user_cache_dir, capsys):
+  lhs, rhs = jnp.ones((32, 16)), jax.random.normal(jax.random.key(0), (2, 16, 8))
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, jnp.array([10, 22], jnp.int32))
+  stellarax.Autotuner(budget_s=0.5, progress=False, cache=True).autotune([ba])
+  notes = user_cache_dir / "notes.txt"
+  notes.write_text("the user's own")
+  assert cli.main(["cache", "clear"]) == 0
+  assert "files removed" in capsys.readouterr().out
+  assert sorted(p.name for p in user_cache_dir.rglob("*")) == ["notes.txt"]
+  assert autotuning.explain(ba).source != "user_cache"

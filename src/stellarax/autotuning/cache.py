@@ -204,6 +204,34 @@ class FileCache:
       written.append(path)
     return written
 
+  def clear(self) -> int:
+    """Removes every file of the cache (results, their locks, files moved aside as
+    unreadable, temporary files) and the device-kind folders left empty; other files
+    in the cache folder stay (it may be a folder of the user's).
+
+    Returns:
+      How many files were removed.
+
+    Raises:
+      PermissionError: for the read-only library cache.
+      OSError: when a file cannot be removed (the message names it).
+    """
+    if not self.writable:
+      raise PermissionError(f"The {self.source_name} at {self.root} is read-only.")
+    if not self.root.is_dir():
+      return 0
+    removed = 0
+    for folder in sorted(p for p in self.root.iterdir() if p.is_dir()):
+      for pattern in ("*.json", "*.json.lock", "*.json.unreadable", ".tmp-*.json"):
+        for path in folder.glob(pattern):
+          path.unlink()
+          removed += 1
+      with contextlib.suppress(OSError):  # not empty: something else lives there
+        folder.rmdir()
+    with self._lock:
+      self._loaded.clear()
+    return removed
+
   def files(self) -> list[Path]:
     """Every result file of the cache, of every device kind, sorted."""
     return sorted(self.root.glob("*/*.json")) if self.root.is_dir() else []

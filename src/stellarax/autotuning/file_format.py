@@ -37,7 +37,8 @@ and the new entry wins the merge. The shipped library cache reads its
 own files without these warnings (`cache.FileCache.warn_other_versions`). A
 file that is not valid JSON, lacks a required field, or holds an invalid entry
 recorded under the running versions raises `FormatError` naming the file and
-the problem.
+the problem, whatever the op's checks raised. Files are written atomically, with
+the permissions `open` would give them (the umask's).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -87,20 +89,39 @@ def parse(text: str, *, source: str) -> dict[str, Any]:
   """
   try:
     data = json.loads(text)
-  except json.JSONDecodeError as e:
-    raise FormatError(f"{source}: not valid JSON ({e}). Delete or fix the file.") from None
+  except (json.JSONDecodeError, RecursionError) as e:  # (nested too deep to read)
+    raise FormatError(f"{source}: not valid JSON ({type(e).__name__}: {e}). Delete or fix "
+                      "the file.") from None
   if not isinstance(data, dict):
     raise FormatError(f"{source}: expected a JSON object with 'schema', 'device_kind' and 'entries'.")
   for field in ("schema", "device_kind", "entries"):
     if field not in data:
       raise FormatError(f"{source}: missing field {field!r}; this is not a stellarax results file.")
-  if not isinstance(data["schema"], int) or data["schema"] > SCHEMA_VERSION:
+  schema = data["schema"]
+  if not isinstance(schema, int) or isinstance(schema, bool) or schema < 1:
+    raise FormatError(f"{source}: schema {schema!r} is not a schema version (an int from 1 "
+                      f"to {SCHEMA_VERSION}); this is not a stellarax results file.")
+  if schema > SCHEMA_VERSION:
     raise FormatError(
-        f"{source}: schema {data['schema']!r} is newer than this stellarax reads ({SCHEMA_VERSION}). "
+        f"{source}: schema {schema!r} is newer than this stellarax reads ({SCHEMA_VERSION}). "
         "Upgrade stellarax or re-tune.")
+  if not isinstance(data["device_kind"], str) or not data["device_kind"]:
+    raise FormatError(f"{source}: 'device_kind' must name a device kind (e.g. \"NVIDIA H200\"), "
+                      f"got {data['device_kind']!r}.")
   if not isinstance(data["entries"], list):
     raise FormatError(f"{source}: 'entries' must be a list.")
   return data
+
+
+_UMASK_LOCK = threading.Lock()
+
+
+def _umask() -> int:
+  """The process's umask (reading it means setting it: done under a lock)."""
+  with _UMASK_LOCK:
+    mask = os.umask(0o022)
+    os.umask(mask)
+  return mask
 
 
 def atomic_write(path: str | os.PathLike, text: str) -> None:
@@ -110,6 +131,7 @@ def atomic_write(path: str | os.PathLike, text: str) -> None:
   os.makedirs(folder, exist_ok=True)
   fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
   try:
+    os.fchmod(fd, 0o666 & ~_umask())  # as open() would make it (mkstemp makes 0600)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
       f.write(text)
       f.flush()
@@ -196,13 +218,14 @@ def result_from_json(cls, data: dict[str, Any], *, source: str, warn_other_versi
       if not isinstance(raw, dict):
         raise ValueError(f"expected a JSON object, got {type(raw).__name__}")
       entry = entry_from_json(raw, source=source, versions=recorded[i])
-    except (KeyError, ValueError, TypeError) as e:
+    except Exception as e:  # noqa: BLE001 (whatever an op's checks raise, the entry is bad)
       # Same versions: the file was broken (by hand or by a bug), say so.
       # Other versions: an op or config changed since, drop just this entry.
+      why = f"{type(e).__name__}: {e}" if not isinstance(e, (KeyError, ValueError)) else str(e)
       if same_versions(recorded[i]):
-        raise FormatError(f"{source}: entry {i} is invalid: {e}") from None
+        raise FormatError(f"{source}: entry {i} is invalid: {why}") from None
       if warn_other_versions:
-        warnings.warn(f"{source}: entry {i} skipped (recorded by other versions): {e}",
+        warnings.warn(f"{source}: entry {i} skipped (recorded by other versions): {why}",
                       VersionWarning, stacklevel=3)
       continue
     entries[entry.key] = entry

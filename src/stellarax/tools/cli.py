@@ -86,9 +86,8 @@ def _cache(args) -> int:
     for path in cache.write_library_cache(AutotuningResult.load(args.result), root):
       print(f"wrote {path}")
   elif args.action == "clear":
-    import shutil
-    shutil.rmtree(root, ignore_errors=True)
-    print(f"cleared {root}")
+    removed = cache.USER_CACHE.clear()
+    print(f"cleared the user cache at {root}: {removed} files removed")
   return 0
 
 
