@@ -123,6 +123,12 @@ def test_miss_policy_error_names_the_op():
   with resolution.miss_policy_scope("error"):
     with pytest.raises(resolution.ConfigMissError, match="ragged_dot.xla"):
       resolution.resolve_config(ba)
+    # explain, which the error points to, explains instead of raising.
+    explained = autotuning.explain(ba)
+    assert explained.source == "miss:error" and explained.config == ba.heuristics_config
+    assert "the call raises ConfigMissError" in str(explained)
+  with resolution.miss_policy_scope("autotune"):  # nor does it tune
+    assert autotuning.explain(ba).source == "miss:autotune"
   with pytest.raises(ValueError, match="must be one of"):
     with resolution.miss_policy_scope("sometimes"):
       pass

@@ -21,8 +21,10 @@ class Explanation:
     op: the op's registered name.
     config: the config the call resolves to.
     source: where it comes from ("explicit", "result", "user_cache",
-      "library_cache", "transfer:<distance>", "heuristics", ...), or "trivial" (config
-      None) for a call that runs no kernel (`Op._is_trivial`).
+      "library_cache", "transfer:<distance>", "heuristics", ...); "miss:error" or
+      "miss:autotune" where nothing was measured and the miss policy makes the call
+      raise or tune (config: its heuristic); or "trivial" (config None) for a call that
+      runs no kernel (`Op._is_trivial`).
     nearest: on a miss, the nearest tuned key of the same op: where it is
       and the differences, as (where, ["path: ours != theirs", ...]); None
       when nothing of this op was tuned. For a transferred config, the key
@@ -54,8 +56,14 @@ class Explanation:
     elif self.nearest is not None:
       where, diffs = self.nearest
       lines.append(f"  nearest tuned call ({where}) differs in: " + "; ".join(diffs))
-    elif self.source.startswith("heuristics"):
+    elif self.source.startswith(("heuristics", "miss")):
       lines.append("  no call of this op was tuned in the active results or caches")
+    if self.source == "miss:error":
+      lines.append("  the miss policy is 'error': the call raises ConfigMissError (the config "
+                   "above is its heuristic)")
+    elif self.source == "miss:autotune":
+      lines.append("  the miss policy is 'autotune': the call is tuned when it is traced (the "
+                   "config above is its heuristic)")
     return "\n".join(lines)
 
 
@@ -69,7 +77,10 @@ def explain(bound_args: BoundArguments) -> Explanation:
   Returns:
     An `Explanation` (printable); on a miss it names the nearest tuned call
     of the same op and how its key differs; for a transferred config, the
-    call it came from and the confidence.
+    call it came from and the confidence. It explains, whatever the miss policy:
+    under "error" or "autotune" a miss is reported as such, neither raised nor tuned.
+    It tells what a call traced now resolves to: code compiled before the caches
+    changed keeps its configs (a result entered retraces it; see `with result:`).
 
   Raises:
     TypeError: if `bound_args` is not a BoundArguments.
@@ -79,7 +90,11 @@ def explain(bound_args: BoundArguments) -> Explanation:
                     f"got {type(bound_args).__name__}: {bound_args!r:.80}.")
   if bound_args.op.fwd_cls is None and bound_args.op._is_trivial(bound_args.arguments):
     return Explanation(bound_args.op.name, None, "trivial", None)
-  resolved = resolution.resolve_config(bound_args)
+  policy = resolution.miss_policy()
+  with resolution.miss_policy_scope("heuristics"):  # explaining neither raises nor tunes
+    resolved = resolution.resolve_config(bound_args)
+  if resolved.source == "heuristics" and policy != "heuristics":
+    resolved = resolution.Resolution(resolved.config, f"miss:{policy}")
   if isinstance(resolved, TransferResolution):
     diffs = _diff(bound_args.autotuning_cache_key, resolved.neighbour.autotuning_cache_key)
     return Explanation(bound_args.op.name, resolved.config, resolved.source,
