@@ -43,6 +43,14 @@ def test_bind_rejects_bad_shapes_with_a_clear_message():
     stellarax.XlaRaggedDot.bind(lhs, rhs, gs, bogus=1)
 
 
+def test_config_from_json_checks_plain_field_types():
+  from stellarax.core.config import config_from_json
+  assert config_from_json(XlaRaggedDotConfig, {"strategy": "tiled", "tile_m": 32}).tile_m == 32
+  for bad in ({"tile_m": "32"}, {"tile_m": 32.0}, {"tile_m": True}, {"strategy": 1}):
+    with pytest.raises(ValueError, match=r"XlaRaggedDotConfig\.\w+=.* the field takes"):
+      config_from_json(XlaRaggedDotConfig, {"strategy": "tiled", "tile_m": 32, **bad})
+
+
 def test_config_is_validated_at_construction():
   with pytest.raises(ValueError, match="tile_m=12 must be a power of two"):
     XlaRaggedDotConfig(strategy="tiled", tile_m=12)

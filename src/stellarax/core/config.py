@@ -9,6 +9,9 @@ bad value fails at construction with a message that says what to pass.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
+import typing
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -78,7 +81,9 @@ def config_from_json(config_cls: type[T], data: Mapping[str, Any]) -> T:
   """Builds a `config_cls` from `config_to_json` output, validating it.
 
   Raises:
-    ValueError: when `data` has fields the class lacks or values it rejects.
+    ValueError: when `data` has fields the class lacks, a value of another type than a
+      field annotated with a plain type (int, float, bool, str, None) takes, or values
+      the class rejects.
   """
   if not isinstance(data, Mapping):
     raise ValueError(f"A {config_cls.__name__} must be a JSON object, got {data!r}.")
@@ -88,4 +93,38 @@ def config_from_json(config_cls: type[T], data: Mapping[str, Any]) -> T:
     raise ValueError(
         f"{config_cls.__name__} has no field(s) {sorted(unknown)}; its fields are "
         f"{sorted(known)}. The data may come from another stellarax version.")
-  return config_cls(**{k: specs.decode(v) for k, v in data.items()})
+  values = {k: specs.decode(v) for k, v in data.items()}
+  for name, value in values.items():
+    expected = _plain_types(config_cls).get(name)
+    if expected is not None and not _is_instance(value, expected):
+      raise ValueError(f"{config_cls.__name__}.{name}={value!r} is a {type(value).__name__}; "
+                       f"the field takes {' or '.join(t.__name__ for t in expected)}.")
+  return config_cls(**values)
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+@functools.cache
+def _plain_types(config_cls: type) -> dict[str, tuple[type, ...]]:
+  """The fields annotated with plain types (int, float, bool, str, None and unions of
+  them), and those types; fields of other or unresolvable annotations are left out."""
+  try:
+    hints = typing.get_type_hints(config_cls)
+  except Exception:  # noqa: BLE001 (an annotation that does not resolve: nothing checked)
+    return {}
+  out = {}
+  for name, hint in hints.items():
+    members = typing.get_args(hint) if isinstance(hint, types.UnionType) or (
+        typing.get_origin(hint) is typing.Union) else (hint,)
+    if all(m in _PLAIN for m in members):
+      out[name] = tuple(members)
+  return out
+
+
+def _is_instance(value: Any, expected: tuple[type, ...]) -> bool:
+  if isinstance(value, bool):
+    return bool in expected
+  if isinstance(value, int) and float in expected:
+    return True  # JSON writes 2.0 as 2.0, but a hand-written 2 means the same
+  return isinstance(value, expected)
