@@ -209,6 +209,9 @@ class BoundArguments:
     return f"BoundArguments({self.op.name}, {args}{vmap})"
 
 
+_RECORDED_AS_IS = (bool, int, float, str)
+
+
 def as_recorded(values: Mapping[str, Any]) -> dict[str, Any]:
   """Argument values as bound arguments record them, arrays kept.
 
@@ -228,6 +231,9 @@ def as_recorded(values: Mapping[str, Any]) -> dict[str, Any]:
   """
   out = {}
   for name, value in values.items():
+    if value is None or type(value) in _RECORDED_AS_IS or specs.is_array_value(value):
+      out[name] = value  # the common case, on every call: nothing to convert
+      continue
     arrays = iter([x for x in jax.tree.leaves(value) if specs.is_array_value(x)])
     out[name] = jax.tree.map(lambda s: next(arrays) if isinstance(s, specs.ArraySpec) else s,
                              _thaw(specs.to_spec(value, what=name)), is_leaf=_is_spec)

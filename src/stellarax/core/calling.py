@@ -128,7 +128,7 @@ def call_op(op, values: dict[str, Any]) -> Any:
     # new functions on every call, so JAX would trace and compile them every
     # time. One cached jit per call signature is compiled once, and its trace
     # resolves the config like any traced call (re-traced where a result changes it).
-    return _eager_callable(ba, ba.to_marker())(*arrays)
+    return _eager_callable(ba, _types_of(ba))(*arrays)
 
   def make_impl(config):
     def impl(*arrs):
@@ -241,11 +241,23 @@ def _zeros_of_reference(op, arrays: list[Any], rebuild: Callable[[list[Any]], di
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
+def _types_of(value: Any) -> Any:
+  """The types of the plain values in bound arguments (and op fields), which equality
+  does not see: 1, 1.0 and True are equal and hash alike, and compute differently."""
+  if isinstance(value, BoundArguments):
+    return (_types_of(tuple(value.op.identity_fields().values())),
+            _types_of(tuple(value.arguments.values())))
+  if isinstance(value, tuple):
+    return tuple(_types_of(v) for v in value)
+  if isinstance(value, specs.FrozenDict):
+    return tuple((k, _types_of(v)) for k, v in value.items())
+  return type(value)
+
+
 @functools.lru_cache(maxsize=256)
-def _eager_callable(ba: BoundArguments, marker: str) -> Callable[..., Any]:
-  # Keyed by the marker too: bound arguments that Python finds equal may differ in
-  # type (1, 1.0 and True are equal and hash alike), and so compute differently.
-  del marker
+def _eager_callable(ba: BoundArguments, types: Any) -> Callable[..., Any]:
+  # Keyed by the types of its plain values too (`_types_of`).
+  del types
   fn = ba.runner()
   fn.__name__ = fn.__qualname__ = ba.op.name.replace(".", "_")  # the program's name in profiles
   return jax.jit(fn)
