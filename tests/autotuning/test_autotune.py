@@ -737,8 +737,9 @@ def test_total_budget_errors_say_what_to_pass():
     stellarax.Autotuner(budget_s=1.0, total_budget_s=10.0)
   with pytest.raises(ValueError, match="total_budget_s=0 must be a positive number"):
     stellarax.Autotuner(total_budget_s=0)
-  with pytest.raises(ValueError, match="device_time_s=-1 must be a number"):
-    autotuning.call_weights_from_json(_profile_records([(_ragged_calls(1)[0], -1)]))
+  for bad in (-1, float("inf"), float("nan")):
+    with pytest.raises(ValueError, match=f"device_time_s={bad!r} must be a finite number"):
+      autotuning.call_weights_from_json(_profile_records([(_ragged_calls(1)[0], bad)]))
 
 
 def test_the_strategy_learns_what_an_effort_costs_from_the_measure_options():

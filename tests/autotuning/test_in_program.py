@@ -69,7 +69,7 @@ def test_each_variant_runs_the_configs_it_names(monkeypatch):
   # Left out, the only tuned call is at its heuristic: the heuristic program exactly.
   assert traced[0] == traced["heuristics"] != traced["tuned"]
   with result:
-    assert traced["tuned"] == str(jax.make_jaxpr(in_program._under(result, program))(args, {}))
+    assert traced["tuned"] == str(jax.make_jaxpr(lambda a: program(*a))(list(args)))
 
 
 @pytest.mark.parametrize("without_ms, tuned_status, helps", [
@@ -127,6 +127,26 @@ def test_keyword_arguments_reach_the_program():
   check = autotuning.check_in_program(result, lambda lhs, rhs, gs: program(lhs, rhs, gs), lhs,
                                       rhs=rhs, gs=gs, options=FAST)
   assert check.tuned.ok and len(check.calls) == 1
+
+
+def test_static_arguments_reach_the_program_as_autotune_takes_them():
+  # A plain function branching on a string, and a jitted one with a static argument:
+  # autotune, the total budget's profile and check_in_program all take them.
+  result, _ = _result_with_other_config()
+  lhs, rhs, gs = _inputs()
+  def plain(lhs, rhs, gs, mode, scale=1.0):
+    out, norm = program(lhs, rhs, gs)
+    return (out * scale if mode == "scaled" else out), norm
+  jitted = jax.jit(plain, static_argnums=3, static_argnames="scale")
+  for f in (plain, jitted):
+    calls = autotuning.get_bound_args(f, lhs, rhs, gs, "scaled", scale=2.0)
+    assert [ba.op.name for ba in calls] == ["ragged_dot.xla", "layer_norm.xla"]
+    check = autotuning.check_in_program(result, f, lhs, rhs, gs, "scaled", options=FAST,
+                                        scale=2.0)
+    assert check.heuristics.ok and check.tuned.ok and len(check.calls) == 1
+  tuned = stellarax.Autotuner(total_budget_s=1.0, progress=False).autotune(
+      jitted, lhs, rhs, gs, "scaled", scale=2.0)
+  assert len(tuned) == 2
 
 
 def test_profile_gives_each_calls_own_device_time_in_the_program():

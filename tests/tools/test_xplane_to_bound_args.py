@@ -74,6 +74,15 @@ def test_bad_files_exit_2_without_traceback(tmp_path, content):
   assert "x.xplane.pb" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_an_output_file_in_no_folder_is_refused_before_the_profile_is_read(tmp_path):
+  proc = subprocess.run([sys.executable, "-m", "stellarax.tools.xplane_to_bound_args",
+                         f"--xplane_file={tmp_path / 'missing.xplane.pb'}",
+                         f"--output_file={tmp_path / 'no' / 'o.json'}"],
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr
+  assert "--output_file=" in proc.stderr and "no folder" in proc.stderr
+
+
 def test_profile_without_ops_is_a_clear_error(tmp_path):
   drop_live_programs()
   folder = tmp_path / "plain"

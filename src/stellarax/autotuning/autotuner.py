@@ -38,7 +38,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 from stellarax.autotuning import capture
 from stellarax.autotuning import isolation
@@ -443,7 +442,9 @@ def _nothing_found(f: Any) -> str:
   return (f"autotune: found no stellarax op call in {getattr(f, '__name__', type(f).__name__)}, "
           "so nothing was tuned and the result is empty. Only calls of stellarax's ops are tuned "
           "(stellarax.ragged_dot, stellarax.dot_product_attention, ...); jax.lax.ragged_dot or "
-          "jax.nn.dot_product_attention called directly are XLA's, not stellarax's.")
+          "jax.nn.dot_product_attention called directly are XLA's, not stellarax's. A call "
+          "whose output is zeros whatever its inputs (an empty dimension) runs no kernel and "
+          "leaves nothing to tune.")
 
 
 def autotune(f: Any, *args, **kwargs) -> AutotuningResult:
@@ -502,8 +503,9 @@ def _ordered_space(ba: BoundArguments) -> list[Any]:
 
 
 def _all_arrays(tree: Any) -> bool:
-  """Whether every leaf is a concrete array (a program can run on them)."""
-  return all(isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in jax.tree.leaves(tree))
+  """Whether no leaf is an abstract array (`jax.ShapeDtypeStruct`): a program can run on
+  them (the other leaves are arrays, or static values `capture.program_of_arrays` keeps)."""
+  return not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
 
 
 def _profiled_weights(f: Callable[..., Any], args: tuple, kwargs: Mapping[str, Any],
@@ -512,7 +514,8 @@ def _profiled_weights(f: Callable[..., Any], args: tuple, kwargs: Mapping[str, A
   warning) where the profile cannot be taken or read."""
   try:
     with resolution.miss_policy_scope("heuristics"):  # a miss must not tune here, as in capture
-      times = profile.device_time_per_call(lambda a, k: f(*a, **k), args, dict(kwargs))
+      program, arrays = capture.program_of_arrays(f, args, kwargs)
+      times = profile.device_time_per_call(program, arrays)
   except (profile.ProfileError, RuntimeError) as exc:
     warnings.warn(f"total_budget_s: the calls share it equally, since profiling the"
                   f" program to weigh them failed: {exc}", RuntimeWarning, stacklevel=4)

@@ -7,16 +7,47 @@ program; capture lowers the program and reads the markers back from its text.
 from __future__ import annotations
 
 import json
+import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from stellarax.core import markers
 from stellarax.core.bound_args import BoundArguments
 from stellarax.core.resolution import miss_policy_scope
+
+
+def program_of_arrays(f: Callable[..., Any], args: tuple,
+                      kwargs: Mapping[str, Any]) -> tuple[Callable[[list], Any], list]:
+  """`f(*args, **kwargs)` as a function of the arrays among its arguments alone.
+
+  The other leaves of the arguments (strings, Python numbers, None, ...) are closed over
+  as constants, so that `jax.jit` of the program takes whatever `f` does, e.g. a mode
+  string that a plain function branches on (`jax.jit(f)` would try to trace it).
+
+  Args:
+    f: the callable.
+    args, kwargs: its arguments; arrays (JAX, NumPy, numpy scalars) or
+      `jax.ShapeDtypeStruct`s are the program's inputs.
+
+  Returns:
+    (program, arrays): `program(arrays)` calls `f` with the arguments rebuilt.
+  """
+  leaves, treedef = jax.tree.flatten((tuple(args), dict(kwargs)))
+  is_input = [isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+              for x in leaves]
+
+  def program(arrays):
+    it = iter(arrays)
+    a, k = jax.tree.unflatten(treedef, [next(it) if i else x for x, i in zip(leaves, is_input)])
+    return f(*a, **k)
+
+  program.__name__ = getattr(f, "__name__", "program")
+  return program, [x for x, i in zip(leaves, is_input) if i]
 
 
 def _lowered_text(f: Any, args: tuple, kwargs: dict) -> str:
@@ -26,10 +57,10 @@ def _lowered_text(f: Any, args: tuple, kwargs: dict) -> str:
     return f.as_text()
   if not callable(f):
     raise TypeError(f"Expected a callable or a jax.stages.Lowered, got {type(f).__name__}: {f!r}.")
-  jitted = f if hasattr(f, "lower") else jax.jit(f)
+  program, arrays = program_of_arrays(f, args, kwargs)
   # Capture only reads which ops run: no tuning on the spot while tracing.
   with miss_policy_scope("heuristics"):
-    return jitted.lower(*args, **kwargs).as_text()
+    return jax.jit(program).lower(arrays).as_text()
 
 
 def bound_args_from_text(text: str) -> list[BoundArguments]:
@@ -148,8 +179,8 @@ def _records(path_or_json: str | os.PathLike) -> list[tuple[BoundArguments, floa
   text, source = _read_text(path_or_json)
   try:
     data = json.loads(text)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{source}: not valid JSON ({e}).") from None
+  except (json.JSONDecodeError, RecursionError) as e:
+    raise ValueError(f"{source}: not valid JSON ({type(e).__name__}: {e}).") from None
   if isinstance(data, dict) and "calls" in data:  # xplane_to_bound_args output
     data = data["calls"]
   if not isinstance(data, list):
@@ -160,14 +191,16 @@ def _records(path_or_json: str | os.PathLike) -> list[tuple[BoundArguments, floa
     if isinstance(item, dict) and "bound_args" in item:
       seconds = item.get("device_time_s")
       if seconds is not None and not (isinstance(seconds, (int, float))
-                                      and not isinstance(seconds, bool) and seconds >= 0):
-        raise ValueError(f"{source}: item {i}: device_time_s={seconds!r} must be a number"
-                         " of seconds >= 0 (xplane_to_bound_args writes one per call).")
+                                      and not isinstance(seconds, bool)
+                                      and math.isfinite(seconds) and seconds >= 0):
+        raise ValueError(f"{source}: item {i}: device_time_s={seconds!r} must be a finite "
+                         "number of seconds >= 0 (xplane_to_bound_args writes one per call).")
       item = item["bound_args"]
     try:
       out.append((BoundArguments.from_json(item), None if seconds is None else float(seconds)))
-    except (KeyError, ValueError, TypeError) as e:
-      raise ValueError(f"{source}: item {i}: {e}") from None
+    except Exception as e:  # noqa: BLE001 (whatever the op's checks raise, the item is bad)
+      why = str(e) if isinstance(e, (KeyError, ValueError)) else f"{type(e).__name__}: {e}"
+      raise ValueError(f"{source}: item {i}: {why}") from None
   return out
 
 

@@ -197,11 +197,11 @@ def _heuristic_entry(ba) -> Entry:
   return Entry(bound_args=ba, best_config=heuristic, heuristic_config=heuristic, measurements=())
 
 
-def _under(result: AutotuningResult, f: Callable[..., Any]) -> Callable[..., Any]:
-  """f(*args, **kwargs) traced inside `with result:`, taking (args, kwargs)."""
-  def run(args, kwargs):
+def _under(result: AutotuningResult, program: Callable[[list], Any]) -> Callable[[list], Any]:
+  """`program(arrays)` traced inside `with result:`."""
+  def run(arrays):
     with result:
-      return f(*args, **kwargs)
+      return program(arrays)
   return run
 
 
@@ -233,7 +233,7 @@ def check_in_program(result: AutotuningResult, f: Callable[..., Any], *args,
   Args:
     result: the tuning result to check, e.g. `autotune(f, *args)`'s.
     f: the program, as `autotune` takes it (jittable; it is traced once per variant).
-    *args, **kwargs: its arguments (arrays).
+    *args, **kwargs: its arguments (arrays, and static values as `autotune` takes them).
     options: how to measure; default `MeasureOptions()`.
     profile: also profile the heuristic and the tuned program for each call's own
       device time (`ProgramCheck.call_times`; the module docstring says what it costs).
@@ -256,12 +256,14 @@ def check_in_program(result: AutotuningResult, f: Callable[..., Any], *args,
   changed = [tuned[key] for key in heuristic
              if key in tuned and tuned[key].best_config != tuned[key].heuristic_config]
   pinned = lambda entries: AutotuningResult(device_kind, entries)
-  programs = {_HEURISTICS: _under(pinned(heuristic), f),
-              _TUNED: _under(pinned(heuristic | tuned), f)}
+  # Static arguments (a mode string, a Python number) stay constants of the programs.
+  program, arrays = capture.program_of_arrays(f, args, kwargs)
+  programs = {_HEURISTICS: _under(pinned(heuristic), program),
+              _TUNED: _under(pinned(heuristic | tuned), program)}
   for i, e in enumerate(changed):
-    programs[i] = _under(pinned(heuristic | tuned | {e.key: _at_heuristic(e)}), f)
-  reference = lambda: jax.jit(programs[_HEURISTICS])(args, kwargs)
-  got = measure_lib.measure_candidates(programs, (args, kwargs), reference=reference,
+    programs[i] = _under(pinned(heuristic | tuned | {e.key: _at_heuristic(e)}), program)
+  reference = lambda: jax.jit(programs[_HEURISTICS])(arrays)
+  got = measure_lib.measure_candidates(programs, (arrays,), reference=reference,
                                        options=options or measure_lib.MeasureOptions())
   calls = []
   for i, e in enumerate(changed):
@@ -269,5 +271,5 @@ def check_in_program(result: AutotuningResult, f: Callable[..., Any], *args,
     helps = with_it.ok and (not without.ok or measure_lib.pick_best(
         {i: without, _TUNED: with_it}, prefer=i, order=[i, _TUNED]) == _TUNED)
     calls.append(CallCheck(e, without, bool(helps)))
-  times = _call_times(found, result, programs, (args, kwargs)) if profile else ()
+  times = _call_times(found, result, programs, (arrays,)) if profile else ()
   return ProgramCheck(result, got[_HEURISTICS], got[_TUNED], tuple(calls), len(found), times)

@@ -45,7 +45,8 @@ def _autotune(args) -> int:
     result = tuner.autotune(args.bound_args)
   except stellarax.autotuning.IncompleteTuningError as exc:
     result, failure = exc.partial_result, exc
-  print(result.summary())
+  if args.no_progress:  # with progress on, the tuner has printed the table already
+    print(result.summary())
   if args.output and len(result):
     result.dump(args.output)
     print(f"result saved to {args.output}")

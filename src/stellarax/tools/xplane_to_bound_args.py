@@ -61,7 +61,8 @@ def extract(xplane_file: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-  """Runs the tool; returns the exit status (0 ok, 2 for a bad profile)."""
+  """Runs the tool; returns the exit status (0 ok, 2 for a bad profile, module or output
+  file)."""
   from stellarax import __version__
   parser = argparse.ArgumentParser(prog="xplane_to_bound_args", description=__doc__.splitlines()[0])
   parser.add_argument("--xplane_file", required=True, help="*.xplane.pb file or jax.profiler.trace folder")
@@ -71,6 +72,11 @@ def main(argv: list[str] | None = None) -> int:
                            "(a package with ops of its own); may be repeated")
   args = parser.parse_args(argv)
   from stellarax.core import registry
+  folder = os.path.dirname(os.path.abspath(args.output_file))
+  if not os.path.isdir(folder):  # before the profile, which may take long to read
+    print(f"xplane_to_bound_args: error: --output_file={args.output_file}: no folder {folder}; "
+          "create it or name a file in an existing one.", file=sys.stderr)
+    return 2
   try:
     registry.import_op_modules(args.imports)
     records = extract(args.xplane_file)
@@ -78,9 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"xplane_to_bound_args: error: {e}", file=sys.stderr)
     return 2
   out = {"stellarax": __version__, "source": os.fspath(args.xplane_file), "calls": records}
-  with open(args.output_file, "w", encoding="utf-8") as f:
-    json.dump(out, f, indent=1, sort_keys=True)
-    f.write("\n")
+  try:
+    with open(args.output_file, "w", encoding="utf-8") as f:
+      json.dump(out, f, indent=1, sort_keys=True)
+      f.write("\n")
+  except OSError as e:
+    print(f"xplane_to_bound_args: error: --output_file={args.output_file}: {e.strerror}",
+          file=sys.stderr)
+    return 2
   total = sum(r["device_time_s"] for r in records)
   print(f"{len(records)} stellarax op calls ({total * 1e3:.3f} ms of device time) -> {args.output_file}")
   for r in records:
