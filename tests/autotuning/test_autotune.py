@@ -478,7 +478,6 @@ def test_a_package_ships_its_own_library_cache_and_adds_it(tmp_path, monkeypatch
                                                            grad_result):
   # Registrations are process-wide: this test's stay in copies it drops.
   monkeypatch.setattr(resolution, "_cache_sources", list(resolution.cache_sources()))
-  monkeypatch.setattr(cache_lib, "_added_library_caches", {})
   monkeypatch.setattr(cache_lib.LIBRARY_CACHE, "_root", tmp_path / "stellarax_library")
   lhs, rhs, gs = _inputs()
   (ba,) = autotuning.get_bound_args(model, lhs, rhs, gs)

@@ -339,9 +339,6 @@ def write_library_cache(result: AutotuningResult, root: str | Path) -> list[Path
   return FileCache(Path(root), "library_cache", writable=True).write(result)
 
 
-_added_library_caches: dict[Path, FileCache] = {}
-
-
 def add_library_cache(root: str | Path) -> FileCache:
   """Makes a folder of shipped configs part of config resolution, read-only.
 
@@ -367,11 +364,12 @@ def add_library_cache(root: str | Path) -> FileCache:
         f"add_library_cache({str(root)!r}): no such folder. Pass the folder that "
         "write_library_cache (or `stellarax cache ship RESULT --root FOLDER`) wrote, as "
         "installed with your package.")
-  if path not in _added_library_caches:
-    added = FileCache(path, "library_cache", writable=False, warn_other_versions=False)
-    _added_library_caches[path] = added
-    resolution.register_cache_source(added)
-  return _added_library_caches[path]
+  for source in resolution.cache_sources():
+    if isinstance(source, FileCache) and not source.writable and source.root == path:
+      return source
+  added = FileCache(path, "library_cache", writable=False, warn_other_versions=False)
+  resolution.register_cache_source(added)
+  return added
 
 
 USER_CACHE = FileCache(None, "user_cache", writable=True)

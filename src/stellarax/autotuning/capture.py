@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from stellarax.core import markers
+from stellarax.core import specs
 from stellarax.core.bound_args import BoundArguments
 from stellarax.core.resolution import miss_policy_scope
 
@@ -37,17 +38,16 @@ def program_of_arrays(f: Callable[..., Any], args: tuple,
   Returns:
     (program, arrays): `program(arrays)` calls `f` with the arguments rebuilt.
   """
-  leaves, treedef = jax.tree.flatten((tuple(args), dict(kwargs)))
-  is_input = [isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
-              for x in leaves]
+  arrays, rebuild = specs.split_arrays(
+      (tuple(args), dict(kwargs)),
+      lambda x: isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)))
 
-  def program(arrays):
-    it = iter(arrays)
-    a, k = jax.tree.unflatten(treedef, [next(it) if i else x for x, i in zip(leaves, is_input)])
+  def program(new_arrays):
+    a, k = rebuild(new_arrays)
     return f(*a, **k)
 
   program.__name__ = getattr(f, "__name__", "program")
-  return program, [x for x, i in zip(leaves, is_input) if i]
+  return program, arrays
 
 
 def _lowered_text(f: Any, args: tuple, kwargs: dict) -> str:

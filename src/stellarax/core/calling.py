@@ -40,20 +40,6 @@ from stellarax.core.bound_args import BoundArguments, as_recorded
 from stellarax.core.resolution import resolve_config
 
 
-def _split(values: dict[str, Any]):
-  """Splits argument values into array leaves and a rebuild function."""
-  leaves, treedef = jax.tree.flatten(values)
-  is_dyn = [specs.is_array_value(x) for x in leaves]
-  arrays = [x for x, d in zip(leaves, is_dyn) if d]
-  statics = [None if d else x for x, d in zip(leaves, is_dyn)]
-
-  def rebuild(new_arrays):
-    it = iter(new_arrays)
-    return jax.tree.unflatten(treedef, [next(it) if d else s for s, d in zip(statics, is_dyn)])
-
-  return arrays, rebuild
-
-
 def _batch_one_level(fn: Callable[..., Any], batched: tuple[bool, ...]) -> Callable[..., Any]:
   """`jax.vmap(fn)` over the leading axis of the batched arguments; where the
   implementation has no batching rule (e.g. `lax.ragged_dot` over lhs), a
@@ -119,7 +105,7 @@ def call_op(op, values: dict[str, Any]) -> Any:
     The op's output (forward ops: without residuals).
   """
   values = as_recorded(values)  # what tuning runs the op with, so the same here
-  arrays, rebuild = _split(values)
+  arrays, rebuild = specs.split_arrays(values)
   if op.fwd_cls is None and op._is_trivial(values):
     return _zeros_of_reference(op, arrays, rebuild)
   ba = BoundArguments.from_values(op, values)

@@ -18,7 +18,7 @@ import dataclasses
 import enum
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -111,6 +111,28 @@ def is_array_value(x: Any) -> bool:
   """True for values that travel through jit/vmap/grad as arrays (JAX and
   NumPy arrays, tracers); every other argument value is static."""
   return isinstance(x, (jax.Array, jax.core.Tracer, np.ndarray))
+
+
+def split_arrays(tree: Any, is_input: Callable[[Any], bool] = is_array_value
+                 ) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]:
+  """Splits a pytree into its array leaves and a function that rebuilds it from new ones.
+
+  Args:
+    tree: e.g. argument values (arrays among static values).
+    is_input: which leaves are the arrays (default `is_array_value`).
+
+  Returns:
+    (arrays, rebuild): the leaves `is_input` picks, in flattening order, and
+    `rebuild(new_arrays)`, the tree with them in their places, the other leaves kept.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  picked = [is_input(x) for x in leaves]
+
+  def rebuild(new_arrays):
+    it = iter(new_arrays)
+    return jax.tree.unflatten(treedef, [next(it) if p else x for x, p in zip(leaves, picked)])
+
+  return [x for x, p in zip(leaves, picked) if p], rebuild
 
 
 def to_spec(value: Any, *, what: str = "argument") -> Any:

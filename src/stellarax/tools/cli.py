@@ -140,6 +140,17 @@ def _report(args) -> int:
   return 0
 
 
+def add_import_option(parser: argparse.ArgumentParser) -> None:
+  """Adds `--import MODULE` (repeatable; `args.imports`) to a command that reads op names.
+
+  Args:
+    parser: the command's parser.
+  """
+  parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                      help="import this module first, so that the ops it defines register "
+                           "(a package with ops of its own); may be repeated")
+
+
 def main(argv=None) -> int:
   """Runs the command line.
 
@@ -155,10 +166,7 @@ def main(argv=None) -> int:
   sub = parser.add_subparsers(dest="command", required=True)
   # Every command that reads op names from data (calls, results, caches, profiles).
   reads_ops = argparse.ArgumentParser(add_help=False)
-  reads_ops.add_argument("--import", dest="imports", action="append", default=[],
-                         metavar="MODULE",
-                         help="import this module first, so that the ops it defines register "
-                              "(a package with ops of its own); may be repeated")
+  add_import_option(reads_ops)
 
   p = sub.add_parser("autotune", parents=[reads_ops],
                      help="tune the op calls in a bound-arguments JSON file")

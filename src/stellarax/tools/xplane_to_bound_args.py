@@ -67,9 +67,8 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="xplane_to_bound_args", description=__doc__.splitlines()[0])
   parser.add_argument("--xplane_file", required=True, help="*.xplane.pb file or jax.profiler.trace folder")
   parser.add_argument("--output_file", required=True, help="where to write the bound-argument JSON")
-  parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                      help="import this module first, so that the ops it defines register "
-                           "(a package with ops of its own); may be repeated")
+  from stellarax.tools.cli import add_import_option
+  add_import_option(parser)
   args = parser.parse_args(argv)
   from stellarax.core import registry
   folder = os.path.dirname(os.path.abspath(args.output_file))
