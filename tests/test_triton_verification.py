@@ -7,15 +7,14 @@ from jax._src.lib import mlir
 from jax._src.pallas.triton import pallas_call_registration
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
-from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+from h200 import H200_MESH  # tests/ is on sys.path
+from jax.sharding import use_abstract_mesh
 
-_H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-    device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
 
 
 def _lower(kernel):
   call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16,), jnp.float32))
-  with use_abstract_mesh(_H200):
+  with use_abstract_mesh(H200_MESH):
     return jax.jit(call).trace(jax.ShapeDtypeStruct((16,), jnp.float32)).lower(
         lowering_platforms=("cuda",))
 

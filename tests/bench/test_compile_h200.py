@@ -245,15 +245,14 @@ def test_pallas_calls_finds_the_triton_kernels_of_a_program():
   # (XLA launches its own fusions as custom kernels too).
   import jax
   import jax.numpy as jnp
-  from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+  from h200 import H200_MESH
+  from jax.sharding import use_abstract_mesh
   from stellarax.ops.normalization import pallas_triton as norms
   x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
   scale = jax.ShapeDtypeStruct((256,), jnp.bfloat16)
   tunables = norms.heuristic_tunables(64, 256, jnp.bfloat16)
   program = lambda x, s: norms.rms_norm_fwd_pallas_triton(x, s, **tunables)[0] * 2
-  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-      device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
-  with use_abstract_mesh(mesh):
+  with use_abstract_mesh(H200_MESH):
     lowered = jax.jit(program).trace(x, scale).lower(lowering_platforms=("cuda",))
   triton, mosaic = compile_h200._pallas_calls(lowered)
   assert triton == ["rms_norm_fwd"] and mosaic == []

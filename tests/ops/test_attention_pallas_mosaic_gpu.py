@@ -20,6 +20,7 @@ from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 from race_check import RACE_CHECK  # tests/ is on sys.path
 
 import stellarax
+from h200 import H200_MESH  # tests/ is on sys.path
 from stellarax import autotuning
 from stellarax.ops.attention import pallas_mosaic_gpu as pm
 from stellarax.ops.attention import reference
@@ -708,8 +709,7 @@ def test_lowers_for_simulated_h200(masked):
   `masked`, under a local window, sequence lengths, a bias and a mask (scalar reads,
   block ranges, bias/mask (query, key) tiles or per-key vectors in registers, the
   mean(V) and dV terms of rows that keep no key)."""
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
-      device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+  mesh = H200_MESH
   q, k = _TARGET
   lse = jax.ShapeDtypeStruct((2, 16, 8192), jnp.float32)
   lengths = jax.ShapeDtypeStruct((2,), jnp.int32)

@@ -13,6 +13,7 @@ import pytest
 from jax.experimental.pallas import triton as plgpu
 
 import stellarax
+from h200 import H200_MESH  # tests/ is on sys.path
 from stellarax.ops.attention import pallas_triton as pt
 from stellarax.ops.attention import reference
 
@@ -240,8 +241,7 @@ def test_tunables_of_the_target_shape():
 
 def test_lowers_for_simulated_h200():
   """Forward and backward lower to Triton custom calls for an H200 without a GPU."""
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
-      device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+  mesh = H200_MESH
   q, k = _TARGET
   lse = jax.ShapeDtypeStruct((2, 16, 8192), jnp.float32)
   lens = jax.ShapeDtypeStruct((2,), jnp.int32)

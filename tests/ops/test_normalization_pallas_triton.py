@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+from h200 import lower_for_h200  # tests/ is on sys.path
 
 from stellarax.ops.normalization import pallas_triton as pt
 
@@ -322,16 +322,12 @@ def test_wrappers_reject_bad_inputs():
 # Lowering for a simulated H200.
 # ---------------------------------------------------------------------------
 
-_H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-    device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
 _TRITON_CALL = re.compile(r"custom_call @__gpu\$xla\.gpu\.triton\(.*?num_warps = (\d+)")
 
 
 def _lower_for_h200(fn, *args) -> str:
   """StableHLO text of `fn(*args)` lowered for CUDA on an abstract H200."""
-  specs = [jax.ShapeDtypeStruct(*a) for a in args]
-  with use_abstract_mesh(_H200):
-    return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+  return lower_for_h200(fn, *(jax.ShapeDtypeStruct(*a) for a in args))
 
 
 @pytest.mark.parametrize("rows,cols,tunables", [

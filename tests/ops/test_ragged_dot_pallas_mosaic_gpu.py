@@ -27,7 +27,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 # The race detector's findings are not exported by jax.experimental yet.
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 from race_check import RACE_CHECK  # tests/ is on sys.path
-from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+from h200 import lower_for_h200  # tests/ is on sys.path
 
 import stellarax
 from stellarax.ops.ragged_dot import pallas_mosaic_gpu as pm
@@ -42,7 +42,6 @@ TOLERANCES = {
     jnp.dtype(jnp.float16): 2e-3,
     jnp.dtype(jnp.float32): 1e-5,
 }
-H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
 # The custom-call target of Mosaic GPU kernels (jax.experimental.mosaic.gpu.core).
 MOSAIC_GPU_TARGET = "mosaic_gpu_v2"
 
@@ -660,19 +659,13 @@ def test_split_k_where_the_output_has_few_tiles():
 # ---------------------------------------------------------------------- lowering
 
 
-def _lower_for_h200(fn, *args) -> str:
-  mesh = AbstractMesh((1,), ("x",), abstract_device=H200)
-  with use_abstract_mesh(mesh):
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
 @pytest.mark.parametrize("kernel", ["fwd", "dlhs", "drhs"])
 @pytest.mark.parametrize("m, k, n, g, multicast", [
     (8192, 4096, 14336, 8, False),
     (16384, 2048, 1536, 64, False),
     (16384, 2048, 1536, 64, True),  # CTA pairs: cluster launch, multicast BlockSpec
 ])
-def test_kernels_lower_for_h200(kernel, m, k, n, g, multicast):
+def test_kernelslower_for_h200(kernel, m, k, n, g, multicast):
   product = "forward" if kernel == "fwd" else "backward"
   tunables = pm.heuristic_tunables(m, k, n, g, jnp.bfloat16, product=product)
   tunables["multicast"] = multicast
@@ -688,7 +681,7 @@ def test_kernels_lower_for_h200(kernel, m, k, n, g, multicast):
   }[kernel]
   if kernel == "drhs":
     del tunables["split_k"], tunables["half_tiles"]  # The lhs gradient's only.
-  text = _lower_for_h200(functools.partial(fn, **tunables), *args)
+  text = lower_for_h200(functools.partial(fn, **tunables), *args)
   assert text.count(f"stablehlo.custom_call @{MOSAIC_GPU_TARGET}") == 1
   assert f"ragged_dot_{kernel}" in text
 
@@ -698,7 +691,7 @@ def test_split_k_lowers_for_h200():
   m, k, n, g = 256, 2048, 512, 4
   tunables = pm.heuristic_tunables(m, k, n, g, jnp.bfloat16)
   assert tunables["split_k"] > 1
-  text = _lower_for_h200(functools.partial(pm.ragged_dot_pallas_mosaic_gpu, **tunables),
+  text = lower_for_h200(functools.partial(pm.ragged_dot_pallas_mosaic_gpu, **tunables),
                          jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
                          jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16),
                          jax.ShapeDtypeStruct((g,), jnp.int32))
@@ -706,14 +699,14 @@ def test_split_k_lowers_for_h200():
   assert f"tensor<{tunables['split_k']}x256x512xf32>" in text
 
 
-def test_op_forward_and_backward_lower_for_h200():
+def test_op_forward_and_backwardlower_for_h200():
   """jax.grad through the op classes (heuristic configs) lowers to three Mosaic GPU kernels."""
   m, k, n, g = 4096, 1024, 2048, 16
   op = pm.PallasMosaicGpuRaggedDot()
   # The loss needs the forward's values (jax 0.12 drops a forward kernel whose output
   # the gradient of a plain sum never reads).
   loss = lambda l, r, s: jnp.sin(_f32(stellarax.ragged_dot(l, r, s, implementation=op))).sum()
-  text = _lower_for_h200(jax.grad(loss, argnums=(0, 1)), jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+  text = lower_for_h200(jax.grad(loss, argnums=(0, 1)), jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
                          jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16),
                          jax.ShapeDtypeStruct((g,), jnp.int32))
   assert text.count(f"stablehlo.custom_call @{MOSAIC_GPU_TARGET}") == 3

@@ -23,9 +23,10 @@ import jax.experimental.pallas.fuser  # noqa: F401
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+from h200 import lower_for_h200  # tests/ is on sys.path
 
 import stellarax
+from stellarax.ops import triton_matmul as tm
 from stellarax.ops.ragged_dot import pallas_triton as pt
 from stellarax.ops.ragged_dot import split_k as splits
 from stellarax.ops.ragged_dot.reference import ragged_dot_reference, ragged_dot_rhs_grad_reference
@@ -38,7 +39,6 @@ TOLERANCES = {
     jnp.dtype(jnp.float16): dict(atol=2e-3, rtol=2e-3),
     jnp.dtype(jnp.float32): dict(atol=1e-5, rtol=1e-5),
 }
-H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +271,7 @@ def test_work_items_partition_the_rows(block_m):
 @pytest.mark.parametrize("num_items, num_n_tiles", [(1, 1), (5, 3), (8, 2), (19, 7), (30, 1)])
 def test_program_order_covers_every_tile_once(num_items, num_n_tiles):
   pids = jnp.arange(num_items * num_n_tiles, dtype=jnp.int32)
-  item, tile_n = (np.asarray(x) for x in pt._swizzle(pids, num_items, num_n_tiles))
+  item, tile_n = (np.asarray(x) for x in tm.swizzle(pids, num_items, num_n_tiles))
   assert np.all((0 <= item) & (item < num_items) & (0 <= tile_n) & (tile_n < num_n_tiles))
   assert len(set(zip(item.tolist(), tile_n.tolist()))) == num_items * num_n_tiles
 
@@ -362,7 +362,7 @@ def test_tunable_space_is_valid_for_the_shape(shape, dtype):
     pt.validate_tunables(**config)
     for block, dim in ((config["block_m"], m), (config["block_n"], n), (config["block_k"], k)):
       assert block <= max(16, splits.pow2_at_least(dim)), (config, shape)
-    smem = pt._smem_bytes(config["block_m"], config["block_n"], config["block_k"],
+    smem = tm.smem_bytes(config["block_m"], config["block_n"], config["block_k"],
                           config["num_stages"], jnp.dtype(dtype).itemsize)
     assert smem <= 227 * 1024, config
     # No accumulator of more than 128 floats a thread: those spilled on an H200.
@@ -415,18 +415,12 @@ def test_a_config_from_the_space_runs():
 # ---------------------------------------------------------------------- lowering
 
 
-def _lower_for_h200(fn, *args) -> str:
-  mesh = AbstractMesh((1,), ("x",), abstract_device=H200)
-  with use_abstract_mesh(mesh):
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
 @pytest.mark.parametrize("kernel", ["fwd", "dlhs", "drhs"])
 @pytest.mark.parametrize("m, k, n, g, dtype", [
     (8192, 4096, 14336, 8, jnp.bfloat16),
     (150, 70, 90, 4, jnp.float32),
 ])
-def test_kernels_lower_for_h200(kernel, m, k, n, g, dtype):
+def test_kernelslower_for_h200(kernel, m, k, n, g, dtype):
   tunables = pt.heuristic_tunables(m, k, n, g, dtype) | dict(num_warps=8, num_stages=4)
   lhs = jax.ShapeDtypeStruct((m, k), dtype)
   rhs = jax.ShapeDtypeStruct((g, k, n), dtype)
@@ -441,7 +435,7 @@ def test_kernels_lower_for_h200(kernel, m, k, n, g, dtype):
       "drhs": (functools.partial(pt.ragged_dot_drhs_pallas_triton, num_groups=g),
                (lhs, dout, sizes), g * pt.pl.cdiv(k, bk) * pt.pl.cdiv(n, bn)),
   }[kernel]
-  text = _lower_for_h200(functools.partial(fn, **tunables), *args)
+  text = lower_for_h200(functools.partial(fn, **tunables), *args)
   assert f"stablehlo.custom_call @{pt.pltriton.CUSTOM_CALL_TARGET_NAME}" in text
   assert f'name = "ragged_dot_{kernel}"' in text
   assert "num_stages = 4 : i32, num_warps = 8 : i32" in text
@@ -479,18 +473,18 @@ def test_vjp_op_with_split_rows_matches_lax():
   _assert_close(grads["lhs"], _np_forward(dout, jnp.swapaxes(rhs, 1, 2), w.group_sizes), jnp.float32)
 
 
-def test_split_kernels_lower_for_h200():
+def test_split_kernelslower_for_h200():
   m, k, n, g, dtype = 4096, 256, 256, 4, jnp.bfloat16
   tunables = pt.heuristic_tunables(m, k, n, g, dtype)
   fn = functools.partial(pt.ragged_dot_drhs_pallas_triton, num_groups=g, split_rows=4, **tunables)
-  text = _lower_for_h200(fn, jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((m, n), dtype),
+  text = lower_for_h200(fn, jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((m, n), dtype),
                          jax.ShapeDtypeStruct((g,), jnp.int32))
   tiles = g * pt.pl.cdiv(k, tunables["block_k"]) * pt.pl.cdiv(n, tunables["block_n"])
   assert f"grid_x = {4 * tiles} : i32" in text and "tensor<4x4x256x256xf32>" in text
   m, k, n = 64, 4096, 1024  # decode-sized forward
   tunables = pt.heuristic_tunables(m, k, n, g, dtype)
   fn = functools.partial(pt.ragged_dot_pallas_triton, split_k=4, **tunables)
-  text = _lower_for_h200(fn, jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((g, k, n), dtype),
+  text = lower_for_h200(fn, jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((g, k, n), dtype),
                          jax.ShapeDtypeStruct((g,), jnp.int32))
   items = pt.pl.cdiv(m, tunables["block_m"]) + g
   assert f"grid_x = {4 * items * pt.pl.cdiv(n, tunables['block_n'])} : i32" in text
@@ -512,3 +506,18 @@ def test_forward_split_over_k_matches_reference(name, split_k):
   op = pt.PallasTritonRaggedDot(interpret=True, config=pt.PallasTritonRaggedDotConfig(
       **w.tunables(), split_k=split_k))
   _assert_close(op(lhs, rhs, sizes), _np_forward(lhs, rhs, w.group_sizes), jnp.float32)
+
+
+@pytest.mark.parametrize("precision", [None, "highest"])
+def test_precision_reaches_every_kernel_dot(precision):
+  """Pallas Triton multiplies float32 as TF32 unless the dot asks for HIGHEST, so the
+  op's `precision` must reach each dot of the forward and of both gradients (they had
+  dropped it: HIGHEST got TF32 on a GPU, which interpret mode on a CPU cannot show)."""
+  lhs, rhs, _, sizes = _inputs((100, 72, 40, (30, 0, 50)), jnp.float32, seed=3)
+  op = pt.PallasTritonRaggedDot(interpret=True)
+  loss = lambda a, b: stellarax.ragged_dot(a, b, sizes, precision=precision, implementation=op).sum()
+  text = str(jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(lhs, rhs))
+  dots = text.count("dot_general[")
+  highest = text.count("precision=(Precision.HIGHEST, Precision.HIGHEST)")
+  assert dots >= 3  # forward, lhs and rhs gradients
+  assert highest == (dots if precision else 0)

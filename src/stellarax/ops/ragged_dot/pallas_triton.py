@@ -44,14 +44,13 @@ partial that XLA sums. The op classes offer splits where the output has fewer ti
 than an H200 has cores (`split_k_choices`, `split_rows_choices`).
 
 Programs are numbered in the grouped ("swizzled") order of Triton's matmul
-tutorial: `_L2_GROUP_M` consecutive items sweep the n-tiles together, so the rhs
+tutorial: `tm.L2_GROUP_M` consecutive items sweep the n-tiles together, so the rhs
 columns and lhs rows they share stay in L2; consecutive items mostly share a group.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax
@@ -60,7 +59,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from stellarax.core.config import check_choice, check_power_of_two
+from stellarax.core.config import check_power_of_two
+from stellarax.ops import common
+from stellarax.ops import triton_matmul as tm
 from stellarax.ops.ragged_dot import split_k as _splits
 from stellarax.ops.ragged_dot.reference import (
     check_group_sizes,
@@ -68,55 +69,20 @@ from stellarax.ops.ragged_dot.reference import (
     group_bounds,
 )
 
-# Triton's tensor-core dot needs every block dimension >= 16. Blocks above 256 are
-# refused: no useful Hopper tile needs them, and most would overflow registers.
-MIN_BLOCK = 16
-MAX_BLOCK = 256
-NUM_WARPS_CHOICES = (1, 2, 4, 8, 16)
-MAX_NUM_STAGES = 8
+# Limits and checks shared with the other Triton matmul kernels (`triton_matmul`).
+MIN_BLOCK = tm.MIN_BLOCK
+MAX_BLOCK = tm.MAX_BLOCK
+NUM_WARPS_CHOICES = tm.NUM_WARPS_CHOICES
+MAX_NUM_STAGES = tm.MAX_NUM_STAGES
+SUPPORTED_DTYPES = tm.SUPPORTED_DTYPES
+validate_tunables = tm.validate_tunables
 # Programs that may share one output tile's contraction (split-K; over rows for the
 # weight gradient).
 MAX_SPLIT = _splits.MAX_SPLIT
-SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-
-# Number of work items (m-tiles) that sweep the n-tiles together, for L2 reuse; 8 is
-# the usual value for Hopper-sized L2 caches and not worth a tunable of its own.
-_L2_GROUP_M = 8
-# Shared memory one H200 thread block may use (227 KiB); used to prune the search space.
-_SMEM_BYTES = 227 * 1024
-_TUNABLE_NAMES = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+_KERNEL = "ragged_dot"
 
 
 # --------------------------------------------------------------------------- configs
-
-
-def validate_tunables(*, block_m: int, block_n: int, block_k: int, num_warps: int,
-                      num_stages: int) -> None:
-  """Checks the tunables of the three ragged_dot Triton kernels.
-
-  Args:
-    block_m: rows per tile (forward: output rows; weight gradient: rows per step).
-    block_n: output columns per tile.
-    block_k: contracted columns per step (weight gradient: output rows of the tile).
-    num_warps: warps per program.
-    num_stages: software-pipelining depth of the inner loop.
-
-  Raises:
-    ValueError: naming the first tunable that Triton cannot use, what was given
-      and what is expected.
-  """
-  for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
-    if isinstance(value, bool):
-      raise ValueError(f"{name}={value!r} must be an int, not a bool.")
-    check_power_of_two(name, value, minimum=MIN_BLOCK, maximum=MAX_BLOCK)
-  if isinstance(num_warps, bool):
-    raise ValueError(f"num_warps={num_warps!r} must be an int, not a bool.")
-  check_choice("num_warps", num_warps, NUM_WARPS_CHOICES)
-  if (not isinstance(num_stages, int) or isinstance(num_stages, bool)
-      or not 1 <= num_stages <= MAX_NUM_STAGES):
-    raise ValueError(
-        f"num_stages={num_stages!r} must be an int in [1, {MAX_NUM_STAGES}] "
-        "(Triton's software-pipelining depth; 3 or 4 suit Hopper).")
 
 
 def _check_sizes(m: int, k: int, n: int, g: int) -> None:
@@ -125,73 +91,8 @@ def _check_sizes(m: int, k: int, n: int, g: int) -> None:
       raise ValueError(f"{name}={value!r} must be a positive int (a problem size).")
 
 
-def _check_dtype(what: str, dtype: Any) -> jnp.dtype:
-  dtype = jnp.dtype(dtype)
-  if dtype not in SUPPORTED_DTYPES:
-    raise ValueError(
-        f"{what}={dtype} is not supported by the Triton ragged_dot kernels; expected one "
-        f"of {[str(d) for d in SUPPORTED_DTYPES]}. Cast the operands first.")
-  return dtype
-
-
-def _check_same_dtype(a_name: str, a: jax.Array, b_name: str, b: jax.Array) -> None:
-  """Triton's dot takes operands of one element type, so mixed inputs are refused."""
-  _check_dtype(f"{a_name}.dtype", a.dtype)
-  if a.dtype != b.dtype:
-    raise ValueError(
-        f"{a_name}.dtype={a.dtype} and {b_name}.dtype={b.dtype} differ; the Triton dot "
-        f"needs one element type. Cast {b_name} to {a.dtype} (or both to a common dtype).")
-
-
-def _int32_overflow(**shapes: tuple[int, ...]) -> str | None:
-  """Why some array's element offsets would overflow Pallas Triton's int32 indexing, or None.
-
-  Masked edge tiles reach up to MAX_BLOCK rows and columns past an array, so the
-  bound leaves that much room.
-  """
-  for name, shape in shapes.items():
-    reach = math.prod(shape) + (MAX_BLOCK + 1) * (shape[-1] + MAX_BLOCK)
-    if reach >= 2**31:
-      return (f"{name}.shape={shape} has too many elements for the Triton kernels, which "
-              f"address elements with int32 offsets (limit about 2**31 = {2**31}). Split "
-              "the call, e.g. over groups or rows.")
-  return None
-
-
-def _check_int32_addressing(**shapes: tuple[int, ...]) -> None:
-  """Raises ValueError for arrays the kernels cannot index (`_int32_overflow`)."""
-  why = _int32_overflow(**shapes)
-  if why:
-    raise ValueError(why)
-
-
 def _out_dtype(preferred_element_type: Any, like: jax.Array) -> jnp.dtype:
   return jnp.dtype(like.dtype if preferred_element_type is None else preferred_element_type)
-
-
-def _pow2_at_most(x: int) -> int:
-  return 1 << (max(1, x).bit_length() - 1)
-
-
-def _cap(block: int, dim: int) -> int:
-  """Shrinks `block` to the smallest power of two >= 16 that covers `dim`."""
-  return max(MIN_BLOCK, min(block, _splits.pow2_at_least(dim)))
-
-
-def _smem_bytes(block_m: int, block_n: int, block_k: int, num_stages: int, itemsize: int) -> int:
-  """Estimates the shared memory of the pipelined K loop: one lhs and rhs tile per stage."""
-  return num_stages * (block_m * block_k + block_k * block_n) * itemsize
-
-
-# Float32 accumulator elements per thread beyond which a tile spills registers. Compiled
-# for an H200 (bench/compile_h200.py), 128 x 128 on 4 warps (128 a thread) used 166
-# registers and no local memory; 128 x 256 and 256 x 128 on 4 warps (256 a thread)
-# spilled over 1 KB a thread, on 8 warps none.
-_ACC_PER_THREAD = 128
-
-
-def _acc_fits(rows: int, cols: int, num_warps: int) -> bool:
-  return rows * cols <= _ACC_PER_THREAD * 32 * num_warps
 
 
 def _drhs_fits(t: dict[str, int], itemsize: int) -> bool:
@@ -199,15 +100,16 @@ def _drhs_fits(t: dict[str, int], itemsize: int) -> bool:
   lhs and dout into a block_k x block_n accumulator: a matmul whose output tile is
   block_k x block_n, stepped by block_m."""
   bm, bn, bk = t["block_m"], t["block_n"], t["block_k"]
-  return (_smem_bytes(bk, bn, bm, t["num_stages"], itemsize) <= _SMEM_BYTES
-          and _acc_fits(bk, bn, t["num_warps"]))
+  return (tm.smem_bytes(bk, bn, bm, t["num_stages"], itemsize) <= tm.SMEM_BYTES
+          and tm.acc_fits(bk, bn, t["num_warps"]))
 
 
 def heuristic_tunables(m: int, k: int, n: int, g: int, dtype: Any) -> dict[str, int]:
   """Returns tunables that are a reasonable guess on an H200, without measuring.
 
   16-bit inputs use 128x128x64 tiles, 4 warps (one warpgroup) and 3 stages, the
-  shape of a good Hopper Triton matmul; float32 (an IEEE dot on CUDA cores) uses
+  shape of a good Hopper Triton matmul; float32 (twice the bytes, and an IEEE dot on
+  CUDA cores under HIGHEST precision) uses
   64x64x32. block_m shrinks to the average group size (rounded down to a power of
   two, at least 16), since each group wastes about half a tile. Blocks never exceed
   the problem size rounded up to a power of two.
@@ -227,12 +129,12 @@ def heuristic_tunables(m: int, k: int, n: int, g: int, dtype: Any) -> dict[str, 
     ValueError: for an unsupported dtype or non-positive sizes.
   """
   _check_sizes(m, k, n, g)
-  if _check_dtype("dtype", dtype).itemsize == 2:
+  if tm.check_dtype("dtype", dtype, _KERNEL).itemsize == 2:
     block_m, block_n, block_k = 128, 128, 64
   else:
     block_m, block_n, block_k = 64, 64, 32
-  block_m = max(MIN_BLOCK, min(block_m, _pow2_at_most(m // g)))
-  return dict(block_m=_cap(block_m, m), block_n=_cap(block_n, n), block_k=_cap(block_k, k),
+  block_m = max(MIN_BLOCK, min(block_m, tm.pow2_at_most(m // g)))
+  return dict(block_m=tm.cap(block_m, m), block_n=tm.cap(block_n, n), block_k=tm.cap(block_k, k),
               num_warps=4, num_stages=3)
 
 
@@ -240,7 +142,7 @@ def _candidate_tiles(m: int, g: int, itemsize: int) -> list[tuple[int, int, int]
   """Uncapped (block_m, block_n, block_k) candidates for the search space."""
   # The three largest block_m up to twice the average group (at least 64): larger
   # tiles only add padding rows.
-  upper = max(64, 2 * _pow2_at_most(m // g))
+  upper = max(64, 2 * tm.pow2_at_most(m // g))
   block_ms = [b for b in (16, 32, 64, 128, 256) if b <= upper][-3:]
   block_ks = (32, 64, 128) if itemsize == 2 else (16, 32, 64)
   # A float32 accumulator of more than 128x256 (128x128 for float32 inputs, whose
@@ -277,15 +179,15 @@ def tunable_space(m: int, k: int, n: int, g: int, dtype: Any) -> list[dict[str, 
   """
   heuristic = heuristic_tunables(m, k, n, g, dtype)
   itemsize = jnp.dtype(dtype).itemsize
-  keys = [tuple(heuristic[name] for name in _TUNABLE_NAMES)]
+  keys = [tuple(heuristic[name] for name in tm.TUNABLE_NAMES)]
   for bm, bn, bk in _candidate_tiles(m, g, itemsize):
-    bm, bn, bk = _cap(bm, m), _cap(bn, n), _cap(bk, k)
-    warps = [w for w in ((4, 8) if bm * bn >= 128 * 128 else (4,)) if _acc_fits(bm, bn, w)]
+    bm, bn, bk = tm.cap(bm, m), tm.cap(bn, n), tm.cap(bk, k)
+    warps = [w for w in ((4, 8) if bm * bn >= 128 * 128 else (4,)) if tm.acc_fits(bm, bn, w)]
     for num_warps in warps:
       for num_stages in (3, 4) if bk <= 64 else (3,):
-        if _smem_bytes(bm, bn, bk, num_stages, itemsize) <= _SMEM_BYTES:
+        if tm.smem_bytes(bm, bn, bk, num_stages, itemsize) <= tm.SMEM_BYTES:
           keys.append((bm, bn, bk, num_warps, num_stages))
-  return [dict(zip(_TUNABLE_NAMES, key)) for key in dict.fromkeys(keys)]
+  return [dict(zip(tm.TUNABLE_NAMES, key)) for key in dict.fromkeys(keys)]
 
 
 def split_k_choices(m: int, k: int, n: int, g: int, *, block_m: int, block_n: int,
@@ -365,31 +267,6 @@ def _work_items(offsets: jax.Array, num_rows: int, block_m: int) -> jax.Array:
   return jnp.stack([part, row_start, row_end]).astype(jnp.int32)
 
 
-def _swizzle(pid: jax.Array, num_m_tiles: int, num_n_tiles: int) -> tuple[jax.Array, jax.Array]:
-  """Maps a 1-D program id to (m-tile, n-tile) in L2-friendly grouped order."""
-  per_band = _L2_GROUP_M * num_n_tiles
-  band = lax.div(pid, per_band)
-  first_m = band * _L2_GROUP_M
-  band_rows = jnp.minimum(num_m_tiles - first_m, _L2_GROUP_M)
-  within = lax.rem(pid, per_band)
-  return first_m + lax.rem(within, band_rows), lax.div(within, band_rows)
-
-
-def _span(start: jax.Array | int, size: int) -> jax.Array:
-  return start + lax.broadcasted_iota(jnp.int32, (size,), 0)
-
-
-def _dot(a: jax.Array, b: jax.Array, contract_a: int, contract_b: int) -> jax.Array:
-  """A 2-D dot on the tensor cores with a float32 accumulator."""
-  return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())),
-                         preferred_element_type=jnp.float32)
-
-
-def _and(*masks: jax.Array | None) -> jax.Array | None:
-  present = [mask for mask in masks if mask is not None]
-  return functools.reduce(jnp.logical_and, present) if present else None
-
-
 def _share_of_blocks(split: jax.Array, num_full: Any, per_split: Any) -> tuple[Any, Any, jax.Array]:
   """Split-K: the blocks of a contraction that share `split` sums, `per_split` (>= 1)
   blocks a share. Returns [first, last) of the `num_full` whole blocks, and whether
@@ -399,18 +276,11 @@ def _share_of_blocks(split: jax.Array, num_full: Any, per_split: Any) -> tuple[A
   return first, last, split == lax.div(num_full, per_split)
 
 
-def _load(ref: Any, mask: jax.Array | None) -> jax.Array:
-  """Loads a block; masked-off elements read as zero (never garbage: 0 * NaN is NaN)."""
-  if mask is None:
-    return ref[...]
-  return pltriton.load(ref, mask=jnp.broadcast_to(mask, ref.shape), other=0)
-
-
 # --------------------------------------------------------------------------- forward
 
 
 def _ragged_dot_kernel(items_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, block_n: int,
-                       block_k: int, transpose_rhs: bool, split_k: int):
+                       block_k: int, transpose_rhs: bool, split_k: int, precision: str | None):
   """One program: work item x n-tile (x one of `split_k` shares of the contraction);
   writes only the item's rows of the output (of its partial sum, with split_k > 1).
 
@@ -422,7 +292,7 @@ def _ragged_dot_kernel(items_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, bl
   num_items, num_n_tiles = items_ref.shape[1], pl.cdiv(cols_out, block_n)
   per_split = num_items * num_n_tiles
   split = lax.div(pl.program_id(0), per_split)
-  item, tile_n = _swizzle(lax.rem(pl.program_id(0), per_split), num_items, num_n_tiles)
+  item, tile_n = tm.swizzle(lax.rem(pl.program_id(0), per_split), num_items, num_n_tiles)
   group, row_start, row_end = items_ref[0, item], items_ref[1, item], items_ref[2, item]
   # The tile is moved up to end at row M at most, so that its loads stay in bounds
   # without masks; rows outside [row_start, row_end) are computed but not stored. A
@@ -430,10 +300,10 @@ def _ragged_dot_kernel(items_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, bl
   # traced start, since jax 0.12 rejects a static slice that runs past the array even
   # when every access past it is masked.
   tile_start = jnp.minimum(row_start, num_rows - block_m) if num_rows >= block_m else row_start
-  rows = _span(tile_start, block_m)[:, None]
+  rows = tm.span(tile_start, block_m)[:, None]
   row_mask = rows < num_rows if num_rows < block_m else None
   n0 = tile_n * block_n
-  col_mask = (_span(n0, block_n) < cols_out)[None, :] if cols_out % block_n else None
+  col_mask = (tm.span(n0, block_n) < cols_out)[None, :] if cols_out % block_n else None
   num_full_k = contract // block_k
   k_first, k_last, owns_ragged_k = _share_of_blocks(
       split, num_full_k, pl.cdiv(pl.cdiv(contract, block_k), split_k))
@@ -442,22 +312,22 @@ def _ragged_dot_kernel(items_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, bl
   is_group = (group < num_groups).astype(jnp.int32)
 
   def k_step(k0, k_mask, acc):
-    lhs = _load(lhs_ref.at[pl.ds(tile_start, block_m), pl.ds(k0, block_k)],
-                _and(row_mask, k_mask))
+    lhs = tm.load(lhs_ref.at[pl.ds(tile_start, block_m), pl.ds(k0, block_k)],
+                tm.all_of(row_mask, k_mask))
     if transpose_rhs:
-      rhs = _load(rhs_ref.at[group, pl.ds(n0, block_n), pl.ds(k0, block_k)],
-                  _and(None if col_mask is None else col_mask.T, k_mask))
-      return acc + _dot(lhs, rhs, 1, 1)
-    rhs = _load(rhs_ref.at[group, pl.ds(k0, block_k), pl.ds(n0, block_n)],
-                _and(None if k_mask is None else k_mask.T, col_mask))
-    return acc + _dot(lhs, rhs, 1, 0)
+      rhs = tm.load(rhs_ref.at[group, pl.ds(n0, block_n), pl.ds(k0, block_k)],
+                  tm.all_of(None if col_mask is None else col_mask.T, k_mask))
+      return acc + tm.dot(lhs, rhs, 1, 1, precision)
+    rhs = tm.load(rhs_ref.at[group, pl.ds(k0, block_k), pl.ds(n0, block_n)],
+                tm.all_of(None if k_mask is None else k_mask.T, col_mask))
+    return acc + tm.dot(lhs, rhs, 1, 0, precision)
 
   def full_k(i, acc):
     return k_step(pl.multiple_of(i * block_k, block_k), None, acc)
 
   def ragged_k(i, acc):
     k0 = i * block_k
-    return k_step(k0, (_span(k0, block_k) < contract)[None, :], acc)
+    return k_step(k0, (tm.span(k0, block_k) < contract)[None, :], acc)
 
   acc = jnp.zeros((block_m, block_n), jnp.float32)
   # Static guards: a loop body is traced even when it never runs, and interpret
@@ -471,14 +341,14 @@ def _ragged_dot_kernel(items_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, bl
   out = acc.astype(out_ref.dtype)
   # Items partition the rows, so the masked stores of different programs never
   # touch the same element: no race even though programs run in parallel.
-  out_mask = _and((rows >= row_start) & (rows < row_end), col_mask)
+  out_mask = tm.all_of((rows >= row_start) & (rows < row_end), col_mask)
   index = () if len(out_ref.shape) == 2 else (split,)
   pltriton.store(out_ref.at[(*index, pl.ds(tile_start, block_m), pl.ds(n0, block_n))], out,
                  mask=jnp.broadcast_to(out_mask, out.shape))
 
 
 def _ragged_dot_call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, block_m, block_n,
-                     block_k, num_warps, num_stages, interpret, name, split_k=1):
+                     block_k, num_warps, num_stages, interpret, name, precision, split_k=1):
   """Launches the forward kernel; out is (M, D) with D = rhs.shape[1 if transpose_rhs else 2].
 
   With split_k > 1 each (item, n-tile) gets split_k programs, each over a share of
@@ -489,7 +359,8 @@ def _ragged_dot_call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, block_m
   items = _work_items(_group_offsets(group_sizes, num_rows), num_rows, block_m)
   num_programs = split_k * items.shape[1] * pl.cdiv(cols_out, block_n)
   kernel = functools.partial(_ragged_dot_kernel, block_m=block_m, block_n=block_n,
-                             block_k=block_k, transpose_rhs=transpose_rhs, split_k=split_k)
+                             block_k=block_k, transpose_rhs=transpose_rhs, split_k=split_k,
+                             precision=precision)
   out = pl.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((num_rows, cols_out), out_dtype) if split_k == 1
@@ -505,7 +376,7 @@ def _ragged_dot_call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, block_m
 @functools.partial(
     jax.jit,
     static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k",
-                     "preferred_element_type", "interpret"))
+                     "preferred_element_type", "precision", "interpret"))
 def ragged_dot_pallas_triton(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -518,6 +389,7 @@ def ragged_dot_pallas_triton(
     num_stages: int,
     split_k: int = 1,
     preferred_element_type: Any = None,
+    precision: Any = None,
     interpret: bool = False,
 ) -> jax.Array:
   """Computes `jax.lax.ragged_dot(lhs, rhs, group_sizes)` with a Pallas Triton kernel.
@@ -534,6 +406,8 @@ def ragged_dot_pallas_triton(
       tiles than the GPU has cores.
     preferred_element_type: output dtype; defaults to lhs.dtype. Accumulation is
       always float32.
+    precision: None, a `jax.lax.Precision` or its name: float32 operands multiply as
+      TF32 unless it is HIGHEST (as XLA does on the GPU); 16-bit ones are exact.
     interpret: run in Pallas interpret mode (CPU, for tests).
 
   Returns:
@@ -546,19 +420,20 @@ def ragged_dot_pallas_triton(
                     num_warps=num_warps, num_stages=num_stages)
   check_power_of_two("split_k", split_k, minimum=1, maximum=MAX_SPLIT)
   check_ragged_dot_shapes(lhs, rhs, group_sizes)
-  _check_same_dtype("lhs", lhs, "rhs", rhs)
-  _check_int32_addressing(lhs=lhs.shape, rhs=rhs.shape, out=(lhs.shape[0], rhs.shape[2]))
+  tm.check_same_dtype("lhs", lhs, "rhs", rhs, _KERNEL)
+  tm.check_int32_addressing(lhs=lhs.shape, rhs=rhs.shape, out=(lhs.shape[0], rhs.shape[2]))
   return _ragged_dot_call(
       lhs, rhs, group_sizes, transpose_rhs=False,
       out_dtype=_out_dtype(preferred_element_type, lhs), block_m=block_m,
       block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-      interpret=interpret, name="ragged_dot_fwd", split_k=split_k)
+      interpret=interpret, name="ragged_dot_fwd", precision=common.canonical_precision(precision),
+      split_k=split_k)
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages",
-                     "preferred_element_type", "interpret"))
+                     "preferred_element_type", "precision", "interpret"))
 def ragged_dot_dlhs_pallas_triton(
     dout: jax.Array,
     rhs: jax.Array,
@@ -570,6 +445,7 @@ def ragged_dot_dlhs_pallas_triton(
     num_warps: int,
     num_stages: int,
     preferred_element_type: Any = None,
+    precision: Any = None,
     interpret: bool = False,
 ) -> jax.Array:
   """Computes the lhs gradient of ragged_dot: dlhs[m] = dout[m] @ rhs[g(m)].T.
@@ -584,6 +460,8 @@ def ragged_dot_dlhs_pallas_triton(
     group_sizes: (G,) integer array, as in the forward call.
     block_m, block_n, block_k, num_warps, num_stages: as in the forward call.
     preferred_element_type: output dtype; defaults to dout.dtype.
+    precision: None, a `jax.lax.Precision` or its name: float32 operands multiply as
+      TF32 unless it is HIGHEST (as XLA does on the GPU); 16-bit ones are exact.
     interpret: run in Pallas interpret mode (CPU, for tests).
 
   Returns:
@@ -599,20 +477,20 @@ def ragged_dot_dlhs_pallas_triton(
         f"The lhs gradient needs dout (M, N) and rhs (G, K, N) with the same N; got "
         f"dout.shape={dout.shape} and rhs.shape={rhs.shape}.")
   check_group_sizes(group_sizes, rhs.shape[0])
-  _check_same_dtype("dout", dout, "rhs", rhs)
-  _check_int32_addressing(dout=dout.shape, rhs=rhs.shape, dlhs=(dout.shape[0], rhs.shape[1]))
+  tm.check_same_dtype("dout", dout, "rhs", rhs, _KERNEL)
+  tm.check_int32_addressing(dout=dout.shape, rhs=rhs.shape, dlhs=(dout.shape[0], rhs.shape[1]))
   return _ragged_dot_call(
       dout, rhs, group_sizes, transpose_rhs=True,
       out_dtype=_out_dtype(preferred_element_type, dout), block_m=block_m,
       block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-      interpret=interpret, name="ragged_dot_dlhs")
+      interpret=interpret, name="ragged_dot_dlhs", precision=common.canonical_precision(precision))
 
 
 # --------------------------------------------------------------------------- rhs gradient
 
 
 def _drhs_kernel(offsets_ref, lhs_ref, dout_ref, out_ref, *, block_m: int, block_n: int,
-                 block_k: int, split_rows: int):
+                 block_k: int, split_rows: int, precision: str | None):
   """One program: tile (k-tile, n-tile) of drhs[group] (of its partial sum over one
   of `split_rows` shares of the group's row blocks), looping over those rows."""
   contract_k, cols_n = out_ref.shape[-2:]
@@ -624,10 +502,10 @@ def _drhs_kernel(offsets_ref, lhs_ref, dout_ref, out_ref, *, block_m: int, block
   group = lax.rem(lax.div(pid, per_group), num_groups)
   split = lax.div(pid, per_group * num_groups)
   # Group-major order keeps the programs in flight on one group's rows (L2 reuse).
-  tile_k, tile_n = _swizzle(lax.rem(pid, per_group), num_k_tiles, num_n_tiles)
+  tile_k, tile_n = tm.swizzle(lax.rem(pid, per_group), num_k_tiles, num_n_tiles)
   k0, n0 = tile_k * block_k, tile_n * block_n
-  k_mask = (_span(k0, block_k) < contract_k)[None, :] if contract_k % block_k else None
-  n_mask = (_span(n0, block_n) < cols_n)[None, :] if cols_n % block_n else None
+  k_mask = (tm.span(k0, block_k) < contract_k)[None, :] if contract_k % block_k else None
+  n_mask = (tm.span(n0, block_n) < cols_n)[None, :] if cols_n % block_n else None
   row_lo, row_hi = offsets_ref[group], offsets_ref[group + 1]
   size = row_hi - row_lo
   num_full = lax.div(size, block_m)
@@ -636,16 +514,16 @@ def _drhs_kernel(offsets_ref, lhs_ref, dout_ref, out_ref, *, block_m: int, block
   has_tail = (lax.rem(size, block_m) > 0) & owns_tail
 
   def step(r0, row_mask, acc):
-    lhs = _load(lhs_ref.at[pl.ds(r0, block_m), pl.ds(k0, block_k)], _and(row_mask, k_mask))
-    dout = _load(dout_ref.at[pl.ds(r0, block_m), pl.ds(n0, block_n)], _and(row_mask, n_mask))
-    return acc + _dot(lhs, dout, 0, 0)
+    lhs = tm.load(lhs_ref.at[pl.ds(r0, block_m), pl.ds(k0, block_k)], tm.all_of(row_mask, k_mask))
+    dout = tm.load(dout_ref.at[pl.ds(r0, block_m), pl.ds(n0, block_n)], tm.all_of(row_mask, n_mask))
+    return acc + tm.dot(lhs, dout, 0, 0, precision)
 
   def full_rows(i, acc):
     return step(row_lo + i * block_m, None, acc)
 
   def tail_rows(_, acc):
     r0 = row_lo + num_full * block_m
-    return step(r0, (_span(r0, block_m) < row_hi)[:, None], acc)
+    return step(r0, (tm.span(r0, block_m) < row_hi)[:, None], acc)
 
   acc = jnp.zeros((block_k, block_n), jnp.float32)
   # Whole row blocks need no row mask; the partial last block (if any) runs as a
@@ -660,7 +538,7 @@ def _drhs_kernel(offsets_ref, lhs_ref, dout_ref, out_ref, *, block_m: int, block
   out = acc.astype(out_ref.dtype)
   index = (group,) if len(out_ref.shape) == 3 else (split, group)
   out_tile = out_ref.at[(*index, pl.ds(k0, block_k), pl.ds(n0, block_n))]
-  out_mask = _and(None if k_mask is None else k_mask.T, n_mask)
+  out_mask = tm.all_of(None if k_mask is None else k_mask.T, n_mask)
   if out_mask is None:
     out_tile[...] = out
   else:
@@ -670,7 +548,7 @@ def _drhs_kernel(offsets_ref, lhs_ref, dout_ref, out_ref, *, block_m: int, block
 @functools.partial(
     jax.jit,
     static_argnames=("num_groups", "block_m", "block_n", "block_k", "num_warps",
-                     "num_stages", "split_rows", "preferred_element_type", "interpret"))
+                     "num_stages", "split_rows", "preferred_element_type", "precision", "interpret"))
 def ragged_dot_drhs_pallas_triton(
     lhs: jax.Array,
     dout: jax.Array,
@@ -684,6 +562,7 @@ def ragged_dot_drhs_pallas_triton(
     num_stages: int,
     split_rows: int = 1,
     preferred_element_type: Any = None,
+    precision: Any = None,
     interpret: bool = False,
 ) -> jax.Array:
   """Computes the rhs gradient of ragged_dot: drhs[g] = lhs[rows of g].T @ dout[rows of g].
@@ -703,6 +582,8 @@ def ragged_dot_drhs_pallas_triton(
     num_warps, num_stages: Triton launch parameters.
     split_rows: programs sharing one output tile's rows (a power of two, 1 to 16).
     preferred_element_type: output dtype; defaults to lhs.dtype.
+    precision: None, a `jax.lax.Precision` or its name: float32 operands multiply as
+      TF32 unless it is HIGHEST (as XLA does on the GPU); 16-bit ones are exact.
     interpret: run in Pallas interpret mode (CPU, for tests).
 
   Returns:
@@ -719,15 +600,15 @@ def ragged_dot_drhs_pallas_triton(
         f"The rhs gradient needs lhs (M, K) and dout (M, N) with the same M; got "
         f"lhs.shape={lhs.shape} and dout.shape={dout.shape}.")
   check_group_sizes(group_sizes, num_groups)
-  _check_same_dtype("lhs", lhs, "dout", dout)
-  _check_int32_addressing(lhs=lhs.shape, dout=dout.shape,
+  tm.check_same_dtype("lhs", lhs, "dout", dout, _KERNEL)
+  tm.check_int32_addressing(lhs=lhs.shape, dout=dout.shape,
                           drhs=(num_groups, lhs.shape[1], dout.shape[1]))
   (num_rows, contract_k), cols_n = lhs.shape, dout.shape[1]
   out_dtype = _out_dtype(preferred_element_type, lhs)
   offsets = _group_offsets(group_sizes, num_rows)
   num_programs = split_rows * num_groups * pl.cdiv(contract_k, block_k) * pl.cdiv(cols_n, block_n)
   kernel = functools.partial(_drhs_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
-                             split_rows=split_rows)
+                             split_rows=split_rows, precision=common.canonical_precision(precision))
   shape = (num_groups, contract_k, cols_n)
   out = pl.pallas_call(
       kernel,
@@ -822,7 +703,7 @@ def _check_kernel_takes(arguments):
                               "bfloat16, float16, float32 for both.")
   # Too large to index: not this kernel's input, so dispatch goes on to the next one.
   (m, k), n = arguments["lhs"].shape, arguments["rhs"].shape[2]
-  why = _int32_overflow(lhs=(m, k), rhs=tuple(arguments["rhs"].shape), out=(m, n))
+  why = tm.int32_overflow(lhs=(m, k), rhs=tuple(arguments["rhs"].shape), out=(m, n))
   if why:
     raise NotImplementedError(why)
 
@@ -839,8 +720,8 @@ class PallasTritonRaggedDotVjp(pallas_common.PallasTritonOp, _base.RaggedDotVjp,
 
   def _fwd(self, residuals, out, dout, lhs, rhs, group_sizes, *, precision=None, preferred_element_type=None,
            config):
-    del residuals, out, precision, preferred_element_type
-    kw = dict(interpret=self.interpret, **pallas_common.tunables_of(config))
+    del residuals, out, preferred_element_type
+    kw = dict(interpret=self.interpret, precision=precision, **pallas_common.tunables_of(config))
     split_rows = kw.pop("split_rows")
     dout = dout.astype(rhs.dtype)  # one operand dtype for Triton's dot
     dlhs = ragged_dot_dlhs_pallas_triton(dout, rhs, group_sizes, preferred_element_type=lhs.dtype, **kw)
@@ -857,8 +738,8 @@ class PallasTritonRaggedDotVjp(pallas_common.PallasTritonOp, _base.RaggedDotVjp,
 
 class PallasTritonRaggedDot(pallas_common.PallasTritonOp, _base.RaggedDot, name="ragged_dot.pallas_triton"):
   """ragged_dot in Pallas Triton: group-aligned row tiles, one masked store
-  per (tile, n-tile), fp32 accumulation. f32 inputs use exact fp32 dots, so
-  every `precision` is met."""
+  per (tile, n-tile), fp32 accumulation. `precision` reaches the dots: f32 inputs
+  multiply as TF32 unless it is HIGHEST (exact fp32), as in XLA on the GPU."""
 
   config_cls = PallasTritonRaggedDotConfig
   vjp_cls = PallasTritonRaggedDotVjp
@@ -867,9 +748,9 @@ class PallasTritonRaggedDot(pallas_common.PallasTritonOp, _base.RaggedDot, name=
     _check_kernel_takes(arguments)
 
   def _fwd(self, lhs, rhs, group_sizes, *, precision=None, preferred_element_type=None, config):
-    del precision
     out = ragged_dot_pallas_triton(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,
-                                   interpret=self.interpret, **pallas_common.tunables_of(config))
+                                   precision=precision, interpret=self.interpret,
+                                   **pallas_common.tunables_of(config))
     return out, None
 
   def _get_heuristics_config(self, ba):
