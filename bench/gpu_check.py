@@ -280,16 +280,43 @@ def _norm_workloads(smoke, dtype):
   ]
 
 
+def _glu_workloads(smoke, dtype):
+  """A SwiGLU MLP projection (Llama-style, 8192 tokens), forward and forward+backward,
+  timed for information: no speed target is set for it."""
+  m, k, n = (8192, 4096, 14336) if not smoke else (64, 32, 48)
+
+  def inputs():
+    keys = jax.random.split(jax.random.key(3), 2)
+    x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(dtype)
+    w = (jax.random.normal(keys[1], (k, 2, n), jnp.float32) / math.sqrt(k)).astype(dtype)
+    return x, w
+
+  f32 = lambda x: x.astype(jnp.float32)
+  ref = lambda x, w: stellarax.gated_linear_unit(f32(x), f32(w), precision="highest", implementation="xla")
+  call = lambda op, x, w: stellarax.gated_linear_unit(x, w, implementation=op)
+  dense = {"cuBLAS x @ W (K, 2N) alone": lambda x, w: x @ w.reshape(k, 2 * n)}
+  flops = 2 * m * k * 2 * n
+  label = f"gated_linear_unit silu M={m} K={k} N={n}"
+  return [
+      Workload(f"{label} fwd", "gated_linear_unit", inputs, call, ref, flops=flops,
+               baselines=dense, unchecked=tuple(dense)),
+      Workload(f"{label} fwd+bwd", "gated_linear_unit", inputs,
+               lambda op, x, w: _grad_of(lambda a, b: call(op, a, b), (0, 1))(x, w),
+               _grad_of(ref, (0, 1)), flops=3 * flops),
+  ]
+
+
 def _workloads(smoke: bool) -> list[Workload]:
   """The speed targets of DESIGN.md (tiny shapes in smoke runs)."""
   dtype = jnp.float32 if smoke else jnp.bfloat16
   # Last, so the deadline cuts them first: a decode-sized MoE step (128 tokens), the
-  # case split-K is for, and Llama-style GQA attention (what most models run).
+  # case split-K is for, Llama-style GQA attention (what most models run), and the
+  # gated linear unit (no target).
   decode = [] if smoke else _ragged_workloads(smoke, dtype, shapes=[(8, 128, 4096, 14336)], backward=False)
   gqa = [] if smoke else _attention_workloads(smoke, dtype, kv_heads=8)
   return (_ragged_workloads(smoke, dtype) + _attention_workloads(smoke, dtype)
           + _norm_workloads(smoke, dtype) + _local_attention_workloads(smoke, dtype) + decode
-          + gqa)
+          + gqa + _glu_workloads(smoke, dtype))
 
 
 def _rate(seconds: float | None, flops, nbytes) -> str:

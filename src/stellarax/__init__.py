@@ -26,6 +26,8 @@ from stellarax.ops.attention.pallas_triton import PallasTritonAttentionVjp as Pa
 from stellarax.ops.gated_linear_unit.api import gated_linear_unit as gated_linear_unit
 from stellarax.ops.gated_linear_unit.base import XlaGatedLinearUnit as XlaGatedLinearUnit
 from stellarax.ops.gated_linear_unit.base import XlaGatedLinearUnitVjp as XlaGatedLinearUnitVjp
+from stellarax.ops.gated_linear_unit.pallas_triton import PallasTritonGatedLinearUnit as PallasTritonGatedLinearUnit
+from stellarax.ops.gated_linear_unit.pallas_triton import PallasTritonGatedLinearUnitVjp as PallasTritonGatedLinearUnitVjp
 from stellarax.ops.normalization.api import layer_norm as layer_norm
 from stellarax.ops.normalization.api import rms_norm as rms_norm
 from stellarax.ops.normalization.base import XlaLayerNorm as XlaLayerNorm

@@ -11,6 +11,7 @@ from jax.experimental import pallas as pl
 
 import interpret_order
 from stellarax.ops.attention import pallas_triton as attention
+from stellarax.ops.gated_linear_unit import pallas_triton as glu
 from stellarax.ops.normalization import pallas_triton as norms
 from stellarax.ops.ragged_dot import pallas_triton as ragged
 
@@ -61,6 +62,21 @@ def test_ragged_dot_kernels(group_sizes):
             ragged.ragged_dot_drhs_pallas_triton(lhs, dout, sizes, g, interpret=True, split_rows=2,
                                                  **tiles))
   interpret_order.assert_order_independent(jax.jit(kernels), lhs, rhs, dout, sizes)
+
+
+def test_gated_linear_unit_kernels():
+  # Ragged rows, columns and K: the backward's masked stores into the two halves of
+  # one (M, 2N) array, whose edge tiles overlap the other half's columns.
+  m, k, n = 70, 40, 45
+  keys = jax.random.split(jax.random.key(2), 3)
+  x, w, dout = _normal(keys[0], (m, k)), _normal(keys[1], (k, 2, n)), _normal(keys[2], (m, n))
+  tiles = dict(block_m=32, block_n=32, block_k=32, num_warps=4, num_stages=3)
+
+  def kernels(x, w, dout):
+    return (glu.gated_linear_unit_pallas_triton(x, w, activation="silu", interpret=True, **tiles),
+            glu.gated_linear_unit_bwd_pallas_triton(x, w, dout, activation="silu", interpret=True,
+                                                    **tiles))
+  interpret_order.assert_order_independent(jax.jit(kernels), x, w, dout)
 
 
 def test_attention_kernels():

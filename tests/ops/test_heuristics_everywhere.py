@@ -111,3 +111,16 @@ def test_norm_heuristics_answer_every_shape(subtract_mean):
     param = S((cols,), dtype)
     args = (S((rows, cols), dtype), param, param if subtract_mean else None)
     assert _check_heuristics(op, args, dict(subtract_mean=subtract_mean)) == "ok", (rows, cols)
+
+
+GLU_SHAPES = [  # (x.shape, K, N)
+    ((1,), 1, 1), ((7, 3), 100, 5), ((1000,), 512, 768), ((4, 2048), 4096, 14336), ((16,), 4096, 14336),
+]
+
+
+@pytest.mark.parametrize("op", [stellarax.XlaGatedLinearUnit(), stellarax.PallasTritonGatedLinearUnit()],
+                         ids=lambda op: op.name)
+def test_gated_linear_unit_heuristics_answer_every_shape(op):
+  for (rows, k, n), dtype in itertools.product(GLU_SHAPES, (jnp.bfloat16, jnp.float32)):
+    args = (S((*rows, k), dtype), S((k, 2, n), dtype))
+    assert _check_heuristics(op, args, dict(activation="gelu_exact")) == "ok", (rows, k, n)

@@ -11,7 +11,7 @@ from stellarax.core import dispatch
 # fastest instead). XLA comes first until the Pallas kernels, which pass the
 # interpret-mode and lowering tests, have been checked on a GPU
 # (bench/gpu_check.sh): a kernel never run on hardware is not a safe default.
-PREFERENCE = ("xla",)
+PREFERENCE = ("xla", "pallas_triton")
 
 
 def gated_linear_unit(x, weights, *, activation=jax.nn.swish, precision=None, implementation=None):
@@ -23,7 +23,8 @@ def gated_linear_unit(x, weights, *, activation=jax.nn.swish, precision=None, im
     activation: a known activation function (jax.nn.swish, jax.nn.gelu, ...)
       or its name ("silu", "gelu", "relu", ...).
     precision: None, a `jax.lax.Precision` or its name.
-    implementation: None (best available), a name, an Op, or a sequence.
+    implementation: None (best available), a name ("xla", "pallas_triton"), an Op,
+      or a sequence of these tried in order.
 
   Returns:
     (..., N) array in x's dtype.

@@ -8,6 +8,7 @@ implementation.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from stellarax.core.config import config_dataclass
@@ -35,6 +36,12 @@ class GatedLinearUnit(Op):
     arguments["activation"] = ref.activation_name(arguments["activation"])
     arguments["precision"] = common.canonical_precision(arguments["precision"])
     return arguments
+
+  def _is_trivial(self, arguments):
+    # No row, an empty contraction (both projections are zeros, and every activation
+    # gives act(0) * 0 = 0) or no output column: zeros, with no kernel.
+    x, w = arguments["x"], arguments["weights"]
+    return 0 in (math.prod(x.shape[:-1]), w.shape[0], w.shape[2])
 
   def _reference(self, x, weights, *, activation, precision=None):
     del precision
