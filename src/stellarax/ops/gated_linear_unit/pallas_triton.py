@@ -114,10 +114,10 @@ def activation_and_derivative(name: str, g: jax.Array) -> tuple[jax.Array, jax.A
 def heuristic_tunables(m: int, k: int, n: int, dtype: Any) -> dict[str, int]:
   """Tunables that are a reasonable guess on an H200, without measuring.
 
-  16-bit inputs use 128x128 output tiles with K steps of 64 on 8 warps (two
-  128x128 float32 accumulators are 256 floats a thread on 8 warps: 4 would
-  spill) and 3 stages; float32 uses 64x64x32 on 4 warps. Blocks never exceed the
-  problem size rounded up to a power of two (at least 16).
+  16-bit inputs use 128x128 output tiles with K steps of 64, float32 64x64x32,
+  3 stages. Blocks never exceed the problem size rounded up to a power of two (at
+  least 16). 4 warps, or 8 where the two float32 accumulators would take more
+  than 128 registers a thread on 4 (128x128 tiles: 256; they spill).
 
   Args:
     m: rows of x (all its leading dimensions together).
@@ -133,10 +133,11 @@ def heuristic_tunables(m: int, k: int, n: int, dtype: Any) -> dict[str, int]:
     ValueError: for an unsupported dtype.
   """
   if tm.check_dtype("dtype", dtype, _KERNEL).itemsize == 2:
-    bm, bn, bk, warps = 128, 128, 64, 8
+    bm, bn, bk = 128, 128, 64
   else:
-    bm, bn, bk, warps = 64, 64, 32, 4
+    bm, bn, bk = 64, 64, 32
   bm, bn, bk = tm.cap(bm, m), tm.cap(bn, n), tm.cap(bk, k)
+  warps = 4
   while not tm.acc_fits(bm, _ACCUMULATORS * bn, warps) and warps < 8:
     warps *= 2
   return dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=3)
