@@ -420,7 +420,7 @@ def test_a_config_from_the_space_runs():
     (8192, 4096, 14336, 8, jnp.bfloat16),
     (150, 70, 90, 4, jnp.float32),
 ])
-def test_kernelslower_for_h200(kernel, m, k, n, g, dtype):
+def test_kernels_lower_for_h200(kernel, m, k, n, g, dtype):
   tunables = pt.heuristic_tunables(m, k, n, g, dtype) | dict(num_warps=8, num_stages=4)
   lhs = jax.ShapeDtypeStruct((m, k), dtype)
   rhs = jax.ShapeDtypeStruct((g, k, n), dtype)
@@ -473,7 +473,7 @@ def test_vjp_op_with_split_rows_matches_lax():
   _assert_close(grads["lhs"], _np_forward(dout, jnp.swapaxes(rhs, 1, 2), w.group_sizes), jnp.float32)
 
 
-def test_split_kernelslower_for_h200():
+def test_split_kernels_lower_for_h200():
   m, k, n, g, dtype = 4096, 256, 256, 4, jnp.bfloat16
   tunables = pt.heuristic_tunables(m, k, n, g, dtype)
   fn = functools.partial(pt.ragged_dot_drhs_pallas_triton, num_groups=g, split_rows=4, **tunables)

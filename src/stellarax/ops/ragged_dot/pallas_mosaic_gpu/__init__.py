@@ -40,7 +40,8 @@ from stellarax.ops.ragged_dot.pallas_mosaic_gpu.tunables import (
     heuristic_tunables, tunable_space)
 # The rest of the kernels' public functions, for callers of this module.
 from stellarax.ops.ragged_dot.pallas_mosaic_gpu.tunables import (  # noqa: F401
-    check_tunables_fit as check_tunables_fit, validate_tunables as validate_tunables)
+    check_tunables_fit as check_tunables_fit, slab_counts as slab_counts,
+    validate_tunables as validate_tunables)
 from stellarax.ops.ragged_dot.pallas_mosaic_gpu.work_items import (  # noqa: F401
     group_offsets as group_offsets, num_work_items as num_work_items,
     padded_rows as padded_rows, work_items as work_items)

@@ -44,7 +44,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from stellarax.core.config import config_dataclass
 from stellarax.ops import pallas_common
 from stellarax.ops.ragged_dot.pallas_mosaic_gpu.tunables import (
-    _check_dtype, check_tunables_fit, _INTERPRET_PROGRAMS, _MEMORY_REGISTERS, _MULTICAST_CTAS,
+    _check_dtype, check_tunables_fit, _INTERPRET_PROGRAMS, _MEMORY_REGISTERS, _MIN_SLAB, _MULTICAST_CTAS,
     _NUM_COMPUTE_WGS, OUT_DTYPES, PallasMosaicGpuRaggedDotConfig, _ROW_PRODUCT_TUNABLES,
     _TUNABLE_NAMES, _wg_tile)
 from stellarax.ops.ragged_dot.pallas_mosaic_gpu.work_items import _num_sms
@@ -68,8 +68,10 @@ class _Tiles(PallasMosaicGpuRaggedDotConfig):
     """The compute warpgroups' epilogue buffers: one column slab of each one's tile, as
     (pieces, rows, columns) with pieces of at most _PIECE_COLS columns."""
     wm, wn = self.wg_shape
-    slab = wn // self.epilogue_slabs
-    piece = min(slab, _PIECE_COLS)
+    slab = wn // self.epilogue_slabs  # whole _MIN_SLAB granules (check_tunables)
+    # 128-column pieces where they divide the slab; 192 columns take three of 64 (one
+    # piece of 128 left a 64-column remainder that no store fitted).
+    piece = _PIECE_COLS if slab % _PIECE_COLS == 0 else _MIN_SLAB
     return plgpu.SMEM((slab // piece, _NUM_COMPUTE_WGS * wm, piece), dtype)
 
   def tile_order(self, linear: jax.Array, grid_m: int, grid_n: int) -> tuple[jax.Array, jax.Array]:

@@ -153,12 +153,19 @@ def validate_tunables(*, block_m: int, block_n: int, block_k: int, max_concurren
         f"64-row wgmma slices); block_m={block_m} with wg_split={wg_split!r} gives {wm}. "
         "Use half_tiles=False.")
   _check_int("epilogue_slabs", epilogue_slabs)
-  if epilogue_slabs < 1 or epilogue_slabs & (epilogue_slabs - 1) or (
-      wn // epilogue_slabs < _MIN_SLAB):
+  if epilogue_slabs not in slab_counts(wn):
     raise ValueError(
-        f"epilogue_slabs={epilogue_slabs!r} must be a power of two of at most "
-        f"{wn // _MIN_SLAB}: each compute warpgroup stores its {wm}x{wn} tile in slabs of at "
-        f"least {_MIN_SLAB} columns.")
+        f"epilogue_slabs={epilogue_slabs!r} must be one of {slab_counts(wn)}: each compute "
+        f"warpgroup stores its {wm}x{wn} tile in column slabs of a whole number of "
+        f"{_MIN_SLAB}-column granules, and the count is a power of two.")
+
+
+def slab_counts(wn: int) -> list[int]:
+  """The epilogue slab counts a warpgroup tile of wn columns takes: powers of two that cut
+  it into slabs of a whole number of _MIN_SLAB-column granules (192 columns: only 1, as
+  two slabs of 96 would split a granule)."""
+  return [s for s in (1 << i for i in range((wn // _MIN_SLAB).bit_length()))
+          if wn % (s * _MIN_SLAB) == 0]
 
 
 @config_dataclass
@@ -292,7 +299,7 @@ def _deepest_pipeline(tiles: dict[str, Any], out_itemsize: int, cap: int,
   slabs (<= max_slabs, default: the most the tile allows) that make them fit, as
   {"max_concurrent_steps", "epilogue_slabs"}; None if nothing fits."""
   _, wn = _wg_tile(tiles["block_m"], tiles["block_n"], tiles["wg_split"])
-  slab_choices = [1 << i for i in range((wn // _MIN_SLAB).bit_length())]
+  slab_choices = slab_counts(wn)
   if max_slabs is not None:
     slab_choices = [x for x in slab_choices if x <= max_slabs]
   for stages in range(cap, 1, -1):
