@@ -467,6 +467,20 @@ def test_default_tolerance_is_looser_for_narrow_floats():
     m.default_tolerance(np.dtype("U3"))
 
 
+def test_check_close_compares_a_vanishing_leaf_at_its_siblings_rounding():
+  """A gradient whose terms cancel to zero (attention's dK where every query keeps one
+  key) holds rounding of its siblings' size: correct kernels erred by 1.4e-6 there and
+  were failed against a bound of atol alone. Real errors in it still fail."""
+  dq = np.asarray(_x((8, 16), seed=4), np.float32)
+  zero = np.zeros((8, 16), np.float32)
+  scale = float(np.abs(dq).max())
+  noise = zero + 1.5e-6 * scale
+  assert m.check_close({"dq": dq, "dk": noise}, {"dq": dq, "dk": zero}) is None
+  assert "max abs error" in m.check_close(noise, zero)  # alone, nothing sets its scale
+  wrong = zero + 1e-4 * scale
+  assert "'dk'" in m.check_close({"dq": dq, "dk": wrong}, {"dq": dq, "dk": zero})
+
+
 def test_check_close_is_dtype_aware_and_strict_about_nan():
   ref = np.asarray(_x((37, 13), seed=3), np.float64)
   off = ref * (1 + 0.01 * np.sign(ref))  # 1% too large everywhere.

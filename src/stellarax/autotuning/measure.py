@@ -452,7 +452,11 @@ def check_close(output: Any, reference: Any, *, rtol: float | None = None,
 
   A leaf passes when every element satisfies |out - ref| <= atol + rtol * scale, scale the
   largest finite |ref| of that leaf (relative to the leaf's scale, not elementwise: kernels
-  that accumulate differently differ in absolute terms near zero). Positions where the
+  that accumulate differently differ in absolute terms near zero), but at least
+  `CROSS_LEAF_SCALE` times the largest of the whole reference: a leaf that is zero or
+  nearly so (a gradient whose terms cancel, such as attention's dK where every query
+  keeps one key) holds the rounding of terms as large as its siblings', and a kernel
+  right up to that rounding is correct. Positions where the
   reference is NaN are not compared; a NaN elsewhere fails, and an infinity must match.
   Shapes must match; dtypes may differ (a float32 reference for a bfloat16 output), and
   the looser of the two dtypes' default tolerances applies.
@@ -470,15 +474,31 @@ def check_close(output: Any, reference: Any, *, rtol: float | None = None,
   ref_leaves, ref_tree = jax.tree.flatten_with_path(reference)
   if out_tree != ref_tree:
     return f"output structure {out_tree} differs from the reference's {ref_tree}"
-  for (path, out), (_, ref) in zip(out_leaves, ref_leaves):
-    reason = _compare_leaf(np.asarray(out), np.asarray(ref), rtol, atol)
+  refs = [np.asarray(ref) for _, ref in ref_leaves]
+  least_scale = CROSS_LEAF_SCALE * max(map(_finite_scale, refs), default=0.0)
+  for (path, out), ref in zip(out_leaves, refs):
+    reason = _compare_leaf(np.asarray(out), ref, rtol, atol, least_scale)
     if reason is not None:
       return f"{jax.tree_util.keystr(path) or 'output'}: {reason}"
   return None
 
 
+# The least scale of a leaf, relative to the largest of the whole reference (see
+# check_close).
+CROSS_LEAF_SCALE: Final = 1e-3
+
+
+def _finite_scale(ref: np.ndarray) -> float:
+  """The largest finite |ref| (0 for none, or for a non-numeric leaf)."""
+  if ref.size == 0 or not np.issubdtype(ref.dtype, np.number):
+    return 0.0
+  values = np.abs(ref.astype(np.complex128 if np.iscomplexobj(ref) else np.float64))
+  values = values[np.isfinite(values)]
+  return float(values.max()) if values.size else 0.0
+
+
 def _compare_leaf(out: np.ndarray, ref: np.ndarray, rtol: float | None,
-                  atol: float | None) -> str | None:
+                  atol: float | None, least_scale: float = 0.0) -> str | None:
   if out.shape != ref.shape:
     return f"shape {out.shape} differs from the reference's {ref.shape}"
   if out.size == 0:
@@ -504,7 +524,7 @@ def _compare_leaf(out: np.ndarray, ref: np.ndarray, rtol: float | None,
   finite = compared & ~infinite
   if not finite.any():
     return None
-  scale = float(np.abs(r[finite]).max())
+  scale = max(float(np.abs(r[finite]).max()), least_scale)
   err = np.where(finite, np.abs(o - r), 0.0)
   worst = np.unravel_index(np.argmax(err), o.shape)
   max_err, bound = float(err[worst]), atol + rtol * scale
