@@ -789,3 +789,49 @@ def test_progress_counts_configs_once_and_ends_full():
 def test_options_of_the_wrong_type_are_refused(option, value, says):
   with pytest.raises(TypeError, match=says):
     stellarax.Autotuner(**{option: value})
+
+
+def test_a_measured_entry_beats_an_unmeasured_one_in_a_merge(grad_result):
+  """An entry with no successful time (every config failed, or a hand-written one) never
+  replaces a measured one of the same call, on either side of `|`."""
+  entry = next(iter(grad_result))
+  failed = tuple((c, m.__class__(**{**m.to_json(), "status": "runtime_error", "median_s": None,
+                                    "ci_low_s": None, "ci_high_s": None, "num_samples": 0,
+                                    "error": "RuntimeError: out of memory"}))
+                 for c, m in entry.measurements)
+  unmeasured = autotuning.Entry(entry.bound_args, entry.best_config, entry.heuristic_config, failed)
+  assert unmeasured.best_time is None
+  other = autotuning.AutotuningResult(grad_result.device_kind, {unmeasured.key: unmeasured})
+  assert (other | grad_result).entry(entry.bound_args) == entry
+  assert (grad_result | other).entry(entry.bound_args) == entry
+
+
+def test_the_content_digest_follows_the_best_configs(grad_result):
+  """Transfer indexes results by their digest: one that ignored a changed best config
+  would serve a stale index."""
+  entry = next(e for e in grad_result if len(e.measurements) > 1)
+  other_config = next(c for c, _ in entry.measurements if c != entry.best_config)
+  changed = autotuning.Entry(entry.bound_args, other_config, entry.heuristic_config,
+                             entry.measurements)
+  assert grad_result.with_entry(changed).content_digest != grad_result.content_digest
+  assert grad_result.with_entry(entry).content_digest == grad_result.content_digest
+
+
+def test_files_of_a_newer_schema_or_no_device_kind_are_refused():
+  from stellarax.autotuning import file_format
+  good = dict(schema=file_format.SCHEMA_VERSION, device_kind="cpu", entries=[])
+  assert file_format.parse(json.dumps(good), source="ok.json")["device_kind"] == "cpu"
+  newer = good | dict(schema=file_format.SCHEMA_VERSION + 1)
+  with pytest.raises(file_format.FormatError, match="newer.json: schema .* is newer"):
+    file_format.parse(json.dumps(newer), source="newer.json")
+  with pytest.raises(file_format.FormatError, match="must name a device kind"):
+    file_format.parse(json.dumps(good | dict(device_kind="")), source="blank.json")
+
+
+def test_the_heuristic_config_is_measured_first():
+  """Measured first, the heuristic is timed before any budget runs out, and it is the
+  reference every later candidate must beat beyond noise."""
+  from stellarax.autotuning import autotuner as autotuner_module
+  ba = stellarax.XlaRaggedDot.bind(*_inputs())
+  space = autotuner_module._ordered_space(ba)
+  assert space[0] == ba.heuristics_config and len(space) == len(set(space)) > 1

@@ -269,3 +269,27 @@ def test_implementation_none_picks_the_measured_fastest():
     with result:
       stellarax.dot_product_attention(q, q, q)
     assert seen == ["XlaAttention"]
+
+
+def test_a_miss_policy_scope_overrides_the_environment(monkeypatch):
+  monkeypatch.setenv("STELLARAX_MISS_POLICY", "error")
+  assert resolution.miss_policy() == "error"
+  with resolution.miss_policy_scope("autotune"):
+    assert resolution.miss_policy() == "autotune"
+  assert resolution.miss_policy() == "error"
+
+
+def test_static_values_have_one_canonical_form():
+  """Keys must be equal for equal calls: dict order does not matter, NumPy scalars are
+  plain Python numbers, and non-finite floats survive strict JSON and come back."""
+  from stellarax.core import specs
+  a, b = specs.to_spec({"b": 1, "a": 2}), specs.to_spec({"a": 2, "b": 1})
+  assert a == b and hash(a) == hash(b) and list(a) == ["a", "b"]
+  for value, plain in ((np.float32(1.5), 1.5), (np.int64(3), 3), (np.bool_(True), True)):
+    spec = specs.to_spec(value)
+    assert spec == plain and type(spec) is type(plain), (value, spec)
+  for value in (float("inf"), float("-inf")):
+    text = specs.canonical_json(specs.encode(specs.to_spec(value)))
+    assert specs.decode(json.loads(text)) == value
+  nan = specs.decode(json.loads(specs.canonical_json(specs.encode(float("nan")))))
+  assert np.isnan(nan)
