@@ -488,6 +488,8 @@ def test_a_package_ships_its_own_library_cache_and_adds_it(tmp_path, monkeypatch
   assert resolution.resolve_config(ba).source != "library_cache"  # not added yet
   added = autotuning.add_library_cache(folder)
   assert autotuning.add_library_cache(str(folder)) is added  # once, however often added
+  monkeypatch.chdir(tmp_path)
+  assert autotuning.add_library_cache("mylib/data/autotuning") is added  # relative paths too
   assert resolution.cache_sources().count(added) == 1 and resolution.cache_sources()[-1] is added
   assert resolution.resolve_config(ba) == resolution.Resolution(grad_result.best_config(ba),
                                                                 "library_cache")

@@ -197,6 +197,8 @@ def test_cache_clear_removes_the_cache_s_files_only(tmp_path, user_cache_dir, ca
   stellarax.Autotuner(budget_s=0.5, progress=False, cache=True).autotune([ba])
   notes = user_cache_dir / "notes.txt"
   notes.write_text("the user's own")
+  # A file the cache set aside as unreadable is the cache's too.
+  (next(p for p in user_cache_dir.iterdir() if p.is_dir()) / "x.json.unreadable").write_text("{")
   assert cli.main(["cache", "clear"]) == 0
   assert "files removed" in capsys.readouterr().out
   assert sorted(p.name for p in user_cache_dir.rglob("*")) == ["notes.txt"]
