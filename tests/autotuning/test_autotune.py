@@ -657,6 +657,10 @@ def test_a_total_budget_is_shared_by_device_time_heaviest_first(monkeypatch):
   light_s = left / 1.03
   assert seen == pytest.approx([6.0, light_s, left - 0.5 * light_s])
   assert autotuning.call_weights_from_json(records) == {light: 1.0, heavy: 3.0, idle: 0.0}
+  # One call recorded twice (e.g. under two names of its program): its times add up,
+  # with or without a config in the record.
+  twice = _profile_records([(light, 1.0), (light.with_config(light.heuristics_config), 0.5)])
+  assert autotuning.call_weights_from_json(twice) == {light: 1.5}
   # Without device times (a plain list, a callable) the calls share it equally.
   spy, seen = _budget_spy(monkeypatch, spends=1.0)  # each call spends its share
   tuner(strategy=spy, total_budget_s=9.0).autotune([light, heavy, idle])
