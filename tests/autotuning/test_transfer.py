@@ -113,6 +113,17 @@ def test_the_nearest_key_wins():
   assert near_small.where == "active result" and near_small.neighbour == _ragged(256)
 
 
+def test_at_equal_distance_the_innermost_result_wins():
+  """Transfer looks in the active results innermost first, as resolution does: between
+  two neighbours at the same distance, the inner `with` block's is taken."""
+  outer = _result(_entry(_ragged(256), _tiled(32)))
+  inner = _result(_entry(_ragged(256), _tiled(256)))
+  with outer, inner:
+    assert resolution.resolve_config(_ragged(512)).config == _tiled(256)
+  with inner, outer:
+    assert resolution.resolve_config(_ragged(512)).config == _tiled(32)
+
+
 def test_distance_counts_doublings_and_differing_options():
   assert transfer.transfer_distance(_ragged(256), _ragged(1024)) == pytest.approx(2.0)
   # K is a dimension of lhs and rhs: doubling it moves two features.
