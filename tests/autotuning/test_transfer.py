@@ -271,6 +271,33 @@ def test_fit_heuristics_learns_a_threshold_rule():
   assert "fixed heuristic" in str(fit) and fit.transfer_regret.num_keys == 8
 
 
+def test_fit_heuristics_splits_off_the_fewest_keys_a_leaf_may_hold():
+  """A rule for the two largest of eight keys (min_leaf=2): the split at the last
+  position a leaf allows."""
+  entries = [_entry(_ragged(m, g=8), _tiled(128 if m >= 2048 else 16), slower=1.5)
+             for m in (32, 64, 128, 256, 512, 1024, 2048, 4096)]
+  fit = autotuning.fit_heuristics(_result(*entries), "ragged_dot.xla", min_leaf=2)
+  assert fit.rule.num_leaves == 2
+  assert fit.rule.predict(_ragged(1024, g=8)) == _tiled(16)
+  assert fit.rule.predict(_ragged(4096, g=8)) == _tiled(128)
+
+
+def test_fit_heuristics_counts_a_failed_config_as_the_slowest():
+  """Where the fixed heuristic config failed, it costs what the slowest config cost
+  (not nothing): its regret shows the failure."""
+  def failing_heuristic(m):
+    entry = _entry(_ragged(m, g=8), _tiled(16), slower=1.5)
+    heuristic = entry.heuristic_config
+    assert heuristic != _tiled(16)
+    failed = Measurement(status="runtime_error", error="RuntimeError: out of memory")
+    return dataclasses.replace(entry, measurements=tuple(
+        (c, failed if c == heuristic else m_) for c, m_ in entry.measurements))
+  fit = autotuning.fit_heuristics(_result(*map(failing_heuristic, (64, 256, 1024, 4096))),
+                                  "ragged_dot.xla")
+  assert fit.heuristic_regret.geomean == pytest.approx(1.5)
+  assert fit.rule.predict(_ragged(512, g=8)) == _tiled(16)
+
+
 def test_fit_heuristics_rejects_too_little_data():
   few = _result(*[_entry(_ragged(m), _tiled(16)) for m in (64, 128)])
   with pytest.raises(ValueError, match="at least 3 full sweeps of ragged_dot.xla"):
