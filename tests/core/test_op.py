@@ -194,6 +194,19 @@ def test_vmap_axes_are_recorded_in_the_key():
   assert BoundArguments.from_json(json.loads(ba.to_marker())) == ba
 
 
+def test_nested_vmaps_are_recorded_innermost_first():
+  """vmap of vmap, of sizes 2 (outer, over lhs) and 3 (inner, over lhs and rhs): the
+  recorded levels and the batched shapes follow the order the call sees them in."""
+  lhs, rhs, gs = _ragged_inputs()
+  f = lambda l, r: stellarax.ragged_dot(l, r, gs)
+  lhs_b = jnp.stack([jnp.stack([lhs * (i + j + 1) for j in range(3)]) for i in range(2)])
+  rhs_b = jnp.stack([rhs * (j + 1) for j in range(3)])
+  program = jax.vmap(jax.vmap(f), in_axes=(0, None))
+  (ba,) = autotuning.get_bound_args(program, lhs_b, rhs_b)
+  assert ba.vmap_axes == ((3, (False, True, True)), (2, (False, True, False)))
+  assert [s.shape for s in ba.batched_array_specs()[1:]] == [(2, 3, *lhs.shape), (3, *rhs.shape)]
+
+
 def test_implementation_selection_and_errors():
   lhs, rhs, gs = _ragged_inputs()
   ref = jax.lax.ragged_dot(lhs, rhs, gs)
