@@ -306,3 +306,16 @@ def test_static_values_have_one_canonical_form():
     assert specs.decode(json.loads(text)) == value
   nan = specs.decode(json.loads(specs.canonical_json(specs.encode(float("nan")))))
   assert np.isnan(nan)
+
+
+def test_finding_the_calls_of_a_program_neither_tunes_nor_raises_on_a_miss(user_cache_dir):
+  """Capture only reads which ops run: under the "error" or "autotune" miss policy, an
+  untuned call is found, not refused or tuned on the spot."""
+  lhs, rhs, gs = _ragged_inputs()
+  f = lambda l: stellarax.ragged_dot(l, rhs, gs)
+  for policy in ("error", "autotune"):
+    with resolution.miss_policy_scope(policy):
+      (ba,) = autotuning.get_bound_args(f, lhs)
+    assert ba.op.name == "ragged_dot.xla"
+  with resolution.miss_policy_scope("error"), pytest.raises(resolution.ConfigMissError):
+    jax.jit(f).lower(lhs)  # the policy itself is in force outside capture
