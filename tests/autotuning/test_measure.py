@@ -423,6 +423,10 @@ def test_pick_best_breaks_ties_by_preference_then_order():
   assert m.pick_best(results, order=["d", "c", "b", "a", "broken"]) == "c"
   with pytest.raises(ValueError, match="was not measured"):
     m.pick_best(results, prefer="e")
+  # Within 1% of the fastest ties even with intervals apart.
+  narrow = {"a": _ok(median=1.000e-3, low=0.999e-3, high=1.001e-3),
+            "b": _ok(median=1.005e-3, low=1.004e-3, high=1.006e-3)}
+  assert m.pick_best(narrow) == "a" and m.pick_best(narrow, prefer="b") == "b"
 
 
 def test_pick_best_with_every_candidate_failed_lists_why():
@@ -454,6 +458,10 @@ def test_median_interval_uses_binomial_order_statistics():
 def test_leaders_are_those_reaching_the_fastest_interval():
   intervals = {"a": (1.0, 0.9, 1.1), "b": (1.05, 1.08, 1.2), "c": (1.2, 1.11, 1.3)}
   assert m._leaders(intervals) == ["a", "b"]
+  # An interval that just touches the fastest's leads too, and so does the fastest
+  # with an interval of no width (one sample, or equal samples).
+  assert m._leaders({"a": (1.0, 0.9, 1.1), "b": (1.2, 1.1, 1.3)}) == ["a", "b"]
+  assert m._leaders({"a": (1.0, 1.0, 1.0), "b": (2.0, 1.5, 2.5)}) == ["a"]
 
 
 def test_default_tolerance_is_looser_for_narrow_floats():
