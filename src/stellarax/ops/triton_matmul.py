@@ -119,6 +119,20 @@ def check_int32_addressing(**shapes: tuple[int, ...]) -> None:
     raise ValueError(why)
 
 
+def refuse_unsupported(a_name: str, a: Any, b_name: str, b: Any, **shapes: tuple[int, ...]) -> None:
+  """Raises NotImplementedError, so that dispatch goes on to the next implementation, for
+  operands `a` and `b` of two dtypes or of one the kernels lack, and for `shapes` too
+  large to index (`int32_overflow`). For op classes' `_check_supported`.
+  """
+  dtypes = {jnp.dtype(a.dtype), jnp.dtype(b.dtype)}
+  if len(dtypes) != 1 or not dtypes <= set(SUPPORTED_DTYPES):
+    raise NotImplementedError(f"{a_name} and {b_name} dtypes {sorted(map(str, dtypes))}: the "
+                              "kernel needs one of bfloat16, float16, float32 for both.")
+  why = int32_overflow(**shapes)
+  if why:
+    raise NotImplementedError(why)
+
+
 def pow2_at_most(x: int) -> int:
   """The largest power of two <= max(1, x)."""
   return 1 << (max(1, x).bit_length() - 1)

@@ -281,16 +281,22 @@ def _check_call(x: jax.Array, weights: jax.Array, tunables: dict[str, int]) -> t
   return m, k, n
 
 
-def _launch(kernel, out_shape, rows, cols, *, num_warps, num_stages, block_m, block_n,
-            interpret, name, operands):
+def _run(body, x2, w2, *more, out_cols, out_dtype, activation, block_m, block_n, block_k,
+         num_warps, num_stages, precision, interpret, name):
+  """Launches a kernel `body` over x2 (M, K), w2 (K, 2N) and `more` operands, one program
+  per block_m x block_n tile of the (M, N) projections, writing (M, out_cols)."""
+  rows, cols = x2.shape[0], w2.shape[1] // 2
+  kernel = functools.partial(body, activation=activation_name(activation), block_m=block_m,
+                             block_n=block_n, block_k=block_k,
+                             precision=common.canonical_precision(precision))
   return pl.pallas_call(
       kernel,
-      out_shape=out_shape,
+      out_shape=jax.ShapeDtypeStruct((rows, out_cols), out_dtype),
       grid=(pl.cdiv(rows, block_m) * pl.cdiv(cols, block_n),),
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name=name,
-  )(*operands)
+  )(x2, w2, *more)
 
 
 _STATIC = ("activation", "block_m", "block_n", "block_k", "num_warps", "num_stages", "precision",
@@ -335,13 +341,9 @@ def gated_linear_unit_pallas_triton(
   tunables = dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
                   num_stages=num_stages)
   m, k, n = _check_call(x, weights, tunables)
-  kernel = functools.partial(_forward_kernel, activation=activation_name(activation),
-                             block_m=block_m, block_n=block_n, block_k=block_k,
-                             precision=common.canonical_precision(precision))
-  out = _launch(kernel, jax.ShapeDtypeStruct((m, n), x.dtype), m, n, num_warps=num_warps,
-                num_stages=num_stages, block_m=block_m, block_n=block_n, interpret=interpret,
-                name="gated_linear_unit_fwd",
-                operands=(x.reshape(m, k), weights.reshape(k, 2 * n)))
+  out = _run(_forward_kernel, x.reshape(m, k), weights.reshape(k, 2 * n), out_cols=n,
+             out_dtype=x.dtype, activation=activation, precision=precision, interpret=interpret,
+             name="gated_linear_unit_fwd", **tunables)
   return out.reshape(*x.shape[:-1], n)
 
 
@@ -383,16 +385,12 @@ def gated_linear_unit_bwd_pallas_triton(
   if tuple(dout.shape) != (*x.shape[:-1], n):
     raise ValueError(f"dout.shape={dout.shape} must be the forward output's shape "
                      f"{(*x.shape[:-1], n)} for x.shape={x.shape}, weights.shape={weights.shape}.")
-  precision = common.canonical_precision(precision)
-  kernel = functools.partial(_pre_activation_grad_kernel, activation=activation_name(activation),
-                             block_m=block_m, block_n=block_n, block_k=block_k, precision=precision)
   x2, w2 = x.reshape(m, k), weights.reshape(k, 2 * n)
-  dpre = _launch(kernel, jax.ShapeDtypeStruct((m, 2 * n), x.dtype), m, n, num_warps=num_warps,
-                 num_stages=num_stages, block_m=block_m, block_n=block_n, interpret=interpret,
-                 name="gated_linear_unit_bwd",
-                 operands=(x2, w2, dout.reshape(m, n).astype(x.dtype)))
-  matmul = functools.partial(lax.dot_general, precision=common.lax_precision(precision),
-                             preferred_element_type=jnp.float32)
+  dpre = _run(_pre_activation_grad_kernel, x2, w2, dout.reshape(m, n).astype(x.dtype),
+              out_cols=2 * n, out_dtype=x.dtype, activation=activation, precision=precision,
+              interpret=interpret, name="gated_linear_unit_bwd", **tunables)
+  matmul = functools.partial(lax.dot_general, preferred_element_type=jnp.float32,
+                             precision=common.lax_precision(common.canonical_precision(precision)))
   dx = matmul(dpre, w2, (((1,), (1,)), ((), ())))
   dweights = matmul(x2, dpre, (((0,), (0,)), ((), ())))
   return dx.astype(x.dtype).reshape(x.shape), dweights.astype(weights.dtype).reshape(weights.shape)
@@ -426,17 +424,9 @@ def _configs(ba) -> list[PallasTritonGatedLinearUnitConfig]:
 
 
 def _check_kernel_takes(arguments: dict[str, Any]) -> None:
-  """NotImplementedError (dispatch goes on to the next implementation) for operands of
-  two dtypes or one the kernel lacks, and for arrays too large to index."""
   x, w = arguments["x"], arguments["weights"]
-  dtypes = {jnp.dtype(x.dtype), jnp.dtype(w.dtype)}
-  if len(dtypes) != 1 or not dtypes <= set(tm.SUPPORTED_DTYPES):
-    raise NotImplementedError(f"x and weights dtypes {sorted(map(str, dtypes))}: the kernel "
-                              "needs one of bfloat16, float16, float32 for both.")
   m, k, n = math.prod(x.shape[:-1]), w.shape[0], w.shape[2]
-  why = tm.int32_overflow(x=(m, k), weights=(k, 2 * n), out=(m, 2 * n))
-  if why:
-    raise NotImplementedError(why)
+  tm.refuse_unsupported("x", x, "weights", w, x=(m, k), weights=(k, 2 * n), out=(m, 2 * n))
 
 
 class PallasTritonGatedLinearUnitVjp(pallas_common.PallasTritonOp, _base.GatedLinearUnitVjp,

@@ -697,15 +697,9 @@ def _mkng(ba) -> tuple[int, int, int, int, str]:
 
 
 def _check_kernel_takes(arguments):
-  dtypes = {jnp.dtype(arguments["lhs"].dtype), jnp.dtype(arguments["rhs"].dtype)}
-  if len(dtypes) != 1 or not dtypes <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)}:
-    raise NotImplementedError(f"lhs and rhs dtypes {sorted(map(str, dtypes))}: the kernel needs one of "
-                              "bfloat16, float16, float32 for both.")
-  # Too large to index: not this kernel's input, so dispatch goes on to the next one.
-  (m, k), n = arguments["lhs"].shape, arguments["rhs"].shape[2]
-  why = tm.int32_overflow(lhs=(m, k), rhs=tuple(arguments["rhs"].shape), out=(m, n))
-  if why:
-    raise NotImplementedError(why)
+  lhs, rhs = arguments["lhs"], arguments["rhs"]
+  (m, k), n = lhs.shape, rhs.shape[2]
+  tm.refuse_unsupported("lhs", lhs, "rhs", rhs, lhs=(m, k), rhs=tuple(rhs.shape), out=(m, n))
 
 
 class PallasTritonRaggedDotVjp(pallas_common.PallasTritonOp, _base.RaggedDotVjp, name="ragged_dot.pallas_triton_vjp"):
