@@ -475,9 +475,10 @@ def check_close(output: Any, reference: Any, *, rtol: float | None = None,
   if out_tree != ref_tree:
     return f"output structure {out_tree} differs from the reference's {ref_tree}"
   refs = [np.asarray(ref) for _, ref in ref_leaves]
-  least_scale = CROSS_LEAF_SCALE * max(map(_finite_scale, refs), default=0.0)
-  for (path, out), ref in zip(out_leaves, refs):
-    reason = _compare_leaf(np.asarray(out), ref, rtol, atol, least_scale)
+  scales = [_finite_scale(ref) for ref in refs]
+  least_scale = CROSS_LEAF_SCALE * max(scales, default=0.0)
+  for (path, out), ref, scale in zip(out_leaves, refs, scales):
+    reason = _compare_leaf(np.asarray(out), ref, rtol, atol, max(scale, least_scale))
     if reason is not None:
       return f"{jax.tree_util.keystr(path) or 'output'}: {reason}"
   return None
@@ -489,8 +490,8 @@ CROSS_LEAF_SCALE: Final = 1e-3
 
 
 def _finite_scale(ref: np.ndarray) -> float:
-  """The largest finite |ref| (0 for none, or for a non-numeric leaf)."""
-  if ref.size == 0 or not np.issubdtype(ref.dtype, np.number):
+  """The largest finite |ref| (0 for none, or for a leaf of neither numbers nor bools)."""
+  if ref.size == 0 or not (np.issubdtype(ref.dtype, np.number) or ref.dtype == np.bool_):
     return 0.0
   values = np.abs(ref.astype(np.complex128 if np.iscomplexobj(ref) else np.float64))
   values = values[np.isfinite(values)]
@@ -498,7 +499,9 @@ def _finite_scale(ref: np.ndarray) -> float:
 
 
 def _compare_leaf(out: np.ndarray, ref: np.ndarray, rtol: float | None,
-                  atol: float | None, least_scale: float = 0.0) -> str | None:
+                  atol: float | None, scale: float) -> str | None:
+  """`check_close` for one leaf; `scale` is the leaf's (see there), from `_finite_scale`:
+  past the NaN and infinity checks, its finite values are the ones compared."""
   if out.shape != ref.shape:
     return f"shape {out.shape} differs from the reference's {ref.shape}"
   if out.size == 0:
@@ -524,7 +527,6 @@ def _compare_leaf(out: np.ndarray, ref: np.ndarray, rtol: float | None,
   finite = compared & ~infinite
   if not finite.any():
     return None
-  scale = max(float(np.abs(r[finite]).max()), least_scale)
   err = np.where(finite, np.abs(o - r), 0.0)
   worst = np.unravel_index(np.argmax(err), o.shape)
   max_err, bound = float(err[worst]), atol + rtol * scale
