@@ -15,6 +15,7 @@ from stellarax.core.bound_args import BoundArguments as BoundArguments
 from stellarax.core.calling import BackwardFallbackWarning as BackwardFallbackWarning
 from stellarax.core.config import config_dataclass as config_dataclass
 from stellarax.core.op import Op as Op
+from stellarax.core.partitioning import ShardingLayout as ShardingLayout
 from stellarax.ops.attention.api import dot_product_attention as dot_product_attention
 from stellarax.ops.attention.base import XlaAttention as XlaAttention
 from stellarax.ops.attention.base import XlaAttentionVjp as XlaAttentionVjp

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import pytest
 
 import stellarax
+from stellarax.core import partitioning
 from stellarax.core import registry
 from stellarax.core.bound_args import BoundArguments
 
@@ -45,6 +46,7 @@ def _check_heuristics(op, args, kwargs) -> str:
   arrays, statics = _split(values)
   out, residuals = jax.eval_shape(
       lambda a: op._fwd(**a, **statics, config=ba.heuristics_config), arrays)
+  _check_layout(ba, (out, residuals))
   if op.vjp_cls is not None:
     vjp, grads = op.vjp_op(), dict(residuals=residuals, out=out, dout=out, **values)
     try:
@@ -55,9 +57,22 @@ def _check_heuristics(op, args, kwargs) -> str:
     _check_bound(vjp_ba)
     vjp_values = vjp._bind_values(residuals=residuals, out=out, dout=out, **values)
     vjp_arrays, vjp_statics = _split(vjp_values, skip=("residuals",))
-    jax.eval_shape(lambda a, r: vjp._fwd(residuals=r, **a, **vjp_statics,
-                                         config=vjp_ba.heuristics_config), vjp_arrays, residuals)
+    grads = jax.eval_shape(lambda a, r: vjp._fwd(residuals=r, **a, **vjp_statics,
+                                                 config=vjp_ba.heuristics_config),
+                           vjp_arrays, residuals)
+    _check_layout(vjp_ba, grads)
   return "ok"
+
+
+def _check_layout(ba: BoundArguments, outputs) -> None:
+  """The layout by which the call runs per shard (`_partitioning`) fits it: every
+  argument and output dimension named, each factor of one size."""
+  layout = ba.op._partitioning(ba.arguments)
+  if layout is None:
+    return
+  plan = partitioning._Plan.of(ba, layout)
+  plan.check_outputs(ba, [s.shape for s in ba.batched_array_specs()],
+                     [x.shape for x in jax.tree.leaves(outputs)])
 
 
 def _check_bound(ba: BoundArguments) -> None:
@@ -99,6 +114,12 @@ def test_attention_heuristics_answer_every_shape(op):
     args = (S((b, t, n, h), dtype), S((b, s, k, h), dtype), S((b, s, k, h), dtype))
     taken.append(_check_heuristics(op, args, dict(options)))
   assert taken.count("ok") >= 4, taken
+  # A bias broadcast over the batch, a mask over the heads, and sequence lengths.
+  b, t, s, n, k, h = 2, 7, 9, 4, 2, 128
+  args = (S((b, t, n, h), jnp.bfloat16), S((b, s, k, h), jnp.bfloat16), S((b, s, k, h), jnp.bfloat16))
+  extras = dict(bias=S((1, n, t, s), jnp.bfloat16), mask=S((b, 1, t, s), jnp.bool_),
+                key_value_seq_lengths=S((b,), jnp.int32))
+  assert _check_heuristics(op, args, extras) == "ok"
 
 
 NORM_SHAPES = [(1, 1), (7, 3), (5, 17), (37, 200), (8192, 8192), (3, 40_000), (100_000, 128)]
@@ -111,6 +132,10 @@ def test_norm_heuristics_answer_every_shape(subtract_mean):
     param = S((cols,), dtype)
     args = (S((rows, cols), dtype), param, param if subtract_mean else None)
     assert _check_heuristics(op, args, dict(subtract_mean=subtract_mean)) == "ok", (rows, cols)
+  # Two normalised axes of three, in the middle and last.
+  x, param = S((3, 5, 7), jnp.float32), S((5, 7), jnp.float32)
+  args = (x, param, param if subtract_mean else None)
+  assert _check_heuristics(op, args, dict(axis=(1, 2), subtract_mean=subtract_mean)) == "ok"
 
 
 GLU_SHAPES = [  # (x.shape, K, N)

@@ -90,6 +90,39 @@ class BoundArguments:
     return [leaf for leaf in jax.tree.leaves(_thaw(dict(self.arguments)), is_leaf=_is_spec)
             if isinstance(leaf, specs.ArraySpec)]
 
+  def array_specs_of(self, name: str) -> list[specs.ArraySpec]:
+    """The unbatched array leaves of one argument, in flattening order."""
+    return [leaf for leaf in jax.tree.leaves(_thaw(self.arguments[name]), is_leaf=_is_spec)
+            if isinstance(leaf, specs.ArraySpec)]
+
+  def with_array_shapes(self, shapes: list[tuple[int, ...]]) -> BoundArguments:
+    """The same call on array leaves of other shapes (a shard's), given as the batched
+    call sees them (`batched_array_specs`): vmap dimensions in front.
+
+    Raises:
+      ValueError: for a number of shapes other than of array leaves, or a vmap level
+        whose batched leaves disagree on its size.
+    """
+    old = self.array_specs()
+    if len(shapes) != len(old):
+      raise ValueError(f"{len(shapes)} shapes given for the {len(old)} array leaves of {self!r}.")
+    sizes: list[set[int]] = [set() for _ in self.vmap_axes]
+    unbatched = []
+    for i, (spec, shape) in enumerate(zip(old, shapes)):
+      # Outermost level first (`batched_array_specs`).
+      levels = [j for j in reversed(range(len(self.vmap_axes))) if self.vmap_axes[j][1][i]]
+      for pos, j in enumerate(levels):
+        sizes[j].add(int(shape[pos]))
+      unbatched.append(specs.ArraySpec(tuple(shape[len(levels):]), spec.dtype))
+    if any(len(s) > 1 for s in sizes):
+      raise ValueError(f"Shapes {shapes} give a vmap level of {self!r} two sizes.")
+    it = iter(unbatched)
+    arguments = {name: jax.tree.map(lambda s: next(it) if isinstance(s, specs.ArraySpec) else s,
+                                    _thaw(value), is_leaf=_is_spec)
+                 for name, value in self.arguments.items()}
+    vmap_axes = tuple((s.pop() if s else n, b) for s, (n, b) in zip(sizes, self.vmap_axes))
+    return BoundArguments.from_values(self.op, arguments, vmap_axes)
+
   def batched_array_specs(self) -> list[specs.ArraySpec]:
     """The array leaves as the vmapped call sees them (vmap dims in front)."""
     out = self.array_specs()

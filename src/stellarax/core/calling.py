@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from stellarax.core import markers
+from stellarax.core import partitioning
 from stellarax.core import registry
 from stellarax.core import specs
 from stellarax.core import trace_keys
@@ -67,11 +68,13 @@ def _vmapped_impl(ba: BoundArguments, impl: Callable[..., Any]) -> Callable[...,
 def _vmappable(ba: BoundArguments, make_impl: Callable[[Any], Callable[..., Any]]) -> Callable[..., Any]:
   """The marked implementation, re-bound under every vmap level it meets."""
 
+  def run_for(call_ba: BoundArguments) -> Callable[..., Any]:
+    # `ba`, or one shard's part of it (`partitioning.per_shard`), with its own config.
+    return _vmapped_impl(call_ba, make_impl(resolve_config(call_ba).config))
+
   @jax.custom_batching.custom_vmap
   def call(*arrays):
-    config = resolve_config(ba).config
-    impl = markers.mark(ba, _vmapped_impl(ba, make_impl(config)))
-    return impl(*arrays)
+    return partitioning.per_shard(ba, run_for)(*arrays)
 
   @call.def_vmap
   def rule(axis_size, in_batched, *arrays):

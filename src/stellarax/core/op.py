@@ -116,6 +116,21 @@ class Op(abc.ABC):
     kernel, so every implementation takes it."""
     del arguments
 
+  def _array_layout(self, arguments: dict[str, Any]) -> Any:
+    """How the arrays of a call with canonical `arguments` line up: a
+    `stellarax.ShardingLayout` naming every dimension of every array argument and
+    output, or None where that is not known (the default)."""
+    del arguments
+    return None
+
+  def _partitioning(self, arguments: dict[str, Any]) -> Any:
+    """The layout by which a call runs per shard when its arrays are sharded across
+    devices (`core/partitioning.py`), or None to leave the call whole to XLA, which
+    partitions what it compiles itself (the default: XLA implementations). Kernels opt
+    in: `pallas_common`'s mixins return `_array_layout`."""
+    del arguments
+    return None
+
   def _is_trivial(self, arguments: dict[str, Any]) -> bool:
     """Whether a call's output is zeros whatever its inputs (a matmul with an empty
     dimension): such a call of a forward op returns zeros of its reference's output

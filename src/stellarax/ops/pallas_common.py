@@ -46,6 +46,10 @@ class PallasTritonOp(Op):
 
   interpret: bool = False
 
+  def _partitioning(self, arguments):
+    """Kernels are opaque to XLA's partitioner: they run per shard (`_array_layout`)."""
+    return self._array_layout(arguments)
+
   @classmethod
   def supported_on(cls, device: Any) -> bool:
     """Pallas Triton kernels compile for NVIDIA GPUs."""
@@ -102,6 +106,10 @@ class PallasMosaicGpuOp(Op):
   """
 
   interpret: bool = False
+
+  def _partitioning(self, arguments):
+    """Kernels are opaque to XLA's partitioner: they run per shard (`_array_layout`)."""
+    return self._array_layout(arguments)
 
   @classmethod
   def supported_on(cls, device: Any) -> bool:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from stellarax.core.config import NoConfig, check_positive_int, config_dataclass
+from stellarax.core import partitioning
 from stellarax.core.op import Op
 from stellarax.ops import common
 from stellarax.ops.attention import reference as ref
@@ -61,6 +62,25 @@ class Attention(Op):
   def _reference(self, query, key, value, bias=None, mask=None, **static):
     return ref.attention_reference(query, key, value, bias, mask, **static)
 
+  def _array_layout(self, arguments):
+    labels, free = _primal_labels(arguments)
+    # out, and the residuals of the flash kernels: the log-sum-exp (B, N, T).
+    return partitioning.ShardingLayout(labels, ("b t h e", ("b h t",)), free)
+
+
+def _primal_labels(a: dict[str, Any]) -> tuple[dict[str, str], frozenset[str]]:
+  """The factors of the forward's arrays, and those that may be split: the batch, and
+  the heads where keys have as many (with fewer, GQA, a head of the keys serves several
+  of the query's)."""
+  gqa = a["query"].shape[2] != a["key"].shape[2]
+  kv_heads = "kv_heads" if gqa else "h"
+  labels = {"query": "b t h d", "key": f"b s {kv_heads} d", "value": f"b s {kv_heads} e",
+            "query_seq_lengths": "b", "key_value_seq_lengths": "b"}
+  for name in ("bias", "mask"):
+    if a[name] is not None:
+      labels[name] = partitioning.broadcast_labels(a[name].shape, "b h t s", name)
+  return labels, frozenset({"b"} if gqa else {"b", "h"})
+
 
 class _ShapeView:
   """Gives ArraySpecs the `.ndim`/`.dtype` the shared checks read."""
@@ -87,6 +107,12 @@ class AttentionVjp(Op):
     return arguments
 
   _example_value = Attention._example_value
+
+  def _array_layout(self, arguments):
+    labels, free = _primal_labels(arguments)
+    labels.update(residuals=("b h t",), out="b t h e", dout="b t h e")
+    grads = {name: labels[name] for name in _DIFFERENTIABLE if arguments[name] is not None}
+    return partitioning.ShardingLayout(labels, grads, free)
 
   def _reference(self, residuals, out, dout, **primals):
     f = lambda **kw: ref.attention_reference(**kw)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from stellarax.core import partitioning
 from stellarax.core.config import config_dataclass
 from stellarax.core.op import Op
 from stellarax.ops import common
@@ -18,6 +19,14 @@ from stellarax.ops.gated_linear_unit import reference as ref
 from stellarax.ops.gated_linear_unit import xla
 
 _DIFFERENTIABLE = ("x", "weights")
+
+
+def _glu_labels(a: dict[str, Any]) -> tuple[dict[str, str], str, frozenset[str]]:
+  """The factors of x and the weights, those of the output, and the free ones: x's rows
+  and the output's columns (the weights' N)."""
+  rows = [f"r{i}" for i in range(len(a["x"].shape) - 1)]
+  labels = {"x": " ".join(rows + ["k"]), "weights": "k gate_or_linear n"}
+  return labels, " ".join(rows + ["n"]), frozenset(rows + ["n"])
 
 
 class GatedLinearUnit(Op):
@@ -47,6 +56,10 @@ class GatedLinearUnit(Op):
     del precision
     return ref.gated_linear_unit_reference(x, weights, activation=activation)
 
+  def _array_layout(self, arguments):
+    labels, out, free = _glu_labels(arguments)
+    return partitioning.ShardingLayout(labels, (out, None), free)
+
 
 class GatedLinearUnitVjp(Op):
   """Base of the gated_linear_unit backward implementations."""
@@ -61,6 +74,12 @@ class GatedLinearUnitVjp(Op):
 
   def _reference(self, residuals, out, dout, **primals):
     return common.vjp_by_autodiff(GatedLinearUnit._reference.__get__(self), primals, dout, _DIFFERENTIABLE)
+
+  def _array_layout(self, arguments):
+    labels, out, free = _glu_labels(arguments)
+    grads = {name: labels[name] for name in _DIFFERENTIABLE}
+    labels.update(out=out, dout=out)  # no residuals
+    return partitioning.ShardingLayout(labels, grads, free)
 
 
 @config_dataclass

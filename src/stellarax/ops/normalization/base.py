@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 from stellarax.core.config import NoConfig
+from stellarax.core import partitioning
 from stellarax.core.op import Op
 from stellarax.ops import common
 from stellarax.ops.normalization import reference as ref
@@ -28,6 +29,23 @@ def _normalize(x, scale, offset, *, axis, epsilon, subtract_mean, impl_layer, im
   if offset is not None:
     y = (y + ref.broadcast_param("offset", offset, x, ref.normalize_axes(axis, x.ndim))).astype(x.dtype)
   return y
+
+
+def _norm_labels(a: dict[str, Any]) -> tuple[dict[str, str], str, frozenset[str]]:
+  """The factors of x, scale and offset; those of the per-row statistics (x's shape
+  less the normalised axes); and the free ones: every dimension not normalised."""
+  ndim = len(a["x"].shape)
+  axes = ref.normalize_axes(a["axis"], ndim)
+  x = " ".join(f"c{i}" if i in axes else f"r{i}" for i in range(ndim))
+  params = " ".join(f"c{i}" for i in axes)
+  rows = [f"r{i}" for i in range(ndim) if i not in axes]
+  labels = {"x": x, "scale": params, "offset": params}
+  return labels, " ".join(rows), frozenset(rows)
+
+
+def _statistics(subtract_mean: bool, rows: str) -> tuple[str, ...]:
+  """The labels of the residuals: (mean, rstd) for layer_norm, (rstd,) for rms_norm."""
+  return (rows, rows) if subtract_mean else (rows,)
 
 
 class LayerNorm(Op):
@@ -64,6 +82,11 @@ class LayerNorm(Op):
     return _normalize(x, scale, offset, **static, impl_layer=ref.layer_norm_reference,
                       impl_rms=ref.rms_norm_reference)
 
+  def _array_layout(self, arguments):
+    labels, rows, free = _norm_labels(arguments)
+    return partitioning.ShardingLayout(labels, (labels["x"], _statistics(arguments["subtract_mean"], rows)),
+                               free)
+
 
 class LayerNormVjp(Op):
   """Base of the layer_norm backward implementations."""
@@ -79,6 +102,13 @@ class LayerNormVjp(Op):
 
   def _reference(self, residuals, out, dout, **primals):
     return common.vjp_by_autodiff(LayerNorm._reference.__get__(self), primals, dout, _DIFFERENTIABLE)
+
+  def _array_layout(self, arguments):
+    labels, rows, free = _norm_labels(arguments)
+    grads = {name: labels[name] for name in _DIFFERENTIABLE if arguments[name] is not None}
+    labels.update(residuals=_statistics(arguments["subtract_mean"], rows), out=labels["x"],
+                  dout=labels["x"])
+    return partitioning.ShardingLayout(labels, grads, free)
 
 
 def _xla_normalize(x, scale=None, offset=None, **static):

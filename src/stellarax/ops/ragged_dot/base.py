@@ -18,10 +18,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from stellarax.core.config import check_choice, check_power_of_two, config_dataclass
+from stellarax.core import partitioning
 from stellarax.core.op import Op
 from stellarax.ops import common
 from stellarax.ops.ragged_dot import reference as ref
 from stellarax.ops.ragged_dot import xla
+
+
+# Only the output's columns may be split: rows are cut into groups by a runtime
+# group_sizes that every device would need whole, and the contraction is left whole.
+_LABELS = {"lhs": "m k", "rhs": "g k n", "group_sizes": "g"}
+_FREE = frozenset({"n"})
 
 
 class RaggedDot(Op):
@@ -66,6 +73,9 @@ class RaggedDot(Op):
     del precision
     return ref.ragged_dot_reference(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
 
+  def _array_layout(self, arguments):
+    return partitioning.ShardingLayout(_LABELS, ("m n", None), _FREE)
+
 
 def example_group_sizes(key: jax.Array, m: int, g: int) -> jax.Array:
   """Random uneven group sizes summing to `m` (some groups may be empty)."""
@@ -97,6 +107,11 @@ class RaggedDotVjp(Op):
     _, pullback = jax.vjp(f, lhs, rhs)
     dlhs, drhs = pullback(dout.astype(jnp.result_type(lhs.dtype, preferred_element_type or lhs.dtype)))
     return {"lhs": dlhs, "rhs": drhs}
+
+  def _array_layout(self, arguments):
+    # d lhs sums over the output's columns: split, each device adds its part.
+    labels = dict(_LABELS, out="m n", dout="m n")  # no residuals
+    return partitioning.ShardingLayout(labels, {"lhs": "m k", "rhs": "g k n"}, _FREE)
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,348 @@
+"""Ops on arrays sharded across devices (core/partitioning.py).
+
+The multi-device checks run in a subprocess with four CPU devices (this file, run as a
+script, once per kind of mesh axis): the kernels in interpret mode, each result compared
+with the XLA implementation on the same inputs unsharded, its shardings read back, and
+the compiled program searched for the gathers that a kernel run whole on every device
+needs. The rest runs here, on one device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import stellarax
+from stellarax.core import partitioning
+
+_DEVICES = 4
+
+
+# --- a user's op that opts in ---------------------------------------------------------
+
+
+@stellarax.config_dataclass
+class _Config:
+  unroll: int = 1
+
+
+_SEEN: list[tuple[str, tuple[int, ...]]] = []  # (op, x's shape) of every traced call
+
+
+class _Tunable:
+  config_cls = _Config
+
+  def _get_heuristics_config(self, ba):
+    return _Config()
+
+  def _partitioning(self, arguments):
+    return self._array_layout(arguments)
+
+  def _check_supported(self, arguments):
+    # A kernel with a minimum: fewer than 4 rows per call, and the call is not taken.
+    if arguments["x"].shape[0] < 4:
+      raise NotImplementedError(f"{arguments['x'].shape[0]} rows; the kernel needs 4")
+
+
+class ScaleRowsVjpBase(stellarax.Op):
+  def _fwd(self, residuals, out, dout, x, params, *, config):
+    raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScaleRowsVjp(_Tunable, ScaleRowsVjpBase, name="test_partitioning.scale_rows_vjp"):
+  def _fwd(self, residuals, out, dout, x, params, *, config):
+    _SEEN.append((self.name, tuple(x.shape)))
+    return {"x": dout * params["w"][None], "params": {"w": (dout * residuals["x"]).sum(0)}}
+
+  def _array_layout(self, arguments):
+    # d w sums over the rows: split, each device adds its part.
+    return stellarax.ShardingLayout(
+        {"x": "r c", "params": {"w": "c"}, "residuals": {"x": "r c"}, "out": "r c", "dout": "r c"},
+        {"x": "r c", "params": {"w": "c"}}, frozenset({"r"}))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScaleRows(_Tunable, stellarax.Op, name="test_partitioning.scale_rows"):
+  """x * w (w along the columns): a kernel-like op with pytree arguments and residuals."""
+
+  vjp_cls = ScaleRowsVjp
+
+  def _fwd(self, x, params, *, config):
+    _SEEN.append((self.name, tuple(x.shape)))
+    return x * params["w"][None], {"x": x}
+
+  def _reference(self, x, params):
+    return x * params["w"][None]
+
+  def _array_layout(self, arguments):
+    return stellarax.ShardingLayout({"x": "r c", "params": {"w": "c"}}, ("r c", {"x": "r c"}),
+                                    frozenset({"r"}))
+
+
+# --- the subprocess -------------------------------------------------------------------
+
+
+def _cases():
+  """name -> (ours, XLA's, inputs, their PartitionSpecs)."""
+  P = jax.sharding.PartitionSpec
+  keys = iter(jax.random.split(jax.random.key(0), 16))
+  normal = lambda shape, scale=1.0: scale * jax.random.normal(next(keys), shape)
+  grad = lambda f, n: jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=tuple(range(n)))
+  cases = {}
+
+  def attention(impl, **kw):
+    return lambda q, k, v, *bias: stellarax.dot_product_attention(
+        q, k, v, *bias, is_causal=True, implementation=impl, **kw)
+
+  triton = stellarax.PallasTritonAttention(interpret=True)
+  q, k, v = (normal((4, 64, 4, 64)) for _ in range(3))
+  cases["attention batch"] = (attention(triton), attention("xla"), (q, k, v), [P("data")] * 3)
+  cases["attention heads"] = (attention(triton), attention("xla"), (q, k, v),
+                              [P(None, None, "data")] * 3)
+  cases["attention grad batch"] = (grad(attention(triton), 3), grad(attention("xla"), 3),
+                                   (q, k, v), [P("data")] * 3)
+  # A bias broadcast over the batch: its gradient sums over the split batch.
+  bias = normal((1, 4, 64, 64), 0.5)
+  cases["attention grad bias"] = (grad(attention(triton), 4), grad(attention("xla"), 4),
+                                  (q, k, v, bias), [P("data")] * 3 + [P()])
+
+  def glu(impl):
+    return lambda x, w: stellarax.gated_linear_unit(x, w, implementation=impl)
+
+  glu_triton = stellarax.PallasTritonGatedLinearUnit(interpret=True)
+  x, w = normal((64, 32)), normal((32, 2, 64), 0.2)
+  cases["glu grad rows"] = (grad(glu(glu_triton), 2), grad(glu("xla"), 2), (x, w),
+                            [P("data"), P()])
+  cases["glu grad columns"] = (grad(glu(glu_triton), 2), grad(glu("xla"), 2), (x, w),
+                               [P(), P(None, None, "data")])
+  xs = normal((4, 16, 32))
+  cases["glu vmap"] = (jax.vmap(glu(glu_triton), in_axes=(0, None)),
+                       jax.vmap(glu("xla"), in_axes=(0, None)), (xs, w), [P("data"), P()])
+
+  def rms(impl):
+    return lambda x, s: stellarax.rms_norm(x, s, implementation=impl)
+
+  norm = stellarax.PallasTritonLayerNorm(interpret=True)
+  cases["rms_norm grad rows"] = (grad(rms(norm), 2), grad(rms("xla"), 2),
+                                 (x, 1 + normal((32,), 0.2)), [P("data"), P()])
+
+  def ragged(impl):
+    return lambda l, r, gs: stellarax.ragged_dot(l, r, gs, implementation=impl)
+
+  def ragged_grad(impl):
+    return lambda l, r, gs: grad(lambda a, b: ragged(impl)(a, b, gs), 2)(l, r)
+
+  ragged_triton = stellarax.PallasTritonRaggedDot(interpret=True)
+  sizes = jnp.array([20, 0, 30], jnp.int32)  # an empty group; 14 rows in none
+  cases["ragged_dot grad columns"] = (ragged_grad(ragged_triton), ragged_grad("xla"),
+                                      (x, normal((3, 32, 64), 0.2), sizes),
+                                      [P(), P(None, None, "data"), P()])
+
+  params = {"w": normal((32,))}
+  user = lambda x, p: ScaleRows()(x, p)
+  plain = lambda x, p: x * p["w"][None]
+  cases["user op grad rows"] = (grad(user, 2), grad(plain, 2), (x, params), [P("data"), P()])
+  # 8 rows: 2 per device, fewer than the op takes: every device runs the whole call.
+  cases["user op too few rows"] = (user, plain, (x[:8], params), [P("data"), P()])
+  return cases
+
+
+def _spec_of(x) -> list:
+  """A result's PartitionSpec as a list, without trailing Nones."""
+  spec = [list(e) if isinstance(e, tuple) else e for e in x.sharding.spec]
+  while spec and spec[-1] is None:
+    spec.pop()
+  return spec
+
+
+def _run_cases(explicit: bool) -> dict:
+  axis_type = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+  mesh = jax.make_mesh((_DEVICES,), ("data",), axis_types=(axis_type,))
+  report = {}
+  for name, (ours, xla, inputs, specs) in _cases().items():
+    tree = jax.tree.structure(inputs)
+    # One PartitionSpec per array leaf of the inputs.
+    leaves = [jax.device_put(x, jax.NamedSharding(mesh, s))
+              for x, s in zip(jax.tree.leaves(inputs), specs, strict=True)]
+    sharded = jax.tree.unflatten(tree, leaves)
+    _SEEN.clear()
+    try:
+      got = jax.jit(ours)(*sharded)
+      text = jax.jit(ours).lower(*sharded).compile().as_text()
+      want = jax.jit(xla)(*inputs)
+      errors = [float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)))
+                      / (float(np.max(np.abs(np.asarray(b, np.float32)))) or 1.0))
+                for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
+      report[name] = {"specs": [_spec_of(x) for x in jax.tree.leaves(got)], "errors": errors,
+                      "gathers": "all-gather" in text, "sums": "all-reduce" in text,
+                      "seen": sorted(set(_SEEN))}
+    except Exception:  # reported, and failed by the test that reads it
+      report[name] = {"crash": traceback.format_exc()[-3000:]}
+  # What tuning sees: the per-device calls where the types carry the shardings.
+  q = jax.device_put(jnp.ones((4, 64, 4, 64)), jax.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+  f = lambda q: stellarax.dot_product_attention(
+      q, q, q, implementation=stellarax.PallasTritonAttention(interpret=True))
+  report["captured"] = [list(ba.arguments["query"].shape)
+                        for ba in stellarax.autotuning.get_bound_args(f, q)]
+  return report
+
+
+@pytest.fixture(scope="module", params=["auto", "explicit"])
+def sharded_run(request, tmp_path_factory):
+  """The report of `_run_cases` in a subprocess with four CPU devices."""
+  out = tmp_path_factory.mktemp("partitioning") / "report.json"
+  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={_DEVICES}"
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags.strip()}
+  proc = subprocess.run([sys.executable, __file__, request.param, str(out)], env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return request.param, json.loads(out.read_text())
+
+
+_EXPECTED_SPECS = {
+    "attention batch": [["data"]],
+    "attention heads": [[None, None, "data"]],
+    "attention grad batch": [["data"]] * 3,
+    "attention grad bias": [["data"]] * 3 + [[]],
+    "glu grad rows": [["data"], []],
+    "glu grad columns": [[], [None, None, "data"]],
+    "glu vmap": [["data"]],
+    "rms_norm grad rows": [["data"], []],
+    "ragged_dot grad columns": [[], [None, None, "data"]],
+    "user op grad rows": [["data"], []],
+}
+
+
+def test_sharded_calls_compute_what_xla_does_on_each_shard(sharded_run):
+  mode, report = sharded_run
+  for name, expected in _EXPECTED_SPECS.items():
+    row = report[name]
+    assert "crash" not in row, f"{mode} {name}:\n{row.get('crash')}"
+    assert max(row["errors"]) < 1e-4, (mode, name, row["errors"])
+    assert row["specs"] == expected, (mode, name, row["specs"])
+
+
+def test_split_factors_are_not_gathered_and_partial_sums_are_added(sharded_run):
+  mode, report = sharded_run
+  for name in ("attention batch", "attention heads", "attention grad batch", "glu vmap"):
+    assert not report[name]["gathers"], (mode, name)
+  # Gradients that sum over a split factor: the bias over the batch, the norm's scale
+  # and the GLU's weights over the rows, ragged_dot's d lhs over the columns.
+  for name in ("attention grad bias", "rms_norm grad rows", "glu grad rows",
+               "ragged_dot grad columns", "user op grad rows"):
+    assert report[name]["sums"], (mode, name)
+
+
+def test_each_device_runs_its_shard_unless_the_op_refuses_it(sharded_run):
+  mode, report = sharded_run
+  # (custom_partitioning traces the whole call too, for one device; it runs the shards.)
+  seen = report["user op grad rows"]["seen"]
+  assert ["test_partitioning.scale_rows", [16, 32]] in seen
+  assert ["test_partitioning.scale_rows_vjp", [16, 32]] in seen
+  assert (["test_partitioning.scale_rows", [64, 32]] in seen) == (mode == "auto")
+  too_few = report["user op too few rows"]
+  assert "crash" not in too_few and max(too_few["errors"]) == 0
+  assert too_few["seen"] == [["test_partitioning.scale_rows", [8, 32]]]
+  # Tuning sees the per-device calls where the shardings are in the types; with Auto
+  # axes it sees the whole call (what each device runs is decided past the lowering).
+  assert report["captured"] == ([[1, 64, 4, 64]] if mode == "explicit" else [[4, 64, 4, 64]])
+
+
+# --- one device -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["PallasMosaicGpuAttention", "PallasTritonAttention"])
+def test_kernels_lower_per_device_for_four_h200s(impl):
+  # Mosaic GPU's interpreter does not run several CPU devices' kernels at once (its
+  # simulated barriers are left allocated), so the Mosaic kernels' sharded calls are
+  # checked by lowering for four abstract H200s: the kernel runs on each device's two
+  # of the eight batch rows, forward and backward.
+  from h200 import H200
+  explicit = (jax.sharding.AxisType.Explicit,)
+  mesh = jax.sharding.AbstractMesh((4,), ("data",), axis_types=explicit, abstract_device=H200)
+  q = jax.ShapeDtypeStruct((8, 256, 4, 128), jnp.bfloat16,
+                           sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+  op = getattr(stellarax, impl)()
+  f = lambda q: stellarax.dot_product_attention(q, q, q, is_causal=True, implementation=op)
+  loss = jax.grad(lambda q: jnp.sum(f(q).astype(jnp.float32)))
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.jit(loss).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+  # Each kernel's signature: (operand types) -> results.
+  kernels = [line.rsplit(": (", 1)[1] for line in text.splitlines()
+             if re.search(r"stablehlo.custom_call @(mosaic_gpu|__gpu)", line)]
+  assert len(kernels) >= 2, text  # the forward and the backward
+  assert all(k.startswith("tensor<2x256x4x128xbf16>") for k in kernels), kernels
+  assert not any("8x256x4x128" in k for k in kernels), kernels
+
+
+
+def test_bound_arguments_take_a_shards_shapes_vmap_levels_included():
+  x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+  params = {"w": jax.ShapeDtypeStruct((32,), jnp.float32)}
+  ba = ScaleRows.bind(x, params).with_outer_vmap(6, (False, True)).with_outer_vmap(8, (True, False))
+  # Leaves in name order (params.w, x): x batched at the inner level, params.w at the outer.
+  assert [s.shape for s in ba.batched_array_specs()] == [(8, 32), (6, 64, 32)]
+  local = ba.with_array_shapes([(2, 32), (3, 16, 32)])
+  assert [s.shape for s in local.array_specs()] == [(32,), (16, 32)]
+  assert local.vmap_axes == ((3, (False, True)), (2, (True, False)))
+  assert local.op == ba.op and local.arguments.keys() == ba.arguments.keys()
+  with pytest.raises(ValueError, match="1 shapes given for the 2 array leaves"):
+    ba.with_array_shapes([(32,)])
+  with pytest.raises(ValueError, match="give a vmap level of .* two sizes"):
+    ba.with_outer_vmap(5, (True, True)).with_array_shapes([(2, 3, 32), (1, 2, 16, 32)])
+
+
+def test_broadcast_dimensions_get_factors_of_their_own():
+  assert partitioning.broadcast_labels((1, 4, 64, 64), "b h t s", "bias") == "bias_0 h t s"
+  assert partitioning.broadcast_labels((64, 1), "b h t s", "mask") == "t mask_1"
+
+
+def test_a_layout_that_does_not_fit_the_call_says_so():
+  ba = ScaleRows.bind(jax.ShapeDtypeStruct((64, 32), jnp.float32),
+                      {"w": jax.ShapeDtypeStruct((32,), jnp.float32)})
+  wrong_rank = stellarax.ShardingLayout({"x": "r", "params": {"w": "c"}}, ("r c", None), frozenset("r"))
+  with pytest.raises(ValueError, match=r"names 1 dimensions \(r\) of an array of shape \(64, 32\)"):
+    partitioning._Plan.of(ba, wrong_rank)
+  two_sizes = stellarax.ShardingLayout({"x": "r c", "params": {"w": "r"}}, ("r c", None), frozenset("r"))
+  with pytest.raises(ValueError, match="gives factor 'r' the sizes 32 and 64"):
+    partitioning._Plan.of(ba, two_sizes)
+  missing = stellarax.ShardingLayout({"x": "r c"}, ("r c", None), frozenset("r"))
+  with pytest.raises(ValueError, match="names 0 arrays for argument 'params', which holds 1"):
+    partitioning._Plan.of(ba, missing)
+
+
+def test_the_shardy_rule_names_every_dimension_and_replicates_the_rest():
+  ba = ScaleRows.bind(jax.ShapeDtypeStruct((64, 32), jnp.float32),
+                      {"w": jax.ShapeDtypeStruct((32,), jnp.float32)})
+  plan = partitioning._Plan.of(ba, ScaleRows()._array_layout(ba.arguments))
+  assert plan.sharding_rule() == ("c, r c -> r c, r c", ("c",))
+  P = jax.sharding.PartitionSpec
+  # The rows split by the first argument that splits them, where the axes divide them.
+  assert plan.assign([(32,), (64, 32)], [P(), P("x")], {"x": 4}) == {"r": ("x",)}
+  assert plan.assign([(32,), (64, 32)], [P("x"), P(None, "x")], {"x": 4}) == {}  # not free
+  assert plan.assign([(32,), (66, 32)], [P(), P("x")], {"x": 4}) == {}  # 66 rows: uneven
+  assert plan.summed_axes({"r": ("x",)}) == [(), ()]
+
+
+def test_one_device_runs_the_call_as_it_is():
+  # Nothing to split: no shard_map, no custom_partitioning in the program.
+  x = jnp.ones((8, 4))
+  text = jax.jit(lambda x: ScaleRows()(x, {"w": jnp.ones(4)})).lower(x).as_text()
+  assert "CustomSPMDPartitioning" not in text and "shard_map" not in text
+
+
+if __name__ == "__main__":
+  mode, path = sys.argv[1], sys.argv[2]
+  with open(path, "w") as f:
+    json.dump(_run_cases(explicit=mode == "explicit"), f)
