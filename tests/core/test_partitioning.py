@@ -112,6 +112,10 @@ def _cases():
                               [P(None, None, "data")] * 3)
   cases["attention grad batch"] = (grad(attention(triton), 3), grad(attention("xla"), 3),
                                    (q, k, v), [P("data")] * 3)
+  # GQA: 8 query heads on 4 key heads; splitting the key heads splits both alike.
+  gqa = (normal((4, 64, 8, 64)), normal((4, 64, 4, 64)), normal((4, 64, 4, 64)))
+  cases["attention gqa grad heads"] = (grad(attention(triton), 3), grad(attention("xla"), 3),
+                                       gqa, [P(None, None, "data")] * 3)
   # A bias broadcast over the batch: its gradient sums over the split batch.
   bias = normal((1, 4, 64, 64), 0.5)
   cases["attention grad bias"] = (grad(attention(triton), 4), grad(attention("xla"), 4),
@@ -215,6 +219,7 @@ _EXPECTED_SPECS = {
     "attention heads": [[None, None, "data"]],
     "attention grad batch": [["data"]] * 3,
     "attention grad bias": [["data"]] * 3 + [[]],
+    "attention gqa grad heads": [[None, None, "data"]] * 3,
     "glu grad rows": [["data"], []],
     "glu grad columns": [[], [None, None, "data"]],
     "glu vmap": [["data"]],
@@ -235,7 +240,8 @@ def test_sharded_calls_compute_what_xla_does_on_each_shard(sharded_run):
 
 def test_split_factors_are_not_gathered_and_partial_sums_are_added(sharded_run):
   mode, report = sharded_run
-  for name in ("attention batch", "attention heads", "attention grad batch", "glu vmap"):
+  for name in ("attention batch", "attention heads", "attention grad batch", "glu vmap",
+               "attention gqa grad heads"):
     assert not report[name]["gathers"], (mode, name)
   # Gradients that sum over a split factor: the bias over the batch, the norm's scale
   # and the GLU's weights over the rows, ragged_dot's d lhs over the columns.
@@ -326,13 +332,41 @@ def test_the_shardy_rule_names_every_dimension_and_replicates_the_rest():
   ba = ScaleRows.bind(jax.ShapeDtypeStruct((64, 32), jnp.float32),
                       {"w": jax.ShapeDtypeStruct((32,), jnp.float32)})
   plan = partitioning._Plan.of(ba, ScaleRows()._array_layout(ba.arguments))
-  assert plan.sharding_rule() == ("c, r c -> r c, r c", ("c",))
+  assert plan.sharding_rule() == ("c, r c -> r c, r c", ("c",), {})
   P = jax.sharding.PartitionSpec
   # The rows split by the first argument that splits them, where the axes divide them.
-  assert plan.assign([(32,), (64, 32)], [P(), P("x")], {"x": 4}) == {"r": ("x",)}
-  assert plan.assign([(32,), (64, 32)], [P("x"), P(None, "x")], {"x": 4}) == {}  # not free
-  assert plan.assign([(32,), (66, 32)], [P(), P("x")], {"x": 4}) == {}  # 66 rows: uneven
+  assert plan.assign([P(), P("x")], {"x": 4}) == {"r": ("x",)}
+  assert plan.assign([P("x"), P(None, "x")], {"x": 4}) == {}  # c is not free
+  uneven = ScaleRows.bind(jax.ShapeDtypeStruct((66, 32), jnp.float32),
+                          {"w": jax.ShapeDtypeStruct((32,), jnp.float32)})
+  uneven_plan = partitioning._Plan.of(uneven, ScaleRows()._array_layout(uneven.arguments))
+  assert uneven_plan.assign([P(), P("x")], {"x": 4}) == {}  # 66 rows do not split 4 ways
   assert plan.summed_axes({"r": ("x",)}) == [(), ()]
+
+
+def test_gqa_query_heads_split_with_the_key_heads_they_use():
+  S = jax.ShapeDtypeStruct
+  op = stellarax.PallasTritonAttention()
+  ba = op.bind(S((2, 16, 8, 64), jnp.bfloat16), S((2, 16, 4, 64), jnp.bfloat16),
+               S((2, 16, 4, 64), jnp.bfloat16), bias=S((1, 8, 16, 16), jnp.bfloat16))
+  plan = partitioning._Plan.of(ba, op._partitioning(ba.arguments))
+  rule, replicated, sizes = plan.sharding_rule()
+  # Arguments in name order: bias, key, query, value; then out and the log-sum-exp.
+  assert rule == ("bias_0 (h group) t s, b s h d, b t (h group) d, b s h e -> "
+                  "b t (h group) e, b (h group) t")
+  assert sizes == {"group": 2} and "group" in replicated and "h" not in replicated
+  P = jax.sharding.PartitionSpec
+  specs = [P(None, "x"), P(None, None, "x"), P(None, None, "x"), P(None, None, "x")]
+  shapes = [s.shape for s in ba.batched_array_specs()]
+  assignment = plan.assign(specs, {"x": 4})
+  assert assignment == {"h": ("x",)}
+  assert [plan.local_shape(l, s, assignment, {"x": 4}) for l, s in zip(plan.inputs, shapes)] == [
+      (1, 2, 16, 16), (2, 16, 1, 64), (2, 16, 2, 64), (2, 16, 1, 64)]
+  assert plan.assign(specs, {"x": 8}) == {}  # 4 key heads do not split 8 ways
+  with pytest.raises(ValueError, match=r"gives no size for \['r', 'q'\]"):
+    partitioning._Plan.of(ScaleRows.bind(S((64, 32), jnp.float32), {"w": S((32,), jnp.float32)}),
+                          stellarax.ShardingLayout({"x": "(r q) c", "params": {"w": "c"}},
+                                                   ("(r q) c", None), frozenset("r")))
 
 
 def test_one_device_runs_the_call_as_it_is():

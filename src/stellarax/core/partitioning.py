@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -47,7 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from stellarax.core import markers
 from stellarax.core.bound_args import BoundArguments
 
-Labels = tuple[str, ...]
+Labels = tuple[tuple[str, ...], ...]  # each dimension's factors, major first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,18 +56,31 @@ class ShardingLayout:
   """How one op call's arrays line up, for running it per shard.
 
   Attributes:
-    arguments: argument name -> the factor names of its dimensions, one
-      space-separated string per array ("b t h d"), or a pytree of such strings for
-      a pytree argument (residuals); arguments that are None or hold no array may be
-      left out.
+    arguments: argument name -> the factors of its dimensions, one space-separated
+      string per array ("b t h d"), or a pytree of such strings for a pytree argument
+      (residuals); arguments that are None or hold no array may be left out. A
+      dimension that is several factors, major first, is written in parentheses:
+      GQA's query heads are "(kv_heads group)", each key head serving a group of
+      query heads; only its major factor may be split (into contiguous blocks).
     outputs: the implementation's output as a pytree of such strings (None where
       it returns None).
     free: the factors that may be split across devices.
+    sizes: the sizes of factors that stand only inside parentheses.
   """
 
   arguments: Mapping[str, Any]
   outputs: Any
   free: frozenset[str]
+  sizes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+
+def _dims(labels: str) -> Labels:
+  """"b (k g) d" -> (("b",), ("k", "g"), ("d",))."""
+  return tuple(tuple(token.strip("()").split()) for token in re.findall(r"\([^)]*\)|\S+", labels))
+
+
+def _text(labels: Labels) -> str:
+  return " ".join(f"({' '.join(d)})" if len(d) > 1 else d[0] for d in labels)
 
 
 def broadcast_labels(shape: Sequence[int], labels: str, name: str) -> str:
@@ -76,14 +90,15 @@ def broadcast_labels(shape: Sequence[int], labels: str, name: str) -> str:
 
   Args:
     shape: the array's shape (rank at most that of `labels`).
-    labels: the space-separated factors of the shape it broadcasts to.
+    labels: the factors of the shape it broadcasts to (`ShardingLayout`'s form).
     name: the argument's name, for the factors of its size-1 dimensions.
 
   Returns:
-    Space-separated factors, one per dimension of `shape`.
+    The factors of `shape`'s dimensions, in the same form.
   """
-  full = labels.split()[len(labels.split()) - len(shape):]
-  return " ".join(f"{name}_{i}" if size == 1 else factor for i, (size, factor) in enumerate(zip(shape, full)))
+  full = _dims(labels)[len(_dims(labels)) - len(shape):]
+  return _text(tuple((f"{name}_{i}",) if size == 1 else dim
+                     for i, (size, dim) in enumerate(zip(shape, full))))
 
 
 def per_shard(ba: BoundArguments, run_for: Callable[[BoundArguments], Callable[..., Any]]
@@ -118,12 +133,14 @@ def per_shard(ba: BoundArguments, run_for: Callable[[BoundArguments], Callable[.
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-  """A layout flattened to the call's array leaves, vmap factors in front."""
+  """A layout flattened to the call's array leaves, vmap factors in front: each
+  array's dimensions, each dimension's factors (major first)."""
 
   inputs: tuple[Labels, ...]
   outputs: tuple[Labels, ...]
   output_tree: Any  # the outputs' pytree structure
-  free: frozenset[str]
+  splittable: frozenset[str]  # free factors that are nowhere a minor one
+  sizes: Mapping[str, int]  # every factor's size in the whole call
 
   @classmethod
   def of(cls, ba: BoundArguments, layout: ShardingLayout) -> _Plan:
@@ -131,32 +148,20 @@ class _Plan:
     inputs = []
     for i, labels in enumerate(_argument_labels(ba, layout)):
       # Batched leaves have the vmapped dimensions in front, outermost level first.
-      front = tuple(f"vmap{j}" for j in reversed(range(levels)) if ba.vmap_axes[j][1][i])
+      front = tuple((f"vmap{j}",) for j in reversed(range(levels)) if ba.vmap_axes[j][1][i])
       inputs.append(front + labels)
-    every_level = tuple(f"vmap{j}" for j in reversed(range(levels)))
-    outputs = tuple(every_level + tuple(s.split()) for s in jax.tree.leaves(layout.outputs))
-    free = frozenset(layout.free) | set(every_level)
-    plan = cls(tuple(inputs), outputs, jax.tree.structure(layout.outputs), free)
-    plan._check_sizes(ba.batched_array_specs(), ba)
-    return plan
-
-  def _check_sizes(self, specs_: Sequence[Any], ba: BoundArguments) -> None:
-    """Every input's labels match its rank, and a factor has one size."""
-    sizes: dict[str, int] = {}
-    for labels, spec in zip(self.inputs, specs_, strict=True):
-      if len(labels) != len(spec.shape):
-        raise ValueError(f"{ba.op.name}'s partitioning layout names {len(labels)} dimensions "
-                         f"({' '.join(labels)}) of an array of shape {spec.shape}; fix the "
-                         "op's `_partitioning`.")
-      for label, size in zip(labels, spec.shape):
-        if sizes.setdefault(label, size) != size:
-          raise ValueError(f"{ba.op.name}'s partitioning layout gives factor {label!r} the "
-                           f"sizes {sizes[label]} and {size}; fix the op's `_partitioning`.")
+    every_level = tuple((f"vmap{j}",) for j in reversed(range(levels)))
+    outputs = tuple(every_level + _dims(s) for s in jax.tree.leaves(layout.outputs))
+    minor = {f for labels in inputs + list(outputs) for dim in labels for f in dim[1:]}
+    splittable = (frozenset(layout.free) | {d[0] for d in every_level}) - minor
+    sizes = _factor_sizes(ba, inputs, [s.shape for s in ba.batched_array_specs()],
+                          dict(layout.sizes))
+    return cls(tuple(inputs), outputs, jax.tree.structure(layout.outputs), splittable, sizes)
 
   def check_outputs(self, ba: BoundArguments, input_shapes: Sequence[Sequence[int]],
                     output_shapes: Sequence[Sequence[int]]) -> None:
-    """The outputs are as many as the layout names, of its ranks, and each dimension of
-    a factor of the inputs has that factor's size.
+    """The outputs are as many as the layout names, of its ranks, and each dimension
+    has the size of its factors in the arguments of these shapes.
 
     Raises:
       ValueError: saying which output does not fit, and that the layout needs a fix.
@@ -165,38 +170,45 @@ class _Plan:
     if len(output_shapes) != len(self.outputs):
       raise ValueError(f"{ba.op.name} returned {len(output_shapes)} arrays, but its partitioning "
                        f"layout names {len(self.outputs)}; {fix}")
-    sizes = {label: size for labels, shape in zip(self.inputs, input_shapes)
-             for label, size in zip(labels, shape)}
+    minor_sizes = {f: self.sizes[f] for labels in self.inputs for d in labels for f in d[1:]}
+    sizes = _factor_sizes(ba, self.inputs, input_shapes, minor_sizes)
     for shape, labels in zip(output_shapes, self.outputs):
-      if len(shape) != len(labels) or any(sizes.get(label, size) != size
-                                          for label, size in zip(labels, shape)):
+      if len(shape) != len(labels) or any(
+          all(f in sizes for f in dim) and math.prod(sizes[f] for f in dim) != size
+          for dim, size in zip(labels, shape)):
         raise ValueError(f"{ba.op.name}'s partitioning layout names an output of shape "
-                         f"{tuple(shape)} ({' '.join(labels)}), which does not fit its "
+                         f"{tuple(shape)} ({_text(labels)}), which does not fit its "
                          f"arguments' factors {sizes}; {fix}")
 
-  def assign(self, shapes: Sequence[Sequence[int]], specs_: Sequence[PartitionSpec | None],
+  def assign(self, specs_: Sequence[PartitionSpec | None],
              axis_sizes: Mapping[str, int]) -> dict[str, tuple[str, ...]]:
-    """Mesh axes for each free factor that the arguments' shardings split (see the
-    module docstring); factors left out are not split."""
+    """Mesh axes for each free factor that the arguments' shardings (`specs_`) split
+    (see the module docstring); factors left out are not split. A dimension's axes go
+    to its major factor."""
     taken: set[str] = set()
     out: dict[str, tuple[str, ...]] = {}
-    for labels, shape, spec in zip(self.inputs, shapes, specs_):
-      entries = tuple(spec or ()) + (None,) * (len(labels) - len(tuple(spec or ())))
-      for label, size, entry in zip(labels, shape, entries):
-        if entry is None or label not in self.free or label in out:
+    for labels, spec in zip(self.inputs, specs_):
+      for dim, entry in zip(labels, _entries(spec, len(labels))):
+        factor = dim[0]
+        if entry is None or factor not in self.splittable or factor in out:
           continue
         axes = (entry,) if isinstance(entry, str) else tuple(entry)
-        if taken & set(axes) or size % math.prod(axis_sizes[a] for a in axes):
+        if taken & set(axes) or self.sizes[factor] % math.prod(axis_sizes[a] for a in axes):
           continue
-        out[label] = axes
+        out[factor] = axes
         taken |= set(axes)
     return out
 
   def spec(self, labels: Labels, assignment: Mapping[str, tuple[str, ...]]) -> PartitionSpec:
-    def entry(label):
-      axes = assignment.get(label)
+    def entry(dim):
+      axes = assignment.get(dim[0])
       return None if axes is None else axes[0] if len(axes) == 1 else axes
-    return PartitionSpec(*(entry(label) for label in labels))
+    return PartitionSpec(*(entry(dim) for dim in labels))
+
+  def local_shape(self, labels: Labels, shape: Sequence[int], assignment, axis_sizes) -> tuple[int, ...]:
+    """One device's part of an array of `labels` and `shape`."""
+    return tuple(size // math.prod(axis_sizes[a] for a in assignment.get(dim[0], ()))
+                 for dim, size in zip(labels, shape))
 
   def natural_spec(self, labels: Labels, specs_: Sequence[PartitionSpec]) -> PartitionSpec:
     """How an array of `labels` is split where each factor keeps the mesh axes of its
@@ -204,13 +216,13 @@ class _Plan:
     out split like its argument."""
     first: dict[str, Any] = {}
     for arg_labels, spec in zip(self.inputs, specs_):
-      for label, entry in zip(arg_labels, tuple(spec) + (None,) * len(arg_labels)):
+      for dim, entry in zip(arg_labels, _entries(spec, len(arg_labels))):
         if entry is not None:
-          first.setdefault(label, entry)
+          first.setdefault(dim[0], entry)
     used: set[str] = set()
     out = []
-    for label in labels:
-      entry = first.get(label)
+    for dim in labels:
+      entry = first.get(dim[0])
       axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
       out.append(None if not axes or used & set(axes) else entry)
       used |= set(axes)
@@ -218,9 +230,9 @@ class _Plan:
 
   def summed_axes(self, assignment: Mapping[str, tuple[str, ...]]) -> list[tuple[str, ...]]:
     """For each output, the mesh axes of the split factors it is a sum over."""
-    split_inputs = {label for labels in self.inputs for label in labels if label in assignment}
-    return [tuple(a for label in sorted(split_inputs - set(labels)) for a in assignment[label])
-            for labels in self.outputs]
+    split = {f for labels in self.inputs for dim in labels for f in dim if f in assignment}
+    return [tuple(a for f in sorted(split - {f for dim in labels for f in dim})
+                  for a in assignment[f]) for labels in self.outputs]
 
   def local_body(self, ba: BoundArguments, run_for, assignment, *, mark: bool) -> Callable[..., Any]:
     """fn(*local array leaves) -> output: the call rebound to the shard's shapes (and
@@ -243,14 +255,61 @@ class _Plan:
     """`make(spec)` of each output, in the outputs' structure."""
     return self.output_tree.unflatten([make(self.spec(labels, assignment)) for labels in self.outputs])
 
-  def sharding_rule(self) -> tuple[str, tuple[str, ...]]:
-    """The Shardy rule ("b t, b -> b t") and the factors it must not split."""
+  def sharding_rule(self) -> tuple[str, tuple[str, ...], dict[str, int]]:
+    """The Shardy rule ("b t, b -> b t"), the factors it must not split, and the sizes
+    of the factors that stand only inside parentheses."""
     def side(groups):
-      return ", ".join(" ".join(labels) for labels in groups)
+      return ", ".join(_text(labels) for labels in groups)
     # Shardy numbers factors in order of appearance and wants the special ones in it.
-    factors = dict.fromkeys(label for labels in self.inputs + self.outputs for label in labels)
+    factors = dict.fromkeys(f for labels in self.inputs + self.outputs for dim in labels for f in dim)
+    whole = {dim[0] for labels in self.inputs + self.outputs for dim in labels if len(dim) == 1}
     return (f"{side(self.inputs)} -> {side(self.outputs)}",
-            tuple(f for f in factors if f not in self.free))
+            tuple(f for f in factors if f not in self.splittable),
+            {f: self.sizes[f] for f in factors if f not in whole})
+
+
+def _entries(spec: PartitionSpec | None, rank: int) -> tuple[Any, ...]:
+  """A PartitionSpec's entries, padded with None to `rank`."""
+  entries = tuple(spec or ())
+  return entries + (None,) * (rank - len(entries))
+
+
+def _factor_sizes(ba: BoundArguments, inputs: Sequence[Labels], shapes: Sequence[Sequence[int]],
+                  known: dict[str, int]) -> dict[str, int]:
+  """Every factor's size in arrays of `shapes`, from its whole dimensions, and from
+  parenthesised ones given the sizes of their other factors (`known`).
+
+  Raises:
+    ValueError: for a rank the labels do not match, a factor of two sizes, or one
+      whose size nothing gives.
+  """
+  fix = "fix the op's `_partitioning`."
+  sizes = dict(known)
+
+  def record(factor, size):
+    if sizes.setdefault(factor, size) != size:
+      raise ValueError(f"{ba.op.name}'s partitioning layout gives factor {factor!r} the "
+                       f"sizes {sizes[factor]} and {size}; {fix}")
+
+  pending = []
+  for labels, shape in zip(inputs, shapes, strict=True):
+    if len(labels) != len(shape):
+      raise ValueError(f"{ba.op.name}'s partitioning layout names {len(labels)} dimensions "
+                       f"({_text(labels)}) of an array of shape {tuple(shape)}; {fix}")
+    for dim, size in zip(labels, shape):
+      (record(dim[0], size) if len(dim) == 1 else pending.append((dim, size)))
+  for dim, size in pending:
+    unknown = [f for f in dim if f not in sizes]
+    if len(unknown) > 1:
+      raise ValueError(f"{ba.op.name}'s partitioning layout gives no size for {unknown} of "
+                       f"({' '.join(dim)}); name them in `sizes`; {fix}")
+    rest = math.prod(sizes[f] for f in dim if f not in unknown)
+    if unknown:
+      record(unknown[0], size // rest if rest else 0)
+    if math.prod(sizes[f] for f in dim) != size:
+      raise ValueError(f"{ba.op.name}'s partitioning layout's ({' '.join(dim)}) has "
+                       f"{math.prod(sizes[f] for f in dim)} elements, its dimension {size}; {fix}")
+  return sizes
 
 
 def _argument_labels(ba: BoundArguments, layout: ShardingLayout) -> list[Labels]:
@@ -262,7 +321,7 @@ def _argument_labels(ba: BoundArguments, layout: ShardingLayout) -> list[Labels]
     if not leaves:
       continue
     given = layout.arguments.get(name)
-    labels = [tuple(s.split()) for s in jax.tree.leaves(given)]
+    labels = [_dims(s) for s in jax.tree.leaves(given)]
     if len(labels) != len(leaves):
       raise ValueError(f"{ba.op.name}'s partitioning layout names {len(labels)} arrays for "
                        f"argument {name!r}, which holds {len(leaves)} ({value!r}); fix the "
@@ -279,10 +338,8 @@ def _supported(ba: BoundArguments, plan: _Plan, assignment: dict[str, tuple[str,
   whole call."""
   if not assignment:
     return assignment
-  local = []
-  for labels, shape in zip(plan.inputs, shapes):
-    local.append(tuple(size // math.prod(axis_sizes[a] for a in assignment.get(label, ()))
-                       for label, size in zip(labels, shape)))
+  local = [plan.local_shape(labels, shape, assignment, axis_sizes)
+           for labels, shape in zip(plan.inputs, shapes)]
   try:
     ba.op._check_supported(dict(ba.with_array_shapes(local).arguments))
   except NotImplementedError:
@@ -307,7 +364,7 @@ def _shard_mapped(ba: BoundArguments, plan: _Plan, run_for, mesh, arrays) -> Any
   """The call per shard under `jax.shard_map` (Explicit axes: shardings in the types)."""
   specs_ = [jax.typeof(x).sharding.spec for x in arrays]
   shapes, axis_sizes = [x.shape for x in arrays], dict(mesh.shape)
-  assignment = _supported(ba, plan, plan.assign(shapes, specs_, axis_sizes), shapes, axis_sizes)
+  assignment = _supported(ba, plan, plan.assign(specs_, axis_sizes), shapes, axis_sizes)
   in_specs = tuple(plan.spec(labels, assignment) for labels in plan.inputs)
   # Dimensions of factors that are not split are gathered first.
   arrays = [x if jax.typeof(x).sharding.spec == s else jax.sharding.reshard(x, NamedSharding(mesh, s))
@@ -327,14 +384,14 @@ def _shard_mapped(ba: BoundArguments, plan: _Plan, run_for, mesh, arrays) -> Any
 def _custom_partitioned(ba: BoundArguments, plan: _Plan, run_for) -> Callable[..., Any]:
   """The call under `custom_partitioning` (Auto axes: placed when XLA partitions)."""
   fn = custom_partitioning(run_for(ba))
-  rule, replicated = plan.sharding_rule()
+  rule, replicated, factor_sizes = plan.sharding_rule()
 
   def placement(mesh, arg_shapes):
     shardings = [s.sharding for s in arg_shapes]
     if not all(isinstance(s, NamedSharding) for s in shardings):
       return {}  # no mesh to name axes by: the whole call on every device
     shapes, axis_sizes = [s.shape for s in arg_shapes], dict(mesh.shape)
-    return _supported(ba, plan, plan.assign(shapes, [s.spec for s in shardings], axis_sizes),
+    return _supported(ba, plan, plan.assign([s.spec for s in shardings], axis_sizes),
                       shapes, axis_sizes)
 
   def partition(mesh, arg_shapes, result_shape):
@@ -350,5 +407,5 @@ def _custom_partitioned(ba: BoundArguments, plan: _Plan, run_for) -> Callable[..
     return plan.output_shardings(lambda s: NamedSharding(mesh, s), placement(mesh, arg_shapes))
 
   fn.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule,
-                   need_replication_factors=replicated)
+                   need_replication_factors=replicated, **factor_sizes)
   return fn

@@ -63,23 +63,29 @@ class Attention(Op):
     return ref.attention_reference(query, key, value, bias, mask, **static)
 
   def _array_layout(self, arguments):
-    labels, free = _primal_labels(arguments)
+    labels, h, sizes = _primal_labels(arguments)
     # out, and the residuals of the flash kernels: the log-sum-exp (B, N, T).
-    return partitioning.ShardingLayout(labels, ("b t h e", ("b h t",)), free)
+    return partitioning.ShardingLayout(labels, (f"b t {h} e", (f"b {h} t",)), _FREE, sizes)
 
 
-def _primal_labels(a: dict[str, Any]) -> tuple[dict[str, str], frozenset[str]]:
-  """The factors of the forward's arrays, and those that may be split: the batch, and
-  the heads where keys have as many (with fewer, GQA, a head of the keys serves several
-  of the query's)."""
-  gqa = a["query"].shape[2] != a["key"].shape[2]
-  kv_heads = "kv_heads" if gqa else "h"
-  labels = {"query": "b t h d", "key": f"b s {kv_heads} d", "value": f"b s {kv_heads} e",
+def _primal_labels(a: dict[str, Any]) -> tuple[dict[str, str], str, dict[str, int]]:
+  """The factors of the forward's arrays, those of the query heads, and the sizes of
+  the factors that only make up others. The batch and the heads may be split; with
+  GQA the query heads are the key heads times the group each one serves (query head
+  n uses key head n // group), so splitting the key heads splits both alike."""
+  query_heads, key_heads = a["query"].shape[2], a["key"].shape[2]
+  h, sizes = "h", {}
+  if query_heads != key_heads:
+    h, sizes = "(h group)", {"group": query_heads // key_heads}
+  labels = {"query": f"b t {h} d", "key": "b s h d", "value": "b s h e",
             "query_seq_lengths": "b", "key_value_seq_lengths": "b"}
   for name in ("bias", "mask"):
     if a[name] is not None:
-      labels[name] = partitioning.broadcast_labels(a[name].shape, "b h t s", name)
-  return labels, frozenset({"b"} if gqa else {"b", "h"})
+      labels[name] = partitioning.broadcast_labels(a[name].shape, f"b {h} t s", name)
+  return labels, h, sizes
+
+
+_FREE = frozenset({"b", "h"})
 
 
 class _ShapeView:
@@ -109,10 +115,10 @@ class AttentionVjp(Op):
   _example_value = Attention._example_value
 
   def _array_layout(self, arguments):
-    labels, free = _primal_labels(arguments)
-    labels.update(residuals=("b h t",), out="b t h e", dout="b t h e")
+    labels, h, sizes = _primal_labels(arguments)
+    labels.update(residuals=(f"b {h} t",), out=f"b t {h} e", dout=f"b t {h} e")
     grads = {name: labels[name] for name in _DIFFERENTIABLE if arguments[name] is not None}
-    return partitioning.ShardingLayout(labels, grads, free)
+    return partitioning.ShardingLayout(labels, grads, _FREE, sizes)
 
   def _reference(self, residuals, out, dout, **primals):
     f = lambda **kw: ref.attention_reference(**kw)
