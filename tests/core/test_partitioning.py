@@ -37,6 +37,7 @@ class _Config:
 
 
 _SEEN: list[tuple[str, tuple[int, ...]]] = []  # (op, x's shape) of every traced call
+_CONFIGS: list[tuple[tuple[int, ...], int]] = []  # (x's shape, unroll) of forward calls
 
 
 class _Tunable:
@@ -80,7 +81,11 @@ class ScaleRows(_Tunable, stellarax.Op, name="test_partitioning.scale_rows"):
 
   def _fwd(self, x, params, *, config):
     _SEEN.append((self.name, tuple(x.shape)))
+    _CONFIGS.append((tuple(x.shape), config.unroll))
     return x * params["w"][None], {"x": x}
+
+  def _get_autotuning_configs(self, ba):
+    return {_Config(unroll=1), _Config(unroll=2)}
 
   def _reference(self, x, params):
     return x * params["w"][None]
@@ -199,6 +204,20 @@ def _run_cases(explicit: bool) -> dict:
       q, q, q, implementation=stellarax.PallasTritonAttention(interpret=True))
   report["captured"] = [list(ba.arguments["query"].shape)
                         for ba in stellarax.autotuning.get_bound_args(f, q)]
+  # Tuned, then run with the result: each device's call runs the config tuned for it.
+  x = jax.device_put(jnp.ones((64, 32)), jax.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+  params = {"w": jnp.ones(32)}
+  step = jax.jit(lambda x, p: ScaleRows()(x, p))
+  result = stellarax.Autotuner(budget_s=1, progress=False).autotune(step, x, params)
+  (entry,) = list(result)
+  # Not the heuristic (unroll=1), whatever the measurement found.
+  result = result.with_entry(dataclasses.replace(entry, best_config=_Config(unroll=2)))
+  _CONFIGS.clear()
+  with result:
+    jax.block_until_ready(step(x, params))
+  report["tuned"] = {"shape": list(entry.bound_args.arguments["x"].shape),
+                     "best": result.entry(entry.bound_args).best_config.unroll,
+                     "ran": sorted({unroll for shape, unroll in _CONFIGS if shape == (16, 32)})}
   return report
 
 
@@ -260,9 +279,11 @@ def test_each_device_runs_its_shard_unless_the_op_refuses_it(sharded_run):
   too_few = report["user op too few rows"]
   assert "crash" not in too_few and max(too_few["errors"]) == 0
   assert too_few["seen"] == [["test_partitioning.scale_rows", [8, 32]]]
-  # Tuning sees the per-device calls where the shardings are in the types; with Auto
-  # axes it sees the whole call (what each device runs is decided past the lowering).
-  assert report["captured"] == ([[1, 64, 4, 64]] if mode == "explicit" else [[4, 64, 4, 64]])
+  # Tuning sees the per-device calls: in the lowered program where the shardings are in
+  # the types; from the partitioner, compiling the program, with Auto axes.
+  assert report["captured"] == [[1, 64, 4, 64]]
+  tuned = report["tuned"]
+  assert tuned == {"shape": [16, 32], "best": 2, "ran": [2]}, tuned
 
 
 # --- one device -----------------------------------------------------------------------

@@ -1,7 +1,10 @@
 """Finding the op calls of a program: from a callable, a Lowered, or JSON.
 
 Every op call leaves a marker (see `stellarax.core.markers`) in the lowered
-program; capture lowers the program and reads the markers back from its text.
+program; capture lowers the program and reads the markers back from its text. A
+kernel's call on arrays split over Auto mesh axes is split only when XLA compiles the
+program: then capture compiles it, and takes the per-device calls the partitioner
+recorded (`partitioning.per_device_calls`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import jax
 import numpy as np
 
 from stellarax.core import markers
+from stellarax.core import partitioning
 from stellarax.core import specs
 from stellarax.core.bound_args import BoundArguments
 from stellarax.core.resolution import miss_policy_scope
@@ -50,25 +54,33 @@ def program_of_arrays(f: Callable[..., Any], args: tuple,
   return program, arrays
 
 
-def _lowered_text(f: Any, args: tuple, kwargs: dict) -> str:
+def _lowered(f: Any, args: tuple, kwargs: dict) -> jax.stages.Lowered:
   if isinstance(f, jax.stages.Lowered):
     if args or kwargs:
       raise TypeError("A jax.stages.Lowered takes no arguments: it was lowered with its own.")
-    return f.as_text()
+    return f
   if not callable(f):
     raise TypeError(f"Expected a callable or a jax.stages.Lowered, got {type(f).__name__}: {f!r}.")
   program, arrays = program_of_arrays(f, args, kwargs)
   # Capture only reads which ops run: no tuning on the spot while tracing.
   with miss_policy_scope("heuristics"):
-    return jax.jit(program).lower(arrays).as_text()
+    return jax.jit(program).lower(arrays)
 
 
-def bound_args_from_text(text: str) -> list[BoundArguments]:
-  """The unique bound arguments of the markers in a lowered program's text."""
+def bound_args_from_text(text: str, per_device: Mapping[str, BoundArguments] | None = None
+                         ) -> list[BoundArguments]:
+  """The unique bound arguments of the markers in a lowered program's text.
+
+  Args:
+    text: the program's text.
+    per_device: marker -> the call one device runs instead, for calls split across
+      devices when the program is compiled (`partitioning.per_device_calls`).
+  """
   seen: dict[str, BoundArguments] = {}
   for marker in markers.find_markers(text):
     if marker not in seen:
-      seen[marker] = BoundArguments.from_json(json.loads(marker))
+      local = (per_device or {}).get(marker)
+      seen[marker] = local if local is not None else BoundArguments.from_json(json.loads(marker))
   return list(dict.fromkeys(seen.values()))
 
 
@@ -84,12 +96,21 @@ def get_bound_args(f: Callable[..., Any] | jax.stages.Lowered, *args, **kwargs) 
 
   Returns:
     One `BoundArguments` per unique op call, forward and VJP ops alike, in
-    program order.
+    program order. A kernel's call on arrays split across devices is the call each
+    device runs (with Auto mesh axes, `f` is compiled to find it).
 
   Raises:
     TypeError: when `f` is neither callable nor lowered.
   """
-  return bound_args_from_text(_lowered_text(f, args, kwargs))
+  lowered = _lowered(f, args, kwargs)
+  text = lowered.as_text()
+  # Kernels on arrays split over Auto mesh axes: what each device runs is known once
+  # XLA partitions the program, so it is compiled for that.
+  per_device = None
+  if partitioning.PARTITIONED_CALL in text:
+    with miss_policy_scope("heuristics"):
+      per_device = partitioning.per_device_calls(lowered)
+  return bound_args_from_text(text, per_device)
 
 
 def bound_args_to_json(bound_args: Iterable[BoundArguments], path: str | os.PathLike | None = None) -> str:

@@ -381,6 +381,38 @@ def _shard_mapped(ba: BoundArguments, plan: _Plan, run_for, mesh, arrays) -> Any
   return tree.unflatten(leaves)
 
 
+# Whole call's marker -> one device's call, as XLA's partitioner last placed it.
+_PER_DEVICE: dict[str, BoundArguments] = {}
+
+PARTITIONED_CALL = "CustomSPMDPartitioning"
+"""The custom call that stands for a kernel XLA partitions (Auto axes) in lowered text."""
+
+
+def per_device_calls(lowered: Any) -> dict[str, BoundArguments]:
+  """The calls each device runs in a program whose kernels XLA partitions when it
+  compiles it (Auto axes), by the marker of the whole call.
+
+  Args:
+    lowered: the program, a `jax.stages.Lowered`.
+
+  Returns:
+    marker JSON of a whole call -> `BoundArguments` of one device's part, for each call
+    that is split (a call every device runs whole is not in it).
+  """
+  # Compiled here (without the persistent cache, whose hits skip the partitioner):
+  # the partition callbacks record the per-device calls.
+  enabled = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    markers_in = set(markers.find_markers(lowered.as_text()))
+    for marker in markers_in:
+      _PER_DEVICE.pop(marker, None)
+    lowered.compile()
+  finally:
+    jax.config.update("jax_enable_compilation_cache", enabled)
+  return {m: _PER_DEVICE.pop(m) for m in markers_in if m in _PER_DEVICE}
+
+
 def _custom_partitioned(ba: BoundArguments, plan: _Plan, run_for) -> Callable[..., Any]:
   """The call under `custom_partitioning` (Auto axes: placed when XLA partitions)."""
   fn = custom_partitioning(run_for(ba))
@@ -396,6 +428,12 @@ def _custom_partitioned(ba: BoundArguments, plan: _Plan, run_for) -> Callable[..
 
   def partition(mesh, arg_shapes, result_shape):
     assignment = placement(mesh, arg_shapes)
+    if assignment:  # what each device runs, for capture (`per_device_calls`)
+      local = [plan.local_shape(labels, s.shape, assignment, dict(mesh.shape))
+               for labels, s in zip(plan.inputs, arg_shapes)]
+      if len(_PER_DEVICE) > 4096:  # a long-lived process compiling ever new calls
+        _PER_DEVICE.clear()
+      _PER_DEVICE[ba.to_marker()] = ba.with_array_shapes(local)
     results = plan.output_shardings(lambda s: NamedSharding(mesh, s), assignment)
     args = tuple(NamedSharding(mesh, plan.spec(labels, assignment)) for labels in plan.inputs)
     # Unmarked: what XLA partitions is past the lowered program that capture reads
