@@ -234,18 +234,14 @@ class _Plan:
     return [tuple(a for f in sorted(split - {f for dim in labels for f in dim})
                   for a in assignment[f]) for labels in self.outputs]
 
-  def local_body(self, ba: BoundArguments, run_for, assignment, *, mark: bool) -> Callable[..., Any]:
-    """fn(*local array leaves) -> output: the call rebound to the shard's shapes (and
-    marked so, with `mark`), its partial sums added across the devices that hold the
-    other parts."""
+  def local_body(self, ba: BoundArguments, run_for, assignment) -> Callable[..., Any]:
+    """fn(*local array leaves) -> output: the call rebound to the shard's shapes and
+    marked so, its partial sums added across the devices that hold the other parts."""
     summed = self.summed_axes(assignment)
 
     def body(*arrays):
       local = ba.with_array_shapes([x.shape for x in arrays])
-      run = run_for(local)
-      if mark:  # the shard's own call, as tuning should see it
-        run = markers.mark(local, run)
-      leaves, tree = jax.tree.flatten(run(*arrays))
+      leaves, tree = jax.tree.flatten(markers.mark(local, run_for(local))(*arrays))
       self.check_outputs(ba, [x.shape for x in arrays], [x.shape for x in leaves])
       return tree.unflatten([jax.lax.psum(x, axes) if axes else x for x, axes in zip(leaves, summed)])
 
@@ -369,7 +365,7 @@ def _shard_mapped(ba: BoundArguments, plan: _Plan, run_for, mesh, arrays) -> Any
   # Dimensions of factors that are not split are gathered first.
   arrays = [x if jax.typeof(x).sharding.spec == s else jax.sharding.reshard(x, NamedSharding(mesh, s))
             for x, s in zip(arrays, in_specs)]
-  out = jax.shard_map(plan.local_body(ba, run_for, assignment, mark=True), mesh=mesh, in_specs=in_specs,
+  out = jax.shard_map(plan.local_body(ba, run_for, assignment), mesh=mesh, in_specs=in_specs,
                       out_specs=plan.output_shardings(lambda s: s, assignment),
                       check_vma=False)(*arrays)
   # Types carry shardings here, and a gradient must have its argument's (custom_vjp
@@ -436,9 +432,9 @@ def _custom_partitioned(ba: BoundArguments, plan: _Plan, run_for) -> Callable[..
       _PER_DEVICE[ba.to_marker()] = ba.with_array_shapes(local)
     results = plan.output_shardings(lambda s: NamedSharding(mesh, s), assignment)
     args = tuple(NamedSharding(mesh, plan.spec(labels, assignment)) for labels in plan.inputs)
-    # Unmarked: what XLA partitions is past the lowered program that capture reads
-    # (it finds the whole call's marker, outside).
-    return mesh, plan.local_body(ba, run_for, assignment, mark=False), results, args
+    # Marked as the device's call: the compiled program's instructions (what profiles
+    # name) carry it; the lowered program has the whole call's marker, outside.
+    return mesh, plan.local_body(ba, run_for, assignment), results, args
 
   def infer(mesh, arg_shapes, result_shape):
     del result_shape
