@@ -7,24 +7,30 @@ Explicit axes (`jax.make_mesh`'s default) a kernel does not even trace, as its r
 would be sharded. An op that says how its arrays line up (`Op._partitioning` returns a
 `ShardingLayout`) runs on each device's shard instead:
 
-- A `ShardingLayout` names every dimension of every array argument and output with a factor;
-  dimensions that share a factor are one and the same (attention's batch in the query,
-  the keys, the output and the log-sum-exp). Factors in `free` may be split across
-  devices; the others are gathered. An output that lacks a free factor of the inputs
-  is a sum over it (the bias gradient over the batch, a norm's scale gradient over the
-  rows, the lhs gradient of a matmul over its split columns): each device's partial
-  sum is added to the others' (`psum`).
+- A `ShardingLayout` names every dimension of every array argument and output with
+  factors; dimensions that share a factor are one and the same (attention's batch in
+  the query, the keys, the output and the log-sum-exp). A dimension may be several
+  factors, major first: GQA's query heads are "(h group)", the key heads times the
+  group each serves, and splitting h splits both into matching contiguous blocks (a
+  minor factor is never split). Factors in `free` may be split across devices; the
+  others are gathered. An output that lacks a split factor of the inputs is a sum over
+  it (the bias gradient over the batch, a norm's scale gradient over the rows, the lhs
+  gradient of a matmul over its split columns): each device's partial sum is added to
+  the others' (`psum`).
 - Which mesh axes split a factor follows the arguments' shardings: the first argument
   dimension with that factor and sharded axes gives them, where they divide the
-  factor's size and no other factor took them.
-- Per shard the call is bound anew to the shard's shapes, and its config is resolved
-  for them: tuned results and heuristics apply per shard shape, which is what each
-  device runs (tune with per-device shapes).
+  factor's size and no other factor took them. If the kernel does not take the
+  resulting per-device shapes (`_check_supported`), every device runs the whole call.
+- Per shard the call is bound anew to the shard's shapes, marked so (`markers`), and
+  its config resolved for them: tuned results and heuristics apply to what each device
+  runs, and capture finds those calls (`per_device_calls` for Auto axes), so
+  `autotune` tunes them.
 
 Two ways in, one per kind of mesh axis:
 
 - Explicit axes: the arrays' types carry their shardings, so the call is wrapped in
-  `jax.shard_map` when it is traced.
+  `jax.shard_map` when it is traced. Its outputs leave split like the arguments their
+  factors come from (a gradient must have its argument's sharding).
 - Auto axes: the shardings are known only when XLA partitions the program, so the call
   is wrapped in `custom_partitioning`, whose partition callback places it then (its
   Shardy rule, built from the same layout, guides propagation).
