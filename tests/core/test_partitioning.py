@@ -204,6 +204,18 @@ def _run_cases(explicit: bool) -> dict:
       q, q, q, implementation=stellarax.PallasTritonAttention(interpret=True))
   report["captured"] = [list(ba.arguments["query"].shape)
                         for ba in stellarax.autotuning.get_bound_args(f, q)]
+  # Inside a user's shard_map over one axis of two, the kernel splits over the other.
+  mesh2 = jax.make_mesh((2, 2), ("data", "model"), axis_types=(axis_type, axis_type))
+  x = jax.random.normal(jax.random.key(1), (64, 32))
+  norm = stellarax.PallasTritonLayerNorm(interpret=True)
+  inner = jax.jit(jax.shard_map(lambda x: stellarax.rms_norm(x, None, implementation=norm),
+                                mesh=mesh2, in_specs=jax.P("data"), out_specs=jax.P("data"),
+                                axis_names={"data"}, check_vma=False))
+  _SEEN.clear()
+  got = inner(jax.device_put(x, jax.NamedSharding(mesh2, jax.P(("data", "model")))))
+  want = stellarax.rms_norm(x, None, implementation="xla")
+  report["user shard_map"] = {"spec": _spec_of(got),
+                              "error": float(np.max(np.abs(np.asarray(got) - np.asarray(want))))}
   # Tuned, then run with the result: each device's call runs the config tuned for it.
   x = jax.device_put(jnp.ones((64, 32)), jax.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
   params = {"w": jnp.ones(32)}
@@ -282,6 +294,7 @@ def test_each_device_runs_its_shard_unless_the_op_refuses_it(sharded_run):
   # Tuning sees the per-device calls: in the lowered program where the shardings are in
   # the types; from the partitioner, compiling the program, with Auto axes.
   assert report["captured"] == [[1, 64, 4, 64]]
+  assert report["user shard_map"] == {"spec": [["data", "model"]], "error": 0.0}
   tuned = report["tuned"]
   assert tuned == {"shape": [16, 32], "best": 2, "ran": [2]}, tuned
 

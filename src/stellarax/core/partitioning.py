@@ -371,9 +371,13 @@ def _shard_mapped(ba: BoundArguments, plan: _Plan, run_for, mesh, arrays) -> Any
   # Dimensions of factors that are not split are gathered first.
   arrays = [x if jax.typeof(x).sharding.spec == s else jax.sharding.reshard(x, NamedSharding(mesh, s))
             for x, s in zip(arrays, in_specs)]
+  # Manual over the Explicit axes only (a user's shard_map may have made others manual).
+  explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types)
+              if t == jax.sharding.AxisType.Explicit}
+  some_axes = {} if explicit == set(mesh.axis_names) else {"axis_names": explicit}
   out = jax.shard_map(plan.local_body(ba, run_for, assignment), mesh=mesh, in_specs=in_specs,
                       out_specs=plan.output_shardings(lambda s: s, assignment),
-                      check_vma=False)(*arrays)
+                      check_vma=False, **some_axes)(*arrays)
   # Types carry shardings here, and a gradient must have its argument's (custom_vjp
   # checks): each output leaves split as its factors come in.
   leaves, tree = jax.tree.flatten(out)
