@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -52,6 +52,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 from stellarax.core import markers
+from stellarax.core import resolution
 from stellarax.core.bound_args import BoundArguments
 
 Labels = tuple[tuple[str, ...], ...]  # each dimension's factors, major first
@@ -121,18 +122,19 @@ def per_shard(ba: BoundArguments, run_for: Callable[[BoundArguments], Callable[.
   Returns:
     fn(*array leaves) -> the implementation's output.
   """
-  whole = markers.mark(ba, run_for(ba))
   layout = ba.op._partitioning(ba.arguments)
   if layout is None:
-    return whole
+    return markers.mark(ba, run_for(ba))
 
   def call(*arrays):
+    # The whole call's config is resolved only where the whole call may run (a miss
+    # policy of "error" or "autotune" must not fire for a call no device runs).
     mesh = _explicit_mesh(arrays)
     if mesh is not None:
       return _shard_mapped(ba, _Plan.of(ba, layout), run_for, mesh, arrays)
     if jax.device_count() > 1:
-      return markers.mark(ba, _custom_partitioned(ba, _Plan.of(ba, layout), run_for))(*arrays)
-    return whole(*arrays)
+      return _custom_partitioned(ba, _Plan.of(ba, layout), run_for)(*arrays)
+    return markers.mark(ba, run_for(ba))(*arrays)
 
   return call
 
@@ -147,12 +149,16 @@ class _Plan:
   output_tree: Any  # the outputs' pytree structure
   splittable: frozenset[str]  # free factors that are nowhere a minor one
   sizes: Mapping[str, int]  # every factor's size in the whole call
+  # For each output, the input it is the gradient of (a VJP op's outputs are keyed by
+  # argument name, as the arguments are), or None.
+  twins: tuple[int | None, ...]
 
   @classmethod
   def of(cls, ba: BoundArguments, layout: ShardingLayout) -> _Plan:
     levels = len(ba.vmap_axes)
     inputs = []
-    for i, labels in enumerate(_argument_labels(ba, layout)):
+    arguments, paths = _argument_labels(ba, layout)
+    for i, labels in enumerate(arguments):
       # Batched leaves have the vmapped dimensions in front, outermost level first.
       front = tuple((f"vmap{j}",) for j in reversed(range(levels)) if ba.vmap_axes[j][1][i])
       inputs.append(front + labels)
@@ -162,7 +168,11 @@ class _Plan:
     splittable = (frozenset(layout.free) | {d[0] for d in every_level}) - minor
     sizes = _factor_sizes(ba, inputs, [s.shape for s in ba.batched_array_specs()],
                           dict(layout.sizes))
-    return cls(tuple(inputs), outputs, jax.tree.structure(layout.outputs), splittable, sizes)
+    output_paths = [jax.tree_util.keystr(p)
+                    for p, _ in jax.tree_util.tree_flatten_with_path(layout.outputs)[0]]
+    twins = tuple(paths.index(p) if p in paths else None for p in output_paths)
+    return cls(tuple(inputs), outputs, jax.tree.structure(layout.outputs), splittable, sizes,
+               twins)
 
   def check_outputs(self, ba: BoundArguments, input_shapes: Sequence[Sequence[int]],
                     output_shapes: Sequence[Sequence[int]]) -> None:
@@ -221,7 +231,11 @@ class _Plan:
     first split dimension among the arguments (`specs_`, as given): a gradient comes
     out split like its argument."""
     first: dict[str, Any] = {}
-    for arg_labels, spec in zip(self.inputs, specs_):
+    # The arguments most like the output first (attention's out: the query's batch,
+    # not the keys').
+    shared = lambda i: -len({f for d in self.inputs[i] for f in d} & {f for d in labels for f in d})
+    for i in sorted(range(len(self.inputs)), key=shared):
+      arg_labels, spec = self.inputs[i], specs_[i]
       for dim, entry in zip(arg_labels, _entries(spec, len(arg_labels))):
         if entry is not None:
           first.setdefault(dim[0], entry)
@@ -314,22 +328,23 @@ def _factor_sizes(ba: BoundArguments, inputs: Sequence[Labels], shapes: Sequence
   return sizes
 
 
-def _argument_labels(ba: BoundArguments, layout: ShardingLayout) -> list[Labels]:
-  """The labels of each array leaf of the arguments, in their flattening order."""
-  out = []
+def _argument_labels(ba: BoundArguments, layout: ShardingLayout) -> tuple[list[Labels], list[str]]:
+  """The labels of each array leaf of the arguments, in their flattening order, and
+  each leaf's path (`jax.tree_util.keystr` of {name: argument})."""
+  out, paths = [], []
   for name in sorted(ba.arguments):  # jax.tree flattens dicts in key order
     value = ba.arguments[name]
     leaves = ba.array_specs_of(name)
     if not leaves:
       continue
-    given = layout.arguments.get(name)
-    labels = [_dims(s) for s in jax.tree.leaves(given)]
-    if len(labels) != len(leaves):
-      raise ValueError(f"{ba.op.name}'s partitioning layout names {len(labels)} arrays for "
+    given = jax.tree_util.tree_flatten_with_path({name: layout.arguments.get(name)})[0]
+    if len(given) != len(leaves):
+      raise ValueError(f"{ba.op.name}'s partitioning layout names {len(given)} arrays for "
                        f"argument {name!r}, which holds {len(leaves)} ({value!r}); fix the "
                        "op's `_partitioning`.")
-    out += labels
-  return out
+    out += [_dims(s) for _, s in given]
+    paths += [jax.tree_util.keystr(p) for p, _ in given]
+  return out, paths
 
 
 def _supported(ba: BoundArguments, plan: _Plan, assignment: dict[str, tuple[str, ...]],
@@ -379,9 +394,10 @@ def _shard_mapped(ba: BoundArguments, plan: _Plan, run_for, mesh, arrays) -> Any
                       out_specs=plan.output_shardings(lambda s: s, assignment),
                       check_vma=False, **some_axes)(*arrays)
   # Types carry shardings here, and a gradient must have its argument's (custom_vjp
-  # checks): each output leaves split as its factors come in.
+  # checks); other outputs leave split as their factors come in.
   leaves, tree = jax.tree.flatten(out)
-  wanted = [plan.natural_spec(labels, specs_) for labels in plan.outputs]
+  wanted = [specs_[twin] if twin is not None and len(plan.inputs[twin]) == len(labels)
+            else plan.natural_spec(labels, specs_) for labels, twin in zip(plan.outputs, plan.twins)]
   leaves = [x if jax.typeof(x).sharding.spec == s else jax.sharding.reshard(x, NamedSharding(mesh, s))
             for x, s in zip(leaves, wanted)]
   return tree.unflatten(leaves)
@@ -419,9 +435,20 @@ def per_device_calls(lowered: Any) -> dict[str, BoundArguments]:
   return {m: _PER_DEVICE.pop(m) for m in markers_in if m in _PER_DEVICE}
 
 
+def _tuned_calls_of(results: tuple[Any, ...], op: Any) -> tuple[Any, ...]:
+  """What the active results hold for `op`'s calls of any shapes: (call, config)."""
+  return tuple((e.bound_args, e.best_config) for r in results if isinstance(r, Iterable)
+               for e in r if e.bound_args.op == op)
+
+
 def _custom_partitioned(ba: BoundArguments, plan: _Plan, run_for) -> Callable[..., Any]:
-  """The call under `custom_partitioning` (Auto axes: placed when XLA partitions)."""
-  fn = custom_partitioning(run_for(ba))
+  """The call under `custom_partitioning` (Auto axes: placed when XLA partitions), marked
+  as the whole call."""
+  # The per-device calls are resolved when XLA partitions the program, after this trace:
+  # JAX's caches must know that this trace depends on what the active results hold for
+  # the op (whatever the shapes), and resolution then must see the results active now.
+  resolution.ask_active_results(_tuned_calls_of, ba.op.replace(config=None))
+  context = resolution.snapshot()
   rule, replicated, factor_sizes = plan.sharding_rule()
 
   def placement(mesh, arg_shapes):
@@ -444,12 +471,26 @@ def _custom_partitioned(ba: BoundArguments, plan: _Plan, run_for) -> Callable[..
     args = tuple(NamedSharding(mesh, plan.spec(labels, assignment)) for labels in plan.inputs)
     # Marked as the device's call: the compiled program's instructions (what profiles
     # name) carry it; the lowered program has the whole call's marker, outside.
-    return mesh, plan.local_body(ba, run_for, assignment), results, args
+    body = plan.local_body(ba, run_for, assignment)
+
+    def lower(*local):
+      with resolution.restored(context):
+        return body(*local)
+
+    return mesh, lower, results, args
 
   def infer(mesh, arg_shapes, result_shape):
     del result_shape
     return plan.output_shardings(lambda s: NamedSharding(mesh, s), placement(mesh, arg_shapes))
 
-  fn.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule,
-                   need_replication_factors=replicated, **factor_sizes)
-  return fn
+  def call(*arrays):
+    # The body for a program compiled for one device (XLA inlines it then), traced now.
+    # Whether the call is split is known only when it is compiled, so a missing config
+    # does not fire the miss policy here but where the call is placed.
+    with resolution.miss_policy_scope("heuristics"):
+      fn = custom_partitioning(run_for(ba))
+      fn.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule,
+                       need_replication_factors=replicated, **factor_sizes)
+      return markers.mark(ba, fn)(*arrays)
+
+  return call

@@ -111,6 +111,25 @@ def ask_active_results(question: Callable[[tuple[ConfigSource, ...], Any], Any],
   return answer
 
 
+def snapshot() -> tuple[tuple[ConfigSource, ...], str | None]:
+  """The active results and miss-policy scope, to resolve later as if now (`restored`):
+  for calls whose per-device shapes are known only when XLA partitions the program."""
+  return _active_results.get(), _miss_policy.get()
+
+
+@contextlib.contextmanager
+def restored(state: tuple[tuple[ConfigSource, ...], str | None]) -> Iterator[None]:
+  """Makes a `snapshot()`'s results and miss-policy scope the active ones inside a
+  `with` block."""
+  results, policy = state
+  results_token, policy_token = _active_results.set(results), _miss_policy.set(policy)
+  try:
+    yield
+  finally:
+    _miss_policy.reset(policy_token)
+    _active_results.reset(results_token)
+
+
 def _innermost_config(results: tuple[ConfigSource, ...], bound_args: Any) -> Any | None:
   for result in reversed(results):
     config = result.lookup_config(bound_args)
