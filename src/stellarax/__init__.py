@@ -16,6 +16,7 @@ from stellarax.core.calling import BackwardFallbackWarning as BackwardFallbackWa
 from stellarax.core.config import config_dataclass as config_dataclass
 from stellarax.core.op import Op as Op
 from stellarax.core.partitioning import ShardingLayout as ShardingLayout
+from stellarax.core.partitioning import per_shard_scope as per_shard_scope
 from stellarax.ops.attention.api import dot_product_attention as dot_product_attention
 from stellarax.ops.attention.base import XlaAttention as XlaAttention
 from stellarax.ops.attention.base import XlaAttentionVjp as XlaAttentionVjp

@@ -185,8 +185,7 @@ def _tiny_chain(x):
   return jnp.tanh(jnp.tanh(jnp.tanh(jnp.sin(x) @ x) @ x) @ x)
 
 
-@pytest.mark.timing
-def test_host_bound_candidates_are_timed_in_a_loop():
+def _host_bound_calls_loop() -> None:
   x = _x((16, 16))
   cands = {"chain": _tiny_chain, "1x": _tiny}
   batched = m.measure_candidates(cands, (x,), options=dataclasses.replace(FAST, loop_calls=0))
@@ -205,6 +204,20 @@ def test_host_bound_candidates_are_timed_in_a_loop():
   assert m.pick_best(looped) == "1x"
   # With the default factor the tiny call (about one dispatch floor) loops on its own.
   assert m.measure_candidates({"1x": _tiny}, (x,), options=FAST)["1x"].method == "cpu-looped"
+
+
+@pytest.mark.timing
+def test_host_bound_candidates_are_timed_in_a_loop():
+  # Each check holds on an idle machine; a busy one (another job on the same cores)
+  # can slow one measurement past a bound. A regression fails every try, noise one:
+  # three tries.
+  for attempt in range(3):
+    try:
+      _host_bound_calls_loop()
+      return
+    except AssertionError:
+      if attempt == 2:
+        raise
 
 
 def _loop_whatever_it_costs(monkeypatch):

@@ -224,6 +224,18 @@ def _run_cases(explicit: bool) -> dict:
   want = stellarax.rms_norm(x, None, implementation="xla")
   report["user shard_map"] = {"spec": _spec_of(got),
                               "error": float(np.max(np.abs(np.asarray(got) - np.asarray(want))))}
+  # Off (Auto axes only): the whole call on every device, which jax.export can serialize.
+  if not explicit:
+    x = jax.device_put(jax.random.normal(jax.random.key(2), (64, 32)), jax.NamedSharding(mesh, jax.P("data")))
+    w = 0.2 * jax.random.normal(jax.random.key(3), (32, 2, 64))
+    glu = jax.jit(lambda x, w: stellarax.gated_linear_unit(
+        x, w, implementation=stellarax.PallasTritonGatedLinearUnit(interpret=True)))
+    with stellarax.per_shard_scope(False):
+      whole = "CustomSPMDPartitioning" not in glu.lower(x, w).as_text()
+      exported = jax.export.export(glu)(x, w)
+      error = float(jnp.max(jnp.abs(exported.call(x, w) - glu(x, w))))
+    report["per_shard off"] = {"whole": whole, "error": error,
+                               "on again": "CustomSPMDPartitioning" in glu.lower(x, w).as_text()}
   # Tuned, then run with the result: each device's call runs the config tuned for it.
   x = jax.device_put(jnp.ones((64, 32)), jax.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
   params = {"w": jnp.ones(32)}
@@ -314,6 +326,8 @@ def test_each_device_runs_its_shard_unless_the_op_refuses_it(sharded_run):
   # the types; from the partitioner, compiling the program, with Auto axes.
   assert report["captured"] == [[1, 64, 4, 64]]
   assert report["user shard_map"] == {"spec": [["data", "model"]], "error": 0.0}
+  if mode == "auto":
+    assert report["per_shard off"] == {"whole": True, "error": 0.0, "on again": True}
   tuned = report["tuned"]
   assert tuned == {"shape": [16, 32], "best": 2, "ran": [[2], [2]]}, tuned
 
@@ -420,6 +434,12 @@ def test_gqa_query_heads_split_with_the_key_heads_they_use():
     partitioning._Plan.of(ScaleRows.bind(S((64, 32), jnp.float32), {"w": S((32,), jnp.float32)}),
                           stellarax.ShardingLayout({"x": "(r q) c", "params": {"w": "c"}},
                                                    ("(r q) c", None), frozenset("r")))
+
+
+def test_per_shard_scope_takes_a_bool():
+  with pytest.raises(TypeError, match="enabled=0 must be True or False"):
+    with stellarax.per_shard_scope(0):
+      pass
 
 
 def test_one_device_runs_the_call_as_it_is():

@@ -41,13 +41,15 @@ more free factor in front of the batched arrays and of every output.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+from jax._src import config as _jax_config
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -132,11 +134,41 @@ def per_shard(ba: BoundArguments, run_for: Callable[[BoundArguments], Callable[.
     mesh = _explicit_mesh(arrays)
     if mesh is not None:
       return _shard_mapped(ba, _Plan.of(ba, layout), run_for, mesh, arrays)
-    if jax.device_count() > 1:
+    if jax.device_count() > 1 and _per_shard.value:
       return _custom_partitioned(ba, _Plan.of(ba, layout), run_for)(*arrays)
     return markers.mark(ba, run_for(ba))(*arrays)
 
   return call
+
+
+# Part of JAX's trace context, so that a trace made with it on is not reused with it off.
+_per_shard = _jax_config.bool_state(
+    name="stellarax_per_shard", default=True, include_in_trace_context=True,
+    include_in_jit_key=True,
+    help="Run Pallas kernels per shard on arrays split over Auto mesh axes "
+         "(stellarax/core/partitioning.py); STELLARAX_PER_SHARD=0 turns it off.")
+
+
+@contextlib.contextmanager
+def per_shard_scope(enabled: bool) -> Iterator[None]:
+  """Turns running kernels per shard over Auto mesh axes on or off inside a `with`
+  block (default: on, unless the environment sets STELLARAX_PER_SHARD=0).
+
+  Off, a kernel's call on arrays split over Auto axes runs whole on every device, on
+  arrays XLA gathers for it, as it did before stellarax split calls: what
+  `jax.export` needs, as it cannot serialize the partitioner's Python callback. Over
+  Explicit axes kernels run per shard always: they do not trace on split arrays.
+
+  Args:
+    enabled: whether to run per shard.
+
+  Raises:
+    TypeError: for a value other than a bool.
+  """
+  if not isinstance(enabled, bool):
+    raise TypeError(f"enabled={enabled!r} must be True or False.")
+  with _per_shard(enabled):
+    yield
 
 
 @dataclasses.dataclass(frozen=True)
