@@ -119,7 +119,8 @@ class Op(abc.ABC):
   def _array_layout(self, arguments: dict[str, Any]) -> Any:
     """How the arrays of a call with canonical `arguments` line up: a
     `stellarax.ShardingLayout` naming every dimension of every array argument and
-    output, or None where that is not known (the default)."""
+    output, or None where that is not known (the default). Over Explicit mesh axes a
+    call with one runs per shard (`core/partitioning.py`)."""
     del arguments
     return None
 

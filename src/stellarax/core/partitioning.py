@@ -30,7 +30,9 @@ Two ways in, one per kind of mesh axis:
 
 - Explicit axes: the arrays' types carry their shardings, so the call is wrapped in
   `jax.shard_map` when it is traced. Its outputs leave split like the arguments their
-  factors come from (a gradient must have its argument's sharding).
+  factors come from (a gradient must have its argument's sharding). XLA
+  implementations run per shard here too (`Op._array_layout`), as some XLA operations
+  refuse split arrays (`jax.lax.ragged_dot`; a contraction over a split dimension).
 - Auto axes: the shardings are known only when XLA partitions the program, so the call
   is wrapped in `custom_partitioning`, whose partition callback places it then (its
   Shardy rule, built from the same layout, guides propagation).
@@ -124,7 +126,11 @@ def per_shard(ba: BoundArguments, run_for: Callable[[BoundArguments], Callable[.
   Returns:
     fn(*array leaves) -> the implementation's output.
   """
-  layout = ba.op._partitioning(ba.arguments)
+  # Over Auto axes only kernels are wrapped (XLA partitions its own operations); over
+  # Explicit ones every op that has a layout runs per shard: kernels do not trace on
+  # split arrays, and some XLA operations refuse them too (`jax.lax.ragged_dot`).
+  kernel_layout = ba.op._partitioning(ba.arguments)
+  layout = kernel_layout if kernel_layout is not None else ba.op._array_layout(ba.arguments)
   if layout is None:
     return markers.mark(ba, run_for(ba))
 
@@ -134,7 +140,7 @@ def per_shard(ba: BoundArguments, run_for: Callable[[BoundArguments], Callable[.
     mesh = _explicit_mesh(arrays)
     if mesh is not None:
       return _shard_mapped(ba, _Plan.of(ba, layout), run_for, mesh, arrays)
-    if jax.device_count() > 1 and _per_shard.value:
+    if kernel_layout is not None and jax.device_count() > 1 and _per_shard.value:
       return _custom_partitioned(ba, _Plan.of(ba, layout), run_for)(*arrays)
     return markers.mark(ba, run_for(ba))(*arrays)
 
