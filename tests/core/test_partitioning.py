@@ -437,7 +437,8 @@ def test_gqa_query_heads_split_with_the_key_heads_they_use():
   shapes = [s.shape for s in ba.batched_array_specs()]
   assignment = plan.assign(specs, {"x": 4})
   assert assignment == {"h": ("x",)}
-  assert [plan.local_shape(l, s, assignment, {"x": 4}) for l, s in zip(plan.inputs, shapes)] == [
+  local = plan.local_call(ba, shapes, assignment, {"x": 4})
+  assert [s.shape for s in local.batched_array_specs()] == [
       (1, 2, 16, 16), (2, 16, 1, 64), (2, 16, 2, 64), (2, 16, 1, 64)]
   assert plan.assign(specs, {"x": 8}) == {}  # 4 key heads do not split 8 ways
   with pytest.raises(ValueError, match=r"gives no size for \['r', 'q'\]"):

@@ -87,8 +87,7 @@ class BoundArguments:
 
   def array_specs(self) -> list[specs.ArraySpec]:
     """The unbatched array leaves of the arguments, in flattening order."""
-    return [leaf for leaf in jax.tree.leaves(_thaw(dict(self.arguments)), is_leaf=_is_spec)
-            if isinstance(leaf, specs.ArraySpec)]
+    return [spec for name in sorted(self.arguments) for spec in self.array_specs_of(name)]
 
   def array_specs_of(self, name: str) -> list[specs.ArraySpec]:
     """The unbatched array leaves of one argument, in flattening order."""

@@ -126,25 +126,33 @@ def per_shard(ba: BoundArguments, run_for: Callable[[BoundArguments], Callable[.
   Returns:
     fn(*array leaves) -> the implementation's output.
   """
-  # Over Auto axes only kernels are wrapped (XLA partitions its own operations); over
-  # Explicit ones every op that has a layout runs per shard: kernels do not trace on
-  # split arrays, and some XLA operations refuse them too (`jax.lax.ragged_dot`).
-  kernel_layout = ba.op._partitioning(ba.arguments)
-  layout = kernel_layout if kernel_layout is not None else ba.op._array_layout(ba.arguments)
-  if layout is None:
-    return markers.mark(ba, run_for(ba))
-
   def call(*arrays):
     # The whole call's config is resolved only where the whole call may run (a miss
-    # policy of "error" or "autotune" must not fire for a call no device runs).
+    # policy of "error" or "autotune" must not fire for a call no device runs), and a
+    # layout is built only where there are devices to split over.
     mesh = _explicit_mesh(arrays)
     if mesh is not None:
-      return _shard_mapped(ba, _Plan.of(ba, layout), run_for, mesh, arrays)
-    if kernel_layout is not None and jax.device_count() > 1 and _per_shard.value:
-      return _custom_partitioned(ba, _Plan.of(ba, layout), run_for)(*arrays)
+      layout = _layout(ba, kernels_only=False)
+      if layout is not None:
+        return _shard_mapped(ba, _Plan.of(ba, layout), run_for, mesh, arrays)
+    elif jax.device_count() > 1 and _per_shard.value:
+      layout = _layout(ba, kernels_only=True)
+      if layout is not None:
+        return _custom_partitioned(ba, _Plan.of(ba, layout), run_for)(*arrays)
     return markers.mark(ba, run_for(ba))(*arrays)
 
   return call
+
+
+def _layout(ba: BoundArguments, *, kernels_only: bool) -> ShardingLayout | None:
+  """The layout `ba` runs per shard by. Over Auto axes only kernels have one
+  (`_partitioning`: XLA partitions its own operations); over Explicit ones every op
+  that has a layout (`_array_layout`) runs per shard: kernels do not trace on split
+  arrays, and some XLA operations refuse them too (`jax.lax.ragged_dot`)."""
+  layout = ba.op._partitioning(ba.arguments)
+  if layout is None and not kernels_only:
+    layout = ba.op._array_layout(ba.arguments)
+  return layout
 
 
 # Part of JAX's trace context, so that a trace made with it on is not reused with it off.
@@ -246,7 +254,7 @@ class _Plan:
         factor = dim[0]
         if entry is None or factor not in self.splittable or factor in out:
           continue
-        axes = (entry,) if isinstance(entry, str) else tuple(entry)
+        axes = _axes(entry)
         if taken & set(axes) or self.sizes[factor] % math.prod(axis_sizes[a] for a in axes):
           continue
         out[factor] = axes
@@ -259,10 +267,13 @@ class _Plan:
       return None if axes is None else axes[0] if len(axes) == 1 else axes
     return PartitionSpec(*(entry(dim) for dim in labels))
 
-  def local_shape(self, labels: Labels, shape: Sequence[int], assignment, axis_sizes) -> tuple[int, ...]:
-    """One device's part of an array of `labels` and `shape`."""
-    return tuple(size // math.prod(axis_sizes[a] for a in assignment.get(dim[0], ()))
-                 for dim, size in zip(labels, shape))
+  def local_call(self, ba: BoundArguments, shapes: Sequence[Sequence[int]], assignment,
+                 axis_sizes: Mapping[str, int]) -> BoundArguments:
+    """One device's part of the call `ba` on arrays of `shapes`, split by `assignment`."""
+    return ba.with_array_shapes([
+        tuple(size // math.prod(axis_sizes[a] for a in assignment.get(dim[0], ()))
+              for dim, size in zip(labels, shape))
+        for labels, shape in zip(self.inputs, shapes)])
 
   def natural_spec(self, labels: Labels, specs_: Sequence[PartitionSpec]) -> PartitionSpec:
     """How an array of `labels` is split where each factor keeps the mesh axes of its
@@ -281,7 +292,7 @@ class _Plan:
     out = []
     for dim in labels:
       entry = first.get(dim[0])
-      axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+      axes = _axes(entry)
       out.append(None if not axes or used & set(axes) else entry)
       used |= set(axes)
     return PartitionSpec(*out)
@@ -320,6 +331,11 @@ class _Plan:
     return (f"{side(self.inputs)} -> {side(self.outputs)}",
             tuple(f for f in factors if f not in self.splittable),
             {f: self.sizes[f] for f in factors if f not in whole})
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry (None, an axis name or a tuple of them)."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _entries(spec: PartitionSpec | None, rank: int) -> tuple[Any, ...]:
@@ -393,10 +409,8 @@ def _supported(ba: BoundArguments, plan: _Plan, assignment: dict[str, tuple[str,
   whole call."""
   if not assignment:
     return assignment
-  local = [plan.local_shape(labels, shape, assignment, axis_sizes)
-           for labels, shape in zip(plan.inputs, shapes)]
   try:
-    ba.op._check_supported(dict(ba.with_array_shapes(local).arguments))
+    ba.op._check_supported(dict(plan.local_call(ba, shapes, assignment, axis_sizes).arguments))
   except NotImplementedError:
     return {}
   return assignment
@@ -422,8 +436,7 @@ def _shard_mapped(ba: BoundArguments, plan: _Plan, run_for, mesh, arrays) -> Any
   assignment = _supported(ba, plan, plan.assign(specs_, axis_sizes), shapes, axis_sizes)
   in_specs = tuple(plan.spec(labels, assignment) for labels in plan.inputs)
   # Dimensions of factors that are not split are gathered first.
-  arrays = [x if jax.typeof(x).sharding.spec == s else jax.sharding.reshard(x, NamedSharding(mesh, s))
-            for x, s in zip(arrays, in_specs)]
+  arrays = [_resharded(x, mesh, s) for x, s in zip(arrays, in_specs)]
   # Manual over the Explicit axes only (a user's shard_map may have made others manual).
   explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types)
               if t == jax.sharding.AxisType.Explicit}
@@ -436,9 +449,14 @@ def _shard_mapped(ba: BoundArguments, plan: _Plan, run_for, mesh, arrays) -> Any
   leaves, tree = jax.tree.flatten(out)
   wanted = [specs_[twin] if twin is not None and len(plan.inputs[twin]) == len(labels)
             else plan.natural_spec(labels, specs_) for labels, twin in zip(plan.outputs, plan.twins)]
-  leaves = [x if jax.typeof(x).sharding.spec == s else jax.sharding.reshard(x, NamedSharding(mesh, s))
-            for x, s in zip(leaves, wanted)]
-  return tree.unflatten(leaves)
+  return tree.unflatten([_resharded(x, mesh, s) for x, s in zip(leaves, wanted)])
+
+
+def _resharded(x: Any, mesh: Any, spec: PartitionSpec) -> Any:
+  """`x` split by `spec` over `mesh` (Explicit axes: in its type), moved only if not so."""
+  if jax.typeof(x).sharding.spec == spec:
+    return x
+  return jax.sharding.reshard(x, NamedSharding(mesh, spec))
 
 
 # Whole call's marker -> one device's call, as XLA's partitioner last placed it.
@@ -500,11 +518,10 @@ def _custom_partitioned(ba: BoundArguments, plan: _Plan, run_for) -> Callable[..
   def partition(mesh, arg_shapes, result_shape):
     assignment = placement(mesh, arg_shapes)
     if assignment:  # what each device runs, for capture (`per_device_calls`)
-      local = [plan.local_shape(labels, s.shape, assignment, dict(mesh.shape))
-               for labels, s in zip(plan.inputs, arg_shapes)]
       if len(_PER_DEVICE) > 4096:  # a long-lived process compiling ever new calls
         _PER_DEVICE.clear()
-      _PER_DEVICE[ba.to_marker()] = ba.with_array_shapes(local)
+      _PER_DEVICE[ba.to_marker()] = plan.local_call(ba, [s.shape for s in arg_shapes],
+                                                    assignment, dict(mesh.shape))
     results = plan.output_shardings(lambda s: NamedSharding(mesh, s), assignment)
     args = tuple(NamedSharding(mesh, plan.spec(labels, assignment)) for labels in plan.inputs)
     # Marked as the device's call: the compiled program's instructions (what profiles

@@ -84,8 +84,8 @@ class LayerNorm(Op):
 
   def _array_layout(self, arguments):
     labels, rows, free = _norm_labels(arguments)
-    return partitioning.ShardingLayout(labels, (labels["x"], _statistics(arguments["subtract_mean"], rows)),
-                               free)
+    statistics = _statistics(arguments["subtract_mean"], rows)
+    return partitioning.ShardingLayout(labels, (labels["x"], statistics), free)
 
 
 class LayerNormVjp(Op):
