@@ -14,6 +14,7 @@ from stellarax.autotuning import autotune as autotune
 from stellarax.core.bound_args import BoundArguments as BoundArguments
 from stellarax.core.calling import BackwardFallbackWarning as BackwardFallbackWarning
 from stellarax.core.config import config_dataclass as config_dataclass
+from stellarax.core.op import ImplementationUnavailableError as ImplementationUnavailableError
 from stellarax.core.op import Op as Op
 from stellarax.core.partitioning import ShardingLayout as ShardingLayout
 from stellarax.core.partitioning import per_shard_scope as per_shard_scope

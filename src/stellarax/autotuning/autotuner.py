@@ -351,7 +351,10 @@ class Autotuner:
 
     Raises:
       ValueError: when every measured config failed.
+      ImplementationUnavailableError: when the installed JAX cannot run the call's
+        op (a Pallas backend it lacks), before measuring any config.
     """
+    type(ba.op).require_available()  # one clear error, not one per config of the space
     ba = ba.with_config(None)
     heuristic = ba.heuristics_config
     space = _ordered_space(ba)

@@ -106,9 +106,13 @@ def call_op(op, values: dict[str, Any]) -> Any:
 
   Returns:
     The op's output (forward ops: without residuals).
+
+  Raises:
+    ImplementationUnavailableError: when `op` cannot run with the installed JAX.
   """
   values = as_recorded(values)  # what tuning runs the op with, so the same here
   arrays, rebuild = specs.split_arrays(values)
+  op.require_available()
   if op.fwd_cls is None and op._is_trivial(values):
     return _zeros_of_reference(op, arrays, rebuild)
   ba = BoundArguments.from_values(op, values)

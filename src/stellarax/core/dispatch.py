@@ -7,8 +7,9 @@
   instance: that one;
 - a sequence: tried in order.
 
-Candidates that raise `NotImplementedError` for the given arguments are
-skipped; when none applies, the error lists each candidate's reason.
+Candidates that raise `NotImplementedError` for the given arguments, and those
+the installed JAX cannot run (`Op.require_available`), are skipped; when none
+applies, the error lists each candidate's reason.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def call_family(family: str, preference: Sequence[str], implementation: Any, arg
 
   Raises:
     NotImplementedError: when no candidate supports the arguments, listing
-      each one's reason.
+      each one's reason (an implementation the installed JAX cannot run is one).
     ValueError: for an unknown implementation name, an Op of another family, or an
       empty sequence.
   """
@@ -94,6 +95,7 @@ def call_family(family: str, preference: Sequence[str], implementation: Any, arg
   bound, reasons = [], []
   for op in ops:
     try:
+      op.require_available()  # before binding: no other reason matters then
       bound.append((op, op._bind_values(*args, **kwargs)))
     except NotImplementedError as e:
       reasons.append(f"  {op.name}: {e}")

@@ -12,6 +12,10 @@ family. It declares a config class and six hooks:
 - `supported_on(device)`: whether it runs on a device.
 - `_check_supported(arguments)`: refuses, with NotImplementedError, a call its
   kernel does not take (dispatch then tries the next implementation).
+- `_unavailable_reason()`: why it cannot run with the installed JAX at all (a
+  Pallas backend JAX removed), or None; such an implementation stays registered,
+  so data naming it still loads, and refuses calls with
+  `ImplementationUnavailableError`.
 
 Calling an op binds its arguments (`bind`), resolves a config (see
 `resolution.py`) and runs `_fwd` inside a marker that names the op and its
@@ -41,6 +45,12 @@ import jax.numpy as jnp
 from stellarax.core import registry
 from stellarax.core import specs
 from stellarax.core.config import NoConfig
+
+
+class ImplementationUnavailableError(NotImplementedError):
+  """An implementation cannot run with the installed JAX (a Pallas backend it needs
+  is missing): raised when a call names it. A NotImplementedError, so that dispatch
+  given several implementations moves on to the next."""
 
 
 class _bind_descriptor:
@@ -159,6 +169,25 @@ class Op(abc.ABC):
     """Whether this implementation runs on `device` (a jax Device)."""
     del device
     return True
+
+  @classmethod
+  def _unavailable_reason(cls) -> str | None:
+    """Why this implementation cannot run with the installed JAX (e.g. the Pallas
+    backend it is written in is not there), or None (the default) when it can. Asked
+    when a call runs and by dispatch, never when data naming the op loads."""
+    return None
+
+  @classmethod
+  def require_available(cls) -> None:
+    """Raises where this implementation cannot run with the installed JAX.
+
+    Raises:
+      ImplementationUnavailableError: naming the implementation and why
+        (`_unavailable_reason`), with what to use instead.
+    """
+    reason = cls._unavailable_reason()
+    if reason is not None:
+      raise ImplementationUnavailableError(f"{cls.__name__} ({cls.name}) cannot run: {reason}.")
 
   def _example_value(self, name: str, spec: specs.ArraySpec, key: jax.Array,
                      arguments: Mapping[str, Any]) -> jax.Array:

@@ -9,9 +9,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from stellarax.core.op import Op
+from stellarax.ops import pallas_backends
+
+plgpu = pallas_backends.mosaic_gpu
 
 
 def unpack_refs(refs: Sequence[Any], present: Sequence[bool]) -> list[Any]:
@@ -52,8 +54,14 @@ class PallasTritonOp(Op):
 
   @classmethod
   def supported_on(cls, device: Any) -> bool:
-    """Pallas Triton kernels compile for NVIDIA GPUs."""
-    return getattr(device, "platform", None) == "gpu" and "nvidia" in str(getattr(device, "device_kind", "")).lower()
+    """Pallas Triton kernels compile for NVIDIA GPUs, with a JAX that has the backend."""
+    return (cls._unavailable_reason() is None and getattr(device, "platform", None) == "gpu"
+            and "nvidia" in str(getattr(device, "device_kind", "")).lower())
+
+  @classmethod
+  def _unavailable_reason(cls) -> str | None:
+    """JAX deprecated Pallas Triton in 0.11; a JAX without it cannot run these kernels."""
+    return pallas_backends.missing_reason("triton")
 
 
 def config_from_tunables(config_cls: type, tunables: Mapping[str, Any]) -> Any:
@@ -112,9 +120,15 @@ class PallasMosaicGpuOp(Op):
     return self._array_layout(arguments)
 
   @classmethod
+  def _unavailable_reason(cls) -> str | None:
+    """A JAX without Pallas Mosaic GPU cannot run these kernels."""
+    return pallas_backends.missing_reason("mosaic_gpu")
+
+  @classmethod
   def supported_on(cls, device: Any) -> bool:
-    """Mosaic GPU kernels need an NVIDIA GPU of compute capability >= 9.0."""
-    if getattr(device, "platform", None) != "gpu" or "nvidia" not in str(getattr(device, "device_kind", "")).lower():
+    """Mosaic GPU kernels need an NVIDIA GPU of compute capability >= 9.0, and a JAX
+    with the backend."""
+    if cls._unavailable_reason() is not None or getattr(device, "platform", None) != "gpu" or "nvidia" not in str(getattr(device, "device_kind", "")).lower():
       return False
     try:
       return float(getattr(device, "compute_capability", "0")) >= 9.0

@@ -16,9 +16,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from stellarax.core.config import check_choice, check_power_of_two
+from stellarax.ops import pallas_backends
+
+pltriton = pallas_backends.triton
 
 # Triton's tensor-core dot needs every block dimension >= 16. Blocks above 256 are
 # refused: no useful Hopper tile needs them, and most would overflow registers.

@@ -44,12 +44,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
+from stellarax.ops import pallas_backends
 from stellarax.ops import pallas_common
 from stellarax.ops.attention import flash_blocks
 from stellarax.ops.attention.flash_blocks import MASK_VALUE
 from stellarax.ops.pallas_common import unpack_refs
+
+plgpu = pallas_backends.triton
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)

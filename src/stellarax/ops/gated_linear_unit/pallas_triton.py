@@ -37,14 +37,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from stellarax.core.config import config_dataclass
 from stellarax.ops import common
+from stellarax.ops import pallas_backends
 from stellarax.ops import pallas_common
 from stellarax.ops import triton_matmul as tm
 from stellarax.ops.gated_linear_unit import base as _base
 from stellarax.ops.gated_linear_unit.reference import activation_name, check_glu_shapes
+
+pltriton = pallas_backends.triton
 
 _KERNEL = "gated_linear_unit"
 # Each program holds two block_m x block_n float32 accumulators (gate and linear).

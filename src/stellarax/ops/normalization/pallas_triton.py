@@ -43,10 +43,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from stellarax.core.config import check_choice, check_positive_int
+from stellarax.ops import pallas_backends
 from stellarax.ops.normalization.reference import normalize_axes
+
+plgpu = pallas_backends.triton
 
 MAX_BLOCK_COLS = 16384
 """The longest chunk of a row; longer rows are read in several chunks."""

@@ -57,10 +57,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from stellarax.core.config import check_power_of_two
 from stellarax.ops import common
+from stellarax.ops import pallas_backends
 from stellarax.ops import triton_matmul as tm
 from stellarax.ops.ragged_dot import split_k as _splits
 from stellarax.ops.ragged_dot.reference import (
@@ -68,6 +68,8 @@ from stellarax.ops.ragged_dot.reference import (
     check_ragged_dot_shapes,
     group_bounds,
 )
+
+pltriton = pallas_backends.triton
 
 # Limits and checks shared with the other Triton matmul kernels (`triton_matmul`).
 MIN_BLOCK = tm.MIN_BLOCK

@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from stellarax.ops import pallas_backends
 from stellarax.ops.attention import flash_blocks
 from stellarax.ops.attention.pallas_mosaic_gpu.kernel_parts import (
     _LOG2E, Interpret, _add_pair, _as_interpret, _barrier, _cols, _halves, _if_blocks, _kept,
@@ -46,6 +46,8 @@ from stellarax.ops.attention.pallas_mosaic_gpu.tunables import (
     _COMPUTE_REGISTERS, _DQ_CHUNK, _MEMORY_REGISTERS, PallasMosaicGpuAttentionVjpConfig,
     _dkdv_registers, _dq_staging_slots, _round_up)
 from stellarax.ops.pallas_common import unpack_refs
+
+plgpu = pallas_backends.mosaic_gpu
 
 
 def _dq_kernel(*refs, q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, pair_ring,

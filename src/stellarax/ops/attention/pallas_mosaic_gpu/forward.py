@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from stellarax.ops import pallas_backends
 from stellarax.ops.attention import flash_blocks
 from stellarax.ops.attention.pallas_mosaic_gpu.kernel_parts import (
     _LN2, _LOG2E, Interpret, _add_pair, _as_interpret, _barrier, _cols, _Cta, _if_blocks, _kept,
@@ -41,6 +41,8 @@ from stellarax.ops.attention.pallas_mosaic_gpu.kernel_parts import (
 from stellarax.ops.attention.pallas_mosaic_gpu.tunables import (
     _COMPUTE_REGISTERS, _MEMORY_REGISTERS, PallasMosaicGpuAttentionConfig, _round_up)
 from stellarax.ops.pallas_common import unpack_refs
+
+plgpu = pallas_backends.mosaic_gpu
 
 
 @dataclasses.dataclass(frozen=True)

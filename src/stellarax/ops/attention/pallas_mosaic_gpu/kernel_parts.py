@@ -30,12 +30,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from stellarax.ops import pallas_backends
 from stellarax.ops import pallas_common
 from stellarax.ops.attention import flash_blocks
 from stellarax.ops.attention import reference as _reference
 from stellarax.ops.attention.pallas_mosaic_gpu.tunables import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+
+plgpu = pallas_backends.mosaic_gpu
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -643,7 +645,10 @@ def _barrier(num_barriers: int, num_arrivals: int = 1) -> Any:
   return plgpu.Barrier(num_arrivals=num_arrivals, num_barriers=num_barriers)
 
 
-Interpret = bool | plgpu.InterpretGPUParams
+# A kernel's `interpret` option: False, True or `plgpu.InterpretGPUParams`. Spelled as
+# Any, not as that union, because building the union reads the backend at import time,
+# and a JAX without Mosaic GPU must still import this module (`pallas_backends`).
+Interpret = Any
 
 
 def _interpret_params(interpret: Interpret) -> Any:

@@ -62,8 +62,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from stellarax.ops import pallas_backends
 from stellarax.ops import pallas_common
 from stellarax.ops.ragged_dot.pallas_mosaic_gpu.kernel_parts import (
     _column_tile, _ignore, _launch, _out_dtype, _prepare, _row_operand, _StageRelease, _STATIC,
@@ -72,6 +72,8 @@ from stellarax.ops.ragged_dot.pallas_mosaic_gpu.tunables import _NUM_COMPUTE_WGS
 from stellarax.ops.ragged_dot.pallas_mosaic_gpu.work_items import (
     _pad_rows, group_offsets, padded_rows, work_items)
 from stellarax.ops.ragged_dot.reference import check_group_sizes, check_ragged_dot_shapes
+
+plgpu = pallas_backends.mosaic_gpu
 
 
 def _forward_specs(tiles: _Tiles, dtype: Any, transpose_rhs: bool) -> list[Any]:

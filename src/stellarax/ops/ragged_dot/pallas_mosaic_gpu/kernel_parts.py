@@ -39,15 +39,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from stellarax.core.config import config_dataclass
+from stellarax.ops import pallas_backends
 from stellarax.ops import pallas_common
 from stellarax.ops.ragged_dot.pallas_mosaic_gpu.tunables import (
     _check_dtype, check_tunables_fit, _INTERPRET_PROGRAMS, _MEMORY_REGISTERS, _MIN_SLAB, _MULTICAST_CTAS,
     _NUM_COMPUTE_WGS, OUT_DTYPES, PallasMosaicGpuRaggedDotConfig, _ROW_PRODUCT_TUNABLES,
     _TUNABLE_NAMES, _wg_tile)
 from stellarax.ops.ragged_dot.pallas_mosaic_gpu.work_items import _num_sms
+
+plgpu = pallas_backends.mosaic_gpu
 
 
 @config_dataclass

@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from stellarax.ops import pallas_backends
 from stellarax.ops import pallas_common
 from stellarax.ops.ragged_dot.pallas_mosaic_gpu.kernel_parts import (
     _column_tile, _DRHS_STATIC, _ignore, _launch, _out_dtype, _prepare, _row_operand, _StageRelease,
@@ -37,6 +37,8 @@ from stellarax.ops.ragged_dot.pallas_mosaic_gpu.tunables import _ROW_ALIGN
 from stellarax.ops.ragged_dot.pallas_mosaic_gpu.work_items import (
     _pad_rows, group_offsets, padded_rows)
 from stellarax.ops.ragged_dot.reference import check_group_sizes
+
+plgpu = pallas_backends.mosaic_gpu
 
 
 def _zero_rows_outside(operand: Any, *, first_row: jax.Array, lo: jax.Array,
