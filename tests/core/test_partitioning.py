@@ -173,6 +173,18 @@ def _cases():
                                   [P("data"), P(), P()])
   cases["xla glu grad rows"] = (grad(glu("xla"), 2), grad(glu("xla"), 2), (x, w),
                                 [P("data"), P()])
+  # XLA's attention and norms return no residuals where the kernels do (their layouts
+  # say so: `ShardingLayout.without_residuals`).
+  cases["xla attention grad batch"] = (grad(attention("xla"), 3), grad(attention("xla"), 3),
+                                       (q, k, v), [P("data")] * 3)
+  cases["xla chunked attention heads"] = (attention("xla_chunked"), attention("xla_chunked"),
+                                          (q, k, v), [P(None, None, "data")] * 3)
+  layer = lambda impl: lambda x, s, o: stellarax.layer_norm(x, s, o, implementation=impl)
+  cases["xla layer_norm grad rows"] = (grad(layer("xla"), 3), grad(layer("xla"), 3),
+                                       (x, 1 + normal((32,), 0.2), normal((32,))),
+                                       [P("data"), P(), P()])
+  cases["xla rms_norm rows"] = (rms("xla"), rms("xla"), (x, 1 + normal((32,), 0.2)),
+                                [P("data"), P()])
 
   params = {"w": normal((32,))}
   user = lambda x, p: ScaleRows()(x, p)
@@ -297,6 +309,10 @@ _EXPECTED_SPECS = {
     "user op grad rows": [["data"], []],
     "xla ragged_dot rows": {"explicit": [["data"]], "auto": None},  # Auto: as XLA places it
     "xla glu grad rows": {"explicit": [["data"], []], "auto": None},
+    "xla attention grad batch": {"explicit": [["data"]] * 3, "auto": None},
+    "xla chunked attention heads": {"explicit": [[None, None, "data"]], "auto": None},
+    "xla layer_norm grad rows": {"explicit": [["data"], [], []], "auto": None},
+    "xla rms_norm rows": {"explicit": [["data"]], "auto": None},
 }
 
 

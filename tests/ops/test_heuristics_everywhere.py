@@ -65,9 +65,10 @@ def _check_heuristics(op, args, kwargs) -> str:
 
 
 def _check_layout(ba: BoundArguments, outputs) -> None:
-  """The layout by which the call runs per shard (`_partitioning`) fits it: every
-  argument and output dimension named, each factor of one size."""
-  layout = ba.op._partitioning(ba.arguments)
+  """The layout by which the call runs per shard fits it: every argument and output
+  dimension named, each factor of one size. That is `_partitioning` for a kernel, and
+  `_array_layout` for any op over Explicit mesh axes (XLA's too)."""
+  layout = partitioning._layout(ba, kernels_only=False)
   if layout is None:
     return
   plan = partitioning._Plan.of(ba, layout)
@@ -105,7 +106,8 @@ ATTENTION_SHAPES = [  # (B, T, S, N, K, H), options
 ]
 
 
-@pytest.mark.parametrize("op", [stellarax.PallasTritonAttention(), stellarax.PallasMosaicGpuAttention()],
+@pytest.mark.parametrize("op", [stellarax.XlaAttention(), stellarax.XlaChunkedAttention(),
+                                stellarax.PallasTritonAttention(), stellarax.PallasMosaicGpuAttention()],
                          ids=lambda op: op.name)
 def test_attention_heuristics_answer_every_shape(op):
   taken = []
@@ -125,9 +127,10 @@ def test_attention_heuristics_answer_every_shape(op):
 NORM_SHAPES = [(1, 1), (7, 3), (5, 17), (37, 200), (8192, 8192), (3, 40_000), (100_000, 128)]
 
 
+@pytest.mark.parametrize("op", [stellarax.XlaLayerNorm(), stellarax.PallasTritonLayerNorm()],
+                         ids=lambda op: op.name)
 @pytest.mark.parametrize("subtract_mean", [True, False], ids=["layer_norm", "rms_norm"])
-def test_norm_heuristics_answer_every_shape(subtract_mean):
-  op = stellarax.PallasTritonLayerNorm()
+def test_norm_heuristics_answer_every_shape(op, subtract_mean):
   for (rows, cols), dtype in itertools.product(NORM_SHAPES, (jnp.bfloat16, jnp.float32)):
     param = S((cols,), dtype)
     args = (S((rows, cols), dtype), param, param if subtract_mean else None)

@@ -84,6 +84,18 @@ class ShardingLayout:
   free: frozenset[str]
   sizes: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
+  def without_residuals(self) -> ShardingLayout:
+    """This layout of a forward op, `outputs` being (out, residuals), for an
+    implementation that returns (out, None): a family's layout names its kernels'
+    residuals, which an XLA implementation (its VJP recomputes) does not return.
+
+    Raises:
+      ValueError: when `outputs` is not an (out, residuals) pair.
+    """
+    if not isinstance(self.outputs, tuple) or len(self.outputs) != 2:
+      raise ValueError(f"without_residuals needs outputs (out, residuals), got {self.outputs!r}.")
+    return dataclasses.replace(self, outputs=(self.outputs[0], None))
+
 
 def _dims(labels: str) -> Labels:
   """"b (k g) d" -> (("b",), ("k", "g"), ("d",))."""

@@ -208,6 +208,9 @@ class XlaAttention(Attention, name="attention.xla"):
     out, _ = xla.attention_xla(query, key, value, bias, mask, **static)
     return out, None
 
+  def _array_layout(self, arguments):
+    return super()._array_layout(arguments).without_residuals()  # `_fwd` returns (out, None)
+
   def _get_heuristics_config(self, ba):
     return NoConfig()
 
@@ -222,6 +225,9 @@ class XlaChunkedAttention(Attention, name="attention.xla_chunked"):
     out, _ = xla.attention_xla(query, key, value, bias, mask, chunk_q=config.chunk_q,
                                chunk_k=config.chunk_k, **static)
     return out, None
+
+  def _array_layout(self, arguments):
+    return super()._array_layout(arguments).without_residuals()  # `_fwd` returns (out, None)
 
   def _get_heuristics_config(self, ba):
     return _heuristic_chunks(ba.arguments["query"].shape[1], ba.arguments["key"].shape[1])

@@ -138,5 +138,8 @@ class XlaLayerNorm(LayerNorm, name="layer_norm.xla"):
   def _fwd(self, x, scale=None, offset=None, *, config, **static):
     return _xla_normalize(x, scale, offset, **static), None
 
+  def _array_layout(self, arguments):
+    return super()._array_layout(arguments).without_residuals()  # `_fwd` returns (out, None)
+
   def _get_heuristics_config(self, ba):
     return NoConfig()
