@@ -24,6 +24,7 @@ import pytest
 
 import stellarax
 from stellarax.core import partitioning
+from stellarax.core import registry
 
 _DEVICES = 4
 
@@ -195,6 +196,40 @@ def _cases():
   return cases
 
 
+def _checked_shard_map(mesh) -> dict[str, float]:
+  """Gradients inside a user's `shard_map(check_vma=True)` (its default), where JAX types
+  arrays by the axes they vary over; an input kept whole (a norm's scale, ragged_dot's
+  lhs, a bias) gets its gradient summed over the devices. XLA's implementations: JAX's
+  Pallas interpreter does not run under that check (the kernels are lowered for H200s
+  instead, `test_kernels_lower_in_a_checked_shard_map_for_four_h200s`)."""
+  P = jax.sharding.PartitionSpec
+  keys = iter(jax.random.split(jax.random.key(5), 8))
+  normal = lambda shape: jax.random.normal(next(keys), shape)
+  sizes = jnp.array([20, 0, 30], jnp.int32)
+  cases = {
+      "rms_norm": (lambda x, s: stellarax.rms_norm(x, s, implementation="xla"),
+                   (normal((64, 32)), 1 + 0.1 * normal((32,))), (P("data"), P()), P("data")),
+      "attention bias": (lambda q, b: stellarax.dot_product_attention(q, q, q, b, implementation="xla"),
+                         (normal((4, 16, 2, 8)), normal((1, 2, 16, 16))), (P("data"), P()), P("data")),
+      "ragged_dot": (lambda a, b: stellarax.ragged_dot(a, b, sizes, implementation="xla"),
+                     (normal((64, 32)), normal((3, 32, 64))), (P(), P(None, None, "data")),
+                     P(None, "data")),
+      "glu": (lambda x, w: stellarax.gated_linear_unit(x, w, implementation="xla"),
+              (normal((64, 32)), 0.2 * normal((32, 2, 64))), (P("data"), P()), P("data")),
+  }
+  errors = {}
+  for name, (f, args, in_specs, out_specs) in cases.items():
+    mapped = jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    grad = lambda fn: jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=tuple(range(len(args))))
+    placed = [jax.device_put(a, jax.NamedSharding(mesh, spec)) for a, spec in zip(args, in_specs)]
+    try:
+      got, want = jax.jit(grad(mapped))(*placed), grad(f)(*args)
+      errors[name] = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(got, want))
+    except Exception:  # reported, and failed by the test that reads it
+      errors[name] = traceback.format_exc()[-2000:]
+  return errors
+
+
 def _spec_of(x) -> list:
   """A result's PartitionSpec as a list, without trailing Nones."""
   spec = [list(e) if isinstance(e, tuple) else e for e in x.sharding.spec]
@@ -244,6 +279,7 @@ def _run_cases(explicit: bool) -> dict:
   want = stellarax.rms_norm(x, None, implementation="xla")
   report["user shard_map"] = {"spec": _spec_of(got),
                               "error": float(np.max(np.abs(np.asarray(got) - np.asarray(want))))}
+  report["user shard_map checked"] = _checked_shard_map(mesh)
   # Off (Auto axes only): the whole call on every device, which jax.export can serialize.
   if not explicit:
     x = jax.device_put(jax.random.normal(jax.random.key(2), (64, 32)), jax.NamedSharding(mesh, jax.P("data")))
@@ -352,6 +388,8 @@ def test_each_device_runs_its_shard_unless_the_op_refuses_it(sharded_run):
   # the types; from the partitioner, compiling the program, with Auto axes.
   assert report["captured"] == [[1, 64, 4, 64]]
   assert report["user shard_map"] == {"spec": [["data", "model"]], "error": 0.0}
+  for name, error in report["user shard_map checked"].items():
+    assert isinstance(error, float) and error < 1e-5, (mode, name, error)
   if mode == "auto":
     assert report["per_shard off"] == {"whole": True, "error": 0.0, "on again": True}
   tuned = report["tuned"]
@@ -384,6 +422,44 @@ def test_kernels_lower_per_device_for_four_h200s(impl):
   assert all(k.startswith("tensor<2x256x4x128xbf16>") for k in kernels), kernels
   assert not any("8x256x4x128" in k for k in kernels), kernels
 
+
+
+@pytest.mark.parametrize("family", ["attention", "layer_norm", "ragged_dot", "gated_linear_unit"])
+def test_kernels_lower_in_a_checked_shard_map_for_four_h200s(family):
+  # Inside a user's shard_map(check_vma=True), JAX wants each kernel output's varying
+  # axes stated (`pallas_common.out_struct`, `vary_like`) and the gradients typed like
+  # their inputs; lowered, forward and backward, for every kernel of the family.
+  from h200 import H200
+  P = jax.sharding.PartitionSpec
+  mesh = jax.sharding.AbstractMesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,),
+                                   abstract_device=H200)
+  arg = lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.bfloat16,
+                                                 sharding=jax.sharding.NamedSharding(mesh, spec))
+  sizes = jnp.array([64, 0, 100], jnp.int32)
+  calls = {  # family -> (fn(impl), args, in_specs, out_specs)
+      "attention": (lambda i: lambda q: stellarax.dot_product_attention(q, q, q, is_causal=True,
+                                                                        implementation=i),
+                    [arg((8, 256, 4, 128), P("d"))], (P("d"),), P("d")),
+      "layer_norm": (lambda i: lambda x, s: stellarax.rms_norm(x, s, implementation=i),
+                     [arg((256, 1024), P("d")), arg((1024,), P())], (P("d"), P()), P("d")),
+      "ragged_dot": (lambda i: lambda a, b: stellarax.ragged_dot(a, b, sizes, implementation=i),
+                     [arg((256, 256), P()), arg((3, 256, 512), P(None, None, "d"))],
+                     (P(), P(None, None, "d")), P(None, "d")),
+      "gated_linear_unit": (lambda i: lambda x, w: stellarax.gated_linear_unit(x, w, implementation=i),
+                            [arg((256, 256), P("d")), arg((256, 2, 256), P())], (P("d"), P()), P("d")),
+  }
+  make, args, in_specs, out_specs = calls[family]
+  impls = [n.partition(".")[2] for n in registry.names(family)
+           if n.partition(".")[2].startswith("pallas_") and not n.endswith("_vjp")]
+  assert impls, family
+  for impl in impls:
+    mapped = jax.shard_map(make(impl), mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    loss = jax.grad(lambda *a: jnp.sum(mapped(*a).astype(jnp.float32)), argnums=tuple(range(len(args))))
+    with jax.sharding.use_abstract_mesh(mesh):
+      text = jax.jit(loss).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    kernels = [line for line in text.splitlines()
+               if re.search(r"stablehlo.custom_call @(mosaic_gpu|__gpu)", line)]
+    assert len(kernels) >= 2, (impl, text[-2000:])  # forward and backward
 
 
 def test_bound_arguments_take_a_shards_shapes_vmap_levels_included():

@@ -116,6 +116,7 @@ def call_op(op, values: dict[str, Any]) -> Any:
   if op.fwd_cls is None and op._is_trivial(values):
     return _zeros_of_reference(op, arrays, rebuild)
   ba = BoundArguments.from_values(op, values)
+  arrays = partitioning.vary_alike(arrays)  # inside a user's shard_map that checks
   if not trace_keys.building() and not any(isinstance(x, jax.core.Tracer) for x in arrays):
     # Called eagerly: the pieces below (custom_vjp, custom_vmap, the marker) are
     # new functions on every call, so JAX would trace and compile them every

@@ -39,6 +39,14 @@ Two ways in, one per kind of mesh axis:
 
 With a single device nothing is wrapped. Under `jax.vmap` every vmap level is one
 more free factor in front of the batched arrays and of every output.
+
+Inside a user's own `jax.shard_map` the arrays are already one device's, and with
+`check_vma=True` (its default) JAX types each by the manual mesh axes it varies over;
+a Pallas kernel's outputs must have that type spelled out (`pallas_common.out_struct`
+copies it from the kernel's inputs). So that one type serves every input and output,
+a call's inputs are first cast to vary over the union of their axes (`vary_alike`):
+JAX then adds up the gradient of an input that does not vary across those devices,
+as for any computation that broadcasts it.
 """
 
 from __future__ import annotations
@@ -122,6 +130,35 @@ def broadcast_labels(shape: Sequence[int], labels: str, name: str) -> str:
   full = _dims(labels)[len(_dims(labels)) - len(shape):]
   return _text(tuple((f"{name}_{i}",) if size == 1 else dim
                      for i, (size, dim) in enumerate(zip(shape, full))))
+
+
+def _varying_axes(x: Any) -> frozenset[str]:
+  """The manual mesh axes `x` varies over, inside a `shard_map` that checks them."""
+  mat = getattr(jax.typeof(x), "manual_axis_type", None)
+  return frozenset(getattr(mat, "varying", ()) or ())
+
+
+def vary_alike(arrays: Sequence[Any]) -> list[Any]:
+  """Inside `jax.shard_map(check_vma=True)`, `arrays` cast to vary over the union of
+  the manual mesh axes any of them varies over (the module docstring says why);
+  elsewhere, and where none varies, `arrays` as they are.
+
+  Args:
+    arrays: a call's array leaves.
+
+  Returns:
+    The arrays, each of the same type as to the mesh axes it varies over.
+  """
+  arrays = list(arrays)
+  if not _jax_config._check_vma.value:
+    return arrays
+  axes = frozenset().union(*(_varying_axes(x) for x in arrays))
+
+  def cast(x):
+    missing = tuple(sorted(axes - _varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  return [cast(x) for x in arrays]
 
 
 def per_shard(ba: BoundArguments, run_for: Callable[[BoundArguments], Callable[..., Any]]

@@ -37,6 +37,48 @@ def unpack_refs(refs: Sequence[Any], present: Sequence[bool]) -> list[Any]:
   return [next(it) if p else None for p in present]
 
 
+def out_struct(shape: Sequence[int], dtype: Any, *, like: Any) -> jax.ShapeDtypeStruct:
+  """A kernel output's shape and dtype (`pallas_call`'s `out_shape`), of the same
+  type as `like` as to the manual mesh axes it varies over: inside a user's
+  `jax.shard_map(check_vma=True)` Pallas needs that stated, and the kernel's output
+  varies as its inputs do (`partitioning.vary_alike` made them all alike).
+
+  Args:
+    shape, dtype: the output's.
+    like: one of the kernel's input arrays (or tracers).
+
+  Returns:
+    A `jax.ShapeDtypeStruct`.
+  """
+  return jax.ShapeDtypeStruct(tuple(shape), dtype,
+                              manual_axis_type=getattr(jax.typeof(like), "manual_axis_type", None))
+
+
+def vary_like(outputs: Any, operands: Sequence[Any]) -> Any:
+  """A `plgpu.kernel`'s `outputs`, typed as varying over the manual mesh axes its
+  operands vary over (inside a user's `jax.shard_map(check_vma=True)`; elsewhere
+  `outputs` as they are). `plgpu.kernel` types its outputs with the check off, as
+  varying over none, though each device computes its own.
+
+  Args:
+    outputs: a pytree of the kernel's output arrays.
+    operands: the kernel's input arrays.
+
+  Returns:
+    `outputs`, cast where they vary over fewer axes than the operands.
+  """
+  def axes(x):
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(mat, "varying", ()) or ())
+  union = frozenset().union(*(axes(x) for x in operands))
+
+  def cast(y):
+    missing = tuple(sorted(union - axes(y)))
+    return jax.lax.pcast(y, missing, to="varying") if missing else y
+
+  return jax.tree.map(cast, outputs) if union else outputs
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PallasTritonOp(Op):
   """Mixin of the Pallas Triton implementations.

@@ -293,7 +293,7 @@ def _run(body, x2, w2, *more, out_cols, out_dtype, activation, block_m, block_n,
                              precision=common.canonical_precision(precision))
   return pl.pallas_call(
       kernel,
-      out_shape=jax.ShapeDtypeStruct((rows, out_cols), out_dtype),
+      out_shape=pallas_common.out_struct((rows, out_cols), out_dtype, like=x2),
       grid=(pl.cdiv(rows, block_m) * pl.cdiv(cols, block_n),),
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,

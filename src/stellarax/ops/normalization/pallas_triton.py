@@ -603,8 +603,8 @@ def _norm_fwd(x, scale, offset, *, axis, epsilon, subtract_mean, given, interpre
       block_cols=config["block_cols"], epsilon=float(epsilon),
       subtract_mean=subtract_mean, has_scale=scale is not None,
       has_offset=offset is not None)
-  stats = jax.ShapeDtypeStruct((rows,), jnp.float32)
-  out_shape = [jax.ShapeDtypeStruct((rows, cols), x.dtype)] + [stats] * (2 if subtract_mean else 1)
+  stats = pallas_common.out_struct((rows,), jnp.float32, like=x)
+  out_shape = [pallas_common.out_struct((rows, cols), x.dtype, like=x)] + [stats] * (2 if subtract_mean else 1)
   outs = pl.pallas_call(
       kernel, out_shape=out_shape, grid=(_cdiv(rows, config["block_rows"]),),
       compiler_params=_compiler_params(config), interpret=interpret, name=name,
@@ -648,8 +648,8 @@ def _norm_bwd(x, scale, mean, rstd, dy, *, axis, offset_dtype, given, interpret,
       block_cols=config["block_cols"], blocks_per_program=config["blocks_per_program"],
       subtract_mean=mean is not None, has_scale=has_scale, want_doffset=want_doffset,
       sync=not interpret)
-  partial_sums = jax.ShapeDtypeStruct((programs, cols), jnp.float32)
-  out_shape = [jax.ShapeDtypeStruct((rows, cols), x.dtype)]
+  partial_sums = pallas_common.out_struct((programs, cols), jnp.float32, like=x)
+  out_shape = [pallas_common.out_struct((rows, cols), x.dtype, like=x)]
   out_shape += [partial_sums] * (int(has_scale) + int(want_doffset))
   inputs = [x2d, scale, None if mean is None else mean.reshape(rows),
             rstd.reshape(rows), dy2d]

@@ -365,8 +365,8 @@ def _ragged_dot_call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, block_m
                              precision=precision)
   out = pl.pallas_call(
       kernel,
-      out_shape=(jax.ShapeDtypeStruct((num_rows, cols_out), out_dtype) if split_k == 1
-                 else jax.ShapeDtypeStruct((split_k, num_rows, cols_out), jnp.float32)),
+      out_shape=(pallas_common.out_struct((num_rows, cols_out), out_dtype, like=lhs) if split_k == 1
+                 else pallas_common.out_struct((split_k, num_rows, cols_out), jnp.float32, like=lhs)),
       grid=(num_programs,),
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
@@ -614,8 +614,8 @@ def ragged_dot_drhs_pallas_triton(
   shape = (num_groups, contract_k, cols_n)
   out = pl.pallas_call(
       kernel,
-      out_shape=(jax.ShapeDtypeStruct(shape, out_dtype) if split_rows == 1
-                 else jax.ShapeDtypeStruct((split_rows, *shape), jnp.float32)),
+      out_shape=(pallas_common.out_struct(shape, out_dtype, like=lhs) if split_rows == 1
+                 else pallas_common.out_struct((split_rows, *shape), jnp.float32, like=lhs)),
       grid=(num_programs,),
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,

@@ -689,9 +689,14 @@ def _kernel(body: Callable[..., None], *, p: _Problem, c: Any, out_type: Any,
   params = _interpret_params(interpret)
   mma = _Mma(staged=params is not None, check_reads=pallas_common.detects_races(params))
   body = functools.partial(body, p=p, c=c, mma=mma, **options)
-  return plgpu.kernel(
-      body, out_type=out_type, scratch_types=scratch, grid=grid,
-      grid_names=("heads", "batch", tiles), num_threads=num_compute_wgs + 1,
-      thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=params, kernel_name="stellarax_attention_" + name)
+
+  def launch(*operands):
+    outputs = plgpu.kernel(
+        body, out_type=out_type, scratch_types=scratch, grid=grid,
+        grid_names=("heads", "batch", tiles), num_threads=num_compute_wgs + 1,
+        thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=params, kernel_name="stellarax_attention_" + name)(*operands)
+    return pallas_common.vary_like(outputs, operands)
+
+  return launch
 

@@ -283,7 +283,7 @@ def _launch(body, out_shape: jax.ShapeDtypeStruct, operands, *, num_tiles: int,
       interpret=interpret or None,
       kernel_name=name,
   )
-  return kernel(*operands)
+  return pallas_common.vary_like(kernel(*operands), operands)
 
 
 def _row_operand(tiles: _Tiles) -> dict[str, Any]:
