@@ -815,7 +815,11 @@ def _pallas_calls(lowered) -> tuple[list[str], list[bytes]]:
   GPU kernels' serialized modules, in program order. (XLA launches its own fusions
   the same way, so the thunk sequence cannot tell them apart.)"""
   from jax._src.lib.mlir import ir
-  from jax.experimental.pallas import triton as pltriton
+  from stellarax.ops import pallas_backends
+  # The target Pallas Triton's calls carry; where JAX has dropped the backend there are
+  # none to find, and the Mosaic GPU and XLA kernels still compile.
+  triton_target = getattr(pallas_backends.triton, "CUSTOM_CALL_TARGET_NAME", None) \
+      if pallas_backends.missing_reason("triton") is None else None
   triton, mosaic = [], []
 
   def config(op):
@@ -833,7 +837,7 @@ def _pallas_calls(lowered) -> tuple[list[str], list[bytes]]:
             attrs = config(inner)
             if target == "mosaic_gpu_v2" and attrs is not None:
               mosaic.append(ir.StringAttr(attrs["module"]).value_bytes)
-            elif target == pltriton.CUSTOM_CALL_TARGET_NAME and attrs is not None:
+            elif triton_target is not None and target == triton_target and attrs is not None:
               triton.append(ir.StringAttr(attrs["name"]).value)
           walk(inner)
 
