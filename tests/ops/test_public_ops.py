@@ -31,8 +31,15 @@ def test_ragged_dot_of_two_dtypes_promotes_as_lax():
   out = stellarax.ragged_dot(lhs, rhs, gs)
   assert out.dtype == expected.dtype == jnp.float32
   np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
-  grads = jax.grad(lambda a, b: stellarax.ragged_dot(a, b, gs).sum(), argnums=(0, 1))(lhs, rhs)
+  cotangent = jax.random.normal(_keys(3)[2], expected.shape, jnp.float32)
+  loss = lambda f: lambda a, b: jnp.sum(f(a, b, gs) * cotangent)
+  grads = jax.grad(loss(stellarax.ragged_dot), argnums=(0, 1))(lhs, rhs)
   assert [g.dtype for g in grads] == [jnp.bfloat16, jnp.float32]
+  # Each gradient as precise as its own dtype: the float32 rhs's is not computed from
+  # a cotangent rounded to the bfloat16 lhs's dtype.
+  want = jax.grad(loss(jax.lax.ragged_dot), argnums=(0, 1))(lhs, rhs)
+  np.testing.assert_allclose(grads[1], want[1], rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(grads[0].astype(jnp.float32), want[0].astype(jnp.float32), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("m, k, n, dtype", [

@@ -173,9 +173,13 @@ class XlaRaggedDotVjp(RaggedDotVjp, name="ragged_dot.xla_vjp"):
            preferred_element_type=None, config):
     del residuals, out
     kw = dict(strategy=config.strategy, tile_m=config.tile_m, precision=common.lax_precision(precision))
-    dlhs = xla.ragged_dot_xla(dout.astype(rhs.dtype), jnp.swapaxes(rhs, 1, 2), group_sizes,
+    # Each product in the wider of its operands' dtypes: a float32 cotangent cast down to
+    # a bfloat16 lhs's dtype would cost a float32 rhs's gradient its precision.
+    wide = jnp.promote_types(dout.dtype, rhs.dtype)
+    dlhs = xla.ragged_dot_xla(dout.astype(wide), jnp.swapaxes(rhs, 1, 2).astype(wide), group_sizes,
                               preferred_element_type=lhs.dtype, **kw)
-    drhs = xla.ragged_dot_rhs_grad_xla(lhs, dout.astype(lhs.dtype), group_sizes, rhs.shape[0],
+    wide = jnp.promote_types(lhs.dtype, dout.dtype)
+    drhs = xla.ragged_dot_rhs_grad_xla(lhs.astype(wide), dout.astype(wide), group_sizes, rhs.shape[0],
                                        preferred_element_type=rhs.dtype, **kw)
     return {"lhs": dlhs, "rhs": drhs}
 
