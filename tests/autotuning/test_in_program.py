@@ -165,3 +165,41 @@ def test_profile_gives_each_calls_own_device_time_in_the_program():
              for line in lines[start:]), lines
   assert any(line.startswith("  layer_norm.xla: ") and line.endswith("not timed on its own)")
              for line in lines[start:]), lines
+
+
+def attention_program(q, kv):
+  return stellarax.dot_product_attention(q, kv, kv, is_causal=True)  # dispatch picks
+
+
+@pytest.mark.parametrize("helps", [True, False])
+def test_a_call_the_result_moves_to_another_implementation_is_checked_and_kept(monkeypatch, helps):
+  # Autotuner(implementations=...) times the call's other implementations too; dispatch
+  # runs the fastest. The call at its heuristic config leaves the other one timed at its
+  # best config: the switch is what the program gains, and what a left-out call drops.
+  k = jax.random.split(jax.random.key(3), 2)
+  q, kv = jax.random.normal(k[0], (1, 40, 4, 8)), jax.random.normal(k[1], (1, 40, 2, 8))
+  (found,) = autotuning.get_bound_args(attention_program, q, kv)
+  found = found.with_config(None)
+  other = stellarax.XlaAttention.bind(q, kv, kv, is_causal=True) \
+      if found.op.name != "attention.xla" else stellarax.XlaChunkedAttention.bind(q, kv, kv, is_causal=True)
+  own = autotuning.Entry(found, found.heuristics_config, found.heuristics_config,
+                         ((found.heuristics_config, _ok(5.0)),), method="test")
+  switch = autotuning.Entry(other, other.heuristics_config, other.heuristics_config,
+                            ((other.heuristics_config, _ok(1.0)),), method="test")
+  result = autotuning.AutotuningResult(jax.devices()[0].device_kind, {own.key: own, switch.key: switch})
+  traced = {}
+
+  def fake_measure(programs, margs, **kwargs):
+    for name, fn in programs.items():
+      traced[name] = str(jax.make_jaxpr(fn)(*margs))
+    return {"heuristics": _ok(5.0), "tuned": _ok(1.0), 0: _ok(1.0 if not helps else 5.0)}
+
+  monkeypatch.setattr(in_program.measure_lib, "measure_candidates", fake_measure)
+  check = autotuning.check_in_program(result, attention_program, q, kv)
+  (call,) = check.calls
+  assert call.entry == own and call.alternatives == (switch,) and call.helps is helps
+  # Left out, the call runs as with heuristics: its own implementation, not the other.
+  assert traced[0] == traced["heuristics"] != traced["tuned"]
+  assert check.lines()[1].startswith(f"  {found.op.name} or {other.op.name}: without it ")
+  kept = check.kept()
+  assert (switch in list(kept)) is helps and len(kept) == (2 if helps else 1)

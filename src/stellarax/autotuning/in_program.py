@@ -38,6 +38,7 @@ twice more to profile).
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -60,15 +61,20 @@ class CallCheck:
   """One tuned call's part in the program.
 
   Attributes:
-    entry: the call's entry in the result checked.
-    without: the program with this call at its heuristic config, the others tuned.
+    entry: the call's entry in the result checked (its heuristic where the result
+      tuned only other implementations of it).
+    without: the program with this call at its heuristic config and in its own
+      implementation, the others tuned.
     helps: whether the tuned program is faster than `without` beyond noise (or ran
       where `without` failed).
+    alternatives: the result's entries for the same call in other implementations of
+      its family (`Autotuner(implementations=...)`), which dispatch may run instead.
   """
 
   entry: Entry
   without: measure_lib.Measurement
   helps: bool
+  alternatives: tuple[Entry, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,13 +82,15 @@ class CallTime:
   """One op call's own device time per run of the program, from its profiles.
 
   Attributes:
-    op: the op's registered name.
+    op: the op's registered name ("a -> b" where the tuned program ran the call in
+      another implementation, b).
     key: the call's key (`Entry.key`).
     heuristic_s: seconds per run in the program at heuristic configs (None if the
       profile did not show the call).
     tuned_s: the same in the tuned program.
-    alone: the call's tuned speed-up measured on its own (heuristic time over best
-      time, from the result), None where the result has no timed entry for it.
+    alone: the call's tuned speed-up measured on its own (heuristic time over the best
+      time of the implementation the tuned program ran, from the result), None where
+      the result has no timed entry for it.
   """
 
   op: str
@@ -145,8 +153,11 @@ class ProgramCheck:
     for call in self.calls:
       if not call.helps:
         e = call.entry
-        entries[e.key] = dataclasses.replace(
-            _at_heuristic(e), method=f"{e.method}; heuristic kept: not faster in the program checked")
+        for other in call.alternatives:  # so that dispatch keeps the call's own implementation
+          entries.pop(other.key, None)
+        if e.key in entries:
+          entries[e.key] = dataclasses.replace(
+              _at_heuristic(e), method=f"{e.method}; heuristic kept: not faster in the program checked")
     return AutotuningResult(self.result.device_kind, entries, self.result.versions)
 
   def lines(self) -> list[str]:
@@ -172,7 +183,8 @@ class ProgramCheck:
         verdict = "the tuned program fails and without it it does not: its config is the culprit"
       else:
         verdict = "not faster beyond noise: kept() keeps the heuristic"
-      out.append(f"  {call.entry.bound_args.op.name}: without it {ms(call.without)}{gain};"
+      others = "".join(f" or {o.bound_args.op.name}" for o in call.alternatives)
+      out.append(f"  {call.entry.bound_args.op.name}{others}: without it {ms(call.without)}{gain};"
                  f" {verdict}")
     if self.call_times:
       out.append(f"each call's own device time per run of the program (profiled,"
@@ -184,6 +196,18 @@ class ProgramCheck:
       out.append(f"  {t.op}: {at(t.heuristic_s)} with heuristics -> {at(t.tuned_s)} tuned"
                  f" ({'; '.join(ratios)})")
     return out
+
+
+def _alternatives_in(result: AutotuningResult, ba: BoundArguments) -> tuple[Entry, ...]:
+  """The result's entries for the call `ba` in other implementations of its family (the
+  same arguments and vmap levels, forward or backward alike)."""
+  family, vjp = ba.op.name.partition(".")[0], ba.op.name.endswith("_vjp")
+  return tuple(e for e in result
+               if e.bound_args.op.name != ba.op.name
+               and e.bound_args.op.name.partition(".")[0] == family
+               and e.bound_args.op.name.endswith("_vjp") == vjp
+               and e.bound_args.arguments == ba.arguments
+               and e.bound_args.vmap_axes == ba.vmap_axes)
 
 
 def _at_heuristic(entry: Entry) -> Entry:
@@ -215,12 +239,18 @@ def _call_times(found: list[BoundArguments], result: AutotuningResult,
   for ba in found:
     ba = ba.with_config(None)
     key = (ba.op_json(), ba.key_json())
-    if key not in before and key not in after:
+    # Where dispatch ran another implementation of the call, the tuned program's time
+    # is that one's.
+    ran = [key] + [o.key for o in _alternatives_in(result, ba)]
+    tuned_key = next((k for k in ran if k in after), key)
+    if key not in before and tuned_key not in after:
       continue
-    e = tuned.get(key)
-    alone = (e.heuristic_time / e.best_time
-             if e is not None and e.heuristic_time and e.best_time else None)
-    out.append(CallTime(ba.op.name, key, before.get(key), after.get(key), alone))
+    e, ran_entry = tuned.get(key), tuned.get(tuned_key)
+    alone = (e.heuristic_time / ran_entry.best_time
+             if e is not None and ran_entry is not None and e.heuristic_time and ran_entry.best_time
+             else None)
+    name = ba.op.name if tuned_key == key else f"{ba.op.name} -> {json.loads(tuned_key[0])['name']}"
+    out.append(CallTime(name, key, before.get(key), after.get(tuned_key), alone))
   return tuple(sorted(out, key=lambda t: -(t.heuristic_s or 0.0)))
 
 
@@ -253,23 +283,28 @@ def check_in_program(result: AutotuningResult, f: Callable[..., Any], *args,
   device_kind = result.device_kind
   heuristic = {e.key: e for e in map(_heuristic_entry, found)}
   tuned = {e.key: e for e in result}
-  changed = [tuned[key] for key in heuristic
-             if key in tuned and tuned[key].best_config != tuned[key].heuristic_config]
+  # A call changes where its tuned config is not its heuristic, or where the result
+  # times other implementations of it, one of which dispatch may run instead.
+  alternatives = {key: _alternatives_in(result, h.bound_args) for key, h in heuristic.items()}
+  changed = [(tuned.get(key, heuristic[key]), alternatives[key]) for key in heuristic
+             if (key in tuned and tuned[key].best_config != tuned[key].heuristic_config)
+             or alternatives[key]]
   pinned = lambda entries: AutotuningResult(device_kind, entries)
   # Static arguments (a mode string, a Python number) stay constants of the programs.
   program, arrays = capture.program_of_arrays(f, args, kwargs)
   programs = {_HEURISTICS: _under(pinned(heuristic), program),
               _TUNED: _under(pinned(heuristic | tuned), program)}
-  for i, e in enumerate(changed):
-    programs[i] = _under(pinned(heuristic | tuned | {e.key: _at_heuristic(e)}), program)
+  for i, (e, others) in enumerate(changed):
+    left_out = {k: v for k, v in (heuristic | tuned).items() if k not in {o.key for o in others}}
+    programs[i] = _under(pinned(left_out | {e.key: _at_heuristic(e)}), program)
   reference = lambda: jax.jit(programs[_HEURISTICS])(arrays)
   got = measure_lib.measure_candidates(programs, (arrays,), reference=reference,
                                        options=options or measure_lib.MeasureOptions())
   calls = []
-  for i, e in enumerate(changed):
+  for i, (e, others) in enumerate(changed):
     without, with_it = got[i], got[_TUNED]
     helps = with_it.ok and (not without.ok or measure_lib.pick_best(
         {i: without, _TUNED: with_it}, prefer=i, order=[i, _TUNED]) == _TUNED)
-    calls.append(CallCheck(e, without, bool(helps)))
+    calls.append(CallCheck(e, without, bool(helps), others))
   times = _call_times(found, result, programs, (arrays,)) if profile else ()
   return ProgramCheck(result, got[_HEURISTICS], got[_TUNED], tuple(calls), len(found), times)
