@@ -232,6 +232,7 @@ def test_explain_reports_the_transfer():
   assert explanation.config == _tiled(32)
   text = str(explanation)
   assert "transferred with confidence 0.50 from the nearest tuned call (active result)" in text
+  assert "from transfer (key distance 1.00)" in text.splitlines()[0], text
   assert "lhs: float32[512, 64] != float32[256, 64]" in text
   assert plain.source == "heuristics" and plain.confidence is None
 

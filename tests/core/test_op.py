@@ -77,6 +77,12 @@ def test_bound_args_from_json_reads_a_path(tmp_path):
   assert autotuning.bound_args_from_json(str(path)) == [ba]
   with pytest.raises(ValueError, match="not valid JSON"):
     autotuning.bound_args_from_json("[{oops")
+  # A results file where bound arguments belong: the error says what it is instead.
+  result = autotuning.AutotuningResult(jax.devices()[0].device_kind)
+  with pytest.raises(ValueError, match=r"got an autotuning result .*AutotuningResult.load"):
+    autotuning.bound_args_from_json(result.dumps())
+  with pytest.raises(ValueError, match="got a JSON dict"):
+    autotuning.bound_args_from_json('{"call": 1}')
 
 
 @pytest.mark.parametrize("change, complaint", [

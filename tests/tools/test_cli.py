@@ -203,3 +203,12 @@ def test_cache_clear_removes_the_cache_s_files_only(tmp_path, user_cache_dir, ca
   assert "files removed" in capsys.readouterr().out
   assert sorted(p.name for p in user_cache_dir.rglob("*")) == ["notes.txt"]
   assert autotuning.explain(ba).source != "user_cache"
+
+
+def test_python_dash_m_runs_the_command_line():
+  import subprocess
+  import sys
+  proc = subprocess.run([sys.executable, "-m", "stellarax", "cache", "path"], capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.strip()  # the user cache's folder

@@ -205,7 +205,11 @@ def _records(path_or_json: str | os.PathLike) -> list[tuple[BoundArguments, floa
   if isinstance(data, dict) and "calls" in data:  # xplane_to_bound_args output
     data = data["calls"]
   if not isinstance(data, list):
-    raise ValueError(f"{source}: expected a JSON list of bound arguments.")
+    what = ("an autotuning result (it has 'entries'), which is applied, not tuned: "
+            "`with stellarax.AutotuningResult.load(path):`"
+            if isinstance(data, dict) and "entries" in data else f"a JSON {type(data).__name__}")
+    raise ValueError(f"{source}: expected a JSON list of bound arguments (from "
+                     f"bound_args_to_json or xplane_to_bound_args), got {what}.")
   out = []
   for i, item in enumerate(data):
     seconds = None

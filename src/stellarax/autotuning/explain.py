@@ -46,7 +46,10 @@ class Explanation:
     if self.source == "trivial":
       return (f"{self.op}: no config: the call's output is zeros whatever its inputs (an empty "
               "dimension), so it runs no kernel")
-    lines = [f"{self.op}: {json.dumps(config_to_json(self.config))} from {self.source}"]
+    source = self.source
+    if source.startswith("transfer:"):  # "transfer:<distance>" reads as a score otherwise
+      source = f"transfer (key distance {source.partition(':')[2]})"
+    lines = [f"{self.op}: {json.dumps(config_to_json(self.config))} from {source}"]
     if self.stale is not None:
       lines.append(f"  stale ({self.stale}): autotune measures this call again")
     if self.confidence is not None:
