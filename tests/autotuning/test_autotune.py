@@ -645,6 +645,7 @@ def _ragged_calls(n):
           for i in range(n)]
 
 
+@pytest.mark.filterwarnings("ignore::stellarax.autotuning.SmallBudgetWarning")  # spends its budget on heuristics
 def test_a_total_budget_is_shared_by_device_time_heaviest_first(monkeypatch):
   light, heavy, idle = _ragged_calls(3)
   records = _profile_records([(light, 1.0), (heavy, 3.0), (idle, 0.0)])
@@ -668,6 +669,7 @@ def test_a_total_budget_is_shared_by_device_time_heaviest_first(monkeypatch):
   assert autotuning.call_weights_from_json(autotuning.bound_args_to_json([light])) == {}
 
 
+@pytest.mark.filterwarnings("ignore::stellarax.autotuning.SmallBudgetWarning")  # spends its budget on heuristics
 def test_a_profile_file_is_read_once_for_its_calls_and_their_weights(tmp_path, monkeypatch):
   light, heavy = _ragged_calls(2)
   path = tmp_path / "calls.json"
@@ -681,6 +683,7 @@ def test_a_profile_file_is_read_once_for_its_calls_and_their_weights(tmp_path, m
   assert reads == [path]  # the calls and their weights describe the same contents
 
 
+@pytest.mark.filterwarnings("ignore::stellarax.autotuning.SmallBudgetWarning")  # spends its budget on heuristics
 def test_a_total_budget_counts_only_the_calls_still_to_tune(user_cache_dir, monkeypatch):
   light, heavy = _ragged_calls(2)
   tuner(cache=True).autotune([heavy])
@@ -704,6 +707,7 @@ def two_sizes(lhs, rhs, gs):
   return jnp.sum(stellarax.ragged_dot(lhs, rhs, gs)) + jnp.sum(small)
 
 
+@pytest.mark.filterwarnings("ignore::stellarax.autotuning.SmallBudgetWarning")  # spends its budget on heuristics
 def test_a_callables_calls_are_weighed_by_a_profile_of_one_run(monkeypatch):
   lhs, rhs, gs = _inputs()
   calls = tuner().collect(two_sizes, lhs, rhs, gs)
@@ -728,6 +732,7 @@ def test_a_callables_calls_are_weighed_by_a_profile_of_one_run(monkeypatch):
   assert seen == pytest.approx([2.0, 2.0])
 
 
+@pytest.mark.filterwarnings("ignore::stellarax.autotuning.SmallBudgetWarning")  # spends its budget on heuristics
 def test_a_failed_profile_leaves_equal_shares_with_a_warning(tmp_path, monkeypatch):
   lhs, rhs, gs = _inputs()
   spy, seen = _budget_spy(monkeypatch, spends=1.0)  # each call spends its share
@@ -841,3 +846,17 @@ def test_the_heuristic_config_is_measured_first():
   ba = stellarax.XlaRaggedDot.bind(*_inputs())
   space = autotuner_module._ordered_space(ba)
   assert space[0] == ba.heuristics_config and len(space) == len(set(space)) > 1
+
+
+def test_a_budget_that_runs_out_on_heuristics_says_so(monkeypatch):
+  light, heavy = _ragged_calls(2)
+  assert len(light.autotuning_configs) > 1
+  spy, _ = _budget_spy(monkeypatch, spends=1.0)  # each call spends all it gets on its heuristic
+  with pytest.warns(autotuning.SmallBudgetWarning, match=r"total_budget_s=2.0\) ran out before 2 of the 2 calls"):
+    result = tuner(strategy=spy, total_budget_s=2.0).autotune([light, heavy])
+  assert all(e.best_config == e.heuristic_config for e in result)
+  # A budget left over: the strategy chose to stop, nothing to say.
+  spy, _ = _budget_spy(monkeypatch, spends=0.25)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", autotuning.SmallBudgetWarning)
+    tuner(strategy=spy, total_budget_s=2.0).autotune([light, heavy])

@@ -3,6 +3,7 @@
 from stellarax.autotuning.autotuner import Autotuner as Autotuner
 from stellarax.autotuning.autotuner import IncompleteTuningError as IncompleteTuningError
 from stellarax.autotuning.autotuner import NothingToTuneWarning as NothingToTuneWarning
+from stellarax.autotuning.autotuner import SmallBudgetWarning as SmallBudgetWarning
 from stellarax.autotuning.autotuner import autotune as autotune
 from stellarax.autotuning.cache import CacheWarning as CacheWarning
 from stellarax.autotuning.cache import LIBRARY_CACHE as LIBRARY_CACHE

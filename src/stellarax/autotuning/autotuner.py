@@ -324,20 +324,38 @@ class Autotuner:
             if todo and weights else None)
     progress = Progress(sum(len(ba.autotuning_configs) for ba in todo), enabled=self.progress)
     errors: dict[BoundArguments, Exception] = {}
+    starved, seconds = [], []
     try:
       for ba in todo:
+        start = _clock()
         try:
           entry = self._tune_and_keep_drawing(ba, progress, pool)
           result = result.with_entry(entry)
+          if len(entry.measurements) <= 1 < len(ba.autotuning_configs):
+            starved.append(_clock() - start)
         except Exception as exc:  # Data about this call; the others are still tuned.
           errors[ba] = exc
+        seconds.append(_clock() - start)
     finally:
       progress.close()
+    ran_out = ((pool is not None and pool.left_s <= 0)
+               or (self.budget_s is not None and any(s >= self.budget_s for s in starved)))
+    if starved and ran_out:
+      self._warn_budget_starved(len(starved), len(todo), sum(seconds) / len(seconds))
     if self.progress and todo:
       print(result.summary(), file=sys.stderr)
     if errors:
       raise _incomplete(result, calls, errors) from next(iter(errors.values()))
     return result
+
+  def _warn_budget_starved(self, starved: int, tuned: int, mean_s: float) -> None:
+    budget = (f"total_budget_s={self.total_budget_s}" if self.total_budget_s is not None
+              else f"budget_s={self.budget_s}")
+    warnings.warn(
+        f"The budget ({budget}) ran out before {starved} of the {tuned} calls tuned had any "
+        f"config measured but their heuristic one, so their entries keep it. A call took "
+        f"{mean_s:.1f} s here on average (compiling and timing its first configs); give each "
+        f"a few times that to search its space.", SmallBudgetWarning, stacklevel=4)
 
   def tune_one(self, ba: BoundArguments, *, progress: Progress | None = None,
                device: jax.Device | None = None) -> Entry:
@@ -403,6 +421,11 @@ class Autotuner:
 
 class NothingToTuneWarning(UserWarning):
   """`autotune` found no stellarax op call in what it was given; its result is empty."""
+
+
+class SmallBudgetWarning(UserWarning):
+  """The tuning budget ran out before some calls had any config measured but their
+  heuristic one: their entries keep the heuristic config."""
 
 
 def _check_not_traced(args: tuple, kwargs: Mapping[str, Any]) -> None:
