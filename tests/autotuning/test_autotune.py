@@ -645,7 +645,6 @@ def _ragged_calls(n):
           for i in range(n)]
 
 
-@pytest.mark.filterwarnings("ignore::stellarax.autotuning.SmallBudgetWarning")  # spends its budget on heuristics
 def test_a_total_budget_is_shared_by_device_time_heaviest_first(monkeypatch):
   light, heavy, idle = _ragged_calls(3)
   records = _profile_records([(light, 1.0), (heavy, 3.0), (idle, 0.0)])
@@ -669,7 +668,6 @@ def test_a_total_budget_is_shared_by_device_time_heaviest_first(monkeypatch):
   assert autotuning.call_weights_from_json(autotuning.bound_args_to_json([light])) == {}
 
 
-@pytest.mark.filterwarnings("ignore::stellarax.autotuning.SmallBudgetWarning")  # spends its budget on heuristics
 def test_a_profile_file_is_read_once_for_its_calls_and_their_weights(tmp_path, monkeypatch):
   light, heavy = _ragged_calls(2)
   path = tmp_path / "calls.json"
@@ -683,7 +681,6 @@ def test_a_profile_file_is_read_once_for_its_calls_and_their_weights(tmp_path, m
   assert reads == [path]  # the calls and their weights describe the same contents
 
 
-@pytest.mark.filterwarnings("ignore::stellarax.autotuning.SmallBudgetWarning")  # spends its budget on heuristics
 def test_a_total_budget_counts_only_the_calls_still_to_tune(user_cache_dir, monkeypatch):
   light, heavy = _ragged_calls(2)
   tuner(cache=True).autotune([heavy])
@@ -707,7 +704,6 @@ def two_sizes(lhs, rhs, gs):
   return jnp.sum(stellarax.ragged_dot(lhs, rhs, gs)) + jnp.sum(small)
 
 
-@pytest.mark.filterwarnings("ignore::stellarax.autotuning.SmallBudgetWarning")  # spends its budget on heuristics
 def test_a_callables_calls_are_weighed_by_a_profile_of_one_run(monkeypatch):
   lhs, rhs, gs = _inputs()
   calls = tuner().collect(two_sizes, lhs, rhs, gs)
@@ -732,7 +728,6 @@ def test_a_callables_calls_are_weighed_by_a_profile_of_one_run(monkeypatch):
   assert seen == pytest.approx([2.0, 2.0])
 
 
-@pytest.mark.filterwarnings("ignore::stellarax.autotuning.SmallBudgetWarning")  # spends its budget on heuristics
 def test_a_failed_profile_leaves_equal_shares_with_a_warning(tmp_path, monkeypatch):
   lhs, rhs, gs = _inputs()
   spy, seen = _budget_spy(monkeypatch, spends=1.0)  # each call spends its share
