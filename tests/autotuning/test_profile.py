@@ -550,3 +550,34 @@ def test_a_compiled_program_is_found_under_its_names_in_a_trace(tmp_path):
   # A device's profile is read from device planes only; a CPU's has none.
   assert autotuning.profile.busy_time_by_program(tmp_path, host_events=False) == {}
   assert autotuning.profile.program_names(object()) == (None, None)
+
+
+def _scanned_layers(x, weights):
+  """Two layers in a scan, each a norm, a projection and causal attention: XLA hoists the
+  attention's loop-invariant work (its causal mask) out of the loop, into the entry."""
+  b, t, d = x.shape
+
+  def layer(h, w):
+    h = h * lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6)
+    q = (h @ w).reshape(b, t, 4, d // 4)
+    a = stellarax.dot_product_attention(q, q, q, is_causal=True, implementation="xla_chunked")
+    return h + a.reshape(b, t, d), None
+
+  return lax.scan(layer, x, weights)[0]
+
+
+def test_work_hoisted_out_of_a_loop_is_no_call_of_its_own(tmp_path):
+  drop_live_programs()
+  keys = jax.random.split(jax.random.key(4), 2)
+  x, weights = jax.random.normal(keys[0], (2, 24, 48)), 0.2 * jax.random.normal(keys[1], (2, 48, 48))
+  program = jax.jit(_scanned_layers)
+  program(x, weights).block_until_ready()
+  with jax.profiler.trace(tmp_path):
+    for _ in range(RUNS):
+      program(x, weights).block_until_ready()
+  (call,) = read_op_calls(tmp_path)
+  assert call.count == 2 * RUNS  # two layers a run
+  # The case at hand: marked work outside the loop too, which read alone would count as
+  # one more call a run.
+  hlo = program.lower(x, weights).compile().as_text()
+  assert any("stellarax_op=" in line for line in _entry_instructions(hlo).values())

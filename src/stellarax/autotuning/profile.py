@@ -70,7 +70,10 @@ How events become op calls:
    outputs count here: those whose result leaves the computation or is read by other
    work than the op's; its inner steps, which XLA:CPU's ragged_dot expansion traces at
    one frame, would count each call several times. A marker that a loop, conditional
-   or call around the computation carries is counted there instead. The runs of the
+   or call around the computation carries is counted there instead. A (marker, site)
+   that a loop, conditional or call below the computation also has is work XLA hoisted
+   out of that loop (loop-invariant code motion: a causal mask built once before a
+   scan over layers), counted with the calls below, not as a call of its own. The runs of the
    entry computation are the program's executions: its distinct (device, ``run_id``)
    pairs; without ``run_id`` (GPU profiles whose annotations lack it), the fewest
    events of any one (instruction, event name) of the entry computation, so an
@@ -1089,34 +1092,55 @@ def _sequences(
           trips = inst.trip_count if inst.opcode == "while" and i == 0 else None
           found[called] = (cid, trips, around | markers[inst.name])
           pending.append(called)
+  sites = {cid: _marked_sites(computations.get(cid, ()), around, work)
+           for cid, (_, _, around) in found.items()}
+  # Work XLA hoisted out of a loop (loop-invariant code motion: a causal mask built
+  # before a scan over layers) keeps the call site of the calls in the loop; where the
+  # loop's caller has such a (marker, site), it is those calls' work, no call of its own.
+  below: dict[int, set[tuple[str, object]]] = collections.defaultdict(set)
+  for cid in found:
+    parent = found[cid][0]
+    while parent is not None:
+      below[parent] |= {(m, s) for m, found_sites in sites[cid].items() for s in found_sites}
+      parent = found[parent][0]
   return {
-      cid: _Sequence(
-          parent, trips, _calls(computations.get(cid, ()), around, work, kernel))
+      cid: _Sequence(parent, trips, _calls(computations.get(cid, ()), sites[cid], below[cid], kernel))
       for cid, (parent, trips, around) in found.items()
   }
 
 
-def _calls(
-    instructions: Sequence[_Instruction], around: frozenset[str],
-    work: Callable[[_Instruction], _Work],
-    kernel: Callable[[_Instruction], tuple[str, object, int] | None],
-) -> dict[str, int]:
-  """Marker -> the number of its calls in one computation (module doc, 4)."""
+def _marked_sites(instructions: Sequence[_Instruction], around: frozenset[str],
+                  work: Callable[[_Instruction], _Work]) -> dict[str, set]:
+  """Marker -> the call sites of its marked work in one computation, but for the
+  markers of the loops and calls around it (counted there)."""
   sites: dict[str, set] = collections.defaultdict(set)
   for inst in instructions:
     for marker, found in work(inst).marked.items():
       if marker not in around:
         sites[marker] |= found
+  return sites
+
+
+def _calls(
+    instructions: Sequence[_Instruction], sites: Mapping[str, set],
+    hoisted: set[tuple[str, object]],
+    kernel: Callable[[_Instruction], tuple[str, object, int] | None],
+) -> dict[str, int]:
+  """Marker -> the number of its calls in one computation (module doc, 4), from its
+  call sites there less those of calls in the loops it runs (`hoisted`)."""
   # (marker, site) -> stack frame -> how many kernels compute a result traced there
   results: dict[tuple, collections.Counter[int]] = collections.defaultdict(
       collections.Counter)
   for inst in instructions:
     if (found := kernel(inst)) is not None:
       results[found[:2]][found[2]] += 1
-  return {
-      marker: sum(max([1, *results[marker, key].values()]) for key in found - {()}) or 1
-      for marker, found in sites.items()
-  }
+  calls = {}
+  for marker, found in sites.items():
+    known = {key for key in found - {()} if (marker, key) not in hoisted}
+    if not known and found - {()}:
+      continue  # all of it hoisted out of loops below
+    calls[marker] = sum(max([1, *results[marker, key].values()]) for key in known) or 1
+  return calls
 
 
 def _shares(
