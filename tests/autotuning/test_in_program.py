@@ -203,3 +203,23 @@ def test_a_call_the_result_moves_to_another_implementation_is_checked_and_kept(m
   assert check.lines()[1].startswith(f"  {found.op.name} or {other.op.name}: without it ")
   kept = check.kept()
   assert (switch in list(kept)) is helps and len(kept) == (2 if helps else 1)
+
+
+def test_a_slower_implementation_in_the_result_changes_nothing(monkeypatch):
+  # Dispatch keeps the call's own implementation when it is timed fastest: a call at
+  # its heuristic config then has nothing to check, however many others were timed.
+  k = jax.random.split(jax.random.key(3), 2)
+  q, kv = jax.random.normal(k[0], (1, 40, 4, 8)), jax.random.normal(k[1], (1, 40, 2, 8))
+  (found,) = autotuning.get_bound_args(attention_program, q, kv)
+  found = found.with_config(None)
+  other = stellarax.XlaAttention.bind(q, kv, kv, is_causal=True) \
+      if found.op.name != "attention.xla" else stellarax.XlaChunkedAttention.bind(q, kv, kv, is_causal=True)
+  own = autotuning.Entry(found, found.heuristics_config, found.heuristics_config,
+                         ((found.heuristics_config, _ok(1.0)),), method="test")
+  slower = autotuning.Entry(other, other.heuristics_config, other.heuristics_config,
+                            ((other.heuristics_config, _ok(5.0)),), method="test")
+  result = autotuning.AutotuningResult(jax.devices()[0].device_kind, {own.key: own, slower.key: slower})
+  monkeypatch.setattr(in_program.measure_lib, "measure_candidates", lambda programs, *a, **k: {
+      name: _ok(1.0) for name in programs})
+  check = autotuning.check_in_program(result, attention_program, q, kv)
+  assert check.calls == ()

@@ -196,7 +196,7 @@ def _cases():
   return cases
 
 
-def _checked_shard_map(mesh) -> dict[str, float]:
+def _checked_shard_map(mesh, **map_options) -> dict[str, float]:
   """Gradients inside a user's `shard_map(check_vma=True)` (its default), where JAX types
   arrays by the axes they vary over; an input kept whole (a norm's scale, ragged_dot's
   lhs, a bias) gets its gradient summed over the devices. XLA's implementations: JAX's
@@ -219,7 +219,7 @@ def _checked_shard_map(mesh) -> dict[str, float]:
   }
   errors = {}
   for name, (f, args, in_specs, out_specs) in cases.items():
-    mapped = jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    mapped = jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **map_options)
     grad = lambda fn: jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=tuple(range(len(args))))
     placed = [jax.device_put(a, jax.NamedSharding(mesh, spec)) for a, spec in zip(args, in_specs)]
     try:
@@ -280,6 +280,8 @@ def _run_cases(explicit: bool) -> dict:
   report["user shard_map"] = {"spec": _spec_of(got),
                               "error": float(np.max(np.abs(np.asarray(got) - np.asarray(want))))}
   report["user shard_map checked"] = _checked_shard_map(mesh)
+  # Manual over "data" only: stellarax's own shard_map over "model" (Explicit) runs inside.
+  report["user shard_map checked, 2-D"] = _checked_shard_map(mesh2, axis_names={"data"})
   # Off (Auto axes only): the whole call on every device, which jax.export can serialize.
   if not explicit:
     x = jax.device_put(jax.random.normal(jax.random.key(2), (64, 32)), jax.NamedSharding(mesh, jax.P("data")))
@@ -388,8 +390,9 @@ def test_each_device_runs_its_shard_unless_the_op_refuses_it(sharded_run):
   # the types; from the partitioner, compiling the program, with Auto axes.
   assert report["captured"] == [[1, 64, 4, 64]]
   assert report["user shard_map"] == {"spec": [["data", "model"]], "error": 0.0}
-  for name, error in report["user shard_map checked"].items():
-    assert isinstance(error, float) and error < 1e-5, (mode, name, error)
+  for case in ("user shard_map checked", "user shard_map checked, 2-D"):
+    for name, error in report[case].items():
+      assert isinstance(error, float) and error < 1e-5, (mode, case, name, error)
   if mode == "auto":
     assert report["per_shard off"] == {"whole": True, "error": 0.0, "on again": True}
   tuned = report["tuned"]
@@ -425,41 +428,51 @@ def test_kernels_lower_per_device_for_four_h200s(impl):
 
 
 @pytest.mark.parametrize("family", ["attention", "layer_norm", "ragged_dot", "gated_linear_unit"])
-def test_kernels_lower_in_a_checked_shard_map_for_four_h200s(family):
+@pytest.mark.parametrize("partial", [False, True], ids=["all axes manual", "one of two"])
+def test_kernels_lower_in_a_checked_shard_map_for_four_h200s(family, partial):
   # Inside a user's shard_map(check_vma=True), JAX wants each kernel output's varying
-  # axes stated (`pallas_common.out_struct`, `vary_like`) and the gradients typed like
-  # their inputs; lowered, forward and backward, for every kernel of the family.
+  # axes stated (`pallas_common.out_struct`, `partitioning.vary_like`) and the gradients
+  # typed like their inputs; lowered, forward and backward, for every kernel of the
+  # family. Manual over one axis of two, the kernel splits over the other too (its own
+  # shard_map, checked as well), and runs on a quarter of the arrays.
   from h200 import H200
   P = jax.sharding.PartitionSpec
-  mesh = jax.sharding.AbstractMesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,),
+  names = ("d", "m") if partial else ("d",)
+  mesh = jax.sharding.AbstractMesh((2, 2) if partial else (4,), names,
+                                   axis_types=(jax.sharding.AxisType.Explicit,) * len(names),
                                    abstract_device=H200)
+  split = names if partial else "d"  # how the arrays come in: over both axes
   arg = lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.bfloat16,
                                                  sharding=jax.sharding.NamedSharding(mesh, spec))
   sizes = jnp.array([64, 0, 100], jnp.int32)
-  calls = {  # family -> (fn(impl), args, in_specs, out_specs)
+  calls = {  # family -> (fn(impl), args, in_specs, out_specs, per-device operand shape)
       "attention": (lambda i: lambda q: stellarax.dot_product_attention(q, q, q, is_causal=True,
                                                                         implementation=i),
-                    [arg((8, 256, 4, 128), P("d"))], (P("d"),), P("d")),
+                    [arg((8, 256, 4, 128), P(split))], (P("d"),), P("d"), "2x256x4x128"),
       "layer_norm": (lambda i: lambda x, s: stellarax.rms_norm(x, s, implementation=i),
-                     [arg((256, 1024), P("d")), arg((1024,), P())], (P("d"), P()), P("d")),
+                     [arg((256, 1024), P(split)), arg((1024,), P())], (P("d"), P()), P("d"),
+                     "64x1024"),
       "ragged_dot": (lambda i: lambda a, b: stellarax.ragged_dot(a, b, sizes, implementation=i),
-                     [arg((256, 256), P()), arg((3, 256, 512), P(None, None, "d"))],
-                     (P(), P(None, None, "d")), P(None, "d")),
+                     [arg((256, 256), P()), arg((3, 256, 512), P(None, None, split))],
+                     (P(), P(None, None, "d")), P(None, "d"), "256x128"),
       "gated_linear_unit": (lambda i: lambda x, w: stellarax.gated_linear_unit(x, w, implementation=i),
-                            [arg((256, 256), P("d")), arg((256, 2, 256), P())], (P("d"), P()), P("d")),
+                            [arg((256, 256), P(split)), arg((256, 2, 256), P())], (P("d"), P()),
+                            P("d"), "64x256"),
   }
-  make, args, in_specs, out_specs = calls[family]
+  make, args, in_specs, out_specs, local = calls[family]
   impls = [n.partition(".")[2] for n in registry.names(family)
            if n.partition(".")[2].startswith("pallas_") and not n.endswith("_vjp")]
   assert impls, family
   for impl in impls:
-    mapped = jax.shard_map(make(impl), mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    mapped = jax.shard_map(make(impl), mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                           axis_names={"d"})
     loss = jax.grad(lambda *a: jnp.sum(mapped(*a).astype(jnp.float32)), argnums=tuple(range(len(args))))
     with jax.sharding.use_abstract_mesh(mesh):
       text = jax.jit(loss).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    kernels = [line for line in text.splitlines()
+    kernels = [line.rsplit(": (", 1)[1] for line in text.splitlines()
                if re.search(r"stablehlo.custom_call @(mosaic_gpu|__gpu)", line)]
     assert len(kernels) >= 2, (impl, text[-2000:])  # forward and backward
+    assert any(f"tensor<{local}xbf16>" in k for k in kernels), (impl, kernels)
 
 
 def test_bound_arguments_take_a_shards_shapes_vmap_levels_included():

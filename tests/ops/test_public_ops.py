@@ -42,6 +42,22 @@ def test_ragged_dot_of_two_dtypes_promotes_as_lax():
   np.testing.assert_allclose(grads[0].astype(jnp.float32), want[0].astype(jnp.float32), rtol=2e-2, atol=2e-2)
 
 
+def test_ragged_dot_of_8_bit_floats_differentiates():
+  # jnp.promote_types refuses 8-bit floats with other dtypes: the backward's wider dtype
+  # must not come from it.
+  k = _keys(3)
+  lhs = jax.random.normal(k[0], (16, 32)).astype(jnp.float8_e4m3fn)
+  rhs = jax.random.normal(k[1], (3, 32, 16)).astype(jnp.float8_e5m2)
+  gs = jnp.asarray([8, 0, 8], jnp.int32)
+  loss = lambda f: lambda a, b: jnp.sum(f(a, b, gs, preferred_element_type=jnp.float32)
+                                        * jax.random.normal(k[2], (16, 16)))
+  got = jax.grad(loss(stellarax.ragged_dot), argnums=(0, 1))(lhs, rhs)
+  want = jax.grad(loss(jax.lax.ragged_dot), argnums=(0, 1))(lhs, rhs)
+  for g, w in zip(got, want):
+    assert g.dtype == w.dtype
+    np.testing.assert_allclose(g.astype(jnp.float32), w.astype(jnp.float32), rtol=0.25, atol=0.25)
+
+
 @pytest.mark.parametrize("m, k, n, dtype", [
     (0, 64, 128, jnp.bfloat16), (48, 0, 128, jnp.bfloat16), (48, 64, 0, jnp.bfloat16),
     # Sizes and a dtype the Mosaic GPU kernel does not take: it runs no kernel, so it

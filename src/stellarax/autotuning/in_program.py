@@ -210,6 +210,17 @@ def _alternatives_in(result: AutotuningResult, ba: BoundArguments) -> tuple[Entr
                and e.bound_args.vmap_axes == ba.vmap_axes)
 
 
+def _faster_alternatives(result: AutotuningResult, ba: BoundArguments,
+                         own: Entry | None) -> tuple[Entry, ...]:
+  """`_alternatives_in`, where one of them is timed faster than the call's own entry
+  (or the call has none timed): then dispatch runs that one instead (`core/dispatch`),
+  else none (the call keeps its own implementation)."""
+  others = _alternatives_in(result, ba)
+  own_s = None if own is None else own.best_time
+  times = [e.best_time for e in others if e.best_time is not None]
+  return others if times and (own_s is None or min(times) < own_s) else ()
+
+
 def _at_heuristic(entry: Entry) -> Entry:
   return dataclasses.replace(entry, best_config=entry.heuristic_config)
 
@@ -284,8 +295,9 @@ def check_in_program(result: AutotuningResult, f: Callable[..., Any], *args,
   heuristic = {e.key: e for e in map(_heuristic_entry, found)}
   tuned = {e.key: e for e in result}
   # A call changes where its tuned config is not its heuristic, or where the result
-  # times other implementations of it, one of which dispatch may run instead.
-  alternatives = {key: _alternatives_in(result, h.bound_args) for key, h in heuristic.items()}
+  # times another implementation of it faster, which dispatch then runs instead.
+  alternatives = {key: _faster_alternatives(result, h.bound_args, tuned.get(key))
+                  for key, h in heuristic.items()}
   changed = [(tuned.get(key, heuristic[key]), alternatives[key]) for key in heuristic
              if (key in tuned and tuned[key].best_config != tuned[key].heuristic_config)
              or alternatives[key]]

@@ -43,7 +43,9 @@ more free factor in front of the batched arrays and of every output.
 Inside a user's own `jax.shard_map` the arrays are already one device's, and with
 `check_vma=True` (its default) JAX types each by the manual mesh axes it varies over;
 a Pallas kernel's outputs must have that type spelled out (`pallas_common.out_struct`
-copies it from the kernel's inputs). So that one type serves every input and output,
+copies it from the kernel's inputs; `vary_like` casts what `plgpu.kernel`, which types
+its outputs with the check off, returns), and this module's own `shard_map` checks
+them too. So that one type serves every input and output,
 a call's inputs are first cast to vary over the union of their axes (`vary_alike`):
 JAX then adds up the gradient of an input that does not vary across those devices,
 as for any computation that broadcasts it.
@@ -138,6 +140,31 @@ def _varying_axes(x: Any) -> frozenset[str]:
   return frozenset(getattr(mat, "varying", ()) or ())
 
 
+def vary_like(outputs: Any, operands: Sequence[Any]) -> Any:
+  """`outputs` (a pytree of arrays) typed as varying over every manual mesh axis any of
+  `operands` varies over, inside a `jax.shard_map` that checks them; elsewhere, and
+  where no operand varies, `outputs` as they are. For what computes each device's own
+  values but types them as varying over fewer axes: a `plgpu.kernel`, which types its
+  outputs with the check off.
+
+  Args:
+    outputs: the arrays to type.
+    operands: the arrays they were computed from.
+
+  Returns:
+    `outputs`, each cast where it varies over fewer of those axes.
+  """
+  if not _jax_config._check_vma.value:
+    return outputs
+  axes = frozenset().union(*(_varying_axes(x) for x in operands))
+
+  def cast(x):
+    missing = tuple(sorted(axes - _varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(cast, outputs) if axes else outputs
+
+
 def vary_alike(arrays: Sequence[Any]) -> list[Any]:
   """Inside `jax.shard_map(check_vma=True)`, `arrays` cast to vary over the union of
   the manual mesh axes any of them varies over (the module docstring says why);
@@ -149,16 +176,7 @@ def vary_alike(arrays: Sequence[Any]) -> list[Any]:
   Returns:
     The arrays, each of the same type as to the mesh axes it varies over.
   """
-  arrays = list(arrays)
-  if not _jax_config._check_vma.value:
-    return arrays
-  axes = frozenset().union(*(_varying_axes(x) for x in arrays))
-
-  def cast(x):
-    missing = tuple(sorted(axes - _varying_axes(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-  return [cast(x) for x in arrays]
+  return list(vary_like(list(arrays), arrays))
 
 
 def per_shard(ba: BoundArguments, run_for: Callable[[BoundArguments], Callable[..., Any]]
@@ -490,9 +508,12 @@ def _shard_mapped(ba: BoundArguments, plan: _Plan, run_for, mesh, arrays) -> Any
   explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types)
               if t == jax.sharding.AxisType.Explicit}
   some_axes = {} if explicit == set(mesh.axis_names) else {"axis_names": explicit}
+  # Checked as the code around it is: inside a user's checked shard_map over other axes,
+  # an unchecked map would type its values as varying over none of those (and JAX's
+  # derivatives inside then refuse cotangents that do).
   out = jax.shard_map(plan.local_body(ba, run_for, assignment), mesh=mesh, in_specs=in_specs,
                       out_specs=plan.output_shardings(lambda s: s, assignment),
-                      check_vma=False, **some_axes)(*arrays)
+                      check_vma=_jax_config._check_vma.value, **some_axes)(*arrays)
   # Types carry shardings here, and a gradient must have its argument's (custom_vjp
   # checks); other outputs leave split as their factors come in.
   leaves, tree = jax.tree.flatten(out)

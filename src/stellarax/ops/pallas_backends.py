@@ -51,7 +51,7 @@ def _load(backend: str) -> types.ModuleType:
   path, words = _BACKENDS[backend]
   try:
     return importlib.import_module(path)
-  except ImportError as e:
+  except Exception as e:  # noqa: BLE001 (removed, or broken on import: either way not there)
     reason = (f"{words} is not in this JAX ({jax.__version__}): importing {path} failed "
               f"with {type(e).__name__}: {e}. Use another implementation of the op "
               f"(implementation=None picks the best one this JAX runs, 'xla' always runs), "

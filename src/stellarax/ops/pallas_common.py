@@ -54,31 +54,6 @@ def out_struct(shape: Sequence[int], dtype: Any, *, like: Any) -> jax.ShapeDtype
                               manual_axis_type=getattr(jax.typeof(like), "manual_axis_type", None))
 
 
-def vary_like(outputs: Any, operands: Sequence[Any]) -> Any:
-  """A `plgpu.kernel`'s `outputs`, typed as varying over the manual mesh axes its
-  operands vary over (inside a user's `jax.shard_map(check_vma=True)`; elsewhere
-  `outputs` as they are). `plgpu.kernel` types its outputs with the check off, as
-  varying over none, though each device computes its own.
-
-  Args:
-    outputs: a pytree of the kernel's output arrays.
-    operands: the kernel's input arrays.
-
-  Returns:
-    `outputs`, cast where they vary over fewer axes than the operands.
-  """
-  def axes(x):
-    mat = getattr(jax.typeof(x), "manual_axis_type", None)
-    return frozenset(getattr(mat, "varying", ()) or ())
-  union = frozenset().union(*(axes(x) for x in operands))
-
-  def cast(y):
-    missing = tuple(sorted(union - axes(y)))
-    return jax.lax.pcast(y, missing, to="varying") if missing else y
-
-  return jax.tree.map(cast, outputs) if union else outputs
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PallasTritonOp(Op):
   """Mixin of the Pallas Triton implementations.

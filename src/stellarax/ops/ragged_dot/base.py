@@ -163,6 +163,17 @@ def _xla_heuristic(ba) -> XlaRaggedDotConfig:
   return XlaRaggedDotConfig(strategy="tiled", tile_m=64 if m < 128 * max(g, 1) else 128)
 
 
+def _wider(a: Any, b: Any) -> Any:
+  """The dtype of more bits of two (float32 for two of one size, e.g. bfloat16 and
+  float16). Not `jnp.promote_types`, which refuses 8-bit floats with any other."""
+  a, b = jnp.dtype(a), jnp.dtype(b)
+  if a == b:
+    return a
+  if a.itemsize != b.itemsize:
+    return a if a.itemsize > b.itemsize else b
+  return jnp.dtype(jnp.float32)
+
+
 class XlaRaggedDotVjp(RaggedDotVjp, name="ragged_dot.xla_vjp"):
   """XLA backward of ragged_dot: d lhs is a ragged dot with rhs transposed,
   d rhs a grouped lhs^T @ dout; both use the config's strategy."""
@@ -175,10 +186,10 @@ class XlaRaggedDotVjp(RaggedDotVjp, name="ragged_dot.xla_vjp"):
     kw = dict(strategy=config.strategy, tile_m=config.tile_m, precision=common.lax_precision(precision))
     # Each product in the wider of its operands' dtypes: a float32 cotangent cast down to
     # a bfloat16 lhs's dtype would cost a float32 rhs's gradient its precision.
-    wide = jnp.promote_types(dout.dtype, rhs.dtype)
+    wide = _wider(dout.dtype, rhs.dtype)
     dlhs = xla.ragged_dot_xla(dout.astype(wide), jnp.swapaxes(rhs, 1, 2).astype(wide), group_sizes,
                               preferred_element_type=lhs.dtype, **kw)
-    wide = jnp.promote_types(lhs.dtype, dout.dtype)
+    wide = _wider(lhs.dtype, dout.dtype)
     drhs = xla.ragged_dot_rhs_grad_xla(lhs.astype(wide), dout.astype(wide), group_sizes, rhs.shape[0],
                                        preferred_element_type=rhs.dtype, **kw)
     return {"lhs": dlhs, "rhs": drhs}

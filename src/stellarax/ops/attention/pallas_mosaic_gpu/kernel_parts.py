@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from stellarax.core import partitioning
 from stellarax.ops import pallas_backends
 from stellarax.ops import pallas_common
 from stellarax.ops.attention import flash_blocks
@@ -696,7 +697,7 @@ def _kernel(body: Callable[..., None], *, p: _Problem, c: Any, out_type: Any,
         grid_names=("heads", "batch", tiles), num_threads=num_compute_wgs + 1,
         thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=params, kernel_name="stellarax_attention_" + name)(*operands)
-    return pallas_common.vary_like(outputs, operands)
+    return partitioning.vary_like(outputs, operands)
 
   return launch
 

@@ -41,6 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from stellarax.core.config import config_dataclass
+from stellarax.core import partitioning
 from stellarax.ops import pallas_backends
 from stellarax.ops import pallas_common
 from stellarax.ops.ragged_dot.pallas_mosaic_gpu.tunables import (
@@ -283,7 +284,7 @@ def _launch(body, out_shape: jax.ShapeDtypeStruct, operands, *, num_tiles: int,
       interpret=interpret or None,
       kernel_name=name,
   )
-  return pallas_common.vary_like(kernel(*operands), operands)
+  return partitioning.vary_like(kernel(*operands), operands)
 
 
 def _row_operand(tiles: _Tiles) -> dict[str, Any]:
