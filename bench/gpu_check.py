@@ -424,7 +424,9 @@ def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
       out = jax.jit(fn)(*inputs)
       err = None if key in w.unchecked else _rel_err(out, expected)
     except Exception as e:
-      rows.append(Row(w.name, key, status=f"error: {str(e).splitlines()[0][:200]}"))
+      # All of it on one line: dispatch's first line says only that no implementation
+      # took the call, the next ones say why (a backend this JAX lacks, a dtype).
+      rows.append(Row(w.name, key, status=f"error: {' '.join(str(e).split())[:300]}"))
       continue
     wrong = err is not None and not err <= tolerance  # NaN is wrong too
     rows.append(Row(w.name, key, max_rel_err=err, config=configs.get(key, ""),
