@@ -475,6 +475,21 @@ def test_kernels_lower_in_a_checked_shard_map_for_four_h200s(family, partial):
     assert any(f"tensor<{local}xbf16>" in k for k in kernels), (impl, kernels)
 
 
+def test_a_layout_without_residuals_keeps_the_output_only():
+  layout = partitioning.ShardingLayout({"x": "r c"}, ("r c", ("r",)), frozenset({"r"}))
+  assert layout.without_residuals().outputs == ("r c", None)
+  assert layout.without_residuals().arguments == layout.arguments
+  with pytest.raises(ValueError, match="needs outputs \\(out, residuals\\)"):
+    partitioning.ShardingLayout({"x": "r c"}, {"x": "r c"}, frozenset()).without_residuals()
+
+
+def test_vary_alike_leaves_arrays_alone_outside_a_checked_shard_map():
+  x, y = jnp.ones((2, 3)), jnp.zeros(3)
+  got = partitioning.vary_alike([x, y])
+  assert got[0] is x and got[1] is y
+  assert partitioning.vary_like({"a": x}, [y]) == {"a": x}
+
+
 def test_bound_arguments_take_a_shards_shapes_vmap_levels_included():
   x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
   params = {"w": jax.ShapeDtypeStruct((32,), jnp.float32)}

@@ -41,14 +41,14 @@ With a single device nothing is wrapped. Under `jax.vmap` every vmap level is on
 more free factor in front of the batched arrays and of every output.
 
 Inside a user's own `jax.shard_map` the arrays are already one device's, and with
-`check_vma=True` (its default) JAX types each by the manual mesh axes it varies over;
-a Pallas kernel's outputs must have that type spelled out (`pallas_common.out_struct`
-copies it from the kernel's inputs; `vary_like` casts what `plgpu.kernel`, which types
-its outputs with the check off, returns), and this module's own `shard_map` checks
-them too. So that one type serves every input and output,
-a call's inputs are first cast to vary over the union of their axes (`vary_alike`):
-JAX then adds up the gradient of an input that does not vary across those devices,
-as for any computation that broadcasts it.
+`check_vma=True` (its default) JAX types each by the manual mesh axes it varies over.
+So that one such type serves all of a call's inputs and outputs, the inputs are first
+cast to vary over the union of their axes (`vary_alike`): JAX then adds up the
+gradient of an input that does not vary across those devices, as for any computation
+that broadcasts it. A Pallas kernel's outputs must have that type spelled out:
+`pallas_common.out_struct` copies it from the kernel's inputs, and `vary_like` casts
+what `plgpu.kernel` returns (it types its outputs with the check off). This module's
+own `shard_map` is checked there too.
 """
 
 from __future__ import annotations
