@@ -843,15 +843,15 @@ def test_the_heuristic_config_is_measured_first():
   assert space[0] == ba.heuristics_config and len(space) == len(set(space)) > 1
 
 
-def test_a_budget_that_runs_out_on_heuristics_says_so(monkeypatch):
+def test_a_budget_too_small_to_search_says_so():
   light, heavy = _ragged_calls(2)
   assert len(light.autotuning_configs) > 1
-  spy, _ = _budget_spy(monkeypatch, spends=1.0)  # each call spends all it gets on its heuristic
-  with pytest.warns(autotuning.SmallBudgetWarning, match=r"total_budget_s=2.0\) ran out before 2 of the 2 calls"):
-    result = tuner(strategy=spy, total_budget_s=2.0).autotune([light, heavy])
-  assert all(e.best_config == e.heuristic_config for e in result)
-  # A budget left over: the strategy chose to stop, nothing to say.
-  spy, _ = _budget_spy(monkeypatch, spends=0.25)
+  # Far less than one measurement takes: each call measures its heuristic only.
+  with pytest.warns(autotuning.SmallBudgetWarning, match=r"budget_s=0.001\) was too small for 2 of the 2"):
+    result = stellarax.Autotuner(budget_s=0.001, progress=False).autotune([light, heavy])
+  assert all(len(e.measurements) == 1 and e.best_config == e.heuristic_config for e in result)
+  # Without a budget every config is measured: nothing to say.
   with warnings.catch_warnings():
     warnings.simplefilter("error", autotuning.SmallBudgetWarning)
-    tuner(strategy=spy, total_budget_s=2.0).autotune([light, heavy])
+    result = stellarax.Autotuner(progress=False).autotune([light])
+  assert len(next(iter(result)).measurements) == len(light.autotuning_configs)

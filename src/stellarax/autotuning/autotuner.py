@@ -332,15 +332,16 @@ class Autotuner:
           entry = self._tune_and_keep_drawing(ba, progress, pool)
           result = result.with_entry(entry)
           if len(entry.measurements) <= 1 < len(ba.autotuning_configs):
-            starved.append(_clock() - start)
+            starved.append(ba)
         except Exception as exc:  # Data about this call; the others are still tuned.
           errors[ba] = exc
         seconds.append(_clock() - start)
     finally:
       progress.close()
-    ran_out = ((pool is not None and pool.left_s <= 0)
-               or (self.budget_s is not None and any(s >= self.budget_s for s in starved)))
-    if starved and ran_out:
+    # Under a budget a strategy stops before a config it predicts would overrun it; with
+    # none it measures its whole space. So a budget left only the heuristic measured.
+    budgeted = self.budget_s is not None or pool is not None
+    if starved and budgeted:
       self._warn_budget_starved(len(starved), len(todo), sum(seconds) / len(seconds))
     if self.progress and todo:
       print(result.summary(), file=sys.stderr)
@@ -352,8 +353,8 @@ class Autotuner:
     budget = (f"total_budget_s={self.total_budget_s}" if self.total_budget_s is not None
               else f"budget_s={self.budget_s}")
     warnings.warn(
-        f"The budget ({budget}) ran out before {starved} of the {tuned} calls tuned had any "
-        f"config measured but their heuristic one, so their entries keep it. A call took "
+        f"The budget ({budget}) was too small for {starved} of the {tuned} calls tuned to have "
+        f"any config measured but their heuristic one, so their entries keep it. A call took "
         f"{mean_s:.1f} s here on average (compiling and timing its first configs); give each "
         f"a few times that to search its space.", SmallBudgetWarning, stacklevel=4)
 
@@ -424,7 +425,7 @@ class NothingToTuneWarning(UserWarning):
 
 
 class SmallBudgetWarning(UserWarning):
-  """The tuning budget ran out before some calls had any config measured but their
+  """The tuning budget was too small for some calls to have any config measured but their
   heuristic one: their entries keep the heuristic config."""
 
 
