@@ -818,8 +818,8 @@ def _pallas_calls(lowered) -> tuple[list[str], list[bytes]]:
   from stellarax.ops import pallas_backends
   # The target Pallas Triton's calls carry; where JAX has dropped the backend there are
   # none to find, and the Mosaic GPU and XLA kernels still compile.
-  triton_target = getattr(pallas_backends.triton, "CUSTOM_CALL_TARGET_NAME", None) \
-      if pallas_backends.missing_reason("triton") is None else None
+  triton_target = (pallas_backends.triton.CUSTOM_CALL_TARGET_NAME
+                   if pallas_backends.missing_reason("triton") is None else None)
   triton, mosaic = [], []
 
   def config(op):

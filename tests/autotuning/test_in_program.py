@@ -171,22 +171,30 @@ def attention_program(q, kv):
   return stellarax.dot_product_attention(q, kv, kv, is_causal=True)  # dispatch picks
 
 
+def _attention_in_two_implementations(own_ms, other_ms):
+  """attention_program's inputs, its call and a result timing that call at its heuristic
+  config in its own implementation (own_ms) and in another one (other_ms)."""
+  k = jax.random.split(jax.random.key(3), 2)
+  q, kv = jax.random.normal(k[0], (1, 40, 4, 8)), jax.random.normal(k[1], (1, 40, 2, 8))
+  (found,) = autotuning.get_bound_args(attention_program, q, kv)
+  found = found.with_config(None)
+  other_cls = stellarax.XlaAttention if found.op.name != "attention.xla" else stellarax.XlaChunkedAttention
+  other = other_cls.bind(q, kv, kv, is_causal=True)
+  own, alternative = (autotuning.Entry(ba, ba.heuristics_config, ba.heuristics_config,
+                                       ((ba.heuristics_config, _ok(ms)),), method="test")
+                      for ba, ms in ((found, own_ms), (other, other_ms)))
+  result = autotuning.AutotuningResult(jax.devices()[0].device_kind,
+                                       {own.key: own, alternative.key: alternative})
+  return (q, kv), result, own, alternative
+
+
 @pytest.mark.parametrize("helps", [True, False])
 def test_a_call_the_result_moves_to_another_implementation_is_checked_and_kept(monkeypatch, helps):
   # Autotuner(implementations=...) times the call's other implementations too; dispatch
   # runs the fastest. The call at its heuristic config leaves the other one timed at its
   # best config: the switch is what the program gains, and what a left-out call drops.
-  k = jax.random.split(jax.random.key(3), 2)
-  q, kv = jax.random.normal(k[0], (1, 40, 4, 8)), jax.random.normal(k[1], (1, 40, 2, 8))
-  (found,) = autotuning.get_bound_args(attention_program, q, kv)
-  found = found.with_config(None)
-  other = stellarax.XlaAttention.bind(q, kv, kv, is_causal=True) \
-      if found.op.name != "attention.xla" else stellarax.XlaChunkedAttention.bind(q, kv, kv, is_causal=True)
-  own = autotuning.Entry(found, found.heuristics_config, found.heuristics_config,
-                         ((found.heuristics_config, _ok(5.0)),), method="test")
-  switch = autotuning.Entry(other, other.heuristics_config, other.heuristics_config,
-                            ((other.heuristics_config, _ok(1.0)),), method="test")
-  result = autotuning.AutotuningResult(jax.devices()[0].device_kind, {own.key: own, switch.key: switch})
+  (q, kv), result, own, switch = _attention_in_two_implementations(5.0, 1.0)
+  found, other = own.bound_args, switch.bound_args
   traced = {}
 
   def fake_measure(programs, margs, **kwargs):
@@ -208,17 +216,7 @@ def test_a_call_the_result_moves_to_another_implementation_is_checked_and_kept(m
 def test_a_slower_implementation_in_the_result_changes_nothing(monkeypatch):
   # Dispatch keeps the call's own implementation when it is timed fastest: a call at
   # its heuristic config then has nothing to check, however many others were timed.
-  k = jax.random.split(jax.random.key(3), 2)
-  q, kv = jax.random.normal(k[0], (1, 40, 4, 8)), jax.random.normal(k[1], (1, 40, 2, 8))
-  (found,) = autotuning.get_bound_args(attention_program, q, kv)
-  found = found.with_config(None)
-  other = stellarax.XlaAttention.bind(q, kv, kv, is_causal=True) \
-      if found.op.name != "attention.xla" else stellarax.XlaChunkedAttention.bind(q, kv, kv, is_causal=True)
-  own = autotuning.Entry(found, found.heuristics_config, found.heuristics_config,
-                         ((found.heuristics_config, _ok(1.0)),), method="test")
-  slower = autotuning.Entry(other, other.heuristics_config, other.heuristics_config,
-                            ((other.heuristics_config, _ok(5.0)),), method="test")
-  result = autotuning.AutotuningResult(jax.devices()[0].device_kind, {own.key: own, slower.key: slower})
+  (q, kv), result, _, _ = _attention_in_two_implementations(1.0, 5.0)
   monkeypatch.setattr(in_program.measure_lib, "measure_candidates", lambda programs, *a, **k: {
       name: _ok(1.0) for name in programs})
   check = autotuning.check_in_program(result, attention_program, q, kv)

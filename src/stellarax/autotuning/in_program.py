@@ -38,7 +38,6 @@ twice more to profile).
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -260,7 +259,7 @@ def _call_times(found: list[BoundArguments], result: AutotuningResult,
     alone = (e.heuristic_time / ran_entry.best_time
              if e is not None and ran_entry is not None and e.heuristic_time and ran_entry.best_time
              else None)
-    name = ba.op.name if tuned_key == key else f"{ba.op.name} -> {json.loads(tuned_key[0])['name']}"
+    name = ba.op.name if tuned_key == key else f"{ba.op.name} -> {ran_entry.bound_args.op.name}"
     out.append(CallTime(name, key, before.get(key), after.get(tuned_key), alone))
   return tuple(sorted(out, key=lambda t: -(t.heuristic_s or 0.0)))
 
@@ -307,7 +306,8 @@ def check_in_program(result: AutotuningResult, f: Callable[..., Any], *args,
   programs = {_HEURISTICS: _under(pinned(heuristic), program),
               _TUNED: _under(pinned(heuristic | tuned), program)}
   for i, (e, others) in enumerate(changed):
-    left_out = {k: v for k, v in (heuristic | tuned).items() if k not in {o.key for o in others}}
+    dropped = {o.key for o in others}
+    left_out = {k: v for k, v in (heuristic | tuned).items() if k not in dropped}
     programs[i] = _under(pinned(left_out | {e.key: _at_heuristic(e)}), program)
   reference = lambda: jax.jit(programs[_HEURISTICS])(arrays)
   got = measure_lib.measure_candidates(programs, (arrays,), reference=reference,
