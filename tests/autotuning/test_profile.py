@@ -1,6 +1,8 @@
 """Tests for reading stellarax op calls from XProf profiles (`read_op_calls`)."""
 
+import collections
 import functools
+import json
 import os
 import re
 
@@ -581,3 +583,57 @@ def test_work_hoisted_out_of_a_loop_is_no_call_of_its_own(tmp_path):
   # one more call a run.
   hlo = program.lower(x, weights).compile().as_text()
   assert any("stellarax_op=" in line for line in _entry_instructions(hlo).values())
+
+
+def _unrolled_layers(x, scale, wq, w, wg, group_sizes, *, layers):
+  """A model whose layers a Python loop unrolls: each op is called `layers` times from
+  one line. The weights, and ragged_dot's group sizes, are shared by the layers, so JAX
+  adds the calls' cotangents of them; XLA fuses each norm into the matmul that reads it."""
+  b, t, d = x.shape
+  for _ in range(layers):
+    h = stellarax.layer_norm(x, scale, scale)  # d scale and d offset: one frame and shape
+    q = (h @ wq).reshape(b, t, 2, d // 2)
+    x = x + stellarax.dot_product_attention(q, q, q, is_causal=True).reshape(b, t, d)
+    x = x + stellarax.ragged_dot(x[0], w, group_sizes)[None]
+    x = x + stellarax.gated_linear_unit(stellarax.rms_norm(x[0], scale), wg)[None]
+  return jnp.sum(x * x)
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_counts_unrolled_layers_and_backward_ops_with_several_results(layers, tmp_path):
+  drop_live_programs()
+  keys = jax.random.split(jax.random.key(5), 5)
+  d = 64
+  args = (jax.random.normal(keys[0], (1, 48, d)), jax.random.normal(keys[1], (d,)),
+          0.05 * jax.random.normal(keys[2], (d, d)),
+          0.05 * jax.random.normal(keys[3], (4, d, d)),
+          0.05 * jax.random.normal(keys[4], (d, 2, d)), jnp.array([13, 0, 20, 9], jnp.int32))
+  step = jax.jit(jax.grad(functools.partial(_unrolled_layers, layers=layers),
+                          argnums=(0, 1, 2, 3, 4)))
+  jax.block_until_ready(step(*args))
+  with jax.profiler.trace(tmp_path):
+    for _ in range(RUNS):
+      jax.block_until_ready(step(*args))
+  calls = read_op_calls(tmp_path)
+  counts = collections.Counter()
+  for call in calls:
+    ba = json.loads(call.marker)
+    # rms_norm is layer_norm without the mean: two keys of one op name.
+    counts[ba["op"]["name"], ba["arguments"].get("subtract_mean")] += call.count
+  assert len(calls) == len(counts) == 10, counts  # 5 ops and their VJP ops
+  assert set(counts.values()) == {layers * RUNS}, counts
+
+
+def test_a_backward_op_with_two_results_at_one_frame_is_one_call(tmp_path):
+  # rms_norm's VJP computes d x and d scale from one line of its body; they once
+  # counted as two calls.
+  drop_live_programs()
+  keys = jax.random.split(jax.random.key(6), 2)
+  x, scale = jax.random.normal(keys[0], (64, 96)), jax.random.normal(keys[1], (96,))
+  step = jax.jit(jax.grad(lambda x, s: jnp.sum(stellarax.rms_norm(x, s) ** 2), (0, 1)))
+  jax.block_until_ready(step(x, scale))
+  with jax.profiler.trace(tmp_path):
+    for _ in range(RUNS):
+      jax.block_until_ready(step(x, scale))
+  counts = {json.loads(c.marker)["op"]["name"]: c.count for c in read_op_calls(tmp_path)}
+  assert counts == {"layer_norm.xla": RUNS, "layer_norm.xla_vjp": RUNS}

@@ -63,14 +63,18 @@ How events become op calls:
 4. Count = runs x calls, summed over the computations of every program that ran, and
    over files. The calls of a marker in a computation (the entry, or a body of a loop,
    conditional or call) add up over the distinct call sites of its marked instructions.
-   A site counts one call, or more when several kernels compute their results with
-   marked instructions traced at one and the same stack frame: then the most such
-   kernels of one frame (a Python loop that calls the op n times gives n). A marker
-   read from op_name marks all of an op's work, so of its kernels only the op's
-   outputs count here: those whose result leaves the computation or is read by other
-   work than the op's; its inner steps, which XLA:CPU's ragged_dot expansion traces at
-   one frame, would count each call several times. A marker that a loop, conditional
-   or call around the computation carries is counted there instead. A (marker, site)
+   A site has several calls when a Python loop calls the op from one line (unrolled
+   layers), and its calls are counted by their results. A result is a value that
+   the op's work (its marked instructions, and those whose op_name names it) computes
+   and the user's work reads, or that leaves the computation, looked for at the
+   instructions inside fusions, since XLA fuses an op's last step into the user's
+   kernel that reads it. (Failing any, a value that another op call reads.) Values are
+   numbered so that XLA's copies of one instruction in several fusions are one value,
+   and two calls' values are two (`_value_numbers`). Results are grouped by (stack
+   frame, shape); the site's calls are the fewest values of any group, since one call
+   may have several results at one frame and shape (the d scale and d offset of
+   layer_norm's VJP). A marker that a loop, conditional or call around the
+   computation carries is counted there instead. A (marker, site)
    that a loop, conditional or call below the computation also has is work XLA hoisted
    out of that loop (loop-invariant code motion: a causal mask built once before a
    scan over layers), counted with the calls below, not as a call of its own. The runs of the
@@ -101,9 +105,11 @@ How events become op calls:
    events): their markers share its time. A marker whose kernels cannot be told apart
    from other work has a device time of 0.0.
 
-Limits: the count of a site can miss calls when XLA fuses the results of several calls
-into one kernel (at least one call per site is counted), and overcounts an op whose
-implementation itself computes several results from one line in a Python loop. An op
+Limits: a site counts at least one call; it counts fewer than ran when XLA computes a
+result of several calls once (calls on equal inputs, which XLA's common-subexpression
+pass merges, ran once) and when calls of one op chain from one line with no user work
+between (each reading the last one's result), whose results but the last are the next
+call's work. An op
 called from another op's implementation has the outer call's site. A marker put on
 outside this library's op modules keeps its whole stack, so JAX's reuse of an earlier
 trace (3) can split one of its calls into two sites. An op that XLA unrolls into a
@@ -111,8 +117,7 @@ caller's loop counts per trip. A loop whose body gives no events (a small loop o
 XLA:CPU 0.12, 5) shows no trips: an op in it counts once per run of the loop unless XLA
 knows the trip count. A program compiled without stack metadata counts each
 marker once per computation. A marker that XLA removed from every instruction's
-attributes and op_name cannot be found. Read from op_name, calls of one op chained from
-one line (each reading the last one's result) count as one, an instruction that XLA
+attributes and op_name cannot be found. Read from op_name, an instruction that XLA
 created without metadata goes to no op, and a backward pass that JAX derives from an
 op's body (an op without a VJP op) counts as that op, since it carries the forward's
 scope though not its attribute. A profile without the HLO (no metadata plane) cannot be
@@ -154,11 +159,20 @@ _DATA_MOVEMENT = frozenset({
     "bitcast", "bitcast-convert", "copy", "copy-done", "copy-start",
     "get-tuple-element", "optimization-barrier", "reshape", "transpose", "tuple",
 })
-# Instructions that compute no result of their own, so never tell one call from another.
-_NOT_KERNELS = _DATA_MOVEMENT | _SEQUENCE_CALLERS | {"parameter", "constant"}
+# Instructions whose result holds their operand's values, only laid out, shaped or
+# typed otherwise: XLA writes one value with different ones of these in different
+# fusions, so they do not make a value of their own.
+_SAME_VALUE = _DATA_MOVEMENT | {"broadcast", "convert"}
+# Instructions that compute no op result of their own: the above, inputs, and a fusion,
+# whose value is its root's.
+_NOT_VALUES = _SAME_VALUE | {"parameter", "constant", "fusion"}
 _MODULE_WITH_ID = re.compile(r"^(?P<name>.*)\((?P<id>\d+)\)$")
 # HloModuleProto.id: the program_id that XLA writes into the events of the module's work.
 _HLO_MODULE_ID = 5
+# HloInstructionProto fields that name an instruction or say where it came from, not
+# what it computes: name, metadata, id, operand_ids, control_predecessor_ids,
+# called_computation_ids, frontend_attributes.
+_IDENTITY_FIELDS = frozenset({1, 7, 35, 36, 37, 38, 68})
 _TRIP_COUNT = re.compile(rb'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 # This library's package directory: frames of its modules are cut from call sites.
 _PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -571,6 +585,11 @@ class _Instruction:
   frame: int  # the stack frame it was traced from; 0 when unknown
   trip_count: int | None  # of a while loop, when XLA knows it
   scope: str | None = None  # the innermost marker named in its op_name
+  index: int | None = None  # a parameter's number, a get-tuple-element's tuple index
+  shape: bytes = b""  # its serialized ShapeProto
+  # What it computes from its operands, without its name, id or metadata: equal for
+  # the copies of one instruction that XLA puts into each fusion that reads it.
+  signature: int = 0
 
 
 _Computations = Mapping[int, Sequence[_Instruction]]
@@ -684,12 +703,11 @@ def _program(entry_name: str, stats: Mapping[str | None, object]) -> _Program:
   if entry not in computations:  # callees come before callers, so the entry is last
     entry = next(reversed(computations), -1)
   computations = _restore_lost_markers(computations)
-  computations, scoped = _mark_from_scopes(computations)
+  computations = _mark_from_scopes(computations)
   markers = _markers_by_instruction(computations)
   site = _sites(stack_index)
   work = _work(computations, site)
-  kernel = _kernels(computations, roots, site, _interior(computations, roots, scoped))
-  sequences = _sequences(computations, entry, markers, work, kernel)
+  sequences = _sequences(computations, entry, markers, work, _outputs(computations, roots, site))
   shares = {}
   for cid in sequences:
     shares.update(_shares(computations, computations[cid], work))
@@ -721,14 +739,21 @@ def _instruction(buf: memoryview) -> _Instruction:
   """The fields of one HloInstructionProto that are read here."""
   name = opcode = ""
   iid, frame, operands, called, marker, config = 0, 0, [], [], None, b""
-  scope = None
+  scope = index = None
+  shape, computes = b"", []
   for number, wire_type, value in _fields(buf):
+    if number not in _IDENTITY_FIELDS:
+      computes.append((number, bytes(value) if isinstance(value, memoryview) else value))
     if number == 1:
       name = _text(value)
     elif number == 2:
       opcode = _text(value)
+    elif number == 3:
+      shape = bytes(value)
     elif number == 7:
       frame, scope = _op_metadata(value)
+    elif number in (9, 13):  # parameter_number, tuple_index
+      index = value
     elif number == 35:
       iid = value
     elif number == 36:
@@ -743,8 +768,11 @@ def _instruction(buf: memoryview) -> _Instruction:
         if key is not None and _text(key) == MARKER_KEY:
           marker = _text(text or b"")
   trips = _TRIP_COUNT.search(bytes(config)) if opcode == "while" else None
+  if index is None and opcode in ("parameter", "get-tuple-element"):
+    index = 0  # proto3 leaves a zero out
   return _Instruction(name, opcode, iid, tuple(operands), tuple(called), marker, frame,
-                      int(trips[1]) if trips else None, scope)
+                      int(trips[1]) if trips else None, scope, index, shape,
+                      hash(tuple(computes)))
 
 
 def _op_metadata(buf: memoryview) -> tuple[int, str | None]:
@@ -888,95 +916,18 @@ def _restore_lost_markers(computations: _Computations) -> _Computations:
   }
 
 
-def _mark_from_scopes(
-    computations: _Computations,
-) -> tuple[_Computations, frozenset[str]]:
-  """Marks by op_name the ops whose attribute no instruction kept (module doc, 2).
-
-  Returns:
-    The computations, each instruction of such an op marked with the marker of its
-    innermost scope; and the names of the instructions marked so.
-  """
+def _mark_from_scopes(computations: _Computations) -> _Computations:
+  """Marks by op_name the ops whose attribute no instruction kept (module doc, 2):
+  each instruction of such an op gets the marker of its innermost scope."""
   # An op with its attribute on some instruction is left to the attribute rules,
-  # which were written for partly marked ops (a fully marked one counts otherwise).
+  # which were written for partly marked ops.
   attributed = {i.marker for insts in computations.values() for i in insts if i.marker}
-  scoped, result = set(), {}
-  for cid, instructions in computations.items():
-    result[cid] = []
-    for inst in instructions:
-      if inst.marker is None and inst.scope is not None and inst.scope not in attributed:
-        inst = dataclasses.replace(inst, marker=inst.scope)
-        scoped.add(inst.name)
-      result[cid].append(inst)
-  return result, frozenset(scoped)
-
-
-def _interior(
-    computations: _Computations, roots: Mapping[int, int | None],
-    scoped: frozenset[str],
-) -> dict[str, str]:
-  """Kernel -> the marker (from a scope) of the op whose work alone reads its result.
-
-  A reader is looked for through data movement, and continues an op when it, or the
-  instruction that computes its result, is marked with it: a reader that only holds
-  some of the op's work (XLA merged a common part of two ops) does not. A result that
-  reaches its computation's root is read by whatever runs the computation.
-  """
-  from_scopes = {i.marker for insts in computations.values() for i in insts
-                 if i.name in scoped}
-  found: dict[str, str] = {}
-  if not from_scopes:
-    return found
-  result = _results(computations, roots)
-  for cid, instructions in computations.items():
-    readers: dict[int, list[_Instruction]] = collections.defaultdict(list)
-    for inst in instructions:
-      for operand in inst.operand_ids:
-        readers[operand].append(inst)
-    for inst in instructions:
-      computed = result(inst)
-      if computed.marker not in from_scopes or computed.opcode in _NOT_KERNELS:
-        continue
-      read_by = _readers(inst, readers, roots.get(cid))
-      if read_by and all(computed.marker in (r.marker, result(r).marker)
-                         for r in read_by):
-        found[inst.name] = computed.marker
-  return found
-
-
-def _results(
-    computations: _Computations, roots: Mapping[int, int | None],
-) -> Callable[[_Instruction], _Instruction]:
-  """Returns the function that finds the instruction that computes an instruction's
-  result: itself, or a fusion's root, through nested fusions."""
-  by_id = {(cid, inst.id): inst for cid, insts in computations.items() for inst in insts}
-
-  def result(inst: _Instruction) -> _Instruction:
-    seen = set()
-    while inst.opcode == "fusion" and inst.called_ids and inst.name not in seen:
-      seen.add(inst.name)  # a cyclic (malformed) module stops here
-      cid = inst.called_ids[0]
-      inst = by_id.get((cid, roots.get(cid)), inst)
-    return inst
-
-  return result
-
-
-def _readers(
-    inst: _Instruction, readers: Mapping[int, Sequence[_Instruction]], root: int | None,
-) -> list[_Instruction] | None:
-  """The instructions that read `inst`'s result, looking through data movement; None
-  when the result reaches the computation's root."""
-  pending, seen, found = [inst], {inst.id}, []
-  while pending:
-    current = pending.pop()
-    if current.id == root:
-      return None
-    for reader in readers.get(current.id, ()):
-      if reader.id not in seen:
-        seen.add(reader.id)
-        (pending if reader.opcode in _DATA_MOVEMENT else found).append(reader)
-  return found
+  return {
+      cid: [dataclasses.replace(i, marker=i.scope)
+            if i.marker is None and i.scope is not None and i.scope not in attributed
+            else i for i in instructions]
+      for cid, instructions in computations.items()
+  }
 
 
 def _markers_by_instruction(
@@ -1047,34 +998,168 @@ def _work(
   return functools.cache(of_instruction)
 
 
-def _kernels(
+def _value_numbers(
     computations: _Computations, roots: Mapping[int, int | None],
-    site: Callable[[int], _Site], interior: Mapping[str, str],
-) -> Callable[[_Instruction], tuple[str, object, int] | None]:
-  """Returns the function that tells which op call's result an instruction computes.
+) -> dict[tuple[int, int], int]:
+  """(computation id, instruction id) -> a number for the value it computes.
 
-  That is (marker, call site, stack frame) of the instruction that computes its result
-  (a fusion's root), when that one is marked and does more than move data, and, for a
-  marker read from a scope, when not only the op's own work reads the result
-  (`interior`; module doc, 4); else None.
+  Equal numbers mean the same computation on the same inputs, up to layout, shape and
+  type (`_SAME_VALUE`): the copies of one instruction that XLA puts into each fusion
+  that reads it get one number, and the work of two calls of an op gets two, since
+  their inputs differ. A fused
+  computation's parameters take their fusion's operands' numbers, and a fusion takes
+  its root's, so numbers see through fusion boundaries.
   """
-  result = _results(computations, roots)
+  numbers: dict[tuple[int, int], int] = {}
+  fused = {called for insts in computations.values() for inst in insts
+           if inst.opcode == "fusion" for called in inst.called_ids[:1]}
 
-  def kernel(inst: _Instruction) -> tuple[str, object, int] | None:
-    found = result(inst)
-    if found.marker is None or found.opcode in _NOT_KERNELS:
-      return None
-    if interior.get(inst.name) == found.marker:
-      return None
-    return found.marker, site(found.frame)[0], found.frame
+  def number(cid: int, parameters: Sequence[int] | None, depth: int = 0) -> None:
+    for inst in computations.get(cid, ()):
+      operands = tuple(numbers.get((cid, o), o) for o in inst.operand_ids)
+      if inst.opcode == "parameter" and parameters is not None:
+        value = (parameters[inst.index] if inst.index is not None
+                 and inst.index < len(parameters) else hash((cid, inst.signature)))
+      elif inst.opcode == "parameter":
+        value = hash((cid, inst.signature))
+      elif inst.opcode in _SAME_VALUE and len(operands) == 1:
+        value = operands[0]
+      elif inst.opcode == "fusion" and inst.called_ids and depth < 64:
+        body = inst.called_ids[0]
+        number(body, operands, depth + 1)
+        value = numbers.get((body, roots.get(body)), hash((inst.signature, operands)))
+      else:
+        value = hash((inst.signature, operands))
+      numbers[cid, inst.id] = value
 
-  return kernel
+  for cid in computations:
+    if cid not in fused:
+      number(cid, None)
+  return numbers
+
+
+def _loop_result(inst: _Instruction, by_id: Mapping[int, _Instruction]) -> bool:
+  """Whether `inst` reads a result of a loop, conditional or call that lost its marker
+  (XLA:CPU keeps the marker of an op built on a loop only where its result is read)."""
+  return inst.opcode == "get-tuple-element" and any(
+      (source := by_id.get(o)) is not None and source.opcode in _SEQUENCE_CALLERS
+      and source.marker is None for o in inst.operand_ids)
+
+
+def _users(inst: _Instruction) -> bool:
+  """Whether an instruction is the user's work: traced from somewhere (XLA creates some
+  instructions with no metadata) and no op's by its marker or op_name. Work that JAX
+  adds inside this library, like summing the cotangents of an input that several calls
+  read, is the user's here."""
+  return inst.marker is None and inst.scope is None and inst.frame != 0
+
+
+# What reaches the root of a computation that runs as a sequence: read by its caller.
+_LEAVES = None
+
+
+def _readers_through_fusions(
+    computations: _Computations, roots: Mapping[int, int | None], cid: int,
+) -> Callable[[int, _Instruction], list[_Instruction | None]]:
+  """Returns the function that finds who reads an instruction's result in computation
+  `cid` or the fusions it runs: the instructions that compute with it, looking
+  through data movement and into and out of fusions; `_LEAVES` for its root."""
+  fusion_of: dict[int, tuple[int, _Instruction]] = {}  # fused computation -> caller
+  readers: dict[tuple[int, int], list[_Instruction]] = collections.defaultdict(list)
+  parameters: dict[tuple[int, int], list[_Instruction]] = collections.defaultdict(list)
+  pending = [cid]
+  while pending:
+    current = pending.pop()
+    for inst in computations.get(current, ()):
+      for operand in inst.operand_ids:
+        readers[current, operand].append(inst)
+      if inst.opcode == "parameter" and inst.index is not None:
+        parameters[current, inst.index].append(inst)
+      if inst.opcode == "fusion" and inst.called_ids and inst.called_ids[0] not in fusion_of:
+        fusion_of[inst.called_ids[0]] = (current, inst)
+        pending.append(inst.called_ids[0])
+
+  def read_by(home: int, inst: _Instruction) -> list[_Instruction | None]:
+    # (computation, instruction, the tuple index it is read at, when inside a tuple)
+    pending: list[tuple[int, _Instruction, int | None]] = [(home, inst, None)]
+    seen, found = set(), []
+    while pending:
+      current, value, element = pending.pop()
+      if (current, value.id, element) in seen:
+        continue
+      seen.add((current, value.id, element))
+      if value.id == roots.get(current):
+        if current in fusion_of:
+          pending.append((*fusion_of[current], element))
+        else:
+          found.append(_LEAVES)
+      for reader in readers[current, value.id]:
+        if reader.opcode == "get-tuple-element" and element is not None:
+          if reader.index == element:
+            pending.append((current, reader, None))
+        elif reader.opcode == "tuple":
+          pending.append((current, reader, reader.operand_ids.index(value.id)))
+        elif reader.opcode == "fusion" and reader.called_ids:
+          body = reader.called_ids[0]
+          for position, operand in enumerate(reader.operand_ids):
+            if operand == value.id:
+              pending.extend((body, p, element) for p in parameters[body, position])
+        elif reader.opcode in _DATA_MOVEMENT:
+          pending.append((current, reader, element))
+        else:
+          found.append(reader)
+    return found
+
+  return read_by
+
+
+def _outputs(
+    computations: _Computations, roots: Mapping[int, int | None],
+    site: Callable[[int], _Site],
+) -> Callable[[int], dict[tuple[str, object], dict[tuple[int, bytes], set[int]]]]:
+  """Returns the function that finds the op calls' results in one computation that runs
+  as a sequence (module doc, 4).
+
+  A result is a marked instruction's value (in the computation or in a fusion it runs)
+  that work other than its own op call's reads, or that leaves the computation. They
+  are returned as (marker, call site) -> (stack frame, shape) -> value numbers.
+  """
+  numbers = _value_numbers(computations, roots)
+
+  def outputs(cid: int) -> dict[tuple[str, object], dict[tuple[int, bytes], set[int]]]:
+    read_by = _readers_through_fusions(computations, roots, cid)
+    # Results read by the user's work or leaving the computation; and those
+    # read only by other op calls, which count where a call has none of the first kind.
+    to_user: dict = collections.defaultdict(lambda: collections.defaultdict(set))
+    to_ops: dict = collections.defaultdict(lambda: collections.defaultdict(set))
+    pending = [cid]
+    while pending:
+      current = pending.pop()
+      by_id = {inst.id: inst for inst in computations.get(current, ())}
+      for inst in computations.get(current, ()):
+        if inst.opcode == "fusion":
+          pending.extend(inst.called_ids[:1])
+        op = inst.marker or inst.scope
+        if op is None or (inst.opcode in _NOT_VALUES and not _loop_result(inst, by_id)):
+          continue
+        call = (op, site(inst.frame)[0])
+        readers = read_by(current, inst)
+        if any(r is _LEAVES or _users(r) for r in readers):
+          found = to_user
+        elif any((r.marker or r.scope, site(r.frame)[0]) != call for r in readers):
+          found = to_ops
+        else:
+          continue
+        found[call][inst.frame, inst.shape].add(numbers[current, inst.id])
+    return {call: to_user.get(call) or to_ops[call] for call in {*to_user, *to_ops}}
+
+  return outputs
 
 
 def _sequences(
     computations: _Computations, entry: int, markers: Mapping[str, frozenset[str]],
     work: Callable[[_Instruction], _Work],
-    kernel: Callable[[_Instruction], tuple[str, object, int] | None],
+    outputs: Callable[[int], Mapping[tuple[str, object], Mapping[tuple, set[int]]]],
 ) -> dict[int, _Sequence]:
   """The computations that run as sequences, with the calls of each (module doc, 4)."""
   # computation -> (parent, trip count, markers of the loops and calls around it)
@@ -1104,7 +1189,7 @@ def _sequences(
       below[parent] |= {(m, s) for m, found_sites in sites[cid].items() for s in found_sites}
       parent = found[parent][0]
   return {
-      cid: _Sequence(parent, trips, _calls(computations.get(cid, ()), sites[cid], below[cid], kernel))
+      cid: _Sequence(parent, trips, _calls(sites[cid], below[cid], outputs(cid)))
       for cid, (parent, trips, around) in found.items()
   }
 
@@ -1122,24 +1207,20 @@ def _marked_sites(instructions: Sequence[_Instruction], around: frozenset[str],
 
 
 def _calls(
-    instructions: Sequence[_Instruction], sites: Mapping[str, set],
-    hoisted: set[tuple[str, object]],
-    kernel: Callable[[_Instruction], tuple[str, object, int] | None],
+    sites: Mapping[str, set], hoisted: set[tuple[str, object]],
+    results: Mapping[tuple[str, object], Mapping[tuple, set[int]]],
 ) -> dict[str, int]:
   """Marker -> the number of its calls in one computation (module doc, 4), from its
-  call sites there less those of calls in the loops it runs (`hoisted`)."""
-  # (marker, site) -> stack frame -> how many kernels compute a result traced there
-  results: dict[tuple, collections.Counter[int]] = collections.defaultdict(
-      collections.Counter)
-  for inst in instructions:
-    if (found := kernel(inst)) is not None:
-      results[found[:2]][found[2]] += 1
+  call sites there less those of calls in the loops it runs (`hoisted`), and the
+  results of the calls of each site (`_outputs`)."""
   calls = {}
   for marker, found in sites.items():
     known = {key for key in found - {()} if (marker, key) not in hoisted}
     if not known and found - {()}:
       continue  # all of it hoisted out of loops below
-    calls[marker] = sum(max([1, *results[marker, key].values()]) for key in known) or 1
+    calls[marker] = sum(
+        min(map(len, results.get((marker, key), {}).values()), default=1)
+        for key in known) or 1
   return calls
 
 
