@@ -174,6 +174,19 @@ def _cases():
                                   [P("data"), P(), P()])
   cases["xla glu grad rows"] = (grad(glu("xla"), 2), grad(glu("xla"), 2), (x, w),
                                 [P("data"), P()])
+  # Split as plain JAX keeps them (Auto) or per shard (Explicit), checked against plain
+  # JAX: the GLU's weights split on N, and ragged_dot's rows.
+  def plain_glu(x, w):
+    dot = lambda w: jnp.dot(x, w, preferred_element_type=jnp.float32)
+    return (jax.nn.silu(dot(w[:, 0])) * dot(w[:, 1])).astype(x.dtype)
+
+  plain_ragged = lambda l, r, gs: jax.lax.ragged_dot(l, r, gs)
+  cases["xla glu columns"] = (glu("xla"), plain_glu, (x, w), [P(), P(None, None, "data")])
+  cases["xla glu grad columns"] = (grad(glu("xla"), 2), grad(plain_glu, 2), (x, w),
+                                   [P(), P(None, None, "data")])
+  cases["xla ragged_dot grad rows"] = (ragged_grad("xla"),
+                                       lambda l, r, gs: grad(lambda a, b: plain_ragged(a, b, gs), 2)(l, r),
+                                       (lhs, rhs, sizes), [P("data"), P(), P()])
   # XLA's attention and norms return no residuals where the kernels do (their layouts
   # say so: `ShardingLayout.without_residuals`).
   cases["xla attention grad batch"] = (grad(attention("xla"), 3), grad(attention("xla"), 3),
@@ -238,6 +251,14 @@ def _spec_of(x) -> list:
   return spec
 
 
+def _collectives(text: str) -> list[list[str]]:
+  """The collectives of a compiled program's text, each as [kind, its result's shapes]
+  ("all-reduce", "f32[64,32]"), once each, sorted."""
+  found = re.findall(r"= (\([^)]*\)|\S+) (all-gather|all-reduce|all-to-all|reduce-scatter|"
+                     r"collective-permute)(?:-start)?\(", text)
+  return sorted({(kind, " ".join(re.findall(r"\w+\[[\d,]*\]", shapes))) for shapes, kind in found})
+
+
 def _run_cases(explicit: bool) -> dict:
   axis_type = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
   mesh = jax.make_mesh((_DEVICES,), ("data",), axis_types=(axis_type,))
@@ -258,7 +279,7 @@ def _run_cases(explicit: bool) -> dict:
                 for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
       report[name] = {"specs": [_spec_of(x) for x in jax.tree.leaves(got)], "errors": errors,
                       "gathers": "all-gather" in text, "sums": "all-reduce" in text,
-                      "seen": sorted(set(_SEEN))}
+                      "collectives": _collectives(text), "seen": sorted(set(_SEEN))}
     except Exception:  # reported, and failed by the test that reads it
       report[name] = {"crash": traceback.format_exc()[-3000:]}
   # What tuning sees: the per-device calls where the types carry the shardings.
@@ -345,7 +366,10 @@ _EXPECTED_SPECS = {
     "rms_norm grad rows": [["data"], []],
     "ragged_dot grad columns": [[], [None, None, "data"]],
     "user op grad rows": [["data"], []],
-    "xla ragged_dot rows": {"explicit": [["data"]], "auto": None},  # Auto: as XLA places it
+    "xla ragged_dot rows": [["data"]],
+    "xla ragged_dot grad rows": [["data"], []],
+    "xla glu columns": [[None, "data"]],
+    "xla glu grad columns": [[], [None, None, "data"]],
     "xla glu grad rows": {"explicit": [["data"], []], "auto": None},
     "xla attention grad batch": {"explicit": [["data"]] * 3, "auto": None},
     "xla chunked attention heads": {"explicit": [[None, None, "data"]], "auto": None},
@@ -374,6 +398,24 @@ def test_split_factors_are_not_gathered_and_partial_sums_are_added(sharded_run):
   for name in ("attention grad bias", "rms_norm grad rows", "glu grad rows",
                "ragged_dot grad columns", "user op grad rows"):
     assert report[name]["sums"], (mode, name)
+
+
+def test_xla_implementations_move_no_more_than_plain_jax(sharded_run):
+  mode, report = sharded_run
+  # The GLU's weights split on N are never gathered: the output stays split, and the
+  # gradient adds the devices' partial sums of d x (over N) and nothing else.
+  def only_sums_of(name, shape):
+    found = report[name]["collectives"]
+    assert found and all(kind == "all-reduce" and set(shapes.split()) == {shape}
+                         for kind, shapes in found), (mode, name, found)
+
+  assert report["xla glu columns"]["collectives"] == [], (mode, report["xla glu columns"])
+  only_sums_of("xla glu grad columns", "f32[64,32]")
+  if mode == "auto":  # over Explicit axes ragged_dot's rows are gathered (its layout)
+    # Rows split as jax.lax.ragged_dot keeps them: no output summed or gathered, only
+    # d rhs's partial sums over the rows added.
+    assert report["xla ragged_dot rows"]["collectives"] == [], report["xla ragged_dot rows"]
+    only_sums_of("xla ragged_dot grad rows", "f32[3,32,64]")
 
 
 def test_each_device_runs_its_shard_unless_the_op_refuses_it(sharded_run):

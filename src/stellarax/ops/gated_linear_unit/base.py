@@ -87,7 +87,7 @@ class XlaGatedLinearUnitConfig:
   """Tunables of the XLA gated linear unit.
 
   Attributes:
-    fused: one matmul against the (K, 2N) weights, then split (True), or two
+    fused: one matmul against the (K, 2, N) weights, then split (True), or two
       matmuls (False).
   """
 

@@ -155,9 +155,14 @@ def _xla_space(m: int, g: int) -> set[XlaRaggedDotConfig]:
 
 def _xla_heuristic(ba) -> XlaRaggedDotConfig:
   """Native `lax.ragged_dot` where XLA has a grouped-matmul emitter (GPU,
-  TPU); on CPU, where it loops over groups with masks, group-aligned tiles
-  of 64-128 rows measured 3-8x faster (M=2048, K=N=512, G=8 and 64)."""
-  if jax.devices()[0].platform != "cpu":
+  TPU); on a single CPU device, where it loops over groups with masks,
+  group-aligned tiles of 64-128 rows measured 3-8x faster (M=2048, K=N=512,
+  G=8 and 64). Not with several CPU devices: over Auto mesh axes XLA partitions
+  this implementation itself (`core/partitioning.py`), and the tiles gather rows by
+  where the groups fall, which it cannot keep split (lhs rows split over devices:
+  every device computes every row, after an all-reduce of the tiles, and the
+  output leaves whole), where `lax.ragged_dot` keeps them split."""
+  if jax.devices()[0].platform != "cpu" or jax.device_count() > 1:
     return XlaRaggedDotConfig(strategy="lax")
   m, g = ba.arguments["lhs"].shape[0], ba.arguments["rhs"].shape[0]
   return XlaRaggedDotConfig(strategy="tiled", tile_m=64 if m < 128 * max(g, 1) else 128)
