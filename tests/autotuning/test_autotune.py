@@ -855,3 +855,104 @@ def test_a_budget_too_small_to_search_says_so():
     warnings.simplefilter("error", autotuning.SmallBudgetWarning)
     result = stellarax.Autotuner(progress=False).autotune([light])
   assert len(next(iter(result)).measurements) == len(light.autotuning_configs)
+
+
+def _with_times(entry, factor):
+  """`entry` with every ok measurement's times multiplied by `factor`."""
+  measurements = tuple(
+      (c, m.__class__(**{**m.to_json(), "median_s": m.median_s * factor,
+                         "ci_low_s": m.ci_low_s * factor, "ci_high_s": m.ci_high_s * factor})
+       if m.status == "ok" else m) for c, m in entry.measurements)
+  return dataclasses.replace(entry, measurements=measurements)
+
+
+def test_a_tie_in_a_merge_does_not_depend_on_the_order(grad_result):
+  entry = next(iter(grad_result))
+  # As fast, with other measurements of the other configs: neither is faster, so the
+  # order of the operands must not decide.
+  rival = dataclasses.replace(entry, measurements=tuple(
+      (c, m) if c == entry.best_config else _with_times(
+          dataclasses.replace(entry, measurements=((c, m),)), 2.0).measurements[0]
+      for c, m in entry.measurements))
+  assert rival.best_time == entry.best_time and rival != entry
+  a = autotuning.AutotuningResult(grad_result.device_kind, {entry.key: entry})
+  b = autotuning.AutotuningResult(grad_result.device_kind, {entry.key: rival})
+  assert a | b == b | a
+
+
+def test_a_binary_file_is_a_format_error_and_the_cache_passes_it_over(tmp_path, user_cache_dir):
+  binary = tmp_path / "result.json"
+  binary.write_bytes(b"\xff\xfe\x00garbage")
+  with pytest.raises(file_format.FormatError, match="result.json: not a text file"):
+    stellarax.AutotuningResult.load(binary)
+  with pytest.raises(ValueError, match="result.json: not a text file"):
+    autotuning.bound_args_from_json(binary)
+  lhs, rhs, gs = _inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  path = cache_lib.USER_CACHE.path_for(cache_lib.current_device_kind(), ba.op.name)
+  path.parent.mkdir(parents=True)
+  path.write_bytes(binary.read_bytes())
+  with pytest.warns(autotuning.CacheWarning, match="not a text file.*passes over it"):
+    assert autotuning.explain(ba).source == "heuristics"
+
+
+def test_a_newer_stellarax_s_cache_file_is_left_as_it_is(user_cache_dir, grad_result):
+  entry = next(iter(grad_result))
+  path = cache_lib.USER_CACHE.path_for(grad_result.device_kind, entry.bound_args.op.name)
+  path.parent.mkdir(parents=True)
+  newer = json.loads(grad_result.dumps()) | {"schema": file_format.SCHEMA_VERSION + 1}
+  path.write_text(json.dumps(newer))
+  with pytest.warns(autotuning.CacheWarning, match="newer than this stellarax.*left as it is"):
+    cache_lib.USER_CACHE.write(grad_result)
+  assert json.loads(path.read_text()) == newer
+  assert not list(path.parent.glob("*.unreadable"))
+
+
+def test_unreadable_cache_files_moved_aside_never_overwrite_each_other(user_cache_dir,
+                                                                       grad_result):
+  entry = next(iter(grad_result))
+  path = cache_lib.USER_CACHE.path_for(grad_result.device_kind, entry.bound_args.op.name)
+  path.parent.mkdir(parents=True)
+  for garbage in ("{first", "{second"):
+    path.write_text(garbage)
+    with pytest.warns(autotuning.CacheWarning, match="moved to"):
+      cache_lib.USER_CACHE.write(grad_result)
+  aside = sorted(p.read_text() for p in path.parent.glob("*.json.unreadable"))
+  assert aside == ["{first", "{second"]
+  assert cache_lib.USER_CACHE.clear() == 2 + 2 + 2  # results, locks, the two aside
+
+
+def test_a_cache_file_of_another_device_kind_in_this_one_s_folder(user_cache_dir, grad_result):
+  # An H200 result copied into this device's folder: not applied here, and moved aside
+  # by the next write instead of failing it.
+  lhs, rhs, gs = _inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  path = cache_lib.USER_CACHE.path_for(cache_lib.current_device_kind(), ba.op.name)
+  path.parent.mkdir(parents=True)
+  path.write_text(json.dumps(json.loads(grad_result.dumps()) | {"device_kind": "NVIDIA H200"}))
+  with pytest.warns(autotuning.CacheWarning, match="holds results of 'NVIDIA H200'.*NVIDIA_H200"):
+    assert autotuning.explain(ba).source == "heuristics"
+  with pytest.warns(autotuning.CacheWarning, match="moved to"):
+    result = tuner(cache=True).autotune([ba])
+  assert stellarax.AutotuningResult.load(path) == result
+
+
+def test_re_measuring_with_ignore_cache_replaces_the_cached_entry(user_cache_dir, grad_result):
+  entry = next(e for e in grad_result if e.bound_args.op.name == "ragged_dot.xla")
+  lucky = _with_times(entry, 1e-3)  # an old time no new measurement would beat
+  cache_lib.USER_CACHE.write(autotuning.AutotuningResult(grad_result.device_kind,
+                                                         {lucky.key: lucky}))
+  result = tuner(cache=True, ignore_cache=True).autotune([entry.bound_args])
+  cached = cache_lib.USER_CACHE.result_for(grad_result.device_kind, entry.bound_args.op.name)
+  assert cached.entry(entry.bound_args) == result.entry(entry.bound_args) != lucky
+  # Without ignore_cache, the cached entry is reused, and a merge keeps the faster.
+  cache_lib.USER_CACHE.write(autotuning.AutotuningResult(grad_result.device_kind,
+                                                         {lucky.key: lucky}))
+  cached = cache_lib.USER_CACHE.result_for(grad_result.device_kind, entry.bound_args.op.name)
+  assert cached.entry(entry.bound_args) == lucky
+
+
+def test_a_cache_folder_from_the_environment_may_start_with_a_tilde(monkeypatch, tmp_path):
+  monkeypatch.setenv("HOME", str(tmp_path))
+  monkeypatch.setenv("STELLARAX_CACHE_DIR", "~/tuned")
+  assert cache_lib.user_cache_root() == tmp_path / "tuned"

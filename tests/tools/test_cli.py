@@ -212,3 +212,36 @@ def test_python_dash_m_runs_the_command_line():
                         text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert proc.stdout.strip()  # the user cache's folder
+
+
+def test_mistakes_are_found_before_any_work_and_nothing_else_is_touched(tmp_path,
+                                                                       user_cache_dir, capsys):
+  ba = stellarax.XlaRaggedDot.bind(jnp.ones((32, 16)), jnp.ones((2, 16, 8)),
+                                   jnp.array([10, 22], jnp.int32))
+  calls = tmp_path / "calls.json"
+  autotuning.bound_args_to_json([ba], calls)
+  a_file = tmp_path / "a_file"
+  a_file.write_text("")
+  for output, problem in [(tmp_path / "no" / "such" / "r.json", "no folder"),
+                          (a_file / "r.json", "is not a folder"),
+                          (tmp_path, "is a folder")]:
+    # Checked before tuning, whose measurements would have nowhere to go.
+    assert cli.main(["autotune", str(calls), "--output", str(output)]) == 2
+    err = capsys.readouterr().err
+    assert f"--output={output}: " in err and problem in err, err
+    assert not (tmp_path / "no").exists()
+  binary = tmp_path / "binary.json"
+  binary.write_bytes(b"\xff\x00")
+  for command in (["autotune", str(binary)], ["report", str(binary)]):
+    assert cli.main(command) == 2
+    assert f"{binary}: not a text file" in capsys.readouterr().err
+  # `cache clear` and `list` work on the user cache only; --root is `ship`'s.
+  (user_cache_dir / "cpu").mkdir(parents=True)
+  (user_cache_dir / "cpu" / "ragged_dot.xla.json").write_text("{}")
+  other = tmp_path / "other"
+  assert cli.main(["cache", "clear", "--root", str(other)]) == 2
+  assert "takes no '--root" in capsys.readouterr().err
+  assert cli.main(["cache", "list", "extra"]) == 2
+  assert (user_cache_dir / "cpu" / "ragged_dot.xla.json").exists()
+  assert cli.main(["cache", "ship"]) == 2
+  assert "needs a result file" in capsys.readouterr().err

@@ -105,3 +105,21 @@ def test_profile_from_another_version_is_a_clear_error(tmp_path, capsys):
   assert code == 2
   err = capsys.readouterr().err
   assert "another version" in err and "ragged_dot.removed_backend" in err
+
+
+def test_says_which_trace_it_read_when_a_folder_holds_several(profile_dir, tmp_path, capsys):
+  import os
+  import shutil
+  (newest,) = profile_dir.rglob("*.xplane.pb")
+  older = tmp_path / "traces" / "plugins" / "profile" / "older" / newest.name
+  older.parent.mkdir(parents=True)
+  shutil.copy(newest, older)
+  os.utime(older, (1, 1))
+  newer = tmp_path / "traces" / "plugins" / "profile" / "newer" / newest.name
+  newer.parent.mkdir()
+  shutil.copy(newest, newer)
+  out = tmp_path / "ba.json"
+  assert xplane_to_bound_args.main([f"--xplane_file={tmp_path / 'traces'}",
+                                    f"--output_file={out}"]) == 0
+  printed = capsys.readouterr().out
+  assert f"read {newer} (the newest trace; 1 file of older traces" in printed, printed

@@ -33,7 +33,6 @@ import datetime
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -53,6 +52,7 @@ from stellarax.core.bound_args import BoundArguments
 from stellarax.core.config import config_to_json
 from stellarax.core.fingerprint import code_fingerprint
 from stellarax.core.specs import canonical_json
+from stellarax.core.warn import warn
 
 STRATEGIES = ("auto", "exhaustive", "racing", "random")
 # What a call's tuning took, spent from a total budget (`BudgetPool`); tests replace it.
@@ -111,7 +111,9 @@ class Autotuner:
     ignore_cache: re-measure calls already in the user or library cache
       (otherwise their cached entries are reused as they are, unless they are
       stale: measured under other stellarax/jax/jaxlib versions or on other
-      code of their op, `Entry.stale_reason`; those are measured again).
+      code of their op, `Entry.stale_reason`; those are measured again). With
+      `cache=True`, the new entries replace the user cache's (a merge would keep
+      the faster of old and new, and a lucky old time would never be replaced).
     cache: write each call's entry into the user cache as soon as it is tuned
       (an interrupted or failed run keeps what it measured; the next run reads
       those calls from the cache unless ignore_cache); distributed tuning also
@@ -212,7 +214,7 @@ class Autotuner:
     found, profiled = _found_calls(f, args, kwargs)
     calls = self._to_tune(found)
     if not calls and not _is_bound_args(f):
-      warnings.warn(_nothing_found(f), NothingToTuneWarning, stacklevel=2)
+      warn(_nothing_found(f), NothingToTuneWarning)
     from stellarax.autotuning import distributed  # It imports this module.
     # Weighing a callable's calls runs it: not when every call comes from a cache.
     to_tune = any(self._reusable_entry(ba) is None for ba in calls)
@@ -233,12 +235,12 @@ class Autotuner:
     written costs a warning, never the measurements (the result still holds them)."""
     if self.cache and len(result):
       try:
-        USER_CACHE.write(result)
+        USER_CACHE.write(result, replace=self.ignore_cache)
       except OSError as exc:
-        warnings.warn(f"Autotuner(cache=True): the user cache at {USER_CACHE.root} cannot be "
-                      f"written ({exc}); the result holds every measurement, but the cache does "
-                      "not. Set STELLARAX_CACHE_DIR to a writable folder, or save the result "
-                      "(result.dump(path)).", CacheWarning, stacklevel=3)
+        warn(f"Autotuner(cache=True): the user cache at {USER_CACHE.root} cannot be "
+             f"written ({exc}); the result holds every measurement, but the cache does "
+             "not. Set STELLARAX_CACHE_DIR to a writable folder, or save the result "
+             "(result.dump(path)).", CacheWarning)
 
   def entry_for(self, ba: BoundArguments, *, progress: Progress | None = None,
                 device: jax.Device | None = None, pool: BudgetPool | None = None) -> Entry:
@@ -352,11 +354,11 @@ class Autotuner:
   def _warn_budget_starved(self, starved: int, tuned: int, mean_s: float) -> None:
     budget = (f"total_budget_s={self.total_budget_s}" if self.total_budget_s is not None
               else f"budget_s={self.budget_s}")
-    warnings.warn(
+    warn(
         f"The budget ({budget}) was too small for {starved} of the {tuned} calls tuned to have "
         f"any config measured but their heuristic one, so their entries keep it. A call took "
         f"{mean_s:.1f} s here on average (compiling and timing its first configs); give each "
-        f"a few times that to search its space.", SmallBudgetWarning, stacklevel=4)
+        f"a few times that to search its space.", SmallBudgetWarning)
 
   def tune_one(self, ba: BoundArguments, *, progress: Progress | None = None,
                device: jax.Device | None = None) -> Entry:
@@ -544,8 +546,8 @@ def _profiled_weights(f: Callable[..., Any], args: tuple, kwargs: Mapping[str, A
       program, arrays = capture.program_of_arrays(f, args, kwargs)
       times = profile.device_time_per_call(program, arrays)
   except (profile.ProfileError, RuntimeError) as exc:
-    warnings.warn(f"total_budget_s: the calls share it equally, since profiling the"
-                  f" program to weigh them failed: {exc}", RuntimeWarning, stacklevel=4)
+    warn(f"total_budget_s: the calls share it equally, since profiling the"
+         f" program to weigh them failed: {exc}", RuntimeWarning)
     return {}
   by_key = {(ba.op_json(), ba.key_json()): ba for ba in calls}
   return {by_key[key]: t for key, t in times.items() if key in by_key}

@@ -30,7 +30,6 @@ import os
 import re
 import sys
 import threading
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ import jax
 from stellarax.autotuning import file_format
 from stellarax.autotuning.result import AutotuningResult
 from stellarax.core import resolution
+from stellarax.core.warn import warn
 
 LIBRARY_ROOT = Path(__file__).resolve().parent.parent / "data" / "autotuning"
 
@@ -61,7 +61,7 @@ def user_cache_root() -> Path:
   """The user cache folder (see the module docstring)."""
   env = os.environ.get("STELLARAX_CACHE_DIR")
   if env:
-    return Path(env)
+    return Path(env).expanduser()
   if sys.platform == "darwin":
     return Path.home() / "Library" / "Caches" / "stellarax" / "autotuning"
   base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -121,6 +121,7 @@ class FileCache:
       if cached is None or cached[0] != mtime:
         try:
           result = AutotuningResult.load(path, warn_other_versions=self.warn_other_versions)
+          _check_device_kind(result, device_kind, path)
         except (OSError, file_format.FormatError) as exc:
           self._warn_once(path, mtime, str(exc).splitlines()[0])  # it names the file
           result = None
@@ -136,8 +137,8 @@ class FileCache:
     fix = ("`stellarax cache clear` empties the user cache" if self.writable
            else "reinstalling stellarax restores the library cache")
     source = self.source_name.replace("_", " ")
-    warnings.warn(f"{problem} The {source} passes over it: its calls resolve as if it were "
-                  f"absent ({fix}).", CacheWarning, stacklevel=4)
+    warn(f"{problem} The {source} passes over it: its calls resolve as if it were "
+         f"absent ({fix}).", CacheWarning)
 
   def _entry(self, bound_args) -> Any:
     result = self.result_for(current_device_kind(), bound_args.op.name)
@@ -163,8 +164,14 @@ class FileCache:
         out.append(r)
     return out
 
-  def write(self, result: AutotuningResult) -> list[Path]:
+  def write(self, result: AutotuningResult, *, replace: bool = False) -> list[Path]:
     """Merges `result` into the cache files, safely under concurrent writers.
+
+    Args:
+      result: the entries to write.
+      replace: each entry replaces the file's entry of its call; without it, the two
+        merge (`AutotuningResult.__or__`: a current entry wins over a stale one, else
+        the faster).
 
     Returns:
       The files written.
@@ -174,8 +181,11 @@ class FileCache:
       OSError: when a file cannot be written (the caller decides what that costs).
 
     Warns:
-      CacheWarning: when an existing file is unreadable; it is moved aside to
-        `<file>.json.unreadable` and the file written anew.
+      CacheWarning: when an existing file is unreadable or holds another device kind's
+        results; it is moved aside to `<file>.json.unreadable` (or
+        `<file>.<n>.json.unreadable`, never over an earlier one) and the file written
+        anew. When it was written by a newer stellarax (a newer schema), it is left as
+        it is and that op's entries are not written.
     """
     if not self.writable:
       raise PermissionError(f"The {self.source_name} at {self.root} is read-only.")
@@ -190,16 +200,25 @@ class FileCache:
         merged = AutotuningResult(result.device_kind)
         if path.exists():
           try:
-            merged = AutotuningResult.load(path)
+            found = AutotuningResult.load(path)
+            _check_device_kind(found, result.device_kind, path)
+            merged = found
+          except file_format.NewerSchemaError as exc:
+            # A newer stellarax's file (two environments share the cache): leave it be.
+            warn(f"{str(exc).splitlines()[0]} It is left as it is, and this "
+                 f"result's {len(entries)} entries of {op_name} are not cached "
+                 "(set STELLARAX_CACHE_DIR to give this stellarax a cache of its "
+                 "own).", CacheWarning)
+            continue
           except file_format.FormatError as exc:
             # Nothing in it can be read: keep it aside for inspection, write afresh.
-            aside = path.with_suffix(".json.unreadable")
+            aside = _aside(path)
             os.replace(path, aside)
-            warnings.warn(f"{str(exc).splitlines()[0]} It was moved to {aside}, and the new "
-                          f"entries were written to {path} without it.", CacheWarning,
-                          stacklevel=2)
+            warn(f"{str(exc).splitlines()[0]} It was moved to {aside}, and the new "
+                 f"entries were written to {path} without it.", CacheWarning)
         for entry in entries:
-          merged = merged | AutotuningResult(result.device_kind, {entry.key: entry})
+          merged = (merged.with_entry(entry) if replace
+                    else merged | AutotuningResult(result.device_kind, {entry.key: entry}))
         merged.dump(path)
       written.append(path)
     return written
@@ -270,6 +289,26 @@ class FileCache:
           path.unlink()
       pruned.append(Pruned(path, len(result) - len(current), len(current)))
     return pruned
+
+
+def _check_device_kind(result: AutotuningResult, device_kind: str, path: Path) -> None:
+  """Raises FormatError when a cache file holds another device kind's results than its
+  folder is for (a file copied into the wrong folder)."""
+  if result.device_kind != device_kind:
+    raise file_format.FormatError(
+        f"{path}: holds results of {result.device_kind!r}, but its folder is for "
+        f"{device_kind!r} ({device_kind_slug(device_kind)}). Move it to the folder "
+        f"{device_kind_slug(result.device_kind)}, or apply it with "
+        "`with stellarax.AutotuningResult.load(path):`.")
+
+
+def _aside(path: Path) -> Path:
+  """A free name to move an unreadable cache file to: `<file>.json.unreadable`, else
+  `<file>.<n>.json.unreadable`, so that an earlier one is never overwritten."""
+  aside, n = path.with_suffix(".json.unreadable"), 1
+  while aside.exists():
+    aside, n = path.with_suffix(f".{n}.json.unreadable"), n + 1
+  return aside
 
 
 @dataclasses.dataclass(frozen=True)

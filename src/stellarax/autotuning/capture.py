@@ -230,14 +230,18 @@ def _records(path_or_json: str | os.PathLike) -> list[tuple[BoundArguments, floa
 
 
 def _read_text(path_or_json: str | os.PathLike) -> tuple[str, str]:
-  if isinstance(path_or_json, os.PathLike):
-    return Path(path_or_json).read_text(encoding="utf-8"), os.fspath(path_or_json)
-  if not isinstance(path_or_json, str):
+  """(the JSON text, what to name in errors) of a path or a JSON string."""
+  if not isinstance(path_or_json, (str, os.PathLike)):
     raise TypeError(f"Expected a path or a JSON string, got {type(path_or_json).__name__}.")
-  stripped = path_or_json.lstrip()
-  if stripped.startswith(("[", "{")):
+  if isinstance(path_or_json, str) and path_or_json.lstrip().startswith(("[", "{")):
     return path_or_json, "<json string>"
-  return Path(path_or_json).read_text(encoding="utf-8"), path_or_json
+  source = os.fspath(path_or_json)
+  try:
+    return Path(path_or_json).read_text(encoding="utf-8"), source
+  except UnicodeDecodeError as exc:
+    raise ValueError(f"{source}: not a text file (byte {exc.start} is not UTF-8); expected "
+                     "JSON of bound arguments (from bound_args_to_json or "
+                     "xplane_to_bound_args).") from None
 
 
 def unique(bound_args: Sequence[BoundArguments]) -> list[BoundArguments]:

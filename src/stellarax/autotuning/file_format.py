@@ -47,18 +47,23 @@ import json
 import os
 import tempfile
 import threading
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jaxlib
 
+from stellarax.core.warn import warn
+
 SCHEMA_VERSION = 1
 
 
 class FormatError(ValueError):
   """A result or cache file is corrupt or not in the expected format."""
+
+
+class NewerSchemaError(FormatError):
+  """A results file written by a newer stellarax, in a schema this one cannot read."""
 
 
 class VersionWarning(UserWarning):
@@ -99,10 +104,10 @@ def parse(text: str, *, source: str) -> dict[str, Any]:
       raise FormatError(f"{source}: missing field {field!r}; this is not a stellarax results file.")
   schema = data["schema"]
   if not isinstance(schema, int) or isinstance(schema, bool) or schema < 1:
-    raise FormatError(f"{source}: schema {schema!r} is not a schema version (an int from 1 "
-                      f"to {SCHEMA_VERSION}); this is not a stellarax results file.")
+    raise FormatError(f"{source}: schema {schema!r} is not a schema version (a positive "
+                      "int); this is not a stellarax results file.")
   if schema > SCHEMA_VERSION:
-    raise FormatError(
+    raise NewerSchemaError(
         f"{source}: schema {schema!r} is newer than this stellarax reads ({SCHEMA_VERSION}). "
         "Upgrade stellarax or re-tune.")
   if not isinstance(data["device_kind"], str) or not data["device_kind"]:
@@ -129,7 +134,10 @@ def atomic_write(path: str | os.PathLike, text: str) -> None:
   path = os.fspath(path)
   folder = os.path.dirname(os.path.abspath(path))
   os.makedirs(folder, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
+  try:
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
+  except OSError as exc:  # name the file asked for, not the temporary one
+    raise OSError(exc.errno, exc.strerror, path) from None
   try:
     os.fchmod(fd, 0o666 & ~_umask())  # as open() would make it (mkstemp makes 0600)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -209,14 +217,14 @@ def result_from_json(cls, data: dict[str, Any], *, source: str, warn_other_versi
   recorded = [_entry_versions(raw, file_versions) for raw in data["entries"]]
   others = [v for v in recorded if not same_versions(v)]
   if warn_other_versions and others:
-    warnings.warn(f"{source}: {len(others)} of {len(recorded)} entries were recorded with other "
-                  f"versions ({others[0]}, running {current}); using them. `autotune` measures "
-                  "their calls again.", VersionWarning, stacklevel=3)
+    warn(f"{source}: {len(others)} of {len(recorded)} entries were recorded with other "
+         f"versions ({others[0]}, running {current}); using them. `autotune` measures "
+         "their calls again.", VersionWarning)
   entries = {}
   for i, raw in enumerate(data["entries"]):
     try:
       if not isinstance(raw, dict):
-        raise ValueError(f"expected a JSON object, got {type(raw).__name__}")
+        raise ValueError(f"expected a JSON object, got {type(raw).__name__}.")
       entry = entry_from_json(raw, source=source, versions=recorded[i])
     except Exception as e:  # noqa: BLE001 (whatever an op's checks raise, the entry is bad)
       # Same versions: the file was broken (by hand or by a bug), say so.
@@ -225,8 +233,8 @@ def result_from_json(cls, data: dict[str, Any], *, source: str, warn_other_versi
       if same_versions(recorded[i]):
         raise FormatError(f"{source}: entry {i} is invalid: {why}") from None
       if warn_other_versions:
-        warnings.warn(f"{source}: entry {i} skipped (recorded by other versions): {why}",
-                      VersionWarning, stacklevel=3)
+        warn(f"{source}: entry {i} skipped (recorded by other versions): {why}",
+             VersionWarning)
       continue
     entries[entry.key] = entry
   return cls(str(data["device_kind"]), entries, file_versions)

@@ -96,7 +96,6 @@ import random
 import tempfile
 import threading
 import time
-import warnings
 from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping
 from typing import Any, Final, TypeVar
 
@@ -105,6 +104,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from stellarax.autotuning import profile
+from stellarax.core.warn import warn
 
 K = TypeVar("K", bound=Hashable)
 
@@ -943,9 +943,8 @@ def _profile_batches(cands: list[_Candidate], input_sets: list[tuple], options: 
     try:
       jax.profiler.start_trace(folder, profiler_options=profile.trace_options(hlo=False))
     except Exception as exc:  # e.g. the caller is profiling: one trace at a time
-      warnings.warn(f"MeasureOptions.profile: no profile taken, the trace did not start"
-                    f" ({_short_error(exc)}); profiled_s stays None.", RuntimeWarning,
-                    stacklevel=4)
+      warn(f"MeasureOptions.profile: no profile taken, the trace did not start"
+           f" ({_short_error(exc)}); profiled_s stays None.", RuntimeWarning)
       return
     try:
       ran = [c for c in live if _run_batch(c, input_sets, c.batch_calls, options) is not None]
@@ -956,8 +955,8 @@ def _profile_batches(cands: list[_Candidate], input_sets: list[tuple], options: 
       busy = profile.busy_time_by_program(folder, by_module=True,
                                           host_events=_platform(input_sets[0]) == "cpu")
     except profile.ProfileError as exc:
-      warnings.warn(f"MeasureOptions.profile: the profile could not be read ({exc});"
-                    " profiled_s stays None.", RuntimeWarning, stacklevel=4)
+      warn(f"MeasureOptions.profile: the profile could not be read ({exc});"
+           " profiled_s stays None.", RuntimeWarning)
       return
   # Each candidate's program has a name of its own (_program_name), unless two keys
   # have one repr: those cannot be told apart.

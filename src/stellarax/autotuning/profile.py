@@ -147,6 +147,7 @@ from stellarax.core.bound_args import BoundArguments
 from stellarax.core.markers import MARKER_KEY
 from stellarax.core.markers import SCOPE_PREFIX
 from stellarax.core.markers import markers_in_op_name
+from stellarax.core.warn import warn
 
 _METADATA_PLANE = "/host:metadata"
 _DEVICE_PLANE_PREFIX = "/device:"
@@ -377,6 +378,24 @@ def program_names(compiled: Any) -> tuple[int | None, str | None]:
   return (ids[0] if ids and isinstance(ids[0], int) else None), module.name
 
 
+def profile_files(path: str | os.PathLike[str]) -> tuple[list[pathlib.Path], int]:
+  """Which files `read_op_calls` reads for `path`.
+
+  Args:
+    path: as for `read_op_calls`.
+
+  Returns:
+    (the files, sorted; how many other ``*.xplane.pb`` files under `path`, of older
+    traces, it leaves out).
+
+  Raises:
+    ProfileError: the path is missing or holds no profile.
+  """
+  path = pathlib.Path(path)
+  files = _profile_files(path)
+  return files, (len(list(path.rglob("*.xplane.pb"))) - len(files) if path.is_dir() else 0)
+
+
 def _profile_files(path: pathlib.Path) -> list[pathlib.Path]:
   """The files to read for `path`: itself, or the newest trace's files under it."""
   if not path.exists():
@@ -405,7 +424,7 @@ def _read_file(path: pathlib.Path) -> dict[str, tuple[int, float]]:
   if not result:
     raise ProfileError(f"{path}: {tally.describe_no_ops()}")
   if tally.ambiguous:
-    warnings.warn(f"{path}: {tally.describe_ambiguous()}", RuntimeWarning, stacklevel=4)
+    warn(f"{path}: {tally.describe_ambiguous()}", RuntimeWarning)
   return result
 
 
@@ -1060,10 +1079,11 @@ _LEAVES = None
 
 def _readers_through_fusions(
     computations: _Computations, roots: Mapping[int, int | None], cid: int,
-) -> Callable[[int, _Instruction], list[_Instruction | None]]:
+) -> Callable[[int, _Instruction], list[tuple[_Instruction | None, _Instruction]]]:
   """Returns the function that finds who reads an instruction's result in computation
   `cid` or the fusions it runs: the instructions that compute with it, looking
-  through data movement and into and out of fusions; `_LEAVES` for its root."""
+  through data movement and into and out of fusions (`_LEAVES` for its root), each
+  with what it reads: the result, or what data movement made of it."""
   fusion_of: dict[int, tuple[int, _Instruction]] = {}  # fused computation -> caller
   readers: dict[tuple[int, int], list[_Instruction]] = collections.defaultdict(list)
   parameters: dict[tuple[int, int], list[_Instruction]] = collections.defaultdict(list)
@@ -1079,35 +1099,37 @@ def _readers_through_fusions(
         fusion_of[inst.called_ids[0]] = (current, inst)
         pending.append(inst.called_ids[0])
 
-  def read_by(home: int, inst: _Instruction) -> list[_Instruction | None]:
-    # (computation, instruction, the tuple index it is read at, when inside a tuple)
-    pending: list[tuple[int, _Instruction, int | None]] = [(home, inst, None)]
+  def read_by(home: int, inst: _Instruction) -> list[tuple[_Instruction | None, _Instruction]]:
+    # (computation, instruction, the tuple index it is read at when inside a tuple, what
+    # its readers read: the last instruction on the way that is not a tuple)
+    pending: list[tuple[int, _Instruction, int | None, _Instruction]] = [
+        (home, inst, None, inst)]
     seen, found = set(), []
     while pending:
-      current, value, element = pending.pop()
+      current, value, element, shown = pending.pop()
       if (current, value.id, element) in seen:
         continue
       seen.add((current, value.id, element))
       if value.id == roots.get(current):
         if current in fusion_of:
-          pending.append((*fusion_of[current], element))
+          pending.append((*fusion_of[current], element, shown))
         else:
-          found.append(_LEAVES)
+          found.append((_LEAVES, shown))
       for reader in readers[current, value.id]:
         if reader.opcode == "get-tuple-element" and element is not None:
           if reader.index == element:
-            pending.append((current, reader, None))
+            pending.append((current, reader, None, shown))
         elif reader.opcode == "tuple":
-          pending.append((current, reader, reader.operand_ids.index(value.id)))
+          pending.append((current, reader, reader.operand_ids.index(value.id), shown))
         elif reader.opcode == "fusion" and reader.called_ids:
           body = reader.called_ids[0]
           for position, operand in enumerate(reader.operand_ids):
             if operand == value.id:
-              pending.extend((body, p, element) for p in parameters[body, position])
+              pending.extend((body, p, element, shown) for p in parameters[body, position])
         elif reader.opcode in _DATA_MOVEMENT:
-          pending.append((current, reader, element))
+          pending.append((current, reader, element, reader if element is None else shown))
         else:
-          found.append(reader)
+          found.append((reader, shown))
     return found
 
   return read_by
@@ -1116,17 +1138,18 @@ def _readers_through_fusions(
 def _outputs(
     computations: _Computations, roots: Mapping[int, int | None],
     site: Callable[[int], _Site],
-) -> Callable[[int], dict[tuple[str, object], dict[tuple[int, bytes], set[int]]]]:
+) -> Callable[[int], dict[tuple[str, object], dict[tuple, set[int]]]]:
   """Returns the function that finds the op calls' results in one computation that runs
   as a sequence (module doc, 4).
 
   A result is a marked instruction's value (in the computation or in a fusion it runs)
   that work other than its own op call's reads, or that leaves the computation. They
-  are returned as (marker, call site) -> (stack frame, shape) -> value numbers.
+  are returned as (marker, call site) -> (stack frame, the shapes it is read in) ->
+  value numbers.
   """
   numbers = _value_numbers(computations, roots)
 
-  def outputs(cid: int) -> dict[tuple[str, object], dict[tuple[int, bytes], set[int]]]:
+  def outputs(cid: int) -> dict[tuple[str, object], dict[tuple, set[int]]]:
     read_by = _readers_through_fusions(computations, roots, cid)
     # Results read by the user's work or leaving the computation; and those
     # read only by other op calls, which count where a call has none of the first kind.
@@ -1144,13 +1167,17 @@ def _outputs(
           continue
         call = (op, site(inst.frame)[0])
         readers = read_by(current, inst)
-        if any(r is _LEAVES or _users(r) for r in readers):
+        if read := [value for r, value in readers if r is _LEAVES or _users(r)]:
           found = to_user
-        elif any((r.marker or r.scope, site(r.frame)[0]) != call for r in readers):
+        elif read := [value for r, value in readers
+                      if (r.marker or r.scope, site(r.frame)[0]) != call]:
           found = to_ops
         else:
           continue
-        found[call][inst.frame, inst.shape].add(numbers[current, inst.id])
+        # Grouped by the shapes its readers read it in: two results of one call can
+        # share a frame and a shape, until one is transposed (a matmul's d x and d w).
+        shapes = tuple(sorted({value.shape for value in read}))
+        found[call][inst.frame, shapes].add(numbers[current, inst.id])
     return {call: to_user.get(call) or to_ops[call] for call in {*to_user, *to_ops}}
 
   return outputs

@@ -28,6 +28,7 @@ from stellarax.core import specs
 from stellarax.core.bound_args import BoundArguments
 from stellarax.core.config import config_to_json
 from stellarax.core.fingerprint import code_fingerprint
+from stellarax.core.warn import warn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,11 +222,11 @@ class AutotuningResult:
     """
     running = jax.devices()[0].device_kind
     if len(self) and self.device_kind != running:
-      warnings.warn(f"This result was measured on {self.device_kind!r} and is applied on "
-                    f"{running!r}: its configs are valid here but were not measured here, and "
-                    "may not be the fastest. Tune on this device for configs of its own "
-                    "(stellarax.autotune); where applying these is intended, filter out "
-                    "OtherDeviceWarning.", OtherDeviceWarning, stacklevel=2)
+      warn(f"This result was measured on {self.device_kind!r} and is applied on "
+           f"{running!r}: its configs are valid here but were not measured here, and "
+           "may not be the fastest. Tune on this device for configs of its own "
+           "(stellarax.autotune); where applying these is intended, filter out "
+           "OtherDeviceWarning.", OtherDeviceWarning)
     _entered.set(_entered.get() + ((self, resolution.push_result(self)),))
     return self
 
@@ -245,7 +246,8 @@ class AutotuningResult:
     """Merges two results of the same device kind. Per call, a current entry wins over
     a stale one (`Entry.stale_reason`: other versions or other code of its op; a stale
     measurement must not outlive a new one); else the faster measured best config
-    wins, with its measurements.
+    wins, with its measurements; of two as fast, or both unmeasured, the one whose
+    JSON sorts first, so that `a | b == b | a`.
 
     Raises:
       ValueError: for results of different device kinds.
@@ -315,18 +317,38 @@ class AutotuningResult:
       file_format.FormatError: naming the file and what is wrong.
     """
     if hasattr(path_or_file, "read"):
-      return cls.loads(path_or_file.read(), source=getattr(path_or_file, "name", "<file>"),
-                       warn_other_versions=warn_other_versions)
-    with open(path_or_file, encoding="utf-8") as f:
-      return cls.loads(f.read(), source=os.fspath(path_or_file),
-                       warn_other_versions=warn_other_versions)
+      source = str(getattr(path_or_file, "name", "<file>"))
+      text = _read_text(path_or_file.read, source)
+    else:
+      source = os.fspath(path_or_file)
+      with open(path_or_file, encoding="utf-8") as f:
+        text = _read_text(f.read, source)
+    return cls.loads(text, source=source, warn_other_versions=warn_other_versions)
+
+
+def _read_text(read: Any, source: str) -> str:
+  """`read()`, with a file that is not UTF-8 text said to be no results file."""
+  try:
+    return read()
+  except UnicodeDecodeError as exc:
+    raise file_format.FormatError(
+        f"{source}: not a text file (byte {exc.start} is not UTF-8); this is not a "
+        "stellarax results file. Delete it or pass the right file.") from None
 
 
 def _replaces(a: Entry, b: Entry) -> bool:
-  """Whether `a` wins over `b`, an entry of the same call, in a merge."""
+  """Whether `a` wins over `b`, an entry of the same call, in a merge: a current one
+  over a stale one, else the faster; of two as fast (or both untimed), the one whose
+  JSON sorts first, so that `x | y == y | x`."""
   if a.is_current != b.is_current:
     return a.is_current
-  return _faster(a, b)
+  if _faster(a, b) or _faster(b, a):
+    return _faster(a, b)
+  return _order(a) < _order(b)
+
+
+def _order(entry: Entry) -> str:
+  return file_format.dumps(file_format.entry_to_json(entry))
 
 
 def _faster(a: Entry, b: Entry) -> bool:

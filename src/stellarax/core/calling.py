@@ -25,7 +25,6 @@ than its forward) runs the family's XLA VJP op instead, with a
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,6 +38,7 @@ from stellarax.core import specs
 from stellarax.core import trace_keys
 from stellarax.core.bound_args import BoundArguments, as_recorded
 from stellarax.core.resolution import resolve_config
+from stellarax.core.warn import warn
 
 
 def _batch_one_level(fn: Callable[..., Any], batched: tuple[bool, ...]) -> Callable[..., Any]:
@@ -219,9 +219,9 @@ def _backward(op, arguments: dict[str, Any]) -> dict[str, Any]:
     if fallback_name == vjp.name or fallback_name not in registry.names(family):
       raise
     why = str(exc).rstrip(".")
-    warnings.warn(f"{vjp.name} does not take this call ({why}); its gradients come from "
-                  f"{fallback_name} instead. For one implementation in both passes, choose a "
-                  "forward whose backward takes the call.", BackwardFallbackWarning, stacklevel=2)
+    warn(f"{vjp.name} does not take this call ({why}); its gradients come from "
+         f"{fallback_name} instead. For one implementation in both passes, choose a "
+         "forward whose backward takes the call.", BackwardFallbackWarning)
     vjp = registry.lookup(fallback_name)()
     values = vjp._bind_values(**arguments)
   return call_op(vjp, values)

@@ -15,6 +15,7 @@ so that the ops a package defines of its own are known when data names them.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -40,6 +41,10 @@ def _autotune(args) -> int:
     print(f"stellarax autotune: {args.bound_args} holds no op calls; nothing to tune.",
           file=sys.stderr)
     return 1
+  problem = args.output and output_problem(args.output)
+  if problem:  # before tuning, whose measurements would have nowhere to go
+    print(f"stellarax autotune: error: --output={args.output}: {problem}", file=sys.stderr)
+    return 2
   failure = None
   try:
     result = tuner.autotune(args.bound_args)
@@ -56,9 +61,38 @@ def _autotune(args) -> int:
   return 0
 
 
+def output_problem(path: str) -> str | None:
+  """What keeps a command from writing its output file at `path`, checked before the
+  work that makes it; None when nothing does.
+
+  Args:
+    path: the output file's path, as given.
+
+  Returns:
+    The problem and its fix, in words, or None.
+  """
+  target = Path(path)
+  if target.is_dir():
+    return "is a folder; name a file in it, e.g. " + str(target / "out.json")
+  folder = target.absolute().parent
+  if not folder.exists():
+    return f"no folder {folder}; create it or name a file in an existing one."
+  if not folder.is_dir():
+    return f"{folder} is not a folder; name a file in an existing folder."
+  if not os.access(folder, os.W_OK | os.X_OK):
+    return f"the folder {folder} is not writable; name a file in a writable folder."
+  return None
+
+
 def _cache(args) -> int:
   from stellarax.autotuning import cache
   root = cache.user_cache_root()
+  if args.action != "ship" and (args.result or args.root):
+    given = " ".join(filter(None, [args.result, args.root and f"--root {args.root}"]))
+    print(f"stellarax cache {args.action}: error: takes no {given!r}: it works on the user "
+          f"cache at {root} (set STELLARAX_CACHE_DIR for another); only `cache ship` takes "
+          "a result file and --root.", file=sys.stderr)
+    return 2
   if args.action == "path":
     print(root)
   elif args.action == "list":
@@ -81,7 +115,9 @@ def _cache(args) -> int:
     # (src/stellarax/data/autotuning/<device kind>/<op>.json, one file per op), or with
     # --root into a package's own (stellarax.autotuning.add_library_cache reads it).
     if not args.result:
-      raise SystemExit("stellarax cache ship needs a result file: stellarax cache ship tuned.json")
+      print("stellarax cache ship: error: needs a result file: stellarax cache ship tuned.json",
+            file=sys.stderr)
+      return 2
     from stellarax.autotuning.result import AutotuningResult
     root = Path(args.root) if args.root else cache.LIBRARY_ROOT
     for path in cache.write_library_cache(AutotuningResult.load(args.result), root):
@@ -177,27 +213,33 @@ def main(argv=None) -> int:
   p.add_argument("--total-budget-s", type=float, default=None,
                  help="one budget for the whole run, shared by the calls by their device time"
                       " in the profile (xplane_to_bound_args output), else equally")
-  p.add_argument("--strategy", default="auto", choices=("auto", "exhaustive", "racing", "random"))
-  p.add_argument("--no-progress", action="store_true")
+  p.add_argument("--strategy", default="auto", choices=("auto", "exhaustive", "racing", "random"),
+                 help="how to search each call's configs (auto: by the size of its space)")
+  p.add_argument("--no-progress", action="store_true",
+                 help="no progress bar; print the summary table at the end")
   p.add_argument("--isolate", action="store_true",
                  help="measure in worker processes, so that a hung or crashing config cannot stop the run")
   p.set_defaults(run=_autotune)
 
   p = sub.add_parser("xplane_to_bound_args", parents=[reads_ops],
                      help="extract stellarax op calls from an XProf profile")
-  p.add_argument("--xplane_file", required=True)
-  p.add_argument("--output_file", required=True)
+  p.add_argument("--xplane_file", required=True,
+                 help="*.xplane.pb file or jax.profiler.trace folder (its newest trace)")
+  p.add_argument("--output_file", required=True, help="where to write the bound-argument JSON")
   p.set_defaults(run=lambda a: _xplane(a))
 
   p = sub.add_parser("cache", parents=[reads_ops], help="inspect, prune or clear the user cache")
   p.add_argument("action", choices=("list", "path", "prune", "clear", "ship"),
-                 help="prune: remove entries measured under other versions or on other code")
+                 help="list: its files and entries; path: where it is (STELLARAX_CACHE_DIR "
+                      "moves it); prune: remove entries measured under other versions or on "
+                      "other code; clear: remove every file; ship (developers): merge a result "
+                      "into the library cache")
   p.add_argument("result", nargs="?", help="with ship: the result JSON to add to the library cache")
   p.add_argument("--root", help="with ship: the library cache folder (default: the package's)")
   p.set_defaults(run=_cache)
 
   p = sub.add_parser("report", parents=[reads_ops], help="print the summary table of a result file")
-  p.add_argument("result")
+  p.add_argument("result", help="a result JSON (AutotuningResult.dump, autotune --output)")
   p.set_defaults(run=_report)
 
   from stellarax.tools import demo

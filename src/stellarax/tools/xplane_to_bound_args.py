@@ -25,7 +25,7 @@ import os
 import sys
 from typing import Any
 
-from stellarax.autotuning.profile import ProfileError, read_op_calls
+from stellarax.autotuning.profile import ProfileError, profile_files, read_op_calls
 
 
 class ExtractError(Exception):
@@ -60,27 +60,31 @@ def extract(xplane_file: str | os.PathLike) -> list[dict[str, Any]]:
   return records
 
 
+_PROG = "stellarax xplane_to_bound_args"
+
+
 def main(argv: list[str] | None = None) -> int:
   """Runs the tool; returns the exit status (0 ok, 2 for a bad profile, module or output
   file)."""
   from stellarax import __version__
-  parser = argparse.ArgumentParser(prog="xplane_to_bound_args", description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(prog=_PROG, description=__doc__.splitlines()[0])
   parser.add_argument("--xplane_file", required=True, help="*.xplane.pb file or jax.profiler.trace folder")
   parser.add_argument("--output_file", required=True, help="where to write the bound-argument JSON")
   from stellarax.tools.cli import add_import_option
   add_import_option(parser)
   args = parser.parse_args(argv)
   from stellarax.core import registry
-  folder = os.path.dirname(os.path.abspath(args.output_file))
-  if not os.path.isdir(folder):  # before the profile, which may take long to read
-    print(f"xplane_to_bound_args: error: --output_file={args.output_file}: no folder {folder}; "
-          "create it or name a file in an existing one.", file=sys.stderr)
+  from stellarax.tools.cli import output_problem
+  problem = output_problem(args.output_file)
+  if problem:  # before the profile, which may take long to read
+    print(f"{_PROG}: error: --output_file={args.output_file}: {problem}", file=sys.stderr)
     return 2
   try:
     registry.import_op_modules(args.imports)
     records = extract(args.xplane_file)
+    files, older = profile_files(args.xplane_file)
   except (ImportError, ProfileError, ExtractError) as e:
-    print(f"xplane_to_bound_args: error: {e}", file=sys.stderr)
+    print(f"{_PROG}: error: {e}", file=sys.stderr)
     return 2
   out = {"stellarax": __version__, "source": os.fspath(args.xplane_file), "calls": records}
   try:
@@ -88,9 +92,12 @@ def main(argv: list[str] | None = None) -> int:
       json.dump(out, f, indent=1, sort_keys=True)
       f.write("\n")
   except OSError as e:
-    print(f"xplane_to_bound_args: error: --output_file={args.output_file}: {e.strerror}",
-          file=sys.stderr)
+    print(f"{_PROG}: error: --output_file={args.output_file}: {e.strerror}", file=sys.stderr)
     return 2
+  print(f"read {', '.join(map(str, files))}" + (
+      f" (the newest trace; {older} file{'s' * (older != 1)} of older traces under "
+      f"{args.xplane_file} left out: pass a trace's own folder to read another)"
+      if older else ""))
   total = sum(r["device_time_s"] for r in records)
   print(f"{len(records)} stellarax op calls ({total * 1e3:.3f} ms of device time) -> {args.output_file}")
   for r in records:
