@@ -892,8 +892,10 @@ def test_a_binary_file_is_a_format_error_and_the_cache_passes_it_over(tmp_path, 
   path = cache_lib.USER_CACHE.path_for(cache_lib.current_device_kind(), ba.op.name)
   path.parent.mkdir(parents=True)
   path.write_bytes(binary.read_bytes())
-  with pytest.warns(autotuning.CacheWarning, match="not a text file.*passes over it"):
+  with pytest.warns(autotuning.CacheWarning, match="not a text file.*passes over it") as caught:
     assert autotuning.explain(ba).source == "heuristics"
+  # Named at the user's line, not at stellarax's or JAX's own.
+  assert [w.filename for w in caught] == [__file__]
 
 
 def test_a_newer_stellarax_s_cache_file_is_left_as_it_is(user_cache_dir, grad_result):
