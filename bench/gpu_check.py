@@ -337,11 +337,13 @@ def run(args) -> list[Row]:
   start = time.monotonic()
   only = [s.strip() for s in (args.only or "").split(",") if s.strip()]
   for w in _workloads(args.smoke):
-    if only and not any(s in w.name for s in only):
+    # "=name" asks for that workload alone; a plain part, for every name holding it.
+    if only and not any(w.name == s[1:] if s.startswith("=") else s in w.name for s in only):
       continue
     elapsed = time.monotonic() - start
-    if elapsed > args.deadline_s + 60:
-      rows.append(Row(w.name, "-", status=f"skipped: past the {args.deadline_s:.0f} s deadline"))
+    skip_after_s = args.deadline_s + 60 if args.skip_after_s is None else args.skip_after_s
+    if elapsed > skip_after_s:
+      rows.append(Row(w.name, "-", status=f"skipped: past {skip_after_s:.0f} s"))
       continue
     tune = args.tune_budget_s if elapsed < args.deadline_s else 0.0
     new_rows, tuned = _run_workload(w, args.smoke, tune, opts, isolate=not args.smoke)
@@ -351,6 +353,8 @@ def run(args) -> list[Row]:
     _write(Path(args.out), rows, tuned_all)
     print_table(new_rows)
     print(f"-- {w.name}: done at {time.monotonic() - start:.0f} s", flush=True)
+  if args.no_dispatch:
+    return rows
   # Seconds on the device; after the workloads so that the deadline never cuts them.
   dispatch = dispatch_calibration(args.smoke)
   _write(Path(args.out), rows, tuned_all, dispatch)
@@ -374,6 +378,15 @@ def _failed_in_isolation(result, which: str) -> str:
       if measured == config and m.status in ("timeout", "runtime_error"):
         return f"{entry.bound_args.op.name} {m.status} in tuning: {str(m.error)[:160]}"
   return ""
+
+
+def _tuning_errors(failure: Exception) -> str:
+  """Why tuning failed, in full: each op call's error (an `IncompleteTuningError` keeps
+  them in `errors`; its message shows only their first lines)."""
+  errors = getattr(failure, "errors", None)
+  if not errors:
+    return f"{type(failure).__name__}: {failure}"
+  return "\n".join(f"{ba.op.name}: {text[:3000]}" for ba, text in errors.items())
 
 
 def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
@@ -405,7 +418,10 @@ def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
       except Exception as e:  # a failed tuning is a row, not a crash
         failure = e
       if failure is not None and not (result is not None and len(result)):
-        rows.append(Row(w.name, f"{impl_name} tuned", status=f"tuning failed: {str(failure)[:200]}"))
+        why = _tuning_errors(failure)
+        print(f"tuning {impl_name} on {w.name} failed:\n{why}", flush=True)
+        rows.append(Row(w.name, f"{impl_name} tuned", status="tuning failed: " + " ".join(
+            why.split())[:400]))
         continue
       tuned_all = result if tuned_all is None else tuned_all | result
       candidates[f"{impl_name} tuned"] = _with_result(result, call)
@@ -540,6 +556,12 @@ def record_profile(out: Path, smoke: bool) -> list[Any]:
   with jax.profiler.trace(str(out)):
     for _ in range(3):
       jax.block_until_ready(step(lhs, rhs, x))
+  # The device tool brings back files at most two folders below its $OUT: the trace
+  # moves up from <out>/plugins/profile/<run>/ to <out>/ (land_gpu_check finds it
+  # there), before it is read, so that a trace the reader fails on comes back too.
+  for trace in list(out.rglob("*.xplane.pb")):
+    if trace.parent != out:
+      trace.replace(out / trace.name)
   calls = read_op_calls(out)
   for call in calls:
     name = json.loads(call.marker).get("op", {}).get("name", call.marker[:60])
@@ -701,8 +723,13 @@ def main(argv=None) -> int:
   parser.add_argument("--tune-budget-s", type=float, default=20.0, help="tuning budget per op call; 0 = no tuning")
   parser.add_argument("--deadline-s", type=float, default=540.0,
                       help="stop tuning after this many seconds, and skip what is left a minute later")
+  parser.add_argument("--skip-after-s", type=float, default=None,
+                      help="skip the workloads left after this many seconds (default: the deadline plus a minute)")
+  parser.add_argument("--no-dispatch", action="store_true",
+                      help="skip timing small calls against the dispatch floor")
   parser.add_argument("--no-profile", action="store_true", help="skip profiling the small model first")
-  parser.add_argument("--only", default="", help="comma-separated parts of workload names to run (default: all)")
+  parser.add_argument("--only", default="",
+                      help="comma-separated parts of workload names to run, or =name for one (default: all)")
   args = parser.parse_args(argv)
   print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
   if not args.no_profile:

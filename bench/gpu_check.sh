@@ -7,7 +7,9 @@
 # about 40 tunings run. DEADLINE_S (default 400) stops tuning after that many
 # seconds and skips what is left a minute later, so one call fits the device's
 # 10-minute command limit; results.json and tuned.json are rewritten after every
-# workload. ONLY="ragged_dot,attention" reruns just those workloads.
+# workload. ONLY="ragged_dot,attention" reruns just those workloads. SKIP_AFTER_S
+# skips workloads started after that many seconds (default DEADLINE_S + 60), and
+# NO_DISPATCH=1 leaves out the timing of small calls against the dispatch floor.
 # Afterwards, on the development machine: python bench/land_gpu_check.py <files_at>/gpu_check
 # ships the confirmed configs and records the run (its docstring says what else).
 set -euo pipefail
@@ -23,10 +25,11 @@ python3 -c "import jax; print(jax.__version__, jax.devices())"
 # The GPU's own target config as XLA sees it (about a second): committed as
 # bench/h200_target_config.txtpb, it makes `make compile-h200` compile exactly for this
 # card.
-XLA_FLAGS="--xla_dump_to=$out/xla_target --xla_dump_hlo_module_re=target_probe" python3 -c "
+XLA_FLAGS="--xla_dump_to=/tmp/xla_target --xla_dump_hlo_module_re=target_probe" python3 -c "
 import jax, jax.numpy as jnp
 def target_probe(x): return x + 1
 jax.jit(target_probe)(jnp.ones(8)).block_until_ready()" \
-  && cp "$out"/xla_target/*target_probe*gpu_target_config.pbtxt "$out/h200_target_config.pbtxt" || true
+  && cp /tmp/xla_target/*target_probe*gpu_target_config.pbtxt "$out/h200_target_config.pbtxt" || true
 python3 bench/gpu_check.py --out "$out" --tune-budget-s "${TUNE_BUDGET_S:-6}" \
-  --deadline-s "${DEADLINE_S:-400}" --only "${ONLY:-}" 2>&1 | tee "$out.log"
+  --deadline-s "${DEADLINE_S:-400}" ${SKIP_AFTER_S:+--skip-after-s "$SKIP_AFTER_S"} \
+  ${NO_DISPATCH:+--no-dispatch} --only "${ONLY:-}" 2>&1 | tee "$out.log"
