@@ -502,6 +502,19 @@ def test_check_close_compares_a_vanishing_leaf_at_its_siblings_rounding():
   assert "'dk'" in m.check_close({"dq": dq, "dk": wrong}, {"dq": dq, "dk": zero})
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn])
+def test_check_close_scales_a_narrow_float_reference_by_its_values(dtype):
+  """A bfloat16 op's reference is bfloat16 too (ragged_dot's is cast to the output
+  dtype). NumPy does not count ml_dtypes' floats as numbers, and the scale of such a
+  reference was taken as 0: every bf16 ragged_dot config, XLA's own included, was failed
+  for rounding of 1e-3 of its values, and tuning on an H200 measured nothing."""
+  ref = jnp.asarray(_x((37, 13), seed=5) * 50, dtype)
+  rounding = jnp.asarray(np.asarray(ref, np.float64) * 1.004, dtype)  # 0.4%: under bf16's rtol
+  assert m.check_close(rounding, ref) is None
+  wrong = jnp.asarray(np.asarray(ref, np.float64) + 0.5 * float(jnp.abs(ref).max()), dtype)
+  assert "max abs error" in m.check_close(wrong, ref)
+
+
 def test_check_close_is_dtype_aware_and_strict_about_nan():
   ref = np.asarray(_x((37, 13), seed=3), np.float64)
   off = ref * (1 + 0.01 * np.sign(ref))  # 1% too large everywhere.

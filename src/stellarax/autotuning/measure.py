@@ -491,7 +491,7 @@ CROSS_LEAF_SCALE: Final = 1e-3
 
 def _finite_scale(ref: np.ndarray) -> float:
   """The largest finite |ref| (0 for none, or for a leaf of neither numbers nor bools)."""
-  if ref.size == 0 or not (np.issubdtype(ref.dtype, np.number) or ref.dtype == np.bool_):
+  if ref.size == 0 or not (jnp.issubdtype(ref.dtype, jnp.number) or ref.dtype == np.bool_):
     return 0.0
   values = np.abs(ref.astype(np.complex128 if np.iscomplexobj(ref) else np.float64))
   values = values[np.isfinite(values)]
