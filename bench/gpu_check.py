@@ -51,6 +51,7 @@ import dataclasses
 import functools
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -335,7 +336,8 @@ def run(args) -> list[Row]:
   opts = measure.MeasureOptions(rounds=3 if args.smoke else 10, max_total_s=1.0 if args.smoke else 5.0,
                                 timeout_s=20.0)
   start = time.monotonic()
-  only = [s.strip() for s in (args.only or "").split(",") if s.strip()]
+  # Commas inside parentheses are part of a name: "=rms_norm (8192, 8192) fwd".
+  only = [s.strip() for s in re.split(r",(?![^()]*\))", args.only or "") if s.strip()]
   for w in _workloads(args.smoke):
     # "=name" asks for that workload alone; a plain part, for every name holding it.
     if only and not any(w.name == s[1:] if s.startswith("=") else s in w.name for s in only):
@@ -353,6 +355,7 @@ def run(args) -> list[Row]:
     _write(Path(args.out), rows, tuned_all)
     print_table(new_rows)
     print(f"-- {w.name}: done at {time.monotonic() - start:.0f} s", flush=True)
+  _write(Path(args.out), rows, tuned_all)  # the skipped rows too
   if args.no_dispatch:
     return rows
   # Seconds on the device; after the workloads so that the deadline never cuts them.

@@ -74,7 +74,19 @@ def test_deadline_stops_tuning_then_skips_workloads(tmp_path):
   assert not any("tuned" in r["impl"] for r in late)  # past the deadline: untuned
   assert all(r["median_ms"] for r in late if r["status"] == "ok")
   gpu_check.main([*args, "--out", str(tmp_path / "over"), "--deadline-s", "-61"])
-  assert {r["status"] for r in _rows(tmp_path / "over")} == {"skipped: past the -61 s deadline"}
+  assert {r["status"] for r in _rows(tmp_path / "over")} == {"skipped: past -1 s"}
+
+
+def test_skip_after_and_an_exact_workload_name(tmp_path):
+  # A short device call: tune until --deadline-s, skip from --skip-after-s on; "=name"
+  # asks for one workload where a plain part would match its fwd+bwd too.
+  gpu_check = _gpu_check()
+  args = ["--smoke", "--no-profile", "--no-dispatch", "--tune-budget-s", "0"]
+  gpu_check.main([*args, "--out", str(tmp_path / "one"), "--only", "=rms_norm (64, 256) fwd"])
+  assert {r["workload"] for r in _rows(tmp_path / "one")} == {"rms_norm (64, 256) fwd"}
+  gpu_check.main([*args, "--out", str(tmp_path / "none"), "--only", "rms_norm",
+                  "--deadline-s", "100", "--skip-after-s", "-1"])
+  assert {r["status"] for r in _rows(tmp_path / "none")} == {"skipped: past -1 s"}
 
 
 def test_profile_step_finds_every_op_family(tmp_path, capsys):

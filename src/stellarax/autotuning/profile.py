@@ -18,11 +18,15 @@ What a profile holds (jax 0.11.2):
   each executed thunk is one event named after its top-level HLO instruction, with stats
   ``hlo_op``, ``hlo_module``, ``program_id``, ``run_id`` (one per execution of the
   program) and ``device_ordinal``.
-- GPU (from XLA's CUPTI collector; not yet checked against a real profile here):
+- GPU (from XLA's CUPTI collector; read on an H200, 2026-12-04):
   ``/device:GPU:<n>`` planes, one line per stream, one event per kernel, memcpy or
   memset, with stats parsed from XLA's annotations: ``hlo_op``, ``hlo_module``,
   ``program_id`` (when XLA knows it), ``tf_op``, ``kernel_details``, and ``run_id`` where
   the annotation has it. Host planes hold the launches, which are not device time.
+  XLA runs sequences of kernels as command buffers (CUDA graphs): their events carry
+  the command buffer's thunk as ``hlo_op`` (``command_buffer_1``, no instruction of
+  the HLO), no ``run_id``, and the kernel's name as their name, which is the
+  instruction's made a C identifier (``gemm_fusion_dot_10`` for ``gemm_fusion_dot.10``).
 
 How events become op calls:
 
@@ -34,7 +38,10 @@ How events become op calls:
    of a module whose ids the file's programs do not match, as after JAX's persistent
    compilation cache, see `_ProgramIndex`), it is filed only if its instruction does
    the same ops' work in all of them, left out with a warning if it does different
-   ops' work, and left out silently if no op's work in any.
+   ops' work, and left out silently if no op's work in any. An event whose ``hlo_op``
+   names no instruction of its program (a command buffer's kernel) is the instruction
+   its kernel name gives; fusions whose fused computations are alike run one kernel,
+   named after the first, so its events go to each of them in turn.
 2. Markers. An instruction runs the work of its own HLO and of the computations it calls
    (fusion bodies, reducers, wrapped calls), but not of ``while``/``conditional`` bodies,
    which run as events of their own. Its markers are the ``stellarax_op`` attributes
@@ -73,7 +80,10 @@ How events become op calls:
    and two calls' values are two (`_value_numbers`). Results are grouped by (stack
    frame, shape); the site's calls are the fewest values of any group, since one call
    may have several results at one frame and shape (the d scale and d offset of
-   layer_norm's VJP). A marker that a loop, conditional or call around the
+   layer_norm's VJP). Within a group, results that share a step of the op's work which
+   read all the inputs of one of them are one call's (attention's dq and dk where q,
+   k and v are one array, both from the scores' gradient); calls of one line share at
+   most work on common inputs (a mask from the group sizes). A marker that a loop, conditional or call around the
    computation carries is counted there instead. A (marker, site)
    that a loop, conditional or call below the computation also has is work XLA hoisted
    out of that loop (loop-invariant code motion: a causal mask built once before a
@@ -649,6 +659,8 @@ class _Program:
     home: instruction name -> the id of its computation.
     sequences: computation id -> its runs and calls, for the computations that run as
       sequences (the entry, and bodies of loops, conditionals and calls).
+    kernels: kernel name -> the instructions that may run as that kernel (module
+      doc, 1: the events of a command buffer name their kernel, not their instruction).
   """
 
   program_id: int
@@ -660,6 +672,7 @@ class _Program:
   enclosing: Mapping[str, frozenset[str]]
   home: Mapping[str, int]
   sequences: Mapping[int, _Sequence]
+  kernels: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
   def ops_of(self, name: str) -> frozenset[str]:
     """The markers that instruction `name`'s events may give time to (module doc, 5)."""
@@ -738,7 +751,44 @@ def _program(entry_name: str, stats: Mapping[str | None, object]) -> _Program:
   home = {inst.name: cid for cid, insts in computations.items() for inst in insts}
   return _Program(program_id, name, entry, markers,
                   _markers_by_instruction(computations, bodies=True), shares,
-                  _enclosing(computations), home, sequences)
+                  _enclosing(computations), home, sequences, _kernel_names(computations))
+
+
+def _kernel_name(instruction_name: str) -> str:
+  """The name XLA:GPU gives the kernel of an instruction: a C identifier."""
+  return re.sub(r"[^A-Za-z0-9_]", "_", instruction_name)
+
+
+def _kernel_names(computations: _Computations) -> dict[str, tuple[str, ...]]:
+  """Kernel name -> the instructions that may run as that kernel.
+
+  XLA:GPU names a kernel after its instruction (`_kernel_name`), and compiles one kernel
+  for fusions whose fused computations are alike, named after the first of them: the
+  others run it under its name. Alike here: the same instructions (what each computes,
+  `_Instruction.signature`) reading the same operands, in the same order.
+  """
+  def fingerprint(cid: int) -> int:
+    instructions = computations.get(cid, ())
+    position = {inst.id: i for i, inst in enumerate(instructions)}
+    return hash(tuple((inst.signature, tuple(position.get(o, -1) for o in inst.operand_ids),
+                       tuple(fingerprints.get(c, c) for c in inst.called_ids))
+                      for inst in instructions))
+  fingerprints: dict[int, int] = {}
+  for cid in computations:  # callees come before their callers
+    fingerprints[cid] = fingerprint(cid)
+  alike: dict[tuple, list[str]] = collections.defaultdict(list)
+  for instructions in computations.values():
+    for inst in instructions:
+      if inst.opcode == "fusion":
+        alike[(inst.signature, tuple(fingerprints.get(c) for c in inst.called_ids))].append(inst.name)
+      else:
+        alike[(inst.name,)].append(inst.name)
+  kernels: dict[str, tuple[str, ...]] = {}
+  for group in alike.values():
+    for name in group:
+      kernel = _kernel_name(name)
+      kernels[kernel] = kernels.get(kernel, ()) + tuple(n for n in group if n not in kernels.get(kernel, ()))
+  return kernels
 
 
 def _computation(buf: memoryview) -> tuple[int, int | None, list[_Instruction]]:
@@ -1155,6 +1205,9 @@ def _outputs(
     # read only by other op calls, which count where a call has none of the first kind.
     to_user: dict = collections.defaultdict(lambda: collections.defaultdict(set))
     to_ops: dict = collections.defaultdict(lambda: collections.defaultdict(set))
+    # Each call's own data flow: its values, and (value, operand value) edges.
+    own_values: dict = collections.defaultdict(set)
+    own_edges: dict = collections.defaultdict(list)
     pending = [cid]
     while pending:
       current = pending.pop()
@@ -1163,9 +1216,14 @@ def _outputs(
         if inst.opcode == "fusion":
           pending.extend(inst.called_ids[:1])
         op = inst.marker or inst.scope
-        if op is None or (inst.opcode in _NOT_VALUES and not _loop_result(inst, by_id)):
+        if op is None:
           continue
         call = (op, site(inst.frame)[0])
+        value = numbers[current, inst.id]
+        own_values[call].add(value)
+        own_edges[call] += [(value, numbers.get((current, o), o)) for o in inst.operand_ids]
+        if inst.opcode in _NOT_VALUES and not _loop_result(inst, by_id):
+          continue
         readers = read_by(current, inst)
         if read := [value for r, value in readers if r is _LEAVES or _users(r)]:
           found = to_user
@@ -1177,10 +1235,66 @@ def _outputs(
         # Grouped by the shapes its readers read it in: two results of one call can
         # share a frame and a shape, until one is transposed (a matmul's d x and d w).
         shapes = tuple(sorted({value.shape for value in read}))
-        found[call][inst.frame, shapes].add(numbers[current, inst.id])
-    return {call: to_user.get(call) or to_ops[call] for call in {*to_user, *to_ops}}
+        found[call][inst.frame, shapes].add(value)
+    results = {call: to_user.get(call) or to_ops[call] for call in {*to_user, *to_ops}}
+    # Results computed from the same inputs are one call's: attention's dq, dk and dv
+    # share a frame and shape (where q, k and v are one array), and all read q, k, v
+    # and dout. Two calls' read different inputs (each layer's activations), though
+    # they may share some (the weights, group sizes) and the op's work on those.
+    for call, groups in results.items():
+      sources = _sources_of(own_values[call], own_edges[call])
+      results[call] = {key: _one_per_call(values, sources) for key, values in groups.items()}
+    return results
 
   return outputs
+
+
+def _sources_of(values: set[int], edges: Sequence[tuple[int, int]]
+                ) -> Callable[[int], tuple[frozenset[int], frozenset[int]]]:
+  """A function from a value of an op call's work to what it was computed from,
+  following `edges` (value, operand): (the values outside that work, those not in
+  `values`; the values of that work)."""
+  operands: dict[int, set[int]] = collections.defaultdict(set)
+  for value, operand in edges:
+    if value != operand:
+      operands[value].add(operand)
+
+  @functools.cache
+  def sources(value: int) -> tuple[frozenset[int], frozenset[int]]:
+    inputs, seen, pending = set(), set(), [value]
+    while pending:
+      for operand in operands.get(pending.pop(), ()):
+        if operand not in values:
+          inputs.add(operand)
+        elif operand not in seen:
+          seen.add(operand)
+          pending.append(operand)
+    return frozenset(inputs), frozenset(seen)
+
+  return sources
+
+
+def _one_per_call(values: set[int], sources: Callable[[int], tuple[frozenset[int], frozenset[int]]]
+                  ) -> set[int]:
+  """One of `values` (results of one call site at one frame and shape) per call: two
+  results are one call's when they share a step of the op's work that read all the
+  inputs of one of them (attention's dq and dk both grew from the scores' gradient, which
+  read q, k, v and dout). Two calls of one line may share work on common inputs (a mask
+  from the group sizes), never work that read one call's own inputs."""
+  ordered = sorted(values)
+  parent = {v: v for v in ordered}
+
+  def find(v: int) -> int:
+    while parent[v] != v:
+      v = parent[v]
+    return v
+
+  for a_index, a in enumerate(ordered):
+    for b in ordered[a_index + 1:]:
+      shared = sources(a)[1] & sources(b)[1]
+      if any(sources(step)[0] in (sources(a)[0], sources(b)[0]) for step in shared):
+        parent[find(a)] = find(b)
+  return {find(v) for v in ordered}
 
 
 def _sequences(
@@ -1445,14 +1559,16 @@ class _ProgramIndex:
     program = self.by_id.get(program_id)
     return program is not None and program.name == module
 
-  def find(self, event: _Event) -> list[_Program]:
-    """The programs `event` may belong to that hold its instruction."""
+  def programs_of(self, event: _Event) -> list[_Program]:
+    """The programs `event` may belong to, by its program_id or module name."""
     program_id, module = event.names()
     if program_id in self.by_id and (module is None or module not in self.foreign_ids):
-      candidates = [self.by_id[program_id]]
-    else:
-      candidates = self.by_name.get(module, [])
-    return [p for p in candidates if event.hlo_op in p.markers]
+      return [self.by_id[program_id]]
+    return self.by_name.get(module, [])
+
+  def find(self, event: _Event) -> list[_Program]:
+    """The programs `event` may belong to that hold its instruction."""
+    return [p for p in self.programs_of(event) if event.hlo_op in p.markers]
 
 
 class _Tally:
@@ -1467,9 +1583,28 @@ class _Tally:
     self.ambiguous = 0
     # The modules of ambiguous events whose program_ids were not trusted (_ProgramIndex).
     self.untrusted: set[str] = set()
+    # (program_id, kernel name) -> events of it seen so far (_by_kernel_name).
+    self.turns: collections.Counter[tuple[int, str]] = collections.Counter()
+
+  def _by_kernel_name(self, event: _Event) -> _Event:
+    """`event` with the instruction its kernel name gives, where its hlo_op names no
+    instruction of its programs (module doc, 1: a command buffer's kernel). A kernel
+    that alike fusions share goes to each of them in turn (in the HLO's order), so
+    each is counted once per run and their time is shared among them."""
+    programs = self.index.programs_of(event)
+    if any(event.hlo_op in p.markers for p in programs):
+      return event
+    for program in programs:
+      instructions = program.kernels.get(event.name)
+      if instructions:
+        turn = self.turns[program.program_id, event.name]
+        self.turns[program.program_id, event.name] += 1
+        return dataclasses.replace(event, hlo_op=instructions[turn % len(instructions)])
+    return event
 
   def add(self, event: _Event) -> None:
     """Files `event` under its program and instruction."""
+    event = self._by_kernel_name(event)
     candidates = self.index.find(event)
     if not candidates:
       self.ran[event.module or f"program {event.program_id}"] += 1
