@@ -6,10 +6,11 @@ from stellarax.core import dispatch
 
 # Tried in this order when `implementation=None` and no implementation of the
 # call was measured (measurements in the active results or caches pick the
-# fastest instead). XLA comes first until the Pallas kernels, which pass the
-# interpret-mode and lowering tests, have been checked on a GPU
-# (bench/gpu_check.sh): a kernel never run on hardware is not a safe default.
-PREFERENCE = ("xla_chunked", "xla", "pallas_triton", "pallas_mosaic_gpu")
+# fastest instead). On an H200 (bench/gpu_check.sh, 2026-12-04, BENCHMARKS.md) both
+# Pallas kernels were correct, and Mosaic GPU ran causal T=8192 as fast as cuDNN
+# (forward 0.90 ms, 12x our XLA one; forward and backward 3.75 ms, 80x our XLA one,
+# which materialises the scores); a device without Mosaic GPU takes Triton, a CPU XLA.
+PREFERENCE = ("pallas_mosaic_gpu", "pallas_triton", "xla_chunked", "xla")
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,

@@ -6,9 +6,10 @@ from stellarax.core import dispatch
 
 # Tried in this order when `implementation=None` and no implementation of the
 # call was measured (measurements in the active results or caches pick the
-# fastest instead). XLA comes first until the Pallas kernels, which pass the
-# interpret-mode and lowering tests, have been checked on a GPU
-# (bench/gpu_check.sh): a kernel never run on hardware is not a safe default.
+# fastest instead). On an H200 (bench/gpu_check.sh, 2026-12-04, BENCHMARKS.md) the
+# Triton kernels were correct, and their forward 2x as fast as XLA's, but forward and
+# backward 0.333 ms against XLA's 0.280 ms: training steps keep XLA until the Triton
+# backward is faster. Tune (or pass implementation=) for inference.
 PREFERENCE = ("xla", "pallas_triton")
 
 

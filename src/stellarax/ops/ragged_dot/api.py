@@ -6,10 +6,11 @@ from stellarax.core import dispatch
 
 # Tried in this order when `implementation=None` and no implementation of the
 # call was measured (measurements in the active results or caches pick the
-# fastest instead). XLA comes first until the Pallas kernels, which pass the
-# interpret-mode and lowering tests, have been checked on a GPU
-# (bench/gpu_check.sh): a kernel never run on hardware is not a safe default.
-PREFERENCE = ("xla", "pallas_triton", "pallas_mosaic_gpu")
+# fastest instead). On an H200 (bench/gpu_check.sh, 2026-12-04, BENCHMARKS.md) both
+# Pallas kernels were correct at the target shapes, and by device time Mosaic GPU ran
+# the forward 5.9x (G=8) to 33x (G=64) faster than XLA's ragged_dot, Triton about as
+# fast; a device without Mosaic GPU (before Hopper) takes Triton, a CPU XLA.
+PREFERENCE = ("pallas_mosaic_gpu", "pallas_triton", "xla")
 
 
 def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=None, implementation=None):
