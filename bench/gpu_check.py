@@ -360,9 +360,12 @@ def run(args) -> list[Row]:
     return rows
   # Seconds on the device; after the workloads so that the deadline never cuts them.
   dispatch = dispatch_calibration(args.smoke)
-  _write(Path(args.out), rows, tuned_all, dispatch)
+  batching = batch_size_check(args.smoke)
+  _write(Path(args.out), rows, tuned_all, dispatch, batching)
   print("\n== dispatch (small calls: batched, looped, and the dispatch floor) ==")
   print("\n".join(dispatch_lines(dispatch)))
+  print("\n== batch size (a long call: per batch or per call costs) ==")
+  print("\n".join(batch_size_lines(batching)))
   return rows
 
 
@@ -518,6 +521,57 @@ def dispatch_calibration(smoke: bool) -> list[dict[str, Any]]:
   return out
 
 
+def batch_size_check(smoke: bool) -> dict[str, Any]:
+  """Where a long call's batched median loses time: per call, n back-to-back calls of
+  one matmul (about 1.4 ms on an H200) with one sync, for n = 1 to 16, beside
+  `measure_candidates` with batches of at least 1 ms (the default, one call a batch
+  here) and of at least 20 ms, and the profiler's device time.
+
+  On the H200 (2026-12-04) the batched medians of calls of 0.25 ms or more were 1.2 to
+  2.4 times the profiled time, cuBLAS's too: a cost per batch (the sync) falls as n
+  grows, a cost per call (allocation, clocks) does not.
+
+  Returns:
+    {"name", "per_call_ms": {n: ms}, "min_batch_1ms_ms", "min_batch_20ms_ms",
+    "profiled_ms"}; "error" instead of what failed.
+  """
+  size = 256 if smoke else 8192
+  dtype = jnp.float32 if smoke else jnp.bfloat16
+  a = jax.random.normal(jax.random.key(6), (size, size), jnp.float32).astype(dtype)
+  b = jax.random.normal(jax.random.key(7), (size, size), jnp.float32).astype(dtype)
+  matmul = jax.jit(lambda a, b: a @ b)
+  row: dict[str, Any] = {"name": f"matmul {size}^3 {jnp.dtype(dtype).name}", "per_call_ms": {}}
+  try:
+    jax.block_until_ready(matmul(a, b))
+    for n in (1, 2, 4, 8, 16):
+      samples = []
+      for _ in range(5):
+        start = time.perf_counter()
+        jax.block_until_ready([matmul(a, b) for _ in range(n)])
+        samples.append((time.perf_counter() - start) / n)
+      row["per_call_ms"][n] = float(np.median(samples)) * 1e3
+    for key, min_batch_s in (("min_batch_1ms_ms", 1e-3), ("min_batch_20ms_ms", 2e-2)):
+      opts = measure.MeasureOptions(rounds=5, leader_rounds=0, max_total_s=2.0, timeout_s=20.0,
+                                    min_batch_s=min_batch_s, loop_calls=0, profile=True)
+      m = measure.measure_candidates({"matmul": lambda a, b: a @ b}, (a, b), options=opts)["matmul"]
+      row[key] = m.median_s * 1e3 if m.ok else None
+      if m.profiled_s is not None:
+        row["profiled_ms"] = m.profiled_s * 1e3
+  except Exception as e:  # information, like the dispatch calibration
+    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+  return row
+
+
+def batch_size_lines(check: dict[str, Any]) -> list[str]:
+  """`batch_size_check` as text lines."""
+  ms = lambda v: "-" if v is None else f"{v:.3f} ms"
+  per_call = ", ".join(f"n={n}: {ms(v)}" for n, v in check.get("per_call_ms", {}).items())
+  return [f"{check['name']}: per call with n calls a sync: {per_call or '-'}",
+          f"  measure_candidates, batches >= 1 ms: {ms(check.get('min_batch_1ms_ms'))}, >= 20 ms: "
+          f"{ms(check.get('min_batch_20ms_ms'))}; profiled {ms(check.get('profiled_ms'))}"
+          + (f" ({check['error']})" if "error" in check else "")]
+
+
 def dispatch_lines(calibration: list[dict[str, Any]]) -> list[str]:
   """The calibration as text lines, one per call."""
   us = lambda v: "-" if v is None else f"{v:.2f} us"
@@ -527,7 +581,7 @@ def dispatch_lines(calibration: list[dict[str, Any]]) -> list[str]:
           for r in calibration]
 
 
-def _write(out: Path, rows: list[Row], tuned_all, dispatch=None) -> None:
+def _write(out: Path, rows: list[Row], tuned_all, dispatch=None, batching=None) -> None:
   out.mkdir(parents=True, exist_ok=True)
   if tuned_all is not None:
     tuned_all.dump(out / "tuned.json")
@@ -536,6 +590,8 @@ def _write(out: Path, rows: list[Row], tuned_all, dispatch=None) -> None:
   data = {"env": env, "rows": [dataclasses.asdict(r) for r in rows]}
   if dispatch is not None:
     data["dispatch"] = dispatch
+  if batching is not None:
+    data["batching"] = batching
   (out / "results.json").write_text(json.dumps(data, indent=1))
 
 
