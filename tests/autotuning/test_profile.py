@@ -18,6 +18,9 @@ from stellarax import autotuning
 from stellarax.autotuning.profile import OpCall
 from stellarax.autotuning.profile import ProfileError
 from stellarax.autotuning.profile import read_op_calls
+from stellarax.autotuning.profile import _Instruction
+from stellarax.autotuning.profile import _custom_call_kernels
+from stellarax.autotuning.profile import _kernel_names
 from stellarax.autotuning.profile import _without_repeats
 from stellarax.core.markers import markers_in_op_name
 from stellarax.ops.ragged_dot.base import XlaRaggedDotConfig
@@ -637,3 +640,41 @@ def test_a_backward_op_with_two_results_at_one_frame_is_one_call(tmp_path):
       jax.block_until_ready(step(x, scale))
   counts = {json.loads(c.marker)["op"]["name"]: c.count for c in read_op_calls(tmp_path)}
   assert counts == {"layer_norm.xla": RUNS, "layer_norm.xla_vjp": RUNS}
+
+
+# -- kernels of command buffers (GPU) -------------------------------------------------
+
+
+def _inst(name, opcode, iid, operands=(), called=(), signature=0, kernels=()):
+  return _Instruction(name, opcode, iid, tuple(operands), tuple(called), None, 0, None,
+                      signature=signature, kernels=tuple(kernels))
+
+
+def test_kernel_names_give_the_instructions_a_command_buffer_kernel_may_be():
+  # A command buffer's events name their kernels, not their instructions (profile.py,
+  # module doc, 1): XLA names a kernel after its instruction as a C identifier, runs
+  # alike fusions as one kernel named after the first, and a Pallas Triton kernel
+  # under its own name, which two layers' calls share.
+  body = lambda first: [_inst("p", "parameter", first, signature=1),
+                        _inst("e", "exponential", first + 1, [first], signature=2)]
+  computations = {
+      10: body(100), 11: body(200),
+      12: [_inst("p", "parameter", 300, signature=1), _inst("n", "negate", 301, [300], signature=3)],
+      1: [_inst("input_reduce_fusion.4", "fusion", 1, called=[10], signature=7),
+          _inst("input_reduce_fusion.2", "fusion", 2, called=[11], signature=7),
+          _inst("loop_fusion", "fusion", 3, called=[12], signature=7),
+          _inst("custom-call.3", "custom-call", 4, kernels=["ragged_dot_fwd"]),
+          _inst("custom-call.5", "custom-call", 5, kernels=["ragged_dot_fwd"])],
+  }
+  kernels = _kernel_names(computations)
+  assert kernels["input_reduce_fusion_4"] == ("input_reduce_fusion.4", "input_reduce_fusion.2")
+  assert kernels["loop_fusion"] == ("loop_fusion",)
+  assert kernels["custom_call_3"] == ("custom-call.3",)
+  assert kernels["ragged_dot_fwd"] == ("custom-call.3", "custom-call.5")
+
+
+def test_a_triton_calls_kernel_name_is_read_from_its_backend_config():
+  config = (b'{debug = false, grid_x = 32 : i32, ir = "ML\\EFR, name = \\22x\\22", '
+            b'name = "ragged_dot_fwd", num_stages = 3 : i32, num_warps = 4 : i32}')
+  assert _custom_call_kernels(config) == ("ragged_dot_fwd",)
+  assert _custom_call_kernels(b'{kernel_hash = "..", module = "ML\\EFR"}') == ()

@@ -26,7 +26,8 @@ What a profile holds (jax 0.11.2):
   XLA runs sequences of kernels as command buffers (CUDA graphs): their events carry
   the command buffer's thunk as ``hlo_op`` (``command_buffer_1``, no instruction of
   the HLO), no ``run_id``, and the kernel's name as their name, which is the
-  instruction's made a C identifier (``gemm_fusion_dot_10`` for ``gemm_fusion_dot.10``).
+  instruction's made a C identifier (``gemm_fusion_dot_10`` for ``gemm_fusion_dot.10``);
+  a Pallas kernel's name is its own (a Triton call's ``name`` in its backend config).
 
 How events become op calls:
 
@@ -619,6 +620,8 @@ class _Instruction:
   # What it computes from its operands, without its name, id or metadata: equal for
   # the copies of one instruction that XLA puts into each fusion that reads it.
   signature: int = 0
+  # A custom call's kernel names, from its backend config (`_custom_call_kernels`).
+  kernels: tuple[str, ...] = ()
 
 
 _Computations = Mapping[int, Sequence[_Instruction]]
@@ -765,7 +768,8 @@ def _kernel_names(computations: _Computations) -> dict[str, tuple[str, ...]]:
   XLA:GPU names a kernel after its instruction (`_kernel_name`), and compiles one kernel
   for fusions whose fused computations are alike, named after the first of them: the
   others run it under its name. Alike here: the same instructions (what each computes,
-  `_Instruction.signature`) reading the same operands, in the same order.
+  `_Instruction.signature`) reading the same operands, in the same order. A custom
+  call's kernel is named by its backend config (`_custom_call_kernels`).
   """
   def fingerprint(cid: int) -> int:
     instructions = computations.get(cid, ())
@@ -784,10 +788,19 @@ def _kernel_names(computations: _Computations) -> dict[str, tuple[str, ...]]:
       else:
         alike[(inst.name,)].append(inst.name)
   kernels: dict[str, tuple[str, ...]] = {}
+
+  def add(kernel: str, names: Iterable[str]) -> None:
+    kernels[kernel] = tuple(dict.fromkeys((*kernels.get(kernel, ()), *names)))
+
   for group in alike.values():
     for name in group:
-      kernel = _kernel_name(name)
-      kernels[kernel] = kernels.get(kernel, ()) + tuple(n for n in group if n not in kernels.get(kernel, ()))
+      add(_kernel_name(name), group)
+  # A custom call runs a kernel of its own name (a Pallas kernel's); two calls of one
+  # Pallas kernel (two layers) share it like alike fusions.
+  for instructions in computations.values():
+    for inst in instructions:
+      for kernel in inst.kernels:
+        add(kernel, [inst.name])
   return kernels
 
 
@@ -841,7 +854,21 @@ def _instruction(buf: memoryview) -> _Instruction:
     index = 0  # proto3 leaves a zero out
   return _Instruction(name, opcode, iid, tuple(operands), tuple(called), marker, frame,
                       int(trips[1]) if trips else None, scope, index, shape,
-                      hash(tuple(computes)))
+                      hash(tuple(computes)),
+                      _custom_call_kernels(bytes(config)) if opcode == "custom-call" else ())
+
+
+# A Pallas Triton call's kernel name in its backend config (an MLIR dictionary, keys in
+# order; a quote inside a string is escaped, so this cannot match inside one).
+_TRITON_KERNEL = re.compile(rb', name = "([A-Za-z_][A-Za-z0-9_]*)"')
+
+
+def _custom_call_kernels(config: bytes) -> tuple[str, ...]:
+  """The names a custom call's kernels run under, from its backend config: a Pallas
+  Triton kernel's own name. A Mosaic GPU call's module is bytecode whose kernel name
+  is not read here; its events map only where they name their instruction (outside a
+  command buffer). Neither was seen in a GPU profile yet (module doc, 1)."""
+  return tuple(dict.fromkeys(m.decode() for m in _TRITON_KERNEL.findall(config)))
 
 
 def _op_metadata(buf: memoryview) -> tuple[int, str | None]:
