@@ -107,7 +107,7 @@ def test_land_ships_confirmed_configs_and_records_the_run(tmp_path, capsys):
   assert "device: NVIDIA H200; jax 0.11.2" in text and "--tune-budget-s 6" in text
   assert any(line.startswith("    ragged_dot G=8 M=8192") and "pallas_triton tuned" in line and "1.500" in line
              for line in text.splitlines())
-  assert "ragged_dot G=8 forward: MET (642 TFLOP/s" in text
+  assert "ragged_dot G=8 forward: MET (664 TFLOP/s, goal >= 600, by profiled device time" in text
   assert "ragged_dot.pallas_triton (4,) (64, 32) (4, 32, 48): heuristic 2.000 ms; best 1.000 ms" in text
   # num_warps is a tile, not a code path: no variant to report.
   assert "Faster than the heuristic beyond both confidence intervals:\n\n    none\n" in text
