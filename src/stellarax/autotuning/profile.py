@@ -132,7 +132,10 @@ attributes and op_name cannot be found. Read from op_name, an instruction that X
 created without metadata goes to no op, and a backward pass that JAX derives from an
 op's body (an op without a VJP op) counts as that op, since it carries the forward's
 scope though not its attribute. A profile without the HLO (no metadata plane) cannot be
-read: events carry instruction names, never frontend attributes.
+read: events carry instruction names, never frontend attributes. In a command buffer,
+a kernel named neither after its instruction nor by its backend config (a cuBLAS or
+cuDNN kernel, a Mosaic GPU kernel) is no instruction's: its time goes to no op, and
+alike fusions' time is shared in turn, not by which of them ran.
 """
 
 from __future__ import annotations
