@@ -673,8 +673,14 @@ def test_kernel_names_give_the_instructions_a_command_buffer_kernel_may_be():
   assert kernels["ragged_dot_fwd"] == ("custom-call.3", "custom-call.5")
 
 
-def test_a_triton_calls_kernel_name_is_read_from_its_backend_config():
-  config = (b'{debug = false, grid_x = 32 : i32, ir = "ML\\EFR, name = \\22x\\22", '
+def test_a_pallas_calls_kernel_name_is_read_from_its_backend_config():
+  # As jax 0.11.2 lowers them for an H200: a Triton call names its kernel; a Mosaic GPU
+  # call's module bytecode holds "<kernel>_mosaic_gpu" among its NUL-separated strings,
+  # and ptxas names the kernel "<kernel>_mosaic_gpu_kernel" (bench/compile_h200.py).
+  triton = (b'{debug = false, grid_x = 32 : i32, ir = "ML\\EFR, name = \\22x\\22", '
             b'name = "ragged_dot_fwd", num_stages = 3 : i32, num_warps = 4 : i32}')
-  assert _custom_call_kernels(config) == ("ragged_dot_fwd",)
+  assert _custom_call_kernels(triton) == ("ragged_dot_fwd",)
+  mosaic = (b'{kernel_hash = "..", module = "ML\\EFR\\11builtin\\00stable_mosaic_gpu\\00llvm'
+            b'\\00llvm.emit_c_interface\\00ragged_dot_fwd_mosaic_gpu\\00ordering\\00"}')
+  assert _custom_call_kernels(mosaic) == ("ragged_dot_fwd_mosaic_gpu_kernel",)
   assert _custom_call_kernels(b'{kernel_hash = "..", module = "ML\\EFR"}') == ()

@@ -27,7 +27,7 @@ What a profile holds (jax 0.11.2):
   the command buffer's thunk as ``hlo_op`` (``command_buffer_1``, no instruction of
   the HLO), no ``run_id``, and the kernel's name as their name, which is the
   instruction's made a C identifier (``gemm_fusion_dot_10`` for ``gemm_fusion_dot.10``);
-  a Pallas kernel's name is its own (a Triton call's ``name`` in its backend config).
+  a Pallas kernel's name is its own (in its custom call's backend config).
 
 How events become op calls:
 
@@ -134,7 +134,7 @@ op's body (an op without a VJP op) counts as that op, since it carries the forwa
 scope though not its attribute. A profile without the HLO (no metadata plane) cannot be
 read: events carry instruction names, never frontend attributes. In a command buffer,
 a kernel named neither after its instruction nor by its backend config (a cuBLAS or
-cuDNN kernel, a Mosaic GPU kernel) is no instruction's: its time goes to no op, and
+cuDNN kernel) is no instruction's: its time goes to no op, and
 alike fusions' time is shared in turn, not by which of them ran.
 """
 
@@ -864,14 +864,21 @@ def _instruction(buf: memoryview) -> _Instruction:
 # A Pallas Triton call's kernel name in its backend config (an MLIR dictionary, keys in
 # order; a quote inside a string is escaped, so this cannot match inside one).
 _TRITON_KERNEL = re.compile(rb', name = "([A-Za-z_][A-Za-z0-9_]*)"')
+# A Mosaic GPU call's host function, "<kernel name>_mosaic_gpu", among the strings of
+# its module's bytecode (NUL-separated, "\00" where the config prints them escaped).
+_MOSAIC_GPU_FUNCTION = re.compile(rb'(?:\\00|\x00)([A-Za-z_][A-Za-z0-9_]*_mosaic_gpu)(?=\\00|\x00)')
 
 
 def _custom_call_kernels(config: bytes) -> tuple[str, ...]:
   """The names a custom call's kernels run under, from its backend config: a Pallas
-  Triton kernel's own name. A Mosaic GPU call's module is bytecode whose kernel name
-  is not read here; its events map only where they name their instruction (outside a
-  command buffer). Neither was seen in a GPU profile yet (module doc, 1)."""
-  return tuple(dict.fromkeys(m.decode() for m in _TRITON_KERNEL.findall(config)))
+  Triton kernel's own name; for a Mosaic GPU call, its host function's name with
+  "_kernel" (``ragged_dot_fwd_mosaic_gpu_kernel``, as ptxas names it in
+  bench/compile_h200.py's reports). Neither was seen in a GPU profile yet (module doc, 1).
+  """
+  names = [m.decode() for m in _TRITON_KERNEL.findall(config)]
+  names += [m.decode() + "_kernel" for m in _MOSAIC_GPU_FUNCTION.findall(config)
+            if m != b"stable_mosaic_gpu"]  # the dialect's name, among the strings too
+  return tuple(dict.fromkeys(names))
 
 
 def _op_metadata(buf: memoryview) -> tuple[int, str | None]:
