@@ -1274,10 +1274,8 @@ def _outputs(
         shapes = tuple(sorted({value.shape for value in read}))
         found[call][inst.frame, shapes].add(value)
     results = {call: to_user.get(call) or to_ops[call] for call in {*to_user, *to_ops}}
-    # Results computed from the same inputs are one call's: attention's dq, dk and dv
-    # share a frame and shape (where q, k and v are one array), and all read q, k, v
-    # and dout. Two calls' read different inputs (each layer's activations), though
-    # they may share some (the weights, group sizes) and the op's work on those.
+    # Several results of one call can share a frame and a shape (attention's dq, dk and
+    # dv where q, k and v are one array): `_one_per_call` keeps one of each call's.
     for call, groups in results.items():
       sources = _sources_of(own_values[call], own_edges[call])
       results[call] = {key: _one_per_call(values, sources) for key, values in groups.items()}
