@@ -338,12 +338,12 @@ def run(args) -> list[Row]:
   start = time.monotonic()
   # Commas inside parentheses are part of a name: "=rms_norm (8192, 8192) fwd".
   only = [s.strip() for s in re.split(r",(?![^()]*\))", args.only or "") if s.strip()]
+  skip_after_s = args.deadline_s + 60 if args.skip_after_s is None else args.skip_after_s
   for w in _workloads(args.smoke):
     # "=name" asks for that workload alone; a plain part, for every name holding it.
     if only and not any(w.name == s[1:] if s.startswith("=") else s in w.name for s in only):
       continue
     elapsed = time.monotonic() - start
-    skip_after_s = args.deadline_s + 60 if args.skip_after_s is None else args.skip_after_s
     if elapsed > skip_after_s:
       rows.append(Row(w.name, "-", status=f"skipped: past {skip_after_s:.0f} s"))
       continue

@@ -1256,9 +1256,9 @@ def _outputs(
         if op is None:
           continue
         call = (op, site(inst.frame)[0])
-        value = numbers[current, inst.id]
-        own_values[call].add(value)
-        own_edges[call] += [(value, numbers.get((current, o), o)) for o in inst.operand_ids]
+        number = numbers[current, inst.id]
+        own_values[call].add(number)
+        own_edges[call] += [(number, numbers.get((current, o), o)) for o in inst.operand_ids]
         if inst.opcode in _NOT_VALUES and not _loop_result(inst, by_id):
           continue
         readers = read_by(current, inst)
@@ -1272,7 +1272,7 @@ def _outputs(
         # Grouped by the shapes its readers read it in: two results of one call can
         # share a frame and a shape, until one is transposed (a matmul's d x and d w).
         shapes = tuple(sorted({value.shape for value in read}))
-        found[call][inst.frame, shapes].add(value)
+        found[call][inst.frame, shapes].add(number)
     results = {call: to_user.get(call) or to_ops[call] for call in {*to_user, *to_ops}}
     # Several results of one call can share a frame and a shape (attention's dq, dk and
     # dv where q, k and v are one array): `_one_per_call` keeps one of each call's.
@@ -1316,20 +1316,13 @@ def _one_per_call(values: set[int], sources: Callable[[int], tuple[frozenset[int
   inputs of one of them (attention's dq and dk both grew from the scores' gradient, which
   read q, k, v and dout). Two calls of one line may share work on common inputs (a mask
   from the group sizes), never work that read one call's own inputs."""
+  def one_call(a: int, b: int) -> bool:
+    shared = sources(a)[1] & sources(b)[1]
+    return any(sources(step)[0] in (sources(a)[0], sources(b)[0]) for step in shared)
+
   ordered = sorted(values)
-  parent = {v: v for v in ordered}
-
-  def find(v: int) -> int:
-    while parent[v] != v:
-      v = parent[v]
-    return v
-
-  for a_index, a in enumerate(ordered):
-    for b in ordered[a_index + 1:]:
-      shared = sources(a)[1] & sources(b)[1]
-      if any(sources(step)[0] in (sources(a)[0], sources(b)[0]) for step in shared):
-        parent[find(a)] = find(b)
-  return {find(v) for v in ordered}
+  links = ((a, b) for i, a in enumerate(ordered) for b in ordered[i + 1:] if one_call(a, b))
+  return {min(group) for group in _connected(ordered, links)}
 
 
 def _sequences(
@@ -1432,21 +1425,27 @@ def _joined(
     nodes: Sequence[_Instruction], by_id: Mapping[int, _Instruction], movement: set[int],
 ) -> list[set[str]]:
   """Groups `nodes` that produce for one another, directly or through data movement."""
-  parent = {inst.name: inst.name for inst in nodes}
+  names = {inst.name for inst in nodes}
+  return _connected(names, ((source.name, inst.name) for inst in nodes
+                            for source in _producers(inst, by_id, movement)
+                            if source.name in names))
 
-  def root(name: str) -> str:
-    while parent[name] != name:
-      parent[name] = parent[parent[name]]
-      name = parent[name]
-    return name
 
-  for inst in nodes:
-    for source in _producers(inst, by_id, movement):
-      if source.name in parent:
-        parent[root(source.name)] = root(inst.name)
-  groups: dict[str, set[str]] = collections.defaultdict(set)
-  for name in parent:
-    groups[root(name)].add(name)
+def _connected(nodes: Iterable[Any], links: Iterable[tuple[Any, Any]]) -> list[set[Any]]:
+  """The groups of `nodes` that `links` (pairs of nodes) join, directly or in a chain."""
+  parent = {node: node for node in nodes}
+
+  def root(node: Any) -> Any:
+    while parent[node] != node:
+      parent[node] = parent[parent[node]]
+      node = parent[node]
+    return node
+
+  for a, b in links:
+    parent[root(a)] = root(b)
+  groups: dict[Any, set[Any]] = collections.defaultdict(set)
+  for node in parent:
+    groups[root(node)].add(node)
   return list(groups.values())
 
 
@@ -1601,10 +1600,6 @@ class _ProgramIndex:
       return [self.by_id[program_id]]
     return self.by_name.get(module, [])
 
-  def find(self, event: _Event) -> list[_Program]:
-    """The programs `event` may belong to that hold its instruction."""
-    return [p for p in self.programs_of(event) if event.hlo_op in p.markers]
-
 
 class _Tally:
   """Adds up the events of one file per marker (module doc, 4 and 5)."""
@@ -1618,29 +1613,30 @@ class _Tally:
     self.ambiguous = 0
     # The modules of ambiguous events whose program_ids were not trusted (_ProgramIndex).
     self.untrusted: set[str] = set()
-    # (program_id, kernel name) -> events of it seen so far (_by_kernel_name).
+    # (program_id, kernel name) -> events of it seen so far (_found).
     self.turns: collections.Counter[tuple[int, str]] = collections.Counter()
 
-  def _by_kernel_name(self, event: _Event) -> _Event:
-    """`event` with the instruction its kernel name gives, where its hlo_op names no
-    instruction of its programs (module doc, 1: a command buffer's kernel). A kernel
-    that alike fusions share goes to each of them in turn (in the HLO's order), so
-    each is counted once per run and their time is shared among them."""
+  def _found(self, event: _Event) -> tuple[_Event, list[_Program]]:
+    """`event` and the programs it may belong to that hold its instruction; where its
+    hlo_op names no instruction of its programs (module doc, 1: a command buffer's
+    kernel), with the instruction its kernel name gives. A kernel that alike fusions share goes to each of them in turn (in the HLO's
+    order), so each is counted once per run and their time is shared among them."""
     programs = self.index.programs_of(event)
-    if any(event.hlo_op in p.markers for p in programs):
-      return event
+    holding = [p for p in programs if event.hlo_op in p.markers]
+    if holding:
+      return event, holding
     for program in programs:
       instructions = program.kernels.get(event.name)
       if instructions:
         turn = self.turns[program.program_id, event.name]
         self.turns[program.program_id, event.name] += 1
-        return dataclasses.replace(event, hlo_op=instructions[turn % len(instructions)])
-    return event
+        event = dataclasses.replace(event, hlo_op=instructions[turn % len(instructions)])
+        return event, [p for p in programs if event.hlo_op in p.markers]
+    return event, []
 
   def add(self, event: _Event) -> None:
     """Files `event` under its program and instruction."""
-    event = self._by_kernel_name(event)
-    candidates = self.index.find(event)
+    event, candidates = self._found(event)
     if not candidates:
       self.ran[event.module or f"program {event.program_id}"] += 1
       return
