@@ -2,7 +2,7 @@
 what ptxas says of each: registers, spills, shared memory.
 
     make compile-h200                  # .venv-h200, heuristic configs and switched variants
-    .venv-h200/bin/python bench/compile_h200.py --out results/compile-h200 [--space]
+    .venv-h200/bin/python bench/compile_h200.py --out results/compile-h200 [--space] [--jobs N]
         [--only ragged_dot,attention]
 
 Why: the GPU machine is lent rarely and for minutes. Everything between a kernel and the
@@ -612,10 +612,15 @@ def build_driver_stand_in(plugin: Path, cache: Path) -> Path:
     gcc = shutil.which("gcc") or shutil.which("cc")
     if gcc is None:
       raise SystemExit("compile_h200 builds a stand-in libcuda.so.1 with gcc; install gcc.")
-    src = out.with_suffix(".c")
+    # Built under a name of this process's own and renamed into place: workers of a
+    # parallel run (--jobs) may build it at the same time, and none may load a half-written one.
+    src = out.with_name(f"{out.stem}.{os.getpid()}.c")
+    partial = src.with_suffix(".so")
     src.write_text(source)
-    subprocess.run([gcc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(out), str(src)],
-                   check=True)
+    subprocess.run([gcc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(partial),
+                    str(src)], check=True)
+    os.replace(partial, out)
+    src.unlink()
   return out
 
 
@@ -874,6 +879,7 @@ class Row(_SpilledBytes):
   status: str = "ok"
   remarks: list[str] = dataclasses.field(default_factory=list)
   seconds: float = 0.0
+  item: int = 0  # the config's place in the run's fixed order (workers of --jobs share it)
 
 
 # The fields a Row takes from its kernel's KernelStats.
@@ -944,7 +950,19 @@ def _program_of(workload, op):
   return functools.partial(workload.call, op)
 
 
-def run(args, work: Path) -> list[Row]:
+def run(args, work: Path, worker: int = 0, workers: int = 1) -> list[Row]:
+  """Compiles the configs of every workload (module doc) and returns their rows.
+
+  Args:
+    args: the parsed command line (`--space`, `--only`).
+    work: the scratch folder `prepare_environment` set up.
+    worker, workers: compile only the configs whose place in the fixed order is
+      `worker` modulo `workers` (each worker of a parallel run lists them all).
+
+  Returns:
+    A Row per compiled kernel (or per config that failed to compile, or per op a
+    workload does not support), in the fixed order.
+  """
   sys.path.insert(0, str(HERE))
   import gpu_check
   from stellarax.autotuning import search
@@ -953,6 +971,7 @@ def run(args, work: Path) -> list[Row]:
   only = [s.strip() for s in (args.only or "").split(",") if s.strip()]
   rows: list[Row] = []
   seen: set[str] = set()
+  item = 0
   targets = gpu_check._workloads(smoke=False)
   for w in targets + more_workloads():
     if only and not any(s in w.name for s in only):
@@ -965,7 +984,10 @@ def run(args, work: Path) -> list[Row]:
       try:
         calls = compiler.capture(_program_of(w, op), specs)
       except NotImplementedError as e:
-        rows.append(Row(w.name, op.name, "", status=f"not supported: {str(e)[:120]}"))
+        if worker == 0:
+          rows.append(Row(w.name, op.name, "", status=f"not supported: {str(e)[:120]}",
+                          item=item))
+        item += 1
         continue
       for ba in calls:
         identity = ba.op_json() + ba.key_json()
@@ -978,16 +1000,18 @@ def run(args, work: Path) -> list[Row]:
         configs = [heuristic] + ([c for c in space if c != heuristic] if args.space
                                  else search.code_path_variants(heuristic, space))
         for config in configs:
-          new = _compile_one(compiler, w.name, ba, config, config == heuristic, target)
-          rows.extend(new)
-          _print_rows(new)
+          if item % workers == worker:
+            new = _compile_one(compiler, w.name, ba, config, config == heuristic, target, item)
+            rows.extend(new)
+            _print_rows(new)
+          item += 1
   return rows
 
 
-def _compile_one(compiler, workload, ba, config, heuristic, target) -> list[Row]:
+def _compile_one(compiler, workload, ba, config, heuristic, target, item) -> list[Row]:
   start = time.monotonic()
   base = dict(workload=workload, op=ba.op.name, config=str(config), heuristic=heuristic,
-              target=target)
+              target=target, item=item)
   try:
     kernels = compiler.compile(ba.runner(config), ba.array_specs())
   except Exception as e:  # a kernel that does not compile is a finding, not a crash
@@ -1088,18 +1112,101 @@ class Verdict:
             f"{len(self.blocking)} failing the check)")
 
 
+def _worker_spec(text: str) -> tuple[int, int]:
+  """`--worker i/n` as (i, n)."""
+  match = re.fullmatch(r"(\d+)/(\d+)", text)
+  if not match or not int(match[1]) < int(match[2]):
+    raise argparse.ArgumentTypeError(f"--worker takes i/n with 0 <= i < n, got {text!r}")
+  return int(match[1]), int(match[2])
+
+
+def _default_jobs() -> int:
+  """Processes for a run: one a core (a compile is one thread: ptxas, or XLA on one
+  kernel), at most 4 (each worker holds its own jax)."""
+  return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                    else os.cpu_count() or 1))
+
+
+def run_in_workers(argv: list[str], out: Path, jobs: int, script: Path | None = None) -> list[Row]:
+  """Runs `jobs` workers of this script (`--worker i/jobs`), each compiling its share of
+  the configs into out/worker-i, and returns all their rows in the fixed order.
+
+  Args:
+    argv: the options every worker takes (`--space`, `--only ...`).
+    out: the run's folder; worker i writes out/worker-i/kernels.json and its output
+      to out/worker-i.log.
+    jobs: how many workers.
+    script: the worker program (this file; a test passes a stand-in).
+
+  Returns:
+    The workers' rows, sorted by their place in the fixed order.
+
+  Raises:
+    SystemExit: naming a worker that failed, with the end of its output.
+  """
+  out.mkdir(parents=True, exist_ok=True)
+  procs = []
+  for i in range(jobs):
+    folder = out / f"worker-{i}"
+    log = (out / f"worker-{i}.log").open("w")
+    cmd = [sys.executable, str(script or Path(__file__).resolve()), *argv, "--out", str(folder),
+           "--worker", f"{i}/{jobs}"]
+    procs.append((i, folder, log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
+  rows: list[Row] = []
+  failed = []
+  for i, folder, log, proc in procs:
+    proc.wait()
+    log.close()
+    if proc.returncode != 0 or not (folder / "kernels.json").exists():
+      tail = (out / f"worker-{i}.log").read_text(errors="replace")[-3000:]
+      failed.append(f"worker {i}/{jobs} exited with {proc.returncode}:\n{tail}")
+      continue
+    for record in json.loads((folder / "kernels.json").read_text()):
+      record["grid"] = tuple(record["grid"]) if record["grid"] else None
+      rows.append(Row(**record))
+  if failed:
+    raise SystemExit("compile_h200: " + "\n".join(failed))
+  return sorted(rows, key=lambda r: r.item)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", required=True, help="folder for kernels.json")
   parser.add_argument("--space", action="store_true", help="compile every config of each search space")
   parser.add_argument("--only", default="", help="comma-separated workload name parts")
+  parser.add_argument("--jobs", type=int, default=None,
+                      help="processes compiling side by side (default: one a core, at most 4); "
+                           "each worker's output goes to <out>/worker-<i>.log")
+  parser.add_argument("--worker", type=_worker_spec, default=None,
+                      help="(internal) compile only share i of n and write its rows, no verdict")
   args = parser.parse_args(argv)
-  work = Path(tempfile.mkdtemp(prefix="compile_h200_"))
-  prepare_environment(work)
-  rows = run(args, work)
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
+  jobs = _default_jobs() if args.jobs is None else args.jobs
+  if jobs < 1:
+    parser.error(f"--jobs must be at least 1, got {jobs}")
+  if args.worker is None and jobs > 1:
+    shared = [a for a in ("--space",) if getattr(args, a[2:])]
+    shared += ["--only", args.only] if args.only else []
+    start = time.monotonic()
+    print(f"compiling in {jobs} processes (their output: {out}/worker-*.log)", flush=True)
+    rows = run_in_workers(shared, out, jobs)
+    print(f"compiled in {time.monotonic() - start:.0f} s", flush=True)
+  else:
+    work = Path(tempfile.mkdtemp(prefix="compile_h200_"))
+    prepare_environment(work)
+    worker, workers = args.worker or (0, 1)
+    rows = run(args, work, worker, workers)
+    shutil.rmtree(work, ignore_errors=True)
   (out / "kernels.json").write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
+  if args.worker is not None:
+    return 0
+  return report(rows)
+
+
+def report(rows: list[Row]) -> int:
+  """Prints the Pallas kernels' rows by workload and the verdict; returns the exit code
+  (0 when the verdict passes, else 1)."""
   print("\n== kernels (H = heuristic config; spills = bytes stored/loaded, Ln = n spill"
         " instructions inside the SASS's step loops, +mo: m in outer (per-tile) loops;"
         " loads = async copy kind / widest global load in bits) ==")
@@ -1117,7 +1224,6 @@ def main(argv=None) -> int:
   for r in verdict.unfenced:
     print(f"unfenced: {r.workload}: {r.op} {r.kernel}: {r.unfenced_async_reads} async reads "
           f"({r.config[:120]})")
-  shutil.rmtree(work, ignore_errors=True)
   return 0 if verdict.passed else 1
 
 

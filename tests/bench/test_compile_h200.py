@@ -427,3 +427,37 @@ def test_verdict_blocks_slow_defaults_at_targets_and_serialized_wgmma_anywhere()
     assert "1 failing the check" in verdict.summary()
   for status in ("compile error: boom", "UNFENCED SMEM (2 async reads)"):
     assert not compile_h200.Verdict.of(fine + [row(status=status)]).passed
+
+
+# A stand-in worker: writes the rows of its share (items i, i + n, ...) of six configs,
+# each as its own kernel, and fails when told to.
+_FAKE_WORKER = """
+import json, sys, pathlib
+args = sys.argv[1:]
+out = pathlib.Path(args[args.index("--out") + 1])
+i, n = map(int, args[args.index("--worker") + 1].split("/"))
+if "--fail" in args and i == 1:
+  print("worker 1 broke"); sys.exit(3)
+out.mkdir(parents=True)
+rows = [dict(workload="w", op="op", config=f"c{k}", kernel=f"k{k}", grid=[k, 1], item=k)
+        for k in range(i, 6, n)]
+out.joinpath("kernels.json").write_text(json.dumps(rows))
+"""
+
+
+def test_workers_share_the_configs_and_their_rows_come_back_in_order(tmp_path):
+  script = tmp_path / "worker.py"
+  script.write_text(_FAKE_WORKER)
+  rows = compile_h200.run_in_workers([], tmp_path / "out", 4, script=script)
+  assert [r.item for r in rows] == list(range(6))
+  assert [r.kernel for r in rows] == [f"k{k}" for k in range(6)]
+  assert rows[2].grid == (2, 1)  # a tuple again, as a Row of this process has it
+  with pytest.raises(SystemExit, match=r"worker 1/2 exited with 3:\n.*worker 1 broke"):
+    compile_h200.run_in_workers(["--fail"], tmp_path / "failing", 2, script=script)
+
+
+def test_worker_spec_is_a_share_of_a_run():
+  assert compile_h200._worker_spec("1/3") == (1, 3)
+  for bad in ("3/3", "1", "a/2", "-1/2"):
+    with pytest.raises(Exception, match="--worker takes i/n"):
+      compile_h200._worker_spec(bad)
