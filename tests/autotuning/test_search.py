@@ -255,6 +255,17 @@ def test_racing_with_a_tiny_budget_keeps_the_heuristic():
   assert alone.best == HEURISTIC and alone.num_configs == 1
 
 
+@pytest.mark.parametrize("strategy", [search.exhaustive, search.random_search, search.racing])
+def test_a_budget_spent_before_the_search_began_still_measures_the_heuristic(strategy):
+  # On a loaded machine a tiny budget can run out between a search's start and its first
+  # measurement (the autotuner's budget_s=0.001 test once left a call with nothing).
+  replay = search.ReplayMeasure(SWEEP)
+  readings = itertools.count()
+  late = lambda: replay.clock() + (0.0 if next(readings) == 0 else 2.0)
+  outcome = strategy(SWEEP, replay, heuristic=HEURISTIC, budget_s=1.0, clock=late)
+  assert outcome.best == HEURISTIC and outcome.num_measured == 1
+
+
 def test_random_search_respects_its_budget_and_sample_count():
   replay = search.ReplayMeasure(SWEEP)
   outcome = search.random_search(SWEEP, replay, heuristic=HEURISTIC, budget_s=15.5,

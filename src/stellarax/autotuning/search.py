@@ -342,7 +342,9 @@ def _sweep(session: _Session[C], configs: Sequence[C], chunk_size: int):
   """Measures configs in chunks at full effort, starting no chunk that would not fit.
 
   Before any call has been timed nothing predicts a cost, so the first chunk of a
-  budgeted sweep is a single config.
+  budgeted sweep is a single config, measured whatever the budget (the heuristic, which
+  the outcome needs: a budget spent before the sweep began, on a loaded machine, must
+  not leave it with nothing measured).
   """
   i = 0
   while i < len(configs):
@@ -354,7 +356,7 @@ def _sweep(session: _Session[C], configs: Sequence[C], chunk_size: int):
         k = 1
       elif per_config > 0:
         k = min(k, math.floor(max(session.remaining() - model.predict(0, 0.0), 0.0) / per_config))
-      if k == 0 or session.remaining() <= 0:
+      if session.calls and (k == 0 or session.remaining() <= 0):
         return
     session.measure(configs[i:i + k], 1.0)
     i += k
