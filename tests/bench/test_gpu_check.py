@@ -49,7 +49,9 @@ def test_gpu_check_smoke_run(tmp_path):
       r["impl"] for r in glu}, glu
   local = [r for r in checked if "window" in r["workload"]]
   assert any(r["impl"].startswith("attention.pallas_triton") for r in local), local
-  assert lines[-1] == "rms_norm forward bandwidth: not measured"  # interpret mode: no copy baseline row
+  # Interpret mode: no copy baseline row.
+  assert lines[-2:] == ["rms_norm forward bandwidth: not measured",
+                        "rms_norm fwd+bwd bandwidth: not measured"]
 
 
 def _gpu_check():
@@ -112,7 +114,14 @@ def test_target_lines_say_met_missed_or_not_measured():
   assert lines[0].startswith("ragged_dot G=8 forward: MET (642 TFLOP/s, goal >= 600, by median;")
   assert lines[1] == "ragged_dot G=64 forward vs XLA: not measured"
   assert lines[2].startswith("attention forward vs cuDNN: missed (1.100 ms vs cuDNN")
-  assert len(lines) == 5
+  assert len(lines) == 6
+  # The norm's fwd+bwd is judged against the forward workload's copy, by bytes moved.
+  norm = "rms_norm (8192, 8192)"
+  copy = Row(f"{norm} fwd", "copy x*2 (bandwidth)", 0.082, "3.27 TB/s", status="ok")
+  fwd_bwd = Row(f"{norm} fwd+bwd", "layer_norm.pallas_triton heuristic", 0.25, "2.68 TB/s",
+                status="ok")
+  assert gpu_check.target_lines([copy, fwd_bwd])[-1].startswith(
+      "rms_norm fwd+bwd bandwidth: missed (2.68 TB/s vs 85% of copy 2.78 TB/s, by median;")
   # Judged by the profiler's device time where the rows have it, as on the H200, where
   # the batched medians of long calls were 1.2-2.4x it; the medians' verdict follows.
   profiled = [Row(ragged, "ragged_dot.pallas_mosaic_gpu heuristic", 2.111, "455.8 TFLOP/s",

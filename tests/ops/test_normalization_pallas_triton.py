@@ -114,7 +114,7 @@ def _inputs(shape, axis, dtype, seed):
 
 
 def _fwd_tunables(tunables):
-  return {k: v for k, v in tunables.items() if k != "blocks_per_program"}
+  return {k: v for k, v in tunables.items() if k not in ("blocks_per_program", "prefetch")}
 
 
 # Shapes with ragged rows and columns (37 rows, 200 columns), a leading batch,
@@ -135,6 +135,15 @@ _CASES = {
     "4x6x40-bf16-axes12": ((4, 6, 40), (1, 2), jnp.bfloat16, {}),
     "6x20x5-f32-axes02": ((6, 20, 5), (0, 2), jnp.float32, {}),
     "13x8x64-f32-axes12-chunked": ((13, 8, 64), (-2, -1), jnp.float32, _CHUNKED),
+    # The backward's prefetch: an odd number of tiles a program (the last one after the
+    # loop) with ragged rows and a program past the last tile, an even number with no
+    # masks at all, and one tile a program (no loop).
+    "37x200-bf16-prefetch-odd": ((37, 200), -1, jnp.bfloat16,
+                                 dict(block_rows=4, blocks_per_program=3, prefetch=True)),
+    "64x512-f32-prefetch-even": ((64, 512), -1, jnp.float32,
+                                 dict(block_rows=4, blocks_per_program=4, prefetch=True)),
+    "9x96-bf16-prefetch-one": ((9, 96), -1, jnp.bfloat16,
+                               dict(block_rows=2, blocks_per_program=1, prefetch=True)),
 }
 
 
@@ -252,11 +261,11 @@ def test_space_is_valid_and_holds_the_heuristic(rows, cols, dtype, backward):
   heuristic = pt.heuristic_tunables(rows, cols, dtype, backward=backward)
   space = pt.tunable_space(rows, cols, dtype, backward=backward)
   assert heuristic in space
-  assert 1 <= len(space) <= 30
+  assert 1 <= len(space) <= 40
   assert len({tuple(sorted(c.items())) for c in space}) == len(space)
   config_cls = pt.PallasTritonLayerNormVjpConfig if backward else pt.PallasTritonLayerNormConfig
   for config in space:
-    assert ("blocks_per_program" in config) == backward
+    assert ("blocks_per_program" in config) == ("prefetch" in config) == backward
     pt.check_tunables(rows, cols, **config)
     config_cls(**config)  # what the op resolves must be a valid config too
 
@@ -267,6 +276,18 @@ def test_space_of_the_target_shape_is_big_enough_to_tune(backward):
   assert len(space) >= 7
   # One 8192-column row per chunk, never looped, for the bandwidth target shape.
   assert {c["block_cols"] for c in space} == {8192}
+  if backward:  # both code paths, so that tuning (and gpu_check's variants) weigh them
+    assert {c["prefetch"] for c in space} == {False, True}
+    assert pt.heuristic_tunables(8192, 8192, jnp.bfloat16, backward=True)["prefetch"]
+
+
+def test_chunked_rows_never_prefetch():
+  assert not any(c["prefetch"] for c in pt.tunable_space(16, 65_536, jnp.bfloat16, backward=True))
+  assert not pt.heuristic_tunables(16, 65_536, jnp.bfloat16, backward=True)["prefetch"]
+  # A caller's chunk leaves the heuristic's prefetch off rather than failing.
+  x, rstd = jnp.ones((4, 256), jnp.float32), jnp.ones((4,), jnp.float32)
+  dx, _, _ = pt.rms_norm_bwd_pallas_triton(x, None, rstd, x, block_cols=64, interpret=True)
+  assert dx.shape == x.shape
 
 
 def test_long_rows_are_chunked():
@@ -284,9 +305,14 @@ def test_long_rows_are_chunked():
     (dict(num_stages=0), r"num_stages=0 must be an int in \[1, 8\]"),
     (dict(blocks_per_program=0), r"blocks_per_program=0 must be a positive int"),
     (dict(block_rows=16, blocks_per_program=4), r"blocks_per_program=4 exceeds the 2 row tiles"),
+    (dict(prefetch=1), r"prefetch=1 must be True or False"),
+    (dict(block_cols=64, prefetch=True),
+     r"prefetch=True needs each row read in one chunk, but block_cols=64 < cols=200; pass "
+     r"prefetch=False, or block_cols=256"),
 ])
 def test_check_tunables_names_the_bad_value(overrides, match):
-  config = dict(block_rows=8, block_cols=256, num_warps=4, num_stages=2, blocks_per_program=1)
+  config = dict(block_rows=8, block_cols=256, num_warps=4, num_stages=2, blocks_per_program=1,
+                prefetch=False)
   config.update(overrides)
   if match is None:
     pt.check_tunables(20, 200, **config)

@@ -30,6 +30,11 @@ Tunables (keyword-only in every wrapper; None picks the heuristic value):
     max(MIN_BLOCK_COLS, next_power_of_2(cols)), and <= MAX_BLOCK_COLS.
   num_warps, num_stages: Triton compiler parameters.
   blocks_per_program (backward only): row tiles per program.
+  prefetch (backward only, rows read in one chunk): load a program's next row tile
+    before reducing the current one, so two tiles' loads are in flight. The H200
+    compile (bench/compile_h200.py) shows why this matters: the backward's tile of
+    (1, 8192) on 16 warps takes 108 registers a thread, so one program fits an SM,
+    and without it that SM waits on one row's loads at a time.
 """
 
 from __future__ import annotations
@@ -103,6 +108,7 @@ def check_tunables(
     num_warps: int,
     num_stages: int,
     blocks_per_program: int | None = None,
+    prefetch: bool | None = None,
 ) -> None:
   """Checks a config against a (rows, cols) problem.
 
@@ -112,6 +118,7 @@ def check_tunables(
     block_rows, block_cols, num_warps, num_stages: the tunables (module doc).
     blocks_per_program: the backward's row tiles per program; None for a
       forward config.
+    prefetch: the backward's prefetch switch; None for a forward config.
 
   Raises:
     ValueError: naming the first tunable that is invalid for the shape, what
@@ -143,6 +150,14 @@ def check_tunables(
       raise ValueError(
           f"blocks_per_program={blocks_per_program} exceeds the {num_tiles} row "
           f"tiles of {rows=} with {block_rows=}; pass at most {num_tiles}.")
+  if prefetch is not None:
+    if not isinstance(prefetch, bool):
+      raise ValueError(f"prefetch={prefetch!r} must be True or False.")
+    if prefetch and block_cols < cols:
+      raise ValueError(
+          f"prefetch=True needs each row read in one chunk, but {block_cols=} < {cols=}; "
+          f"pass prefetch=False, or block_cols={_padded_cols(cols)} if "
+          f"{_padded_cols(cols)} <= {MAX_BLOCK_COLS}.")
 
 
 # ---------------------------------------------------------------------------
@@ -184,7 +199,8 @@ def heuristic_tunables(
     rows: number of rows, >= 1.
     cols: row length, >= 1.
     dtype: dtype of x.
-    backward: config for the backward kernels (adds blocks_per_program).
+    backward: config for the backward kernels (adds blocks_per_program and
+      prefetch).
 
   Returns:
     Keyword arguments for the matching wrapper; they pass `check_tunables`.
@@ -203,12 +219,21 @@ def heuristic_tunables(
       block_rows=block_rows,
       block_cols=block_cols,
       num_warps=_warps_for(block_rows * block_cols),
-      # Pipelining only matters where the kernel loops (chunks or row tiles).
-      num_stages=2 if chunked or backward else 1,
+      # Pipelining only matters where the kernel loops over chunks. (Triton pipelines
+      # none of these loads, the H200 compile shows, so the backward's loop over row
+      # tiles prefetches by hand.)
+      num_stages=2 if chunked else 1,
   )
   if backward:
     config["blocks_per_program"] = _blocks_per_program(rows, block_rows, _HEURISTIC_BWD_PROGRAMS)
+    config["prefetch"] = _heuristic_prefetch(block_cols, cols)
   return config
+
+
+def _heuristic_prefetch(block_cols: int, cols: int) -> bool:
+  """Prefetch wherever it applies (rows in one chunk): the backward's tiles hold one
+  program per SM (module doc), whose loads nothing else hides."""
+  return block_cols >= cols
 
 
 def _warp_options(tile: int, *, backward: bool) -> list[int]:
@@ -227,23 +252,29 @@ def _warp_options(tile: int, *, backward: bool) -> list[int]:
 
 
 def _space_axes(rows: int, cols: int, *, backward: bool):
-  """(block_cols, block_rows, num_stages, programs) options of the search space.
+  """(block_cols, block_rows, num_stages, programs, prefetch) options of the search
+  space.
 
   programs is the number of backward programs aimed at (None for the forward),
-  turned into blocks_per_program per block_rows.
+  turned into blocks_per_program per block_rows; prefetch is None for the forward.
   """
   cols_p2 = _padded_cols(cols)
   if cols_p2 <= MAX_BLOCK_COLS:
-    # A row is one chunk: vary the rows per tile. The forward has no loop, so
-    # num_stages does not matter there.
+    # A row is one chunk: vary the rows per tile. num_stages does not matter: the
+    # forward has no loop, and Triton pipelines no load of the backward's loop over
+    # row tiles (the H200 compile gives the same kernel for 1 and 3), which the
+    # prefetch switch replaces.
     tiles = (4096, 8192) if backward else (2048, 4096, 8192, 16384)
     block_rows = sorted({max(1, min(t // cols_p2, _next_power_of_2(rows))) for t in tiles})
-    programs = (2 * _NUM_SMS, 8 * _NUM_SMS) if backward else (None,)
-    return [cols_p2], block_rows, ((1, 3) if backward else (1,)), programs
+    # One program an SM is one wave where a program's registers leave room for no
+    # second one (the (1, 8192) tile); two and eight let smaller tiles share SMs.
+    programs = (_NUM_SMS, 2 * _NUM_SMS, 8 * _NUM_SMS) if backward else (None,)
+    prefetch = (False, True) if backward else (None,)
+    return [cols_p2], block_rows, (1,), programs, prefetch
   # Chunked rows: vary the chunk. One row per tile keeps the few rows a program
   # reads repeatedly (one pass for each statistic, one for the output) in L2.
   programs = (_NUM_SMS, 2 * _NUM_SMS, 8 * _NUM_SMS) if backward else (None,)
-  return [2048, 4096, 8192, 16384], [1], (1, 3), programs
+  return [2048, 4096, 8192, 16384], [1], (1, 3), programs, ((False,) if backward else (None,))
 
 
 def tunable_space(
@@ -253,9 +284,9 @@ def tunable_space(
 
   Every config passes `check_tunables`; the heuristic config is always included.
   Single-chunk rows vary the rows per tile and the warps; chunked rows vary the
-  chunk length, warps and pipelining; the backward also varies pipelining and
-  the row tiles per program (about two and eight programs per SM, and one for
-  chunked rows).
+  chunk length, warps and pipelining; the backward also varies the row tiles per
+  program (about one, two and eight programs per SM), and with single-chunk rows
+  the prefetch.
 
   Args:
     rows: number of rows, >= 1.
@@ -264,23 +295,24 @@ def tunable_space(
     backward: configs for the backward kernels.
 
   Returns:
-    A list of distinct configs (dicts of keyword arguments), 1 to about 30.
+    A list of distinct configs (dicts of keyword arguments), 1 to about 40.
 
   Raises:
     ValueError: if rows or cols is not a positive int.
   """
   heuristic = heuristic_tunables(rows, cols, dtype, backward=backward)
   configs = {tuple(heuristic.items())}
-  cols_options, rows_options, stage_options, program_options = _space_axes(
+  cols_options, rows_options, stage_options, program_options, prefetch_options = _space_axes(
       rows, cols, backward=backward)
   for block_cols, block_rows in itertools.product(cols_options, rows_options):
     warp_options = _warp_options(block_rows * block_cols, backward=backward)
-    for num_warps, num_stages, programs in itertools.product(
-        warp_options, stage_options, program_options):
+    for num_warps, num_stages, programs, prefetch in itertools.product(
+        warp_options, stage_options, program_options, prefetch_options):
       config = dict(block_rows=block_rows, block_cols=block_cols,
                     num_warps=num_warps, num_stages=num_stages)
       if programs is not None:
         config["blocks_per_program"] = _blocks_per_program(rows, block_rows, programs)
+        config["prefetch"] = prefetch
       configs.add(tuple(config.items()))
   return [dict(c) for c in sorted(configs)]
 
@@ -294,6 +326,9 @@ def _resolve_tunables(rows: int, cols: int, dtype: Any, given: dict[str, Any], *
     # Keep the heuristic's number of programs for a block_rows chosen by the caller.
     config["blocks_per_program"] = _blocks_per_program(
         rows, max(config["block_rows"], 1), _HEURISTIC_BWD_PROGRAMS)
+  if backward and given["prefetch"] is None and isinstance(config["block_cols"], int):
+    # A block_cols chosen by the caller may read rows in chunks, where there is no prefetch.
+    config["prefetch"] = _heuristic_prefetch(config["block_cols"], cols)
   check_tunables(rows, cols, **config)
   return config
 
@@ -315,12 +350,12 @@ def _tile_mask(row_mask, col_mask, shape):
   return row_mask[:, None] & col_mask[None, :]
 
 
-def _load_tile(ref, r, c, mask, eviction_policy=None):
-  """Loads ref[r, c] as float32, reading 0 where masked."""
+def _load_tile(ref, r, c, mask, eviction_policy=None, dtype=jnp.float32):
+  """Loads ref[r, c] as `dtype` (None: ref's own), reading 0 where masked."""
   other = None if mask is None else 0.0
   tile = plgpu.load(ref.at[r[:, None], c[None, :]], mask=mask, other=other,
                     eviction_policy=eviction_policy)
-  return tile.astype(jnp.float32)
+  return tile if dtype is None else tile.astype(dtype)
 
 
 def _store_tile(ref, r, c, mask, value):
@@ -416,8 +451,11 @@ def _fwd_kernel(*refs, rows, cols, block_rows, block_cols, epsilon, subtract_mea
 
 
 def _bwd_kernel(*refs, rows, cols, block_rows, block_cols, blocks_per_program,
-                subtract_mean, has_scale, want_doffset, sync):
+                subtract_mean, has_scale, want_doffset, prefetch, sync):
   """dx for blocks_per_program row tiles, plus partial column sums for dscale/doffset.
+
+  With `prefetch` (rows read in one chunk only), each step loads the next tile before
+  it reduces the current one, so that a program has two tiles' loads in flight.
 
   With xhat = (x - mean) * rstd and g = dy * scale (per row, n = cols):
     dx = rstd * (g - xhat * sum(g * xhat) / n - sum(g) / n)   (layer_norm)
@@ -446,20 +484,27 @@ def _bwd_kernel(*refs, rows, cols, block_rows, block_cols, blocks_per_program,
   sums = [ref for ref in (dscale_ref, doffset_ref) if ref is not None]
 
   def rows_of(t):
+    """The rows of this program's row tile t and their mask."""
     r = (program * blocks_per_program + t) * block_rows + jnp.arange(block_rows)
-    row_mask = None if rows_exact else r < rows
+    return r, None if rows_exact else r < rows
+
+  def stats_of(r, row_mask):
+    """The rows' mean (None for rms_norm) and rstd."""
     mean = _load_vec(mean_ref, r, row_mask) if subtract_mean else None
-    return r, row_mask, mean, _load_vec(rstd_ref, r, row_mask)
+    return mean, _load_vec(rstd_ref, r, row_mask)
 
   def chunk(k, row_mask):
     c = k * block_cols + jnp.arange(block_cols)
     col_mask = None if cols_exact else c < cols
     return c, col_mask, _tile_mask(row_mask, col_mask, shape)
 
-  def grads(r, c, col_mask, mask, mean, rstd):
-    """(dy, xhat, g) of one tile, float32."""
-    x = _load_tile(x_ref, r, c, mask)
-    dy = _load_tile(dy_ref, r, c, mask)
+  def load(r, c, mask):
+    """x and dy of one tile, in their own dtypes."""
+    return _load_tile(x_ref, r, c, mask, dtype=None), _load_tile(dy_ref, r, c, mask, dtype=None)
+
+  def grads(x, dy, c, col_mask, mean, rstd):
+    """(dy, xhat, g) of one tile (as `load` gave it), float32."""
+    x, dy = x.astype(jnp.float32), dy.astype(jnp.float32)
     xhat = (x - mean[:, None] if subtract_mean else x) * rstd[:, None]
     g = dy * _load_vec(scale_ref, c, col_mask)[None, :] if has_scale else dy
     return dy, xhat, g
@@ -481,17 +526,44 @@ def _bwd_kernel(*refs, rows, cols, block_rows, block_cols, blocks_per_program,
   if num_chunks == 1:
     c, col_mask, _ = chunk(0, None)
 
-    def tile_body(t, acc):
-      r, row_mask, mean, rstd = rows_of(t)
+    def tile_inputs(t):
+      """Tile t's x, dy (as loaded), mean and rstd."""
+      r, row_mask = rows_of(t)
+      return (*load(r, c, _tile_mask(row_mask, col_mask, shape)), *stats_of(r, row_mask))
+
+    def tile_step(t, acc, inputs):
+      """Stores tile t's dx and returns the column sums with its own added."""
+      x, dy, mean, rstd = inputs
+      r, row_mask = rows_of(t)
       mask = _tile_mask(row_mask, col_mask, shape)
-      dy, xhat, g = grads(r, c, col_mask, mask, mean, rstd)
+      dy, xhat, g = grads(x, dy, c, col_mask, mean, rstd)
       c1 = jnp.sum(g * xhat, axis=1) / cols
       c2 = jnp.sum(g, axis=1) / cols
       _store_tile(dx_ref, r, c, mask, dx_of(g, xhat, c1, c2, rstd))
       return [a + s for a, s in zip(acc, column_sums(dy, xhat))]
 
     init = [jnp.zeros((block_cols,), jnp.float32) for _ in sums]
-    acc = lax.fori_loop(0, blocks_per_program, tile_body, init)
+    if prefetch:
+      # Two tiles a step, in turn: tile t+1's loads are issued before tile t is
+      # reduced, and tile t+2's once tile t's inputs are dead, into their registers
+      # (a loop carrying the next tile alone copies it into place every step, and
+      # each copy waits for its load).
+      def pair_body(i, carry):
+        acc, current = carry
+        t = 2 * i
+        following = tile_inputs(t + 1)
+        acc = tile_step(t, acc, current)
+        # The last step of an even count reloads its own tile (from L2); that of an
+        # odd count loads the tile left for after the loop.
+        after = tile_inputs(jnp.minimum(t + 2, blocks_per_program - 1))
+        return tile_step(t + 1, acc, following), after
+
+      acc, last = lax.fori_loop(0, blocks_per_program // 2, pair_body, (init, tile_inputs(0)))
+      if blocks_per_program % 2:
+        acc = tile_step(blocks_per_program - 1, acc, last)
+    else:
+      acc = lax.fori_loop(0, blocks_per_program,
+                          lambda t, acc: tile_step(t, acc, tile_inputs(t)), init)
     for ref, total in zip(sums, acc):
       _store_vec(ref, (program, c), col_mask, total)
     return
@@ -499,11 +571,12 @@ def _bwd_kernel(*refs, rows, cols, block_rows, block_cols, blocks_per_program,
   # Chunked rows: the per-column sums cannot stay in registers across chunks, so
   # each program accumulates them in its own row of the partials, in place.
   def tile_body(t, carry):
-    r, row_mask, mean, rstd = rows_of(t)
+    r, row_mask = rows_of(t)
+    mean, rstd = stats_of(r, row_mask)
 
     def stats_body(k, acc):
       c, col_mask, mask = chunk(k, row_mask)
-      _, xhat, g = grads(r, c, col_mask, mask, mean, rstd)
+      _, xhat, g = grads(*load(r, c, mask), c, col_mask, mean, rstd)
       return acc[0] + g * xhat, acc[1] + g
 
     zeros = jnp.zeros(shape, jnp.float32)
@@ -513,7 +586,7 @@ def _bwd_kernel(*refs, rows, cols, block_rows, block_cols, blocks_per_program,
 
     def dx_body(k, carry):
       c, col_mask, mask = chunk(k, row_mask)
-      dy, xhat, g = grads(r, c, col_mask, mask, mean, rstd)
+      dy, xhat, g = grads(*load(r, c, mask), c, col_mask, mean, rstd)
       _store_tile(dx_ref, r, c, mask, dx_of(g, xhat, c1, c2, rstd))
       for ref, s in zip(sums, column_sums(dy, xhat)):
         # The first tile starts the sums; later tiles add to what it stored.
@@ -647,7 +720,7 @@ def _norm_bwd(x, scale, mean, rstd, dy, *, axis, offset_dtype, given, interpret,
       _bwd_kernel, rows=rows, cols=cols, block_rows=config["block_rows"],
       block_cols=config["block_cols"], blocks_per_program=config["blocks_per_program"],
       subtract_mean=mean is not None, has_scale=has_scale, want_doffset=want_doffset,
-      sync=not interpret)
+      prefetch=config["prefetch"], sync=not interpret)
   partial_sums = pallas_common.out_struct((programs, cols), jnp.float32, like=x)
   out_shape = [pallas_common.out_struct((rows, cols), x.dtype, like=x)]
   out_shape += [partial_sums] * (int(has_scale) + int(want_doffset))
@@ -755,6 +828,7 @@ def layer_norm_bwd_pallas_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     blocks_per_program: int | None = None,
+    prefetch: bool | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
   """layer_norm backward from the forward's residuals.
@@ -767,8 +841,9 @@ def layer_norm_bwd_pallas_triton(
     offset_dtype: dtype of the forward's offset, or None if it had none (then
       doffset is None). The kernel never reads the offset itself.
     axis: the forward's axis.
-    block_rows, block_cols, num_warps, num_stages, blocks_per_program: tunables
-      (module doc); None takes the value of `heuristic_tunables(backward=True)`.
+    block_rows, block_cols, num_warps, num_stages, blocks_per_program, prefetch:
+      tunables (module doc); None takes the value of
+      `heuristic_tunables(backward=True)`.
     interpret: run the kernel in Pallas interpret mode (on any backend).
 
   Returns:
@@ -783,7 +858,8 @@ def layer_norm_bwd_pallas_triton(
     raise ValueError("layer_norm backward needs the forward's mean residual, got None; "
                      "for a norm without mean subtraction use rms_norm_bwd_pallas_triton.")
   given = dict(block_rows=block_rows, block_cols=block_cols, num_warps=num_warps,
-               num_stages=num_stages, blocks_per_program=blocks_per_program)
+               num_stages=num_stages, blocks_per_program=blocks_per_program,
+               prefetch=prefetch)
   return _norm_bwd(x, scale, mean, rstd, dy, axis=axis, offset_dtype=offset_dtype, given=given,
                    interpret=interpret, name="layer_norm_bwd")
 
@@ -801,6 +877,7 @@ def rms_norm_bwd_pallas_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     blocks_per_program: int | None = None,
+    prefetch: bool | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
   """rms_norm backward from the forward's residual.
@@ -813,8 +890,9 @@ def rms_norm_bwd_pallas_triton(
     offset_dtype: dtype of the forward's offset, or None if it had none (the
       usual rms_norm; then doffset is None).
     axis: the forward's axis.
-    block_rows, block_cols, num_warps, num_stages, blocks_per_program: tunables
-      (module doc); None takes the value of `heuristic_tunables(backward=True)`.
+    block_rows, block_cols, num_warps, num_stages, blocks_per_program, prefetch:
+      tunables (module doc); None takes the value of
+      `heuristic_tunables(backward=True)`.
     interpret: run the kernel in Pallas interpret mode (on any backend).
 
   Returns:
@@ -825,7 +903,8 @@ def rms_norm_bwd_pallas_triton(
     ValueError: for shapes that do not match x or an invalid tunable.
   """
   given = dict(block_rows=block_rows, block_cols=block_cols, num_warps=num_warps,
-               num_stages=num_stages, blocks_per_program=blocks_per_program)
+               num_stages=num_stages, blocks_per_program=blocks_per_program,
+               prefetch=prefetch)
   return _norm_bwd(x, scale, None, rstd, dy, axis=axis, offset_dtype=offset_dtype, given=given,
                    interpret=interpret, name="rms_norm_bwd")
 
@@ -865,11 +944,15 @@ class PallasTritonLayerNormVjpConfig:
   num_warps: int
   num_stages: int
   blocks_per_program: int
+  # A default, so that entries cached before the switch existed load as what they ran.
+  prefetch: bool = False
 
   def __post_init__(self):
     PallasTritonLayerNormConfig.__post_init__(self)
     if not isinstance(self.blocks_per_program, int) or self.blocks_per_program < 1:
       raise ValueError(f"blocks_per_program={self.blocks_per_program!r} must be a positive int.")
+    if not isinstance(self.prefetch, bool):
+      raise ValueError(f"prefetch={self.prefetch!r} must be True or False.")
 
 
 def _rows_cols(ba) -> tuple[int, int, str]:
