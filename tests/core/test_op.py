@@ -2,6 +2,7 @@
 
 import functools
 import json
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -224,6 +225,25 @@ def test_implementation_selection_and_errors():
     stellarax.ragged_dot(lhs, rhs, gs, implementation=[])
   with pytest.raises(ValueError, match="is not a ragged_dot op"):
     stellarax.ragged_dot(lhs, rhs, gs, implementation=stellarax.XlaLayerNorm())
+
+
+def test_a_preference_list_passes_by_kernels_that_do_not_run_on_the_device():
+  # The tests run on a CPU, where a Pallas kernel runs only in interpret mode: a list
+  # moves on to the next entry instead of failing in JAX's lowering.
+  assert jax.devices()[0].platform == "cpu"
+  lhs, rhs, gs = _ragged_inputs()
+  ref = jax.lax.ragged_dot(lhs, rhs, gs)
+  out = stellarax.ragged_dot(lhs, rhs, gs, implementation=["pallas_triton", "pallas_mosaic_gpu", "xla"])
+  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+  # Interpreting, it runs anywhere, so it is taken.
+  op = stellarax.PallasTritonRaggedDot(interpret=True)
+  with mock.patch.object(type(op), "_fwd", side_effect=AssertionError("the kernel ran")):
+    with pytest.raises(AssertionError, match="the kernel ran"):
+      stellarax.ragged_dot(lhs, rhs, gs, implementation=[op, "xla"])
+  with pytest.raises(NotImplementedError, match=(
+      r"ragged_dot.pallas_triton: does not run on the default device \(cpu\); pass an "
+      r"instance with interpret=True to run its kernel here, or name it alone")):
+    stellarax.ragged_dot(lhs, rhs, gs, implementation=["pallas_triton", "pallas_mosaic_gpu"])
 
 
 def _result_with(ba, config):

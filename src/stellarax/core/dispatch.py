@@ -5,7 +5,9 @@
   in the family's stated preference order;
 - a name ("xla", "pallas_triton", or the full "ragged_dot.xla") or an `Op`
   instance: that one;
-- a sequence: tried in order.
+- a sequence: tried in order, passing by those that do not run on the default device
+  (a Pallas kernel not in interpret mode on a CPU); a single name or instance is
+  always tried (e.g. to lower for a GPU from a CPU host).
 
 Candidates that raise `NotImplementedError` for the given arguments, and those
 the installed JAX cannot run (`Op.require_available`), are skipped; when none
@@ -40,6 +42,12 @@ def _as_op(family: str, implementation: str | Op) -> Op:
     known = [n.partition(".")[2] for n in registry.names(family) if not n.endswith("_vjp")]
     raise ValueError(f"implementation={implementation!r}: {family} has no such implementation; "
                      f"choose one of {known} (or None for the best available).") from None
+
+
+def _runs_on(op: Op, device: Any) -> bool:
+  """Whether `op` runs on `device`: its class says so, or it interprets its kernel
+  (which runs anywhere)."""
+  return bool(getattr(op, "interpret", False)) or type(op).supported_on(device)
 
 
 def _times_in(sources: Sequence[Any], ba: BoundArguments) -> list[float]:
@@ -92,7 +100,14 @@ def call_family(family: str, preference: Sequence[str], implementation: Any, arg
                        "give a name, an Op or a non-empty sequence of those, or None for the "
                        "best available.")
 
-  bound, reasons = [], []
+  reasons = []
+  if explicit and len(ops) > 1:
+    device = jax.devices()[0]
+    reasons = [f"  {op.name}: does not run on the default device ({device.device_kind}); "
+               "pass an instance with interpret=True to run its kernel here, or name it "
+               "alone to lower it for another device" for op in ops if not _runs_on(op, device)]
+    ops = [op for op in ops if _runs_on(op, device)]
+  bound = []
   for op in ops:
     try:
       op.require_available()  # before binding: no other reason matters then
