@@ -1186,8 +1186,7 @@ def main(argv=None) -> int:
   if jobs < 1:
     parser.error(f"--jobs must be at least 1, got {jobs}")
   if args.worker is None and jobs > 1:
-    shared = [a for a in ("--space",) if getattr(args, a[2:])]
-    shared += ["--only", args.only] if args.only else []
+    shared = (["--space"] if args.space else []) + (["--only", args.only] if args.only else [])
     start = time.monotonic()
     print(f"compiling in {jobs} processes (their output: {out}/worker-*.log)", flush=True)
     rows = run_in_workers(shared, out, jobs)

@@ -86,10 +86,8 @@ def call_family(family: str, preference: Sequence[str], implementation: Any, arg
       empty sequence.
   """
   if implementation is None:
-    device = jax.devices()[0]
     registered = set(registry.names(family))
     ops = [_as_op(family, name) for name in preference if f"{family}.{name}" in registered]
-    ops = [op for op in ops if type(op).supported_on(device)]
     explicit = False
   elif isinstance(implementation, (str, Op)):
     ops, explicit = [_as_op(family, implementation)], True
@@ -101,12 +99,14 @@ def call_family(family: str, preference: Sequence[str], implementation: Any, arg
                        "best available.")
 
   reasons = []
-  if explicit and len(ops) > 1:
+  if not explicit or len(ops) > 1:  # one named alone is always tried
     device = jax.devices()[0]
-    reasons = [f"  {op.name}: does not run on the default device ({device.device_kind}); "
-               "pass an instance with interpret=True to run its kernel here, or name it "
-               "alone to lower it for another device" for op in ops if not _runs_on(op, device)]
-    ops = [op for op in ops if _runs_on(op, device)]
+    runs = [_runs_on(op, device) for op in ops]
+    if explicit:
+      reasons = [f"  {op.name}: does not run on the default device ({device.device_kind}); "
+                 "pass an instance with interpret=True to run its kernel here, or name it "
+                 "alone to lower it for another device" for op, ok in zip(ops, runs) if not ok]
+    ops = [op for op, ok in zip(ops, runs) if ok]
   bound = []
   for op in ops:
     try:
