@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import threading
 import time
 
 import jax
@@ -117,6 +118,39 @@ def test_hung_candidates_time_out_and_the_call_returns():
   assert got["hangs_compiling"].status == "timeout"
   assert "compilation" in got["hangs_compiling"].error
   assert got["good"].ok
+
+
+def test_a_measurement_runs_its_checks_and_batches_on_one_thread(monkeypatch):
+  # A thread a batch would charge every sample the cost of a thread's first JAX call.
+  started = []
+
+  class CountingThread(threading.Thread):
+    def start(self):
+      started.append(self.name)
+      super().start()
+
+  monkeypatch.setattr(m.threading, "Thread", CountingThread)
+  x, w = _x(), _x((160, 160), seed=1)
+  got = m.measure_candidates({"one": _matmul, "twenty": _matmul_20x}, (x, w), options=FAST)
+  assert all(r.ok and r.num_samples >= FAST.rounds for r in got.values())
+  assert started.count("stellarax-measure") == 1
+  m.dispatch_floor_s((x,), FAST)
+  assert started.count("stellarax-measure") == 2
+
+
+def test_the_runner_keeps_its_thread_until_a_call_times_out():
+  runner = m._Runner()
+  try:
+    first = runner.run(threading.get_ident, 10.0)
+    assert runner.run(threading.get_ident, 10.0) == first
+    kind, error = runner.run(lambda: 1 / 0, 10.0)
+    assert kind == "error" and isinstance(error, ZeroDivisionError)
+    assert runner.run(threading.get_ident, 10.0) == first  # an error keeps the thread
+    assert runner.run(lambda: time.sleep(2.0), 0.05) == ("timeout", None)
+    kind, fresh = runner.run(threading.get_ident, 10.0)
+    assert kind == "ok" and fresh != first[1]
+  finally:
+    runner.close()
 
 
 def test_every_candidate_gets_a_sample_even_past_its_budget():

@@ -76,9 +76,11 @@ compute threads, so samples there include dispatch. It is not a profiler: gaps b
 the kernels inside one call count. A batch keeps its n outputs alive until its sync, so
 that the sync waits for all n calls on every backend; its memory is n outputs.
 
-Timeouts. Compilation, the check run and every timed batch run on daemon threads, and the
+Timeouts. Compilation runs on daemon worker threads; the check runs and timed batches of
+one measurement run in turn on one daemon thread of its own (a thread's first JAX call
+costs more than its later ones, so a thread a batch would add that to every sample). The
 caller waits at most `timeout_s` for each. A candidate that does not finish in time is
-recorded as `timeout` and its thread is abandoned. Nothing can cancel a running XLA
+recorded as `timeout` and its thread is abandoned (the next run gets a fresh one). Nothing can cancel a running XLA
 computation, so the device may stay busy with it and slow or stall later candidates;
 `Autotuner(isolate=True)` measures in a worker process instead, which stops at the first
 such timeout and is replaced (`autotuning/isolation.py`).
@@ -87,6 +89,7 @@ such timeout and is replaced (`autotuning/isolation.py`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import math
@@ -593,24 +596,76 @@ def _short_error(exc: BaseException) -> str:
   return text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS - 3] + "..."
 
 
+class _Runner:
+  """One long-lived daemon thread that runs a measurement's calls, each with a timeout.
+
+  Why one thread and not one a call: the first JAX call from a new thread costs more
+  than later ones (about 40 us more on the 2-core CPU here, 2026-12-05), and a batch
+  that started a thread of its own paid that in its time, once a sample. A call that
+  times out leaves its thread to finish (or hang) on its own; the next call gets a
+  fresh thread.
+  """
+
+  def __init__(self):
+    self._jobs: queue.SimpleQueue | None = None
+
+  def run(self, fn: Callable[[], Any], timeout_s: float) -> tuple[str, Any]:
+    """("ok", fn()), ("error", the exception) or ("timeout", None) after timeout_s."""
+    if self._jobs is None:
+      self._jobs = queue.SimpleQueue()
+      threading.Thread(target=self._serve, args=(self._jobs,), name="stellarax-measure",
+                       daemon=True).start()
+    box: list[tuple[str, Any]] = []
+    done = threading.Event()
+    self._jobs.put((fn, box, done))
+    if done.wait(timeout_s):
+      return box[0]
+    self.close()  # The thread is stuck in fn: it stops if fn ever returns.
+    return "timeout", None
+
+  def close(self):
+    """Ends the thread once it is idle (it is a daemon, so it never blocks an exit)."""
+    if self._jobs is not None:
+      self._jobs.put(None)
+      self._jobs = None
+
+  @staticmethod
+  def _serve(jobs: queue.SimpleQueue):
+    while (job := jobs.get()) is not None:
+      fn, box, done = job
+      try:
+        box.append(("ok", fn()))
+      except BaseException as exc:  # Reported to the caller as data, never lost.
+        box.append(("error", exc))
+      done.set()
+
+
+_runners = threading.local()  # .current: the _Runner of this thread's measurement
+
+
+@contextlib.contextmanager
+def _one_runner():
+  """Within it, `_run_with_timeout` runs everything on one `_Runner` (nested: the outer's)."""
+  if getattr(_runners, "current", None) is not None:
+    yield
+    return
+  _runners.current = _Runner()
+  try:
+    yield
+  finally:
+    _runners.current.close()
+    _runners.current = None
+
+
 def _run_with_timeout(fn: Callable[[], Any], timeout_s: float) -> tuple[str, Any]:
-  """Runs fn() on a daemon thread, waiting at most timeout_s.
+  """Runs fn() on the current `_Runner`'s thread (see `_one_runner`), waiting at most
+  timeout_s.
 
   Returns ("ok", value), ("error", exception) or ("timeout", None); on timeout the thread
   is abandoned (a daemon thread does not keep the process alive).
   """
-  box: list[tuple[str, Any]] = []
-
-  def target():
-    try:
-      box.append(("ok", fn()))
-    except BaseException as exc:  # Reported to the caller as data, never lost.
-      box.append(("error", exc))
-
-  thread = threading.Thread(target=target, name="stellarax-measure", daemon=True)
-  thread.start()
-  thread.join(timeout_s)
-  return ("timeout", None) if thread.is_alive() else box[0]
+  with _one_runner():
+    return _runners.current.run(fn, timeout_s)
 
 
 def _ordered_keys(mapping: Mapping[K, Any], order: Iterable[K] | None) -> list[K]:
@@ -1039,12 +1094,13 @@ def measure_candidates(
   _compile_all(cands, candidates, args, options, compile_cache)
   platform = _platform(args)
   try:
-    if any(c.alive for c in cands):
-      expected = jax.device_get(reference() if callable(reference) else reference)
-      for cand in cands:
-        if cand.alive:
-          _check_output(cand, args, expected, check, options)
-    _time_all([c for c in cands if c.alive], candidates, args, options, compile_cache)
+    with _one_runner():  # every check run and batch on one thread (see _Runner)
+      if any(c.alive for c in cands):
+        expected = jax.device_get(reference() if callable(reference) else reference)
+        for cand in cands:
+          if cand.alive:
+            _check_output(cand, args, expected, check, options)
+      _time_all([c for c in cands if c.alive], candidates, args, options, compile_cache)
   except _Stalled:
     return {c.key: _to_measurement(c, platform, options) for c in cands if not c.alive}
   return {c.key: _to_measurement(c, platform, options) for c in cands}
@@ -1067,7 +1123,8 @@ def dispatch_floor_s(args: tuple, options: MeasureOptions = MeasureOptions()) ->
   Raises:
     RuntimeError: if the floor's program failed to compile or run within options.timeout_s.
   """
-  floor_s = _dispatch_floor_s(_input_sets(_on_device(tuple(args)), options), options, None)
+  with _one_runner():
+    floor_s = _dispatch_floor_s(_input_sets(_on_device(tuple(args)), options), options, None)
   if floor_s is None:
     raise RuntimeError(f"The dispatch floor's program did not compile or run within"
                        f" timeout_s={options.timeout_s:g} s for arguments"
