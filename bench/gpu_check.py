@@ -53,6 +53,7 @@ import json
 import math
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -541,17 +542,20 @@ def dispatch_calibration(smoke: bool) -> list[dict[str, Any]]:
 
 def batch_size_check(smoke: bool) -> dict[str, Any]:
   """Where a long call's batched median loses time: per call, n back-to-back calls of
-  one matmul (about 1.4 ms on an H200) with one sync, for n = 1 to 16, beside
-  `measure_candidates` with batches of at least 1 ms (the default, one call a batch
-  here) and of at least 20 ms, and the profiler's device time.
+  one matmul (about 1.4 ms on an H200) with one sync, for n = 1 to 16, and n = 1 timed
+  on a new thread each time (as measure_candidates ran its batches until 2026-12-05),
+  beside `measure_candidates` with batches of at least 1 ms (the default, one call a
+  batch here) and of at least 20 ms, and the profiler's device time.
 
   On the H200 (2026-12-04) the batched medians of calls of 0.25 ms or more were 1.2 to
-  2.4 times the profiled time, cuBLAS's too: a cost per batch (the sync) falls as n
-  grows, a cost per call (allocation, clocks) does not.
+  2.4 times the profiled time, cuBLAS's too. Times the calls a batch, the excess was
+  about the same, 0.35 to 0.8 ms, for calls of 0.25 to 1.6 ms (one to three a batch):
+  a cost per batch, which falls as n grows (a cost per call, allocation or clocks,
+  would not), and which a thread's first call may be part of.
 
   Returns:
-    {"name", "per_call_ms": {n: ms}, "min_batch_1ms_ms", "min_batch_20ms_ms",
-    "profiled_ms"}; "error" instead of what failed.
+    {"name", "per_call_ms": {n: ms}, "new_thread_ms", "min_batch_1ms_ms",
+    "min_batch_20ms_ms", "profiled_ms"}; "error" instead of what failed.
   """
   size = 256 if smoke else 8192
   dtype = jnp.float32 if smoke else jnp.bfloat16
@@ -568,6 +572,7 @@ def batch_size_check(smoke: bool) -> dict[str, Any]:
         jax.block_until_ready([matmul(a, b) for _ in range(n)])
         samples.append((time.perf_counter() - start) / n)
       row["per_call_ms"][n] = float(np.median(samples)) * 1e3
+    row["new_thread_ms"] = _one_call_from_new_threads_ms(matmul, a, b)
     for key, min_batch_s in (("min_batch_1ms_ms", 1e-3), ("min_batch_20ms_ms", 2e-2)):
       opts = measure.MeasureOptions(rounds=5, leader_rounds=0, max_total_s=2.0, timeout_s=20.0,
                                     min_batch_s=min_batch_s, loop_calls=0, profile=True)
@@ -580,11 +585,30 @@ def batch_size_check(smoke: bool) -> dict[str, Any]:
   return row
 
 
+def _one_call_from_new_threads_ms(fn, *args, samples: int = 5) -> float:
+  """Median ms of one call and its sync, each timed on a thread of its own (timing starts
+  in the thread), as measure_candidates ran batches until 2026-12-05: beside n=1 of the
+  same thread, what a thread's first call adds to a batch."""
+  times: list[float] = []
+
+  def one():
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+
+  for _ in range(samples):
+    thread = threading.Thread(target=one)
+    thread.start()
+    thread.join()
+  return float(np.median(times)) * 1e3
+
+
 def batch_size_lines(check: dict[str, Any]) -> list[str]:
   """`batch_size_check` as text lines."""
   ms = lambda v: "-" if v is None else f"{v:.3f} ms"
   per_call = ", ".join(f"n={n}: {ms(v)}" for n, v in check.get("per_call_ms", {}).items())
-  return [f"{check['name']}: per call with n calls a sync: {per_call or '-'}",
+  return [f"{check['name']}: per call with n calls a sync: {per_call or '-'};"
+          f" n=1 from a new thread: {ms(check.get('new_thread_ms'))}",
           f"  measure_candidates, batches >= 1 ms: {ms(check.get('min_batch_1ms_ms'))}, >= 20 ms: "
           f"{ms(check.get('min_batch_20ms_ms'))}; profiled {ms(check.get('profiled_ms'))}"
           + (f" ({check['error']})" if "error" in check else "")]

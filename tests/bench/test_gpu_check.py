@@ -260,13 +260,14 @@ def test_batch_size_check_times_one_call_per_batch_size_and_both_batch_lengths()
   check = gpu_check.batch_size_check(smoke=True)
   assert "error" not in check, check
   assert list(check["per_call_ms"]) == [1, 2, 4, 8, 16]
-  assert all(v > 0 for v in check["per_call_ms"].values())
+  assert all(v > 0 for v in check["per_call_ms"].values()) and check["new_thread_ms"] > 0
   assert check["min_batch_1ms_ms"] > 0 and check["min_batch_20ms_ms"] > 0 and check["profiled_ms"] > 0
   lines = gpu_check.batch_size_lines(check)
   assert lines[0].startswith("matmul 256^3 float32: per call with n calls a sync: n=1: ")
+  assert "; n=1 from a new thread: " in lines[0] and lines[0].endswith(" ms")
   assert ">= 20 ms: " in lines[1] and "; profiled " in lines[1]
   failed = gpu_check.batch_size_lines({"name": "m", "per_call_ms": {}, "error": "E: x"})
-  assert failed[0].endswith(": -") and failed[1].endswith("(E: x)")
+  assert failed[0].endswith(": -; n=1 from a new thread: -") and failed[1].endswith("(E: x)")
 
 
 def test_profile_lines_list_the_rows_far_from_their_device_time():
