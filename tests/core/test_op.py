@@ -246,6 +246,28 @@ def test_a_preference_list_passes_by_kernels_that_do_not_run_on_the_device():
     stellarax.ragged_dot(lhs, rhs, gs, implementation=["pallas_triton", "pallas_mosaic_gpu"])
 
 
+def test_a_kernel_named_alone_that_cannot_run_here_says_how_to_run_it():
+  lhs, rhs, gs = _ragged_inputs()
+  with pytest.raises(ValueError) as raised:  # JAX's lowering refuses it on a CPU
+    stellarax.ragged_dot(lhs, rhs, gs, implementation="pallas_triton")
+  notes = "\n".join(getattr(raised.value, "__notes__", []))
+  assert ("stellarax: ragged_dot.pallas_triton does not run on the default device (cpu);"
+          " pass PallasTritonRaggedDot(interpret=True)") in notes
+  assert "['pallas_triton', 'xla']" in notes
+
+
+def test_an_op_class_or_a_backward_op_as_implementation_is_refused_with_the_fix():
+  lhs, rhs, gs = _ragged_inputs()
+  with pytest.raises(TypeError, match=r"is an op class; pass an instance, e\.g\. "
+                     r"implementation=XlaRaggedDot\(\)"):
+    stellarax.ragged_dot(lhs, rhs, gs, implementation=stellarax.XlaRaggedDot)
+  with pytest.raises(TypeError, match="op class"):
+    stellarax.ragged_dot(lhs, rhs, gs, implementation=[stellarax.XlaRaggedDot])
+  with pytest.raises(ValueError, match=r"XlaRaggedDotVjp\(\.\.\.\) is a backward \(VJP\) op;"
+                     r" pass a forward ragged_dot op"):
+    stellarax.ragged_dot(lhs, rhs, gs, implementation=stellarax.XlaRaggedDotVjp())
+
+
 def _result_with(ba, config):
   from stellarax.autotuning.measure import Measurement
   entry = autotuning.Entry(

@@ -29,9 +29,17 @@ from stellarax.core.op import Op
 
 
 def _as_op(family: str, implementation: str | Op) -> Op:
+  if isinstance(implementation, type) and issubclass(implementation, Op):
+    raise TypeError(f"implementation={implementation.__name__} is an op class; pass an"
+                    f" instance, e.g. implementation={implementation.__name__}().")
   if isinstance(implementation, Op):
     if implementation.name is None or not implementation.name.startswith(family + "."):
       raise ValueError(f"implementation={implementation!r} is not a {family} op.")
+    if implementation.name.endswith("_vjp"):
+      raise ValueError(
+          f"implementation={type(implementation).__name__}(...) is a backward (VJP) op;"
+          f" pass a forward {family} op. A forward op differentiates with its own backward"
+          " op (op.vjp_op()), which the autotuner tunes with it.")
     return implementation
   if not isinstance(implementation, str):
     raise TypeError(f"implementation={implementation!r} must be None, a name, an Op or a sequence of those.")
@@ -82,9 +90,14 @@ def call_family(family: str, preference: Sequence[str], implementation: Any, arg
   Raises:
     NotImplementedError: when no candidate supports the arguments, listing
       each one's reason (an implementation the installed JAX cannot run is one).
-    ValueError: for an unknown implementation name, an Op of another family, or an
-      empty sequence.
+    ValueError: for an unknown implementation name, an Op of another family, a
+      backward (VJP) op, or an empty sequence; a kernel named alone that JAX cannot
+      lower on the default device raises JAX's error with a note on how to run it.
+    TypeError: for an op class instead of an instance, or an implementation of
+      another type.
   """
+  if isinstance(implementation, type):
+    _as_op(family, implementation)  # an op class: says to pass an instance
   if implementation is None:
     registered = set(registry.names(family))
     ops = [_as_op(family, name) for name in preference if f"{family}.{name}" in registered]
@@ -123,4 +136,15 @@ def call_family(family: str, preference: Sequence[str], implementation: Any, arg
     if timed:
       bound = [bound[min(timed)[1]]]
   op, values = bound[0]
-  return calling.call_op(op, values)
+  try:
+    return calling.call_op(op, values)
+  except ValueError as e:
+    # JAX's own words ("Only interpret mode is supported on CPU backend.") do not say
+    # which op asked for the kernel, nor how to run it here.
+    device = jax.devices()[0]
+    if explicit and not _runs_on(op, device):
+      e.add_note(f"stellarax: {op.name} does not run on the default device"
+                 f" ({device.device_kind}); pass {type(op).__name__}(interpret=True) to run"
+                 " its kernel here, or a preference list such as"
+                 f" [{op.name.partition('.')[2]!r}, 'xla'] to fall back.")
+    raise
