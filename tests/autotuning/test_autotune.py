@@ -548,6 +548,16 @@ def test_miss_policy_autotune_tunes_on_the_spot(user_cache_dir):
     out = jax.jit(lambda l: stellarax.ragged_dot(l, rhs, gs))(lhs[:24])
   np.testing.assert_allclose(out, jax.lax.ragged_dot(lhs[:24], rhs, gs), rtol=1e-5, atol=1e-5)
   assert seen[-1] == autotuner_lib._TUNED_ON_MISS[(other.op_json(), other.key_json())]
+  # explain tells what a call traced now gets: the config tuned on the miss, not the
+  # heuristic (a user study found it saying the heuristic).
+  with resolution.miss_policy_scope("autotune"):
+    explained = autotuning.explain(other)
+  assert (explained.source, explained.config) == ("autotuned", seen[-1])
+  assert "tuned when first traced, under the 'autotune' miss policy" in str(explained)
+  untuned = stellarax.XlaRaggedDot.bind(lhs[:8], rhs, gs)
+  with resolution.miss_policy_scope("autotune"):
+    assert autotuning.explain(untuned).source == "miss:autotune"
+  assert autotuning.explain(other).source == "heuristics"  # the policy is gone
 
 
 def test_results_are_per_thread_context():

@@ -665,6 +665,19 @@ def _autotune_on_miss(ba: BoundArguments) -> Any:
   return _TUNED_ON_MISS[key]
 
 
+def config_tuned_on_miss(ba: BoundArguments) -> Any | None:
+  """The config that the "autotune" miss policy tuned for `ba` in this process, or None.
+
+  Args:
+    ba: the call's bound arguments.
+
+  Returns:
+    The best config found when the call was first traced under the policy; None when
+    the policy has not tuned it.
+  """
+  return _TUNED_ON_MISS.get((ba.op_json(), ba.key_json()))
+
+
 class _TuningBackend:
   """What `BoundArguments.autotune()` and `.benchmark()` call."""
 

@@ -6,6 +6,7 @@ import dataclasses
 import json
 from typing import Any
 
+from stellarax.autotuning.autotuner import config_tuned_on_miss
 from stellarax.autotuning.cache import cached_results
 from stellarax.autotuning.transfer import TransferResolution
 from stellarax.core import resolution
@@ -23,8 +24,9 @@ class Explanation:
     source: where it comes from ("explicit", "result", "user_cache",
       "library_cache", "transfer:<distance>", "heuristics", ...); "miss:error" or
       "miss:autotune" where nothing was measured and the miss policy makes the call
-      raise or tune (config: its heuristic); or "trivial" (config None) for a call that
-      runs no kernel (`Op._is_trivial`).
+      raise or tune (config: its heuristic); "autotuned" where that policy has tuned
+      the call in this process (config: the one it found); or "trivial" (config None)
+      for a call that runs no kernel (`Op._is_trivial`).
     nearest: on a miss, the nearest tuned key of the same op: where it is
       and the differences, as (where, ["path: ours != theirs", ...]); None
       when nothing of this op was tuned. For a transferred config, the key
@@ -64,6 +66,9 @@ class Explanation:
     if self.source == "miss:error":
       lines.append("  the miss policy is 'error': the call raises ConfigMissError (the config "
                    "above is its heuristic)")
+    elif self.source == "autotuned":
+      lines.append("  tuned when first traced, under the 'autotune' miss policy: kept for this"
+                   " process only (autotune(...) gives a result to keep)")
     elif self.source == "miss:autotune":
       lines.append("  the miss policy is 'autotune': the call is tuned when it is traced (the "
                    "config above is its heuristic)")
@@ -97,7 +102,9 @@ def explain(bound_args: BoundArguments) -> Explanation:
   with resolution.miss_policy_scope("heuristics"):  # explaining neither raises nor tunes
     resolved = resolution.resolve_config(bound_args)
   if resolved.source == "heuristics" and policy != "heuristics":
-    resolved = resolution.Resolution(resolved.config, f"miss:{policy}")
+    tuned = config_tuned_on_miss(bound_args) if policy == "autotune" else None
+    resolved = (resolution.Resolution(tuned, "autotuned") if tuned is not None
+                else resolution.Resolution(resolved.config, f"miss:{policy}"))
   if isinstance(resolved, TransferResolution):
     diffs = _diff(bound_args.autotuning_cache_key, resolved.neighbour.autotuning_cache_key)
     return Explanation(bound_args.op.name, resolved.config, resolved.source,
