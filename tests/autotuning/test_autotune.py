@@ -5,6 +5,8 @@ import functools
 import json
 import multiprocessing
 import os
+import threading
+import time
 import warnings
 
 import jax
@@ -462,6 +464,28 @@ def test_concurrent_cache_writers_lose_nothing(user_cache_dir, grad_result):
     assert len(autotuning.AutotuningResult.load(f)) == 1
 
 
+def test_writers_that_remove_their_lock_files_still_exclude_each_other(tmp_path):
+  # A writer that waited on a lock file removed meanwhile must not go on beside the
+  # writer that locked the new file at the same path: no increment may be lost. One
+  # writer keeps its lock file, as the user cache's do.
+  lock, count = tmp_path / "op.json.lock", tmp_path / "count"
+  count.write_text("0")
+
+  def add(n: int, remove: bool) -> None:
+    for _ in range(n):
+      with cache_lib._exclusive_lock(lock, remove=remove):
+        seen = int(count.read_text())
+        time.sleep(0.0005)  # widen the window a second writer would slip into
+        count.write_text(str(seen + 1))
+
+  threads = [threading.Thread(target=add, args=(25, i != 0)) for i in range(6)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert int(count.read_text()) == 150
+
+
 def test_library_cache_is_consulted_after_the_user_cache(tmp_path, monkeypatch, grad_result):
   lib = cache_lib.FileCache(tmp_path / "lib", "library_cache", writable=True)
   lib.write(grad_result)
@@ -485,6 +509,8 @@ def test_a_package_ships_its_own_library_cache_and_adds_it(tmp_path, monkeypatch
   written = autotuning.write_library_cache(grad_result, folder)
   slug = cache_lib.device_kind_slug(grad_result.device_kind)
   assert sorted(written) == [folder / slug / "ragged_dot.xla.json", folder / slug / "ragged_dot.xla_vjp.json"]
+  # A folder to install with the package: the JSON files, and no lock files beside them.
+  assert sorted(p for p in folder.rglob("*") if p.is_file()) == sorted(written)
   assert resolution.resolve_config(ba).source != "library_cache"  # not added yet
   added = autotuning.add_library_cache(folder)
   assert autotuning.add_library_cache(str(folder)) is added  # once, however often added

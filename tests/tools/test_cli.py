@@ -33,6 +33,8 @@ def test_autotune_report_and_cache_commands(tmp_path, user_cache_dir, capsys):
   assert cli.main(["cache", "ship", str(out), "--root", str(library)]) == 0
   (shipped,) = library.glob("*/ragged_dot.xla.json")
   assert stellarax.AutotuningResult.load(shipped) == stellarax.AutotuningResult.load(out)
+  # A folder to install with a package: its JSON files only, no lock files.
+  assert [p for p in library.rglob("*") if p.is_file()] == [shipped]
 
 
 

@@ -10,6 +10,8 @@ Both are folders of result files, one per device kind and op:
   Writers take an exclusive `fcntl` lock on `<file>.lock`, re-read the file,
   merge (`AutotuningResult.__or__`), and replace it atomically, so several
   processes writing at once lose nothing and readers never see a torn file.
+  The lock files stay (`clear` removes them); `write_library_cache` removes its
+  own, so that a folder to ship holds its JSON files only.
 - The library cache ships in `stellarax/data/autotuning/` and is read-only. A package
   that defines ops of its own ships their configs the same way (`write_library_cache`)
   and adds its folder when imported (`add_library_cache`), after stellarax's.
@@ -164,7 +166,8 @@ class FileCache:
         out.append(r)
     return out
 
-  def write(self, result: AutotuningResult, *, replace: bool = False) -> list[Path]:
+  def write(self, result: AutotuningResult, *, replace: bool = False,
+            remove_locks: bool = False) -> list[Path]:
     """Merges `result` into the cache files, safely under concurrent writers.
 
     Args:
@@ -172,6 +175,9 @@ class FileCache:
       replace: each entry replaces the file's entry of its call; without it, the two
         merge (`AutotuningResult.__or__`: a current entry wins over a stale one, else
         the faster).
+      remove_locks: remove each `<file>.json.lock` once the file is written (a folder
+        to ship holds its JSON files only); writers that remove their lock files and
+        writers that keep them still exclude each other (`_exclusive_lock`).
 
     Returns:
       The files written.
@@ -196,7 +202,7 @@ class FileCache:
     for op_name, entries in sorted(by_op.items()):
       path = self.path_for(result.device_kind, op_name)
       path.parent.mkdir(parents=True, exist_ok=True)
-      with _exclusive_lock(path.with_suffix(".json.lock")):
+      with _exclusive_lock(path.with_suffix(".json.lock"), remove=remove_locks):
         merged = AutotuningResult(result.device_kind)
         if path.exists():
           try:
@@ -329,13 +335,50 @@ class Pruned:
 
 
 @contextlib.contextmanager
-def _exclusive_lock(lock_path: Path):
-  with open(lock_path, "a+") as f:
-    fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+def _exclusive_lock(lock_path: Path, *, remove: bool = False):
+  """Holds an exclusive `flock` on the file `lock_path` (made if missing).
+
+  Args:
+    lock_path: the lock file.
+    remove: delete the lock file before letting go of it.
+
+  A writer that waited on a lock file someone removed meanwhile (`remove`, or `clear`)
+  would hold a lock nobody else can find, while the next writer locks a new file at
+  the same path: so each writer, once it holds its lock, checks that its file is
+  still the one at `lock_path`, and starts again on the new one if not.
+  """
+  f = _locked_file(lock_path)
+  try:
+    yield
+  finally:
+    if remove:  # while still held: a writer waiting on this file then starts again
+      lock_path.unlink(missing_ok=True)
+    fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    f.close()
+
+
+def _locked_file(lock_path: Path):
+  """The lock file, open and exclusively locked, once it is the file at `lock_path`."""
+  while True:
+    f = open(lock_path, "a+")
     try:
-      yield
-    finally:
-      fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+      fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+      if _same_file(f.fileno(), lock_path):
+        return f
+    except BaseException:
+      f.close()
+      raise
+    f.close()  # removed while we waited: lock the file that is there now
+
+
+def _same_file(fd: int, path: Path) -> bool:
+  """Whether the open file `fd` is the file at `path` (not one removed since)."""
+  try:
+    at_path = os.stat(path)
+  except FileNotFoundError:
+    return False
+  held = os.fstat(fd)
+  return (held.st_dev, held.st_ino) == (at_path.st_dev, at_path.st_ino)
 
 
 def cached_results(op_name: str, device_kind: str | None = None):
@@ -370,12 +413,12 @@ def write_library_cache(result: AutotuningResult, root: str | Path) -> list[Path
     root: the folder (created if missing).
 
   Returns:
-    The files written.
+    The files written (and nothing else is left in the folder: no lock files).
 
   Raises:
     OSError: when a file cannot be written.
   """
-  return FileCache(Path(root), "library_cache", writable=True).write(result)
+  return FileCache(Path(root), "library_cache", writable=True).write(result, remove_locks=True)
 
 
 def add_library_cache(root: str | Path) -> FileCache:
