@@ -64,6 +64,24 @@ def test_autotune_command_keeps_the_tuned_calls_when_one_fails(tmp_path, user_ca
   assert autotuning.explain(good).source == "user_cache"
 
 
+def test_cache_commands_say_when_the_cache_folder_is_a_file(tmp_path, monkeypatch, capsys):
+  a_file = tmp_path / "a_file"
+  a_file.write_text("not a cache")
+  monkeypatch.setenv("STELLARAX_CACHE_DIR", str(a_file))
+  for action in ("list", "prune", "clear"):
+    assert cli.main(["cache", action]) == 2
+    captured = capsys.readouterr()
+    assert f"stellarax cache {action}: error:" in captured.err and not captured.out
+    assert f"STELLARAX_CACHE_DIR={a_file} is a file, not a folder" in captured.err
+    assert "point STELLARAX_CACHE_DIR to a folder" in captured.err and "unset it" in captured.err
+  assert a_file.read_text() == "not a cache"
+  # Reading through it warns with the same fix, not `cache clear` (which cannot help).
+  with pytest.warns(autotuning.CacheWarning, match="Not a directory") as caught:
+    assert autotuning.USER_CACHE.result_for("cpu", "ragged_dot.xla") is None
+  (message,) = [str(w.message) for w in caught]
+  assert f"STELLARAX_CACHE_DIR={a_file} is a file" in message and "cache clear" not in message
+
+
 def test_cache_list_counts_stale_entries_and_prune_removes_them(tmp_path, user_cache_dir, capsys):
   rhs = jax.random.normal(jax.random.key(0), (2, 16, 8))
   calls = [stellarax.XlaRaggedDot.bind(jnp.ones((m, 16)), rhs, jnp.array([m // 2, m // 2], jnp.int32))

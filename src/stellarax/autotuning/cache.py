@@ -116,7 +116,8 @@ class FileCache:
     except FileNotFoundError:
       return None
     except OSError as exc:  # e.g. the cache root is a file
-      self._warn_once(path, None, f"{path}: cannot be read ({exc.strerror}).")
+      self._warn_once(path, None, f"{path}: cannot be read ({exc.strerror}).",
+                      fix=self._file_in_the_way(path.parent))
       return None
     with self._lock:
       cached = self._loaded.get(path)
@@ -131,16 +132,63 @@ class FileCache:
         self._loaded[path] = cached
     return cached[1]
 
-  def _warn_once(self, path: Path, mtime: int | None, problem: str) -> None:
-    """Warns that `path` is passed over, once per version (mtime) of it."""
+  def _warn_once(self, path: Path, mtime: int | None, problem: str,
+                 fix: str | None = None) -> None:
+    """Warns that `path` is passed over, once per version (mtime) of it; `fix` says
+    what to do (default: clear the user cache, or reinstall for the library's)."""
     if path in self._warned and self._warned[path] == mtime:
       return
     self._warned[path] = mtime
-    fix = ("`stellarax cache clear` empties the user cache" if self.writable
-           else "reinstalling stellarax restores the library cache")
-    source = self.source_name.replace("_", " ")
-    warn(f"{problem} The {source} passes over it: its calls resolve as if it were "
+    fix = fix or ("`stellarax cache clear` empties the user cache" if self.writable
+                  else "reinstalling stellarax restores the library cache")
+    warn(f"{problem} The {self._name} passes over it: its calls resolve as if it were "
          f"absent ({fix}).", CacheWarning)
+
+  def root_problem(self, *, writing: bool = False) -> str | None:
+    """What keeps the cache's folder from being read (or, with `writing`, written),
+    with the fix, in words; None when nothing does. A folder not made yet is none.
+
+    Args:
+      writing: also check that the folder (or the nearest one above it that exists,
+        where it would be made) is writable.
+
+    Returns:
+      The problem and its fix, or None.
+    """
+    fix = self._file_in_the_way(self.root)
+    if fix is not None:
+      return fix
+    existing = _nearest_existing(self.root)
+    if writing and not os.access(existing, os.W_OK | os.X_OK):
+      return (f"the folder {existing} is not writable, so the {self._name} at {self.root} "
+              "cannot be written; " + self._elsewhere())
+    return None
+
+  def _file_in_the_way(self, folder: Path) -> str | None:
+    """When a file stands where `folder` (a folder of the cache, its root or one above)
+    should be, what to do about it; else None. Nothing inside the cache (`cache clear`
+    included) can then help: every path under the file fails (Not a directory)."""
+    blocker = _nearest_existing(folder)
+    if blocker.is_dir():
+      return None
+    env = os.environ.get("STELLARAX_CACHE_DIR")
+    if self._root is None and env and blocker in (self.root, *self.root.parents):
+      what = ("is a file, not a folder" if blocker == self.root
+              else f"cannot be a folder: {blocker} is a file")
+      return (f"STELLARAX_CACHE_DIR={env} {what}; point STELLARAX_CACHE_DIR to a folder "
+              "(one is made if missing), or unset it to use the default one")
+    return (f"{blocker} is a file where the {self._name} needs a folder: move or remove "
+            "it" + (", or " + self._elsewhere() if self._root is None else ""))
+
+  def _elsewhere(self) -> str:
+    """The fix for a cache folder that cannot be used where it is."""
+    if self._root is None:
+      return "set STELLARAX_CACHE_DIR to a writable folder"
+    return "name a writable folder"
+
+  @property
+  def _name(self) -> str:
+    return self.source_name.replace("_", " ")
 
   def _entry(self, bound_args) -> Any:
     result = self.result_for(current_device_kind(), bound_args.op.name)
@@ -295,6 +343,15 @@ class FileCache:
           path.unlink()
       pruned.append(Pruned(path, len(result) - len(current), len(current)))
     return pruned
+
+
+def _nearest_existing(path: Path) -> Path:
+  """`path` if it exists, else the nearest path above it that does (for a path under a
+  file, that file)."""
+  for candidate in (path, *path.parents):
+    if os.path.exists(candidate):
+      return candidate
+  return Path(path.anchor or ".")
 
 
 def _check_device_kind(result: AutotuningResult, device_kind: str, path: Path) -> None:

@@ -93,6 +93,11 @@ def _cache(args) -> int:
           f"cache at {root} (set STELLARAX_CACHE_DIR for another); only `cache ship` takes "
           "a result file and --root.", file=sys.stderr)
     return 2
+  problem = args.action in ("list", "prune", "clear") and cache.USER_CACHE.root_problem()
+  if problem:  # else a file in the way reads as an empty cache, and clearing does nothing
+    print(f"stellarax cache {args.action}: error: the user cache at {root} cannot be used: "
+          f"{problem}.", file=sys.stderr)
+    return 2
   if args.action == "path":
     print(root)
   elif args.action == "list":
