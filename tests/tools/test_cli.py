@@ -26,7 +26,8 @@ def test_autotune_report_and_cache_commands(tmp_path, user_cache_dir, capsys):
   assert "ragged_dot.xla.json: 1 entries" in capsys.readouterr().out
   assert cli.main(["cache", "path"]) == 0
   assert str(user_cache_dir) in capsys.readouterr().out
-  assert cli.main(["autotune", str(calls), "--total-budget-s", "3", "--no-progress"]) == 0
+  assert cli.main(["autotune", str(calls), "--total-budget-s", "3", "--no-progress",
+                   "--cache"]) == 0
   assert cli.main(["autotune", str(calls), "--budget-s", "1", "--total-budget-s", "3"]) == 2
   assert "exclude each other" in capsys.readouterr().err
   library = tmp_path / "library"
@@ -62,6 +63,60 @@ def test_autotune_command_keeps_the_tuned_calls_when_one_fails(tmp_path, user_ca
   assert "tuned 1 of 2 calls" in captured.err and "boom" in captured.err
   assert "result saved to" in captured.out
   assert autotuning.explain(good).source == "user_cache"
+
+
+def test_autotune_refuses_to_tune_when_the_result_would_have_nowhere_to_go(
+    tmp_path, user_cache_dir, capsys, monkeypatch):
+  ba = stellarax.XlaRaggedDot.bind(jnp.ones((32, 16)), jnp.ones((2, 16, 8)),
+                                   jnp.array([10, 22], jnp.int32))
+  calls = tmp_path / "calls.json"
+  autotuning.bound_args_to_json([ba], calls)
+
+  def autotune(*args, **kwargs):
+    raise AssertionError("tuned, with nowhere to keep the result")
+
+  monkeypatch.setattr(stellarax.Autotuner, "autotune", autotune)
+  assert cli.main(["autotune", str(calls), "--budget-s", "5"]) == 2
+  err = capsys.readouterr().err
+  assert "nowhere to keep the result" in err and "--output FILE" in err and "--cache" in err, err
+  a_file = tmp_path / "a_file"
+  a_file.write_text("")
+  for cache_dir, problem in [(a_file, "is a file, not a folder"),
+                             (a_file / "sub", f"cannot be a folder: {a_file} is a file")]:
+    monkeypatch.setenv("STELLARAX_CACHE_DIR", str(cache_dir))
+    assert cli.main(["autotune", str(calls), "--cache"]) == 2
+    err = capsys.readouterr().err
+    assert f"--cache: STELLARAX_CACHE_DIR={cache_dir} {problem}" in err, err
+    assert "point STELLARAX_CACHE_DIR to a folder" in err and "--output FILE" in err, err
+  assert a_file.read_text() == ""
+
+
+def test_autotune_says_when_the_user_cache_could_not_be_written(tmp_path, user_cache_dir,
+                                                                capsys):
+  ba = stellarax.XlaRaggedDot.bind(jnp.ones((32, 16)), jnp.ones((2, 16, 8)),
+                                   jnp.array([10, 22], jnp.int32))
+  calls = tmp_path / "calls.json"
+  autotuning.bound_args_to_json([ba], calls)
+  # The cache folder is one, but a file stands where its device kind's folder goes:
+  # found only when the tuner writes.
+  user_cache_dir.mkdir()
+  in_the_way = user_cache_dir / autotuning.cache.device_kind_slug(
+      autotuning.cache.current_device_kind())
+  in_the_way.write_text("")
+  out = tmp_path / "result.json"
+  with pytest.warns(autotuning.CacheWarning, match=f"{in_the_way} is a file.*move or remove it"):
+    code = cli.main(["autotune", str(calls), "--cache", "--output", str(out), "--budget-s", "5",
+                     "--no-progress"])
+  assert code == 1
+  assert len(stellarax.AutotuningResult.load(out)) == 1  # the measurements are kept
+  captured = capsys.readouterr()
+  assert "result saved to" in captured.out
+  assert f"not written into the user cache at {user_cache_dir}" in captured.err, captured.err
+  assert f"It is saved in {out}" in captured.err and "result.dump" not in captured.err
+  assert cli.main(["autotune", str(calls), "--cache", "--budget-s", "5", "--no-progress"]) == 1
+  err = capsys.readouterr().err
+  assert "It is not saved anywhere: run again with --output FILE" in err, err
+  assert "STELLARAX_CACHE_DIR set to a writable folder" in err and "result.dump" not in err
 
 
 def test_cache_commands_say_when_the_cache_folder_is_a_file(tmp_path, monkeypatch, capsys):

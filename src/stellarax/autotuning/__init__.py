@@ -6,6 +6,7 @@ from stellarax.autotuning.autotuner import NothingToTuneWarning as NothingToTune
 from stellarax.autotuning.autotuner import SmallBudgetWarning as SmallBudgetWarning
 from stellarax.autotuning.autotuner import autotune as autotune
 from stellarax.autotuning.cache import CacheWarning as CacheWarning
+from stellarax.autotuning.cache import CacheWriteWarning as CacheWriteWarning
 from stellarax.autotuning.cache import LIBRARY_CACHE as LIBRARY_CACHE
 from stellarax.autotuning.cache import USER_CACHE as USER_CACHE
 from stellarax.autotuning.cache import add_library_cache as add_library_cache

@@ -43,7 +43,7 @@ from stellarax.autotuning import isolation
 from stellarax.autotuning import measure as measure_lib
 from stellarax.autotuning import profile
 from stellarax.autotuning import search
-from stellarax.autotuning.cache import USER_CACHE, CacheWarning, cached_results, current_device_kind
+from stellarax.autotuning.cache import USER_CACHE, CacheWriteWarning, cached_results, current_device_kind
 from stellarax.autotuning.progress import Progress
 from stellarax.autotuning.result import AutotuningResult, Entry
 from stellarax.core import registry
@@ -232,15 +232,17 @@ class Autotuner:
 
   def _keep(self, result: AutotuningResult) -> None:
     """With `cache=True`, merges `result` into the user cache; a cache that cannot be
-    written costs a warning, never the measurements (the result still holds them)."""
+    written costs a warning (a CacheWriteWarning, carrying the error), never the
+    measurements (the result still holds them)."""
     if self.cache and len(result):
       try:
         USER_CACHE.write(result, replace=self.ignore_cache)
       except OSError as exc:
-        warn(f"Autotuner(cache=True): the user cache at {USER_CACHE.root} cannot be "
-             f"written ({exc}); the result holds every measurement, but the cache does "
-             "not. Set STELLARAX_CACHE_DIR to a writable folder, or save the result "
-             "(result.dump(path)).", CacheWarning)
+        warn(CacheWriteWarning(
+            f"Autotuner(cache=True): the user cache at {USER_CACHE.root} cannot be "
+            f"written ({exc}); the result holds every measurement, but the cache does "
+            "not. Set STELLARAX_CACHE_DIR to a writable folder, or save the result "
+            "(result.dump(path)).", exc), CacheWriteWarning)
 
   def entry_for(self, ba: BoundArguments, *, progress: Progress | None = None,
                 device: jax.Device | None = None, pool: BudgetPool | None = None) -> Entry:

@@ -49,6 +49,18 @@ class CacheWarning(UserWarning):
   """A cache file could not be read or written; resolution or tuning went on without it."""
 
 
+class CacheWriteWarning(CacheWarning):
+  """The user cache could not be written; the result still holds every measurement.
+
+  Attributes:
+    error: the OSError that kept it from being written (None if not told).
+  """
+
+  def __init__(self, message: str, error: OSError | None = None):
+    super().__init__(message)
+    self.error = error
+
+
 def device_kind_slug(device_kind: str) -> str:
   """A folder name for a device kind: "NVIDIA H200" -> "NVIDIA_H200"."""
   return re.sub(r"[^A-Za-z0-9.-]+", "_", device_kind).strip("_") or "unknown"

@@ -1,6 +1,6 @@
 """The `stellarax` command line.
 
-    stellarax autotune BOUND_ARGS_JSON [--output result.json] [--cache]
+    stellarax autotune BOUND_ARGS_JSON (--output result.json | --cache | both)
         [--budget-s S | --total-budget-s S]
     stellarax xplane_to_bound_args --xplane_file=X --output_file=Y
     stellarax cache list | path | prune | clear
@@ -15,15 +15,18 @@ so that the ops a package defines of its own are known when data names them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import warnings
 from pathlib import Path
 
 
 def _autotune(args) -> int:
   """Tunes the calls of a bound-arguments file; exits 1 when some could not be tuned
-  (after saving and caching the others, and saying why each failed) or the file holds
-  none, 2 when it cannot be read."""
+  (after saving and caching the others, and saying why each failed), the file holds
+  none, or the user cache could not be written (after saving the --output file); 2
+  when the file cannot be read or the result would have nowhere to go."""
   import stellarax
   try:
     tuner = stellarax.Autotuner(budget_s=args.budget_s, total_budget_s=args.total_budget_s,
@@ -41,15 +44,16 @@ def _autotune(args) -> int:
     print(f"stellarax autotune: {args.bound_args} holds no op calls; nothing to tune.",
           file=sys.stderr)
     return 1
-  problem = args.output and output_problem(args.output)
+  problem = _destination_problem(args)
   if problem:  # before tuning, whose measurements would have nowhere to go
-    print(f"stellarax autotune: error: --output={args.output}: {problem}", file=sys.stderr)
+    print(f"stellarax autotune: error: {problem}", file=sys.stderr)
     return 2
   failure = None
-  try:
-    result = tuner.autotune(args.bound_args)
-  except stellarax.autotuning.IncompleteTuningError as exc:
-    result, failure = exc.partial_result, exc
+  with _cache_write_failures() as not_cached:
+    try:
+      result = tuner.autotune(args.bound_args)
+    except stellarax.autotuning.IncompleteTuningError as exc:
+      result, failure = exc.partial_result, exc
   if args.no_progress:  # with progress on, the tuner has printed the table already
     print(result.summary())
   if args.output and len(result):
@@ -57,8 +61,66 @@ def _autotune(args) -> int:
     print(f"result saved to {args.output}")
   if failure is not None:
     print(failure, file=sys.stderr)
-    return 1
-  return 0
+  if not_cached:
+    print(f"stellarax autotune: error: {_not_cached(not_cached[0], args.output)}",
+          file=sys.stderr)
+  return 1 if failure is not None or not_cached else 0
+
+
+def _destination_problem(args) -> str | None:
+  """What keeps the result of `autotune` from being kept (--output, --cache), with the
+  fix, in words; None when nothing does."""
+  from stellarax.autotuning import cache
+  if not (args.output or args.cache):
+    return (f"nowhere to keep the result: pass --output FILE to save it to a file, --cache "
+            f"to write it into the user cache (at {cache.user_cache_root()}), or both.")
+  problem = args.output and output_problem(args.output)
+  if problem:
+    return f"--output={args.output}: {problem}"
+  problem = args.cache and cache.USER_CACHE.root_problem(writing=True)
+  if problem:
+    return f"--cache: {problem}; or pass --output FILE instead, to save the result to a file."
+  return None
+
+
+@contextlib.contextmanager
+def _cache_write_failures():
+  """Collects the tuner's failures to write the user cache (CacheWriteWarning) instead
+  of showing them, whatever the warning filters: their advice is for Python
+  (`result.dump`), and the command says what to do instead. Other warnings show as
+  they would.
+
+  Yields:
+    The list the failures (CacheWriteWarning instances) are added to.
+  """
+  from stellarax.autotuning.cache import CacheWriteWarning
+  failures, show = [], warnings.showwarning
+
+  def divert(message, category, *rest, **kwargs):
+    if issubclass(category, CacheWriteWarning):
+      failures.append(message)
+    else:
+      show(message, category, *rest, **kwargs)
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("always", CacheWriteWarning)
+    warnings.showwarning = divert
+    yield failures
+
+
+def _not_cached(failure, output: str | None) -> str:
+  """What `autotune --cache` says when the user cache could not be written: that the
+  result was not cached, why, and where else it can be kept."""
+  from stellarax.autotuning import cache
+  error = failure.error
+  why = (f"{error.filename}: {error.strerror}" if isinstance(error, OSError) and error.filename
+         else str(error or failure))
+  message = f"the result was not written into the user cache at {cache.user_cache_root()} ({why})."
+  if output:
+    return (message + f" It is saved in {output}; to cache it too, set STELLARAX_CACHE_DIR to "
+            "a writable folder and run again with --cache.")
+  return (message + " It is not saved anywhere: run again with --output FILE to save it to a "
+          "file, or with STELLARAX_CACHE_DIR set to a writable folder.")
 
 
 def output_problem(path: str) -> str | None:
@@ -212,8 +274,10 @@ def main(argv=None) -> int:
   p = sub.add_parser("autotune", parents=[reads_ops],
                      help="tune the op calls in a bound-arguments JSON file")
   p.add_argument("bound_args", help="JSON from bound_args_to_json or xplane_to_bound_args")
-  p.add_argument("--output", help="write the result JSON here")
-  p.add_argument("--cache", action="store_true", help="also write the result into the user cache")
+  p.add_argument("--output", help="write the result JSON here (this, --cache or both: the "
+                                  "command refuses to tune with neither)")
+  p.add_argument("--cache", action="store_true",
+                 help="write the result into the user cache (STELLARAX_CACHE_DIR moves it)")
   p.add_argument("--budget-s", type=float, default=None, help="tuning budget per op call")
   p.add_argument("--total-budget-s", type=float, default=None,
                  help="one budget for the whole run, shared by the calls by their device time"
