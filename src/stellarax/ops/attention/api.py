@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from stellarax.core import dispatch
 
 # Tried in this order when `implementation=None` and no implementation of the
@@ -19,25 +21,84 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   """Scaled dot-product attention, as `jax.nn.dot_product_attention` (BTNH).
 
   Args:
-    query: (B, T, N, H).
-    key, value: (B, S, K, H), N a multiple of K (GQA/MQA).
-    bias: optional, broadcastable to (B, N, T, S), added to the scaled logits.
-    mask: optional bool, broadcastable to (B, N, T, S); True keeps a position.
+    query: (B, T, N, H), or (T, N, H) unbatched.
+    key, value: (B, S, K, H), or (S, K, H) unbatched; N a multiple of K (GQA/MQA).
+    bias: optional, broadcastable to (B, N, T, S) as numpy broadcasts (e.g. (T, S) or
+      (N, T, S)), added to the scaled logits.
+    mask: optional bool, broadcastable to (B, N, T, S) as the bias; True keeps a position.
     scale: logit scale (default 1/sqrt(H)).
     is_causal: keep only keys s <= t.
-    query_seq_lengths, key_value_seq_lengths: optional (B,) int lengths.
+    query_seq_lengths, key_value_seq_lengths: optional (B,) int lengths ((1,) unbatched).
     local_window_size: None, w or (left, right).
     implementation: None (best available), a name ("xla", "xla_chunked",
       "pallas_triton", ...), an Op instance, or a sequence tried in order.
 
   Returns:
-    (B, T, N, H) in query's dtype.
+    query's shape, (B, T, N, H) or (T, N, H), in query's dtype.
 
   Raises:
-    ValueError: for operands that do not fit together.
+    ValueError: for operands that do not fit together (a query, key or value not of rank
+      3 or 4, a bias or mask that does not broadcast to (B, N, T, S), ...), naming them.
     NotImplementedError: when no requested implementation supports the input.
   """
-  return dispatch.call_family(
+  unbatched = _rank(query) == 3
+  query, key, value = (_batched(name, x) for name, x in
+                       (("query", query), ("key", key), ("value", value)))
+  if _rank(query) == 4 and _rank(key) == 4:
+    # What every implementation's kernels see: (B, N, T, S), as jax pads it.
+    full = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
+    bias, mask = _as_4d("bias", bias, full), _as_4d("mask", mask, full)
+  out = dispatch.call_family(
       "attention", PREFERENCE, implementation, (query, key, value, bias, mask),
       dict(scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
            key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size))
+  return out[0] if unbatched else out
+
+
+def _rank(x) -> int | None:
+  """The rank of an array, or None for anything else (the op says what it needs)."""
+  return len(x.shape) if hasattr(x, "shape") else None
+
+
+def _batched(name: str, x):
+  """Returns `x` (B, ., ., H), giving an unbatched rank-3 one a batch of one.
+
+  Raises:
+    ValueError: for an array of another rank than 3 or 4.
+  """
+  rank = _rank(x)
+  if rank == 3:
+    return jnp.expand_dims(x, 0)
+  if rank not in (4, None):
+    layout = "(B, T, N, H) or (T, N, H)" if name == "query" else "(B, S, K, H) or (S, K, H)"
+    raise ValueError(f"{name}.shape={tuple(x.shape)} must be {layout}; got {rank} dimensions. "
+                     "Give it that layout, or a batch dimension of its own.")
+  return x
+
+
+def _as_4d(name: str, x, full: tuple[int, ...]):
+  """Returns a bias or mask with leading unit dimensions up to rank 4.
+
+  Args:
+    name: "bias" or "mask", for the error.
+    x: None, an array of rank <= 4, or anything else (left for the op to refuse).
+    full: (B, N, T, S) of the call.
+
+  Returns:
+    None, `x` expanded to 4-D (differentiable: a gradient takes `x`'s shape), or `x`
+    itself when it is 4-D or no array.
+
+  Raises:
+    ValueError: when `x` does not broadcast to `full` as numpy broadcasts.
+  """
+  rank = _rank(x)
+  if rank is None:
+    return x
+  shape = tuple(x.shape)
+  # numpy's rule: dimensions align from the right, each 1 or the full size.
+  if rank > 4 or any(d not in (1, f) for d, f in zip(shape[::-1], full[::-1])):
+    raise ValueError(
+        f"{name}.shape={shape} does not broadcast to (B, N, T, S)={full}: it needs at most 4 "
+        f"dimensions which, aligned from the right, are each 1 or the full size (e.g. "
+        f"(T, S)={full[2:]} or (N, T, S)={full[1:]}). Reshape it to one of those.")
+  return x if rank == 4 else jnp.expand_dims(x, tuple(range(4 - rank)))

@@ -63,7 +63,8 @@ def _check_broadcastable(name: str, x: jax.Array | None, full: tuple[int, ...]) 
   if x.ndim != 4 or any(d not in (1, f) for d, f in zip(x.shape, full)):
     raise ValueError(
         f"{name}.shape={x.shape} must be 4-D and broadcastable to (B, N, T, S)={full}: "
-        f"every dimension 1 or the full size. Add leading unit dimensions if it has fewer.")
+        f"every dimension 1 or the full size. Add leading unit dimensions if it has fewer "
+        f"(stellarax.dot_product_attention adds them itself).")
 
 
 def check_attention_inputs(query, key, value, bias=None, mask=None, query_seq_lengths=None,
