@@ -1,4 +1,8 @@
-"""The public op functions against JAX's own ops (XLA implementations)."""
+"""The public op functions against JAX's own ops (XLA implementations; some tests also run a
+Pallas kernel in the interpreter)."""
+
+import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -240,3 +244,74 @@ def test_gated_linear_unit_and_named_activations():
   gw = jax.grad(lambda w: stellarax.gated_linear_unit(x, w).sum())(w)
   gw_ref = jax.grad(lambda w: (jax.nn.swish(x @ w[:, 0]) * (x @ w[:, 1])).sum())(w)
   np.testing.assert_allclose(gw, gw_ref, rtol=1e-4, atol=1e-4)
+
+
+# The XLA implementation and a Pallas kernel in the interpreter: the public wrapper
+# reshapes what jax.nn.dot_product_attention takes, so each sees it alike.
+_ATTENTION_IMPLS = pytest.mark.parametrize(
+    "impl", ["xla", stellarax.PallasTritonAttention(interpret=True)],
+    ids=["xla", "pallas_triton_interpret"])
+
+
+def _attention_operands(seed, t=16, s=24, n=4, k=2, h=64):
+  """Fresh normal float32 q (1, T, N, H) and k, v (1, S, K, H)."""
+  keys = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(keys[0], (1, t, n, h), jnp.float32)
+  kv = [jax.random.normal(x, (1, s, k, h), jnp.float32) for x in keys[1:]]
+  return q, *kv
+
+
+@_ATTENTION_IMPLS
+@pytest.mark.parametrize("name, shape", [("bias", (16, 24)), ("mask", (16, 24)),
+                                         ("bias", (4, 16, 24))])
+def test_attention_takes_a_bias_or_mask_of_lower_rank_as_jax(impl, name, shape):
+  q, k, v = _attention_operands(11)
+  draw = jax.random.key(12)
+  extra = (jax.random.bernoulli(draw, 0.7, shape) if name == "mask"
+           else jax.random.normal(draw, shape, jnp.float32))
+  expected = jax.nn.dot_product_attention(q, k, v, **{name: extra}, implementation="xla")
+  out = stellarax.dot_product_attention(q, k, v, **{name: extra}, implementation=impl)
+  np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-5)
+
+
+@_ATTENTION_IMPLS
+def test_attention_takes_unbatched_queries_keys_and_values_as_jax(impl):
+  q, k, v = (x[0] for x in _attention_operands(13))  # (T, N, H) and (S, K, H)
+  cotangent = jax.random.normal(jax.random.key(14), q.shape, jnp.float32)
+  attend = lambda f: lambda q, k, v: f(q, k, v, is_causal=True)
+  expected, expected_pullback = jax.vjp(
+      attend(functools.partial(jax.nn.dot_product_attention, implementation="xla")), q, k, v)
+  out, pullback = jax.vjp(
+      attend(functools.partial(stellarax.dot_product_attention, implementation=impl)), q, k, v)
+  assert out.shape == expected.shape == q.shape
+  np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-5)
+  for grad, want in zip(pullback(cotangent), expected_pullback(cotangent)):
+    assert grad.shape == want.shape
+    np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-4)
+
+
+@_ATTENTION_IMPLS
+def test_attention_gradient_of_a_two_dimensional_bias_has_its_shape(impl):
+  q, k, v = _attention_operands(15)
+  bias = jax.random.normal(jax.random.key(16), (16, 24), jnp.float32)
+  cotangent = jax.random.normal(jax.random.key(17), q.shape, jnp.float32)
+  loss = lambda f: lambda bias: jnp.sum(f(q, k, v, bias) * cotangent)
+  grad = jax.grad(loss(functools.partial(stellarax.dot_product_attention, implementation=impl)))(bias)
+  want = jax.grad(loss(functools.partial(jax.nn.dot_product_attention, implementation="xla")))(bias)
+  assert grad.shape == bias.shape
+  np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(17, 24), (3, 16, 24), (2, 1, 1, 16, 24)])
+def test_attention_refuses_a_bias_that_does_not_broadcast_naming_the_shapes(shape):
+  q, k, v = _attention_operands(18)
+  match = (rf"bias.shape={re.escape(str(shape))} does not broadcast to "
+           r"\(B, N, T, S\)=\(1, 4, 16, 24\)")
+  with pytest.raises(ValueError, match=match):
+    stellarax.dot_product_attention(q, k, v, jnp.zeros(shape))
+
+
+def test_attention_refuses_queries_of_another_rank_naming_the_layout():
+  q, k, v = _attention_operands(19)
+  with pytest.raises(ValueError, match=r"query.shape=\(4, 64\) must be .* or \(T, N, H\)"):
+    stellarax.dot_product_attention(q[0, 0], k, v)
