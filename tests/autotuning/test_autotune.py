@@ -121,6 +121,114 @@ def test_whatever_is_wrong_in_a_file_is_a_format_error_naming_it(tmp_path, grad_
     stellarax.AutotuningResult.load(bad)
 
 
+def _edited(grad_result, edit):
+  """grad_result's file data after `edit(data)`."""
+  data = json.loads(grad_result.dumps())
+  edit(data)
+  return json.dumps(data)
+
+
+def _slower(raw_entry, factor=10.0):
+  """A copy of an entry's JSON with every ok measurement `factor` times slower."""
+  raw_entry = json.loads(json.dumps(raw_entry))
+  for m in raw_entry["measurements"]:
+    if m["status"] == "ok":
+      for name in ("median_s", "ci_low_s", "ci_high_s"):
+        m[name] *= factor
+  return raw_entry
+
+
+@pytest.mark.parametrize("slower_first", [True, False])
+def test_a_call_in_two_entries_is_read_as_a_merge_with_a_warning(grad_result, slower_first):
+  data = json.loads(grad_result.dumps())
+  fast = data["entries"][0]
+  pair = [_slower(fast), fast] if slower_first else [fast, _slower(fast)]
+  data["entries"] = pair + data["entries"][1:]
+  kept, op = (1 if slower_first else 0), fast["bound_args"]["op"]["name"]
+  with pytest.warns(file_format.FormatWarning,
+                    match=rf"bad.json: entries 0 and 1 both tune {op} for .*lhs=float32\[64,32\]"
+                          rf".*using entry {kept} and ignoring entry {1 - kept}, as merging "
+                          "results does, because its best config is faster"):
+    loaded = stellarax.AutotuningResult.loads(json.dumps(data), source="bad.json")
+  # Whatever the order, the faster one, as `a | b` keeps it.
+  assert loaded == grad_result
+
+
+def test_a_call_in_two_equal_entries_is_read_silently(grad_result):
+  text = _edited(grad_result, lambda d: d["entries"].append(d["entries"][0]))
+  assert stellarax.AutotuningResult.loads(text) == grad_result  # warnings are errors here
+
+
+def _measurement(field, value):
+  def edit(data):
+    data["entries"][0]["measurements"][0][field] = value
+  return edit
+
+
+@pytest.mark.parametrize("edit, complaint", [
+    (lambda d: d["entries"][0].update(versions="0.1"),
+     r"entry 0 \(ragged_dot.xla\w*\): field 'versions' is a string \('0.1'\); expected an "
+     "object such as"),
+    (lambda d: d["entries"][0]["versions"].update(jax=11),
+     "field 'versions' is an object .*; expected an object such as"),
+    (lambda d: d["entries"][0].update(measurements={}),
+     "field 'measurements' is an object .*; expected a list of measurement objects"),
+    (lambda d: d["entries"][0].update(measured_at=5), "field 'measured_at' is a number"),
+    (lambda d: d["entries"][0].update(method=["x"]), "field 'method' is a list"),
+    (lambda d: d["entries"][0].update(code=7), "field 'code' is a number .* or null"),
+    (lambda d: d["entries"][0].update(best_config=[]), "field 'best_config' is a list"),
+    (lambda d: d["entries"][0]["measurements"].append(3), r"field 'measurements\[\d+\]' is a number"),
+    (lambda d: d["entries"].append("entry"), "entry 2 is a string; expected an object"),
+    (_measurement("median_s", "0.001"), "measurement 0: Measurement.median_s='0.001' is a str; "
+                                        "the field takes float or None"),
+    (_measurement("num_samples", True), "Measurement.num_samples=True is a bool; the field takes int"),
+    (lambda d: d.update(versions={"jax": 0.11}), "'versions' must be an object naming"),
+])
+def test_a_field_of_the_wrong_json_type_is_a_format_error(grad_result, edit, complaint):
+  with pytest.raises(file_format.FormatError, match="bad.json: (entry 0 .*)?" + complaint):
+    stellarax.AutotuningResult.loads(_edited(grad_result, edit), source="bad.json")
+
+
+def test_a_field_of_the_wrong_json_type_is_an_error_in_a_stale_entry_too(grad_result):
+  # An entry that no longer validates under other versions is dropped, but schema 1
+  # never wrote another type: that is a broken file.
+  data = _recorded_with(json.loads(grad_result.dumps()), jax="0.0.1")
+  data["entries"][0]["method"] = 5
+  with pytest.raises(file_format.FormatError, match="entry 0 .*field 'method' is a number"):
+    stellarax.AutotuningResult.loads(json.dumps(data), warn_other_versions=False)
+
+
+def _without_field(code=None):
+  """An edit deleting tile_m from the best config of the ragged_dot.xla entry (and
+  setting its code fingerprint to `code`, unless None)."""
+  def edit(data):
+    (entry,) = [e for e in data["entries"] if e["bound_args"]["op"]["name"] == "ragged_dot.xla"]
+    del entry["best_config"]["tile_m"]
+    if code is not None:
+      entry["code"] = code
+  return edit
+
+
+def test_a_config_field_deleted_from_a_current_entry_takes_its_default_with_a_warning(grad_result):
+  with pytest.warns(file_format.FormatWarning,
+                    match=r"bad.json: entry \d \(ragged_dot.xla\) was measured on the running code "
+                          r"of its op, yet lacks config field\(s\) \['best_config.tile_m'\]; using "
+                          r"their defaults \(tile_m=128\)"):
+    loaded = stellarax.AutotuningResult.loads(_edited(grad_result, _without_field()),
+                                              source="bad.json")
+  (entry,) = [e for e in loaded if e.bound_args.op.name == "ragged_dot.xla"]
+  assert entry.best_config.tile_m == 128
+
+
+@pytest.mark.parametrize("code", ["0123456789abcdef", ""])  # older code, or unknown
+def test_a_config_field_an_older_file_lacks_takes_its_default_silently(grad_result, code):
+  # A field added to a config class later must not make older files fail or warn
+  # (e.g. prefetch of the Triton normalization backward); such entries are stale.
+  loaded = stellarax.AutotuningResult.loads(_edited(grad_result, _without_field(code)))
+  (entry,) = [e for e in loaded if e.bound_args.op.name == "ragged_dot.xla"]
+  assert entry.best_config.tile_m == 128
+
+
 def test_files_are_written_with_the_umask_s_permissions(tmp_path, grad_result):
   old = os.umask(0o022)
   try:

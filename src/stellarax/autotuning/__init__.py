@@ -21,6 +21,7 @@ from stellarax.autotuning.distributed import check_consistent as check_consisten
 from stellarax.autotuning.explain import Explanation as Explanation
 from stellarax.autotuning.explain import explain as explain
 from stellarax.autotuning.file_format import FormatError as FormatError
+from stellarax.autotuning.file_format import FormatWarning as FormatWarning
 from stellarax.autotuning.file_format import VersionWarning as VersionWarning
 from stellarax.autotuning.heuristics_fit import fit_heuristics as fit_heuristics
 from stellarax.autotuning.in_program import ProgramCheck as ProgramCheck

@@ -39,10 +39,25 @@ file that is not valid JSON, lacks a required field, or holds an invalid entry
 recorded under the running versions raises `FormatError` naming the file and
 the problem, whatever the op's checks raised. Files are written atomically, with
 the permissions `open` would give them (the umask's).
+
+Hand edits. Schema 1 has always written each field with one JSON type (an object,
+a list, a string, a number), so a field of another type (`"versions": "0.1"`,
+`"median_s": "0.001"`) raises `FormatError` naming the entry, the field, what it
+holds and what it should, whatever versions the entry names. Stellarax writes each
+call once; a file that holds one call in two entries (e.g. entries pasted from two
+files) is read as merging them would (`AutotuningResult.__or__`: a current entry
+over a stale one, else the faster best config), with a `FormatWarning` naming both
+entries where they differ. A config field absent from the file takes its default:
+that is how a field added to a config class later (e.g. `prefetch` of the Triton
+normalization backward, `overlap_softmax` of the Mosaic GPU attention) reads files
+written before it, silently, as such entries are stale anyway. Only an entry
+measured on the running code of its op (its `code` is the current fingerprint),
+which this code wrote with every field, warns (`FormatWarning`) when it lacks one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -68,6 +83,12 @@ class NewerSchemaError(FormatError):
 
 class VersionWarning(UserWarning):
   """Data recorded under other versions is being used."""
+
+
+class FormatWarning(UserWarning):
+  """A results file holds what stellarax never writes, edited by hand or by another
+  tool: one call twice with different data, or an entry measured on the running code
+  whose configs lack fields. It is read by the rule the warning names."""
 
 
 def current_versions() -> dict[str, str]:
@@ -182,10 +203,13 @@ def entry_from_json(data: dict[str, Any], *, source: str, versions: Mapping[str,
   ba = BoundArguments.from_json(data["bound_args"])
   cls = type(ba.op).config_cls
   measurements = []
-  for m in data.get("measurements", []):
+  for j, m in enumerate(data.get("measurements", [])):
     m = dict(m)
-    config = config_from_json(cls, m.pop("config"))
-    measurements.append((config, Measurement.from_json(m)))
+    try:
+      config = config_from_json(cls, m.pop("config"))
+      measurements.append((config, Measurement.from_json(m)))
+    except (KeyError, ValueError) as e:
+      raise ValueError(f"measurement {j}: {e}") from None
   return Entry(
       bound_args=ba,
       best_config=config_from_json(cls, data["best_config"]),
@@ -207,34 +231,187 @@ def result_to_json(result) -> dict[str, Any]:
 
 
 def result_from_json(cls, data: dict[str, Any], *, source: str, warn_other_versions: bool = True):
-  """Builds an AutotuningResult from parsed data (see the module policy); without
-  `warn_other_versions`, data from other versions is used (or dropped) silently."""
+  """Builds an AutotuningResult from parsed data (see the module policy).
+
+  Args:
+    cls: the result class.
+    data: `parse`'s output.
+    source: what to name in errors and warnings.
+    warn_other_versions: warn for data from other versions; without it, that data is
+      used (or dropped) silently.
+
+  Returns:
+    The result.
+
+  Raises:
+    FormatError: for a field of the wrong JSON type, or an invalid entry recorded
+      under the running versions, naming `source` and the entry.
+
+  Warns:
+    VersionWarning: for entries from other versions (see the module policy).
+    FormatWarning: for one call in two entries with different data, or a current
+      entry whose configs lack fields.
+  """
   file_versions = data.get("versions") or current_versions()
-  if not isinstance(file_versions, dict):
+  if not _is_versions(file_versions):
     raise FormatError(f"{source}: 'versions' must be an object naming the writer's stellarax, "
-                      f"jax and jaxlib versions, got {file_versions!r}.")
-  current = current_versions()
+                      f"jax and jaxlib versions as strings, got {file_versions!r}.")
+  for i, raw in enumerate(data["entries"]):
+    _check_entry_types(raw, where=f"{source}: entry {i}{_op_named(raw)}")
   recorded = [_entry_versions(raw, file_versions) for raw in data["entries"]]
   others = [v for v in recorded if not same_versions(v)]
   if warn_other_versions and others:
     warn(f"{source}: {len(others)} of {len(recorded)} entries were recorded with other "
-         f"versions ({others[0]}, running {current}); using them. `autotune` measures "
-         "their calls again.", VersionWarning)
-  entries = {}
+         f"versions ({others[0]}, running {current_versions()}); using them. `autotune` "
+         "measures their calls again.", VersionWarning)
+  entries, places = {}, {}
   for i, raw in enumerate(data["entries"]):
-    try:
-      if not isinstance(raw, dict):
-        raise ValueError(f"expected a JSON object, got {type(raw).__name__}.")
-      entry = entry_from_json(raw, source=source, versions=recorded[i])
-    except Exception as e:  # noqa: BLE001 (whatever an op's checks raise, the entry is bad)
-      # Same versions: the file was broken (by hand or by a bug), say so.
-      # Other versions: an op or config changed since, drop just this entry.
-      why = f"{type(e).__name__}: {e}" if not isinstance(e, (KeyError, ValueError)) else str(e)
-      if same_versions(recorded[i]):
-        raise FormatError(f"{source}: entry {i} is invalid: {why}") from None
-      if warn_other_versions:
-        warn(f"{source}: entry {i} skipped (recorded by other versions): {why}",
-             VersionWarning)
+    entry = _read_entry(raw, i, recorded[i], source=source,
+                        warn_other_versions=warn_other_versions)
+    if entry is None:
       continue
-    entries[entry.key] = entry
+    _warn_missing_fields(raw, entry, where=f"{source}: entry {i}{_op_named(raw)}")
+    if entry.key in entries:
+      entry = _one_of_two(entries[entry.key], places[entry.key], entry, i, source=source)
+    if entries.get(entry.key) is not entry:
+      entries[entry.key], places[entry.key] = entry, i
   return cls(str(data["device_kind"]), entries, file_versions)
+
+
+def _read_entry(raw: dict[str, Any], i: int, versions: Mapping[str, str], *, source: str,
+                warn_other_versions: bool):
+  """Entry `i` of a file, or None where it no longer validates under other versions.
+
+  Raises:
+    FormatError: for an invalid entry recorded under the running versions.
+  """
+  try:
+    return entry_from_json(raw, source=source, versions=versions)
+  except Exception as e:  # noqa: BLE001 (whatever an op's checks raise, the entry is bad)
+    # Same versions: the file was broken (by hand or by a bug), say so.
+    # Other versions: an op or config changed since, drop just this entry.
+    why = f"{type(e).__name__}: {e}" if not isinstance(e, (KeyError, ValueError)) else str(e)
+    if same_versions(versions):
+      raise FormatError(f"{source}: entry {i} is invalid: {why}") from None
+    if warn_other_versions:
+      warn(f"{source}: entry {i} skipped (recorded by other versions): {why}", VersionWarning)
+    return None
+
+
+def _one_of_two(first, i: int, second, j: int, *, source: str):
+  """Of entries `i` and `j` of one call, the one `a | b` would keep (`result.merge_entries`),
+  with a warning where they differ: a file holding them both was put together by hand."""
+  from stellarax.autotuning import result
+  kept = result.merge_entries(first, second)
+  if first != second:
+    dropped, kept_at, dropped_at = (second, i, j) if kept is first else (first, j, i)
+    warn(f"{source}: entries {i} and {j} both tune {first.bound_args.op.name} for "
+         f"{result.short_args(first.bound_args)}, with different data; using entry {kept_at} "
+         f"and ignoring entry {dropped_at}, as merging results does, because "
+         f"{result.why_kept(kept, dropped)}. Delete one of them (`AutotuningResult.dump` "
+         "writes each call once).", FormatWarning)
+  return kept
+
+
+def _warn_missing_fields(raw: dict[str, Any], entry, *, where: str) -> None:
+  """Warns when an entry measured on the running code of its op lacks config fields.
+
+  A field added to a config class later has a default, so that older files stay
+  readable: their configs load with it. An entry with the op's current fingerprint was
+  written by this code, which writes every field, so a field missing there was deleted
+  by hand and its default is a guess. Older entries (other code or versions, or no
+  fingerprint) load silently: they are stale, and `autotune` measures them again.
+  """
+  if not entry.code or not entry.is_current:
+    return
+  fields = dataclasses.fields(entry.best_config)  # every config of an entry has its op's class
+  configs = [("best_config", raw["best_config"]), ("heuristic_config", raw["heuristic_config"])]
+  configs += [(f"measurements[{j}].config", m.get("config", {}))
+              for j, m in enumerate(raw.get("measurements", []))]
+  missing = [f"{place}.{f.name}" for place, config in configs for f in fields
+             if f.name not in config]
+  if missing:
+    # Only a field with a default can be missing here (the config was built without it).
+    defaults = ", ".join(f"{f.name}={f.default!r}" for f in fields
+                         if any(m.endswith("." + f.name) for m in missing)
+                         and f.default is not dataclasses.MISSING)
+    warn(f"{where} was measured on the running code of its op, yet lacks config "
+         f"field(s) {missing}; using their defaults ({defaults}). Restore the fields, or "
+         "delete the entry to tune its call again.", FormatWarning)
+
+
+# The JSON type of each field of an entry (schema 1: `entry_to_json`), and what to
+# write instead. Absent fields are left to `entry_from_json`, which knows which are
+# optional; a measurement's own fields, to `Measurement.from_json`.
+_ENTRY_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "bound_args": ((dict,), "an object with the op and its arguments"),
+    "best_config": ((dict,), "an object of config fields"),
+    "heuristic_config": ((dict,), "an object of config fields"),
+    "measurements": ((list,), "a list of measurement objects"),
+    "measured_at": ((str,), "a string (an ISO-8601 UTC time)"),
+    "method": ((str,), "a string (how it was measured)"),
+    "versions": ((dict,), 'an object such as {"stellarax": "0.1.0", "jax": "0.11.2", '
+                 '"jaxlib": "0.11.2"}'),
+    "code": ((str, type(None)), "a string (the op's code fingerprint) or null"),
+}
+
+
+def _check_entry_types(raw: Any, *, where: str) -> None:
+  """Checks the JSON types of an entry's fields, whatever versions it names.
+
+  Schema 1 has always written these types, so another one is a broken file, not data
+  from another version: unlike an entry that no longer validates, it is never
+  dropped quietly (and a wrong `versions` leaves no versions to judge it by).
+
+  Args:
+    raw: the entry's parsed JSON.
+    where: names the file and the entry in the error.
+
+  Raises:
+    FormatError: naming the entry, the field, what it holds and what it should.
+  """
+  if not isinstance(raw, dict):
+    raise FormatError(f"{where} is {_json_type(raw)}; expected an object with 'bound_args', "
+                      "'best_config', 'heuristic_config' and 'measurements'. Fix or delete it.")
+  for field, (types, expected) in _ENTRY_TYPES.items():
+    if field in raw and not _of_type(raw[field], types):
+      _wrong_type(where, field, raw[field], expected)
+  if "versions" in raw and not _is_versions(raw["versions"]):
+    _wrong_type(where, "versions", raw["versions"], _ENTRY_TYPES["versions"][1])
+  for j, m in enumerate(raw.get("measurements", [])):
+    if not isinstance(m, dict):
+      _wrong_type(where, f"measurements[{j}]", m, "an object with 'config', 'status', ...")
+    if "config" in m and not isinstance(m["config"], dict):
+      _wrong_type(where, f"measurements[{j}].config", m["config"], "an object of config fields")
+
+
+def _wrong_type(where: str, field: str, value: Any, expected: str) -> None:
+  raise FormatError(f"{where}: field {field!r} is {_json_type(value)} ({value!r:.60}); expected "
+                    f"{expected}. Fix the field, or delete the entry to tune its call again.")
+
+
+def _of_type(value: Any, types: tuple[type, ...]) -> bool:
+  return isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+
+
+def _is_versions(value: Any) -> bool:
+  return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
+
+
+def _json_type(value: Any) -> str:
+  """`value`'s JSON type, in words."""
+  if value is None:
+    return "null"
+  for t, name in ((bool, "true/false"), (dict, "an object"), (list, "a list"),
+                  (str, "a string"), ((int, float), "a number")):
+    if isinstance(value, t):
+      return name
+  return type(value).__name__
+
+
+def _op_named(raw: Any) -> str:
+  """" (op name)" where a raw entry names its op, for messages; else ""."""
+  try:
+    return f" ({raw['bound_args']['op']['name']})"
+  except (TypeError, KeyError):
+    return ""

@@ -107,6 +107,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from stellarax.autotuning import profile
+from stellarax.core.config import check_plain_types
 from stellarax.core.warn import warn
 
 K = TypeVar("K", bound=Hashable)
@@ -219,7 +220,9 @@ class Measurement:
       The measurement.
 
     Raises:
-      ValueError: if keys are missing or unknown, or the values are inconsistent.
+      ValueError: if keys are missing or unknown, a value has another JSON type than
+        its field takes (a time written as a string, a count as true), or the values
+        are inconsistent.
     """
     names = [f.name for f in dataclasses.fields(cls)]
     if not isinstance(d, Mapping):
@@ -231,6 +234,8 @@ class Measurement:
           f"A measurement needs exactly the keys {names}; missing {missing},"
           f" unknown {unknown}, in {dict(d)!r}.")
     values = dict(d)
+    # float() below would read "0.001" or true as a time: a hand edit must not pass.
+    check_plain_types(cls, values)
     for name in ("median_s", "ci_low_s", "ci_high_s", "compile_time_s", "profiled_s"):
       if values.get(name) is not None:
         values[name] = float(values[name])

@@ -202,7 +202,7 @@ class AutotuningResult:
     for e in self:
       best, heur = e.best_time, e.heuristic_time
       speedup = f"{heur / best:.2f}x" if best and heur else "-"
-      rows.append((e.bound_args.op.name, _short_args(e.bound_args), _short_config(e.best_config),
+      rows.append((e.bound_args.op.name, short_args(e.bound_args), _short_config(e.best_config),
                    format_time(best), format_time(heur), speedup, str(len(e.measurements)), str(e.num_failed))
                   + ((format_time(e.profiled_time_of(e.best_config)),) if profiled else ()))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -261,8 +261,7 @@ class AutotuningResult:
     merged = dict(self._entries)
     for key, entry in other._entries.items():
       mine = merged.get(key)
-      if mine is None or _replaces(entry, mine):
-        merged[key] = entry
+      merged[key] = entry if mine is None else merge_entries(mine, entry)
     return AutotuningResult(self.device_kind, merged)
 
   def with_entry(self, entry: Entry) -> AutotuningResult:
@@ -336,6 +335,22 @@ def _read_text(read: Any, source: str) -> str:
         "stellarax results file. Delete it or pass the right file.") from None
 
 
+def merge_entries(a: Entry, b: Entry) -> Entry:
+  """The entry a merge keeps of two of the same call (`a | b`, and a file that holds
+  one call twice): see `_replaces`. The order of `a` and `b` does not matter."""
+  return a if _replaces(a, b) else b
+
+
+def why_kept(kept: Entry, dropped: Entry) -> str:
+  """Why `merge_entries` kept `kept` over `dropped`, in words, for a warning."""
+  if kept.is_current != dropped.is_current:
+    return f"it is current, the other stale ({dropped.stale_reason})"
+  if _faster(kept, dropped):
+    return (f"its best config is faster ({format_time(kept.best_time)} against "
+            f"{format_time(dropped.best_time)})")
+  return "they are as fast, and its JSON sorts first"
+
+
 def _replaces(a: Entry, b: Entry) -> bool:
   """Whether `a` wins over `b`, an entry of the same call, in a merge: a current one
   over a stale one, else the faster; of two as fast (or both untimed), the one whose
@@ -370,7 +385,7 @@ def format_time(t: float | None) -> str:
   return f"{t * 1e9:.0f} ns"
 
 
-def _short_args(ba: BoundArguments) -> str:
+def short_args(ba: BoundArguments) -> str:
   """The call's arrays as dtype[shape], and its other arguments but None where they
   differ from the op's defaults (so that calls differing only in an option, e.g.
   epsilon, differ)."""

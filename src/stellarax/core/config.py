@@ -94,12 +94,32 @@ def config_from_json(config_cls: type[T], data: Mapping[str, Any]) -> T:
         f"{config_cls.__name__} has no field(s) {sorted(unknown)}; its fields are "
         f"{sorted(known)}. The data may come from another stellarax version.")
   values = {k: specs.decode(v) for k, v in data.items()}
-  for name, value in values.items():
-    expected = _plain_types(config_cls).get(name)
-    if expected is not None and not _is_instance(value, expected):
-      raise ValueError(f"{config_cls.__name__}.{name}={value!r} is a {type(value).__name__}; "
-                       f"the field takes {' or '.join(t.__name__ for t in expected)}.")
+  check_plain_types(config_cls, values)
   return config_cls(**values)
+
+
+def check_plain_types(cls: type, values: Mapping[str, Any]) -> None:
+  """Checks values read from JSON against the fields of dataclass `cls` annotated with
+  plain types (int, float, bool, str, None and unions of them); other fields and
+  names that are no field are left to the caller. An int passes for a float (a
+  hand-written 2 means 2.0), a bool never passes for an int.
+
+  Args:
+    cls: the dataclass the values are for.
+    values: field name -> value.
+
+  Raises:
+    ValueError: naming the first field whose value has another type, and the types
+      it takes.
+  """
+  for name, value in values.items():
+    expected = _plain_types(cls).get(name)
+    if expected is not None and not _is_instance(value, expected):
+      takes = " or ".join("None" if t is type(None) else t.__name__ for t in expected)
+      found = type(value).__name__
+      article = "an" if found[0] in "aeiou" else "a"
+      raise ValueError(f"{cls.__name__}.{name}={value!r} is {article} {found}; "
+                       f"the field takes {takes}.")
 
 
 _PLAIN = (bool, int, float, str, type(None))
