@@ -662,6 +662,22 @@ def test_library_cache_from_other_versions_applies_without_warnings(tmp_path, mo
     user.results(grad_result.device_kind)
 
 
+def test_a_tuning_option_among_the_functions_arguments_says_where_it_goes(user_cache_dir):
+  lhs, rhs, gs = _inputs()
+  with pytest.raises(TypeError, match=r"f takes no 'budget_s'; budget_s=1 is a tuning option: "
+                     r"give it to the tuner, stellarax.Autotuner\(budget_s=1\)"):
+    stellarax.autotune(jax.jit(model), lhs, rhs, gs, budget_s=1)
+  # A function whose own argument has an option's name gets it.
+  seen = []
+
+  def takes_it(lhs, rhs, gs, budget_s):
+    seen.append(budget_s)
+    return model(lhs, rhs, gs)
+
+  assert len(tuner().autotune(takes_it, lhs, rhs, gs, budget_s=7)) == 1
+  assert seen and set(seen) == {7}
+
+
 def test_miss_policy_autotune_tunes_on_the_spot(user_cache_dir):
   lhs, rhs, gs = _inputs()
   ba = stellarax.XlaRaggedDot.bind(lhs[:16], rhs, gs)

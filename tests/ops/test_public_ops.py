@@ -196,6 +196,33 @@ def test_attention_refuses_a_scale_that_is_not_a_number(scale):
     stellarax.dot_product_attention(q, q, q, scale=scale)
 
 
+def test_a_traced_epsilon_is_refused_as_a_static_option():
+  x = jax.random.normal(_keys(1)[0], (8, 32))
+  for norm in (lambda x, e: stellarax.rms_norm(x, None, epsilon=e),
+               lambda x, e: stellarax.layer_norm(x, None, None, epsilon=e)):
+    with pytest.raises(ValueError, match=r"must be a Python number >= 0; it is a static option"):
+      jax.jit(norm)(x, 1e-3)
+    # A concrete array scalar is a number.
+    np.testing.assert_allclose(norm(x, jnp.float32(1e-3)), norm(x, 1e-3), rtol=1e-6)
+  with pytest.raises(ValueError, match=r"epsilon=-1.0 must be >= 0"):
+    stellarax.rms_norm(x, None, epsilon=-1.0)
+
+
+def test_a_precision_pair_is_taken_as_jax_takes_it_when_both_agree():
+  k = _keys(2)
+  lhs, rhs = jax.random.normal(k[0], (12, 8)), jax.random.normal(k[1], (3, 8, 5))
+  gs = jnp.array([5, 0, 6], jnp.int32)
+  expected = jax.lax.ragged_dot(lhs, rhs, gs, precision=("highest", "highest"))
+  for pair in (("highest", "highest"), (jax.lax.Precision.HIGHEST, "highest")):
+    np.testing.assert_allclose(stellarax.ragged_dot(lhs, rhs, gs, precision=pair), expected,
+                               rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match=r"gives the operands different precisions; .* pass one, "
+                     r"e.g. precision='HIGHEST'"):
+    stellarax.ragged_dot(lhs, rhs, gs, precision=("highest", "default"))
+  with pytest.raises(ValueError, match=r"or a pair of one of those for both operands"):
+    stellarax.ragged_dot(lhs, rhs, gs, precision="fastest")
+
+
 def test_attention_bias_mask_and_gradients():
   k = _keys(5)
   q = jax.random.normal(k[0], (1, 16, 2, 8), jnp.float32)

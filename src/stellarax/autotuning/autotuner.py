@@ -30,6 +30,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import datetime
+import inspect
 import os
 import sys
 import time
@@ -204,13 +205,15 @@ class Autotuner:
         and carries the other calls in `partial_result`.
       distributed.DistributedTuningError: (an IncompleteTuningError) when
         distributing, if a process stalled or some call failed.
-      TypeError: for traced arguments (autotune called inside jit, vmap, grad).
+      TypeError: for traced arguments (autotune called inside jit, vmap, grad), or
+        for a tuning option among f's keyword arguments that f does not take.
 
     Warns:
       NothingToTuneWarning: when a callable, Lowered or JSON holds no op call (the
         result is then empty); an empty sequence of BoundArguments does not warn.
     """
     _check_not_traced(args, kwargs)
+    _check_no_tuning_options(f, kwargs)
     found, profiled = _found_calls(f, args, kwargs)
     calls = self._to_tune(found)
     if not calls and not _is_bound_args(f):
@@ -431,6 +434,26 @@ class NothingToTuneWarning(UserWarning):
 class SmallBudgetWarning(UserWarning):
   """The tuning budget was too small for some calls to have any config measured but their
   heuristic one: their entries keep the heuristic config."""
+
+
+def _check_no_tuning_options(f: Any, kwargs: Mapping[str, Any]) -> None:
+  """TypeError for a tuning option given among f's arguments (`autotune(f, x,
+  budget_s=1)`), where f would fail on it, saying where it belongs; nothing when f
+  takes an argument of that name, or its signature cannot be read."""
+  misplaced = sorted(set(kwargs) & {field.name for field in dataclasses.fields(Autotuner)})
+  if not misplaced or not callable(f):
+    return
+  try:
+    inspect.signature(f).bind_partial(**{name: None for name in misplaced})
+    return  # f takes them: they are its own
+  except TypeError:
+    pass
+  except ValueError:  # no signature to read: f decides
+    return
+  given = ", ".join(f"{name}={kwargs[name]!r}" for name in misplaced)
+  raise TypeError(f"autotune passes keyword arguments to f, and f takes no {misplaced[0]!r};"
+                  f" {given} is a tuning option: give it to the tuner,"
+                  f" stellarax.Autotuner({given}).autotune(f, ...).")
 
 
 def _check_not_traced(args: tuple, kwargs: Mapping[str, Any]) -> None:

@@ -11,18 +11,33 @@ PRECISIONS = ("DEFAULT", "HIGH", "HIGHEST")
 
 
 def canonical_precision(precision: Any) -> str | None:
-  """None, a `jax.lax.Precision` or its name -> None or the name.
+  """None, a `jax.lax.Precision` or its name, or a pair of one of those for both
+  operands (as jax takes) -> None or the name.
 
   Raises:
-    ValueError: for anything else (including per-operand pairs, unsupported).
+    ValueError: for anything else, a pair of two different precisions included (the
+      kernels take one precision for both operands).
   """
+  if isinstance(precision, (tuple, list)) and len(precision) == 2:
+    first, second = (_one_precision(p) for p in precision)
+    if first != second:
+      higher = max(first or "DEFAULT", second or "DEFAULT", key=PRECISIONS.index)
+      raise ValueError(
+          f"precision={precision!r} gives the operands different precisions; stellarax's"
+          f" kernels take one for both: pass one, e.g. precision={higher!r} (the higher).")
+    return first
+  return _one_precision(precision)
+
+
+def _one_precision(precision: Any) -> str | None:
   if precision is None:
     return None
   if isinstance(precision, jax.lax.Precision):
     return precision.name
   if isinstance(precision, str) and precision.upper() in PRECISIONS:
     return precision.upper()
-  raise ValueError(f"precision={precision!r} must be None, a jax.lax.Precision or one of {PRECISIONS}.")
+  raise ValueError(f"precision={precision!r} must be None, a jax.lax.Precision or one of"
+                   f" {PRECISIONS} (or a pair of one of those for both operands).")
 
 
 def lax_precision(name: str | None) -> jax.lax.Precision | None:

@@ -23,7 +23,8 @@ def gated_linear_unit(x, weights, *, activation=jax.nn.swish, precision=None, im
     weights: (K, 2, N) array.
     activation: a known activation function (jax.nn.swish, jax.nn.gelu, ...)
       or its name ("silu", "gelu", "relu", ...).
-    precision: None, a `jax.lax.Precision` or its name.
+    precision: None, a `jax.lax.Precision` or its name, or a pair of one precision
+      for both operands.
     implementation: None (best available), a name ("xla", "pallas_triton"), an Op,
       or a sequence of these tried in order.
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import jax
+
 from stellarax.core.config import NoConfig
 from stellarax.core import partitioning
 from stellarax.core.op import Op
@@ -67,10 +69,7 @@ class LayerNorm(Op):
       if tuple(p.shape) != expected:
         raise ValueError(f"{name}.shape={tuple(p.shape)} must be x's sizes along axis={axes}: {expected}.")
     arguments["axis"] = axes[0] if len(axes) == 1 else axes
-    arguments["epsilon"] = float(arguments["epsilon"])
-    if not arguments["epsilon"] >= 0:  # NaN fails too
-      raise ValueError(f"epsilon={arguments['epsilon']} must be >= 0: it is added to the variance"
-                       " (or mean square) before the square root; typical values are 1e-6 to 1e-5.")
+    arguments["epsilon"] = _static_epsilon(arguments["epsilon"])
     arguments["subtract_mean"] = bool(arguments["subtract_mean"])
     return arguments
 
@@ -143,3 +142,17 @@ class XlaLayerNorm(LayerNorm, name="layer_norm.xla"):
 
   def _get_heuristics_config(self, ba):
     return NoConfig()
+
+
+def _static_epsilon(epsilon) -> float:
+  """epsilon as a Python float; ValueError for a traced, non-numeric or negative one."""
+  try:
+    value = float(epsilon)
+  except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
+    raise ValueError(f"epsilon={epsilon!r:.80} must be a Python number >= 0; it is a static"
+                     " option of the call (a traced value cannot be one): pass a constant,"
+                     " or mark the argument static (jax.jit(..., static_argnums=...)).") from None
+  if not value >= 0:  # NaN fails too
+    raise ValueError(f"epsilon={value} must be >= 0: it is added to the variance (or mean"
+                     " square) before the square root; typical values are 1e-6 to 1e-5.")
+  return value

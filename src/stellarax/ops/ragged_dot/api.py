@@ -20,8 +20,12 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
     lhs: (M, K) array; rows of group g are consecutive, in group order.
     rhs: (G, K, N) array, one matrix per group.
     group_sizes: (G,) integer array; may sum to less than M (the remaining
-      rows give zeros) and contain zeros (empty groups).
-    precision: None, a `jax.lax.Precision` or its name.
+      rows give zeros) and contain zeros (empty groups). Sizes must be >= 0 and
+      sum to at most M; as in jax.lax.ragged_dot, the values are not checked
+      (that would wait for them on the device), and other values give undefined
+      results.
+    precision: None, a `jax.lax.Precision` or its name, or a pair of one precision
+      for both operands (the kernels take one precision for both).
     preferred_element_type: output dtype (default: the operands' dtype, or their
       promoted type when they differ, as in jax.lax.ragged_dot).
     implementation: None (best available), a name ("xla", "pallas_triton",
