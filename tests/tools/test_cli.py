@@ -22,6 +22,9 @@ def test_autotune_report_and_cache_commands(tmp_path, user_cache_dir, capsys):
   assert len(stellarax.AutotuningResult.load(out)) == 1
   assert cli.main(["report", str(out)]) == 0
   assert "ragged_dot.xla" in capsys.readouterr().out
+  assert cli.main(["report", str(calls)]) == 2  # the file tuned, not its result
+  assert ("It is a list of op calls (bound arguments): tune them with `stellarax autotune FILE"
+          in capsys.readouterr().err)
   assert cli.main(["cache", "list"]) == 0
   assert "ragged_dot.xla.json: 1 entries" in capsys.readouterr().out
   assert cli.main(["cache", "path"]) == 0

@@ -119,7 +119,13 @@ def parse(text: str, *, source: str) -> dict[str, Any]:
     raise FormatError(f"{source}: not valid JSON ({type(e).__name__}: {e}). Delete or fix "
                       "the file.") from None
   if not isinstance(data, dict):
-    raise FormatError(f"{source}: expected a JSON object with 'schema', 'device_kind' and 'entries'.")
+    hint = ""
+    if isinstance(data, list) and all(isinstance(d, dict) and "op" in d for d in data):
+      hint = (" It is a list of op calls (bound arguments): tune them with"
+              " `stellarax autotune FILE --output RESULT.json` or"
+              " stellarax.autotune(FILE), which gives a results file.")
+    raise FormatError(f"{source}: expected a JSON object with 'schema', 'device_kind' and"
+                      f" 'entries'.{hint}")
   for field in ("schema", "device_kind", "entries"):
     if field not in data:
       raise FormatError(f"{source}: missing field {field!r}; this is not a stellarax results file.")
