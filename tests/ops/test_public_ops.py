@@ -288,7 +288,9 @@ def _attention_operands(seed, t=16, s=24, n=4, k=2, h=64):
   return q, *kv
 
 
-@_ATTENTION_IMPLS
+# The padding to 4-D is the public function's, the same for every implementation: one
+# kernel (the bias gradient's test) shows that kernels take what it pads; the rest run XLA.
+@pytest.mark.parametrize("impl", ["xla"])
 @pytest.mark.parametrize("name, shape", [("bias", (16, 24)), ("mask", (16, 24)),
                                          ("bias", (4, 16, 24))])
 def test_attention_takes_a_bias_or_mask_of_lower_rank_as_jax(impl, name, shape):
@@ -301,7 +303,7 @@ def test_attention_takes_a_bias_or_mask_of_lower_rank_as_jax(impl, name, shape):
   np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-5)
 
 
-@_ATTENTION_IMPLS
+@pytest.mark.parametrize("impl", ["xla"])
 def test_attention_takes_unbatched_queries_keys_and_values_as_jax(impl):
   q, k, v = (x[0] for x in _attention_operands(13))  # (T, N, H) and (S, K, H)
   cotangent = jax.random.normal(jax.random.key(14), q.shape, jnp.float32)
