@@ -436,11 +436,15 @@ class SmallBudgetWarning(UserWarning):
   heuristic one: their entries keep the heuristic config."""
 
 
+# The Autotuner's fields, fixed when it is defined (tests may stand a partial in for it).
+_TUNING_OPTIONS = frozenset(field.name for field in dataclasses.fields(Autotuner))
+
+
 def _check_no_tuning_options(f: Any, kwargs: Mapping[str, Any]) -> None:
   """TypeError for a tuning option given among f's arguments (`autotune(f, x,
   budget_s=1)`), where f would fail on it, saying where it belongs; nothing when f
   takes an argument of that name, or its signature cannot be read."""
-  misplaced = sorted(set(kwargs) & {field.name for field in dataclasses.fields(Autotuner)})
+  misplaced = sorted(set(kwargs) & _TUNING_OPTIONS)
   if not misplaced or not callable(f):
     return
   try:
