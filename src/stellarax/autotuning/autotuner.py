@@ -686,7 +686,7 @@ def _autotune_on_miss(ba: BoundArguments) -> Any:
   programs of its own, which inside that trace would be staged into it. JAX's trace
   state is per thread, so the tuning runs in a thread of its own.
   """
-  key = (ba.op_json(), ba.key_json())
+  key = _miss_key(ba)
   if key not in _TUNED_ON_MISS:
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stellarax-tune") as pool:
       entry = pool.submit(Autotuner(progress=False).tune_one, ba).result()
@@ -704,7 +704,12 @@ def config_tuned_on_miss(ba: BoundArguments) -> Any | None:
     The best config found when the call was first traced under the policy; None when
     the policy has not tuned it.
   """
-  return _TUNED_ON_MISS.get((ba.op_json(), ba.key_json()))
+  return _TUNED_ON_MISS.get(_miss_key(ba))
+
+
+def _miss_key(ba: BoundArguments) -> tuple[str, str]:
+  """A call's key in _TUNED_ON_MISS: its op (with fields) and its arguments."""
+  return ba.op_json(), ba.key_json()
 
 
 class _TuningBackend:

@@ -40,6 +40,15 @@ def _one_precision(precision: Any) -> str | None:
                    f" {PRECISIONS} (or a pair of one of those for both operands).")
 
 
+def concrete_float(value: Any) -> float | None:
+  """`value` as a Python float, or None when it is no concrete number (a traced value,
+  a string, a list): the check of a static numeric option (a scale, an epsilon)."""
+  try:
+    return float(value)
+  except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
+    return None
+
+
 def lax_precision(name: str | None) -> jax.lax.Precision | None:
   """Inverse of `canonical_precision`."""
   return None if name is None else jax.lax.Precision[name]

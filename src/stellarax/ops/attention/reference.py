@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from stellarax.ops import common
+
 _HIGHEST = lax.Precision.HIGHEST
 
 # The logit that dropped positions get, as in jax.nn.dot_product_attention: finite,
@@ -109,10 +111,7 @@ def default_scale(head_dim: int, scale: float | None) -> float:
   """
   if scale is None:  # (a head dim of 0 has no logits to scale)
     return 1.0 / float(np.sqrt(head_dim)) if head_dim else 1.0
-  try:
-    value = float(scale)
-  except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
-    value = None
+  value = common.concrete_float(scale)
   if value is None or not np.isfinite(value):
     raise ValueError(f"scale={scale!r} must be None (1/sqrt(H) = {1 / np.sqrt(head_dim):.4g}) or "
                      "a finite Python number; it is a static option of the call.")

@@ -12,8 +12,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import jax
-
 from stellarax.core.config import NoConfig
 from stellarax.core import partitioning
 from stellarax.core.op import Op
@@ -146,12 +144,11 @@ class XlaLayerNorm(LayerNorm, name="layer_norm.xla"):
 
 def _static_epsilon(epsilon) -> float:
   """epsilon as a Python float; ValueError for a traced, non-numeric or negative one."""
-  try:
-    value = float(epsilon)
-  except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
+  value = common.concrete_float(epsilon)
+  if value is None:
     raise ValueError(f"epsilon={epsilon!r:.80} must be a Python number >= 0; it is a static"
                      " option of the call (a traced value cannot be one): pass a constant,"
-                     " or mark the argument static (jax.jit(..., static_argnums=...)).") from None
+                     " or mark the argument static (jax.jit(..., static_argnums=...)).")
   if not value >= 0:  # NaN fails too
     raise ValueError(f"epsilon={value} must be >= 0: it is added to the variance (or mean"
                      " square) before the square root; typical values are 1e-6 to 1e-5.")
