@@ -678,6 +678,40 @@ def test_a_tuning_option_among_the_functions_arguments_says_where_it_goes(user_c
   assert seen and set(seen) == {7}
 
 
+def test_the_functions_arguments_may_be_named_f_or_self(user_cache_dir):
+  # The spec's autotune(f, **args): every keyword is f's, even one named like the
+  # tuner's own parameters.
+  lhs, rhs, gs = _inputs()
+
+  def named_f(lhs, f, gs):
+    return model(lhs, f, gs)
+
+  args = {"lhs": lhs, "f": rhs, "gs": gs}
+  (ba,) = autotuning.get_bound_args(named_f, **args)
+  assert ba.op.name == "ragged_dot.xla"
+  assert len(stellarax.autotune(lambda lhs, self, gs: model(lhs, self, gs),
+                                lhs=lhs, self=rhs, gs=gs)) == 1
+  assert len(tuner().autotune(named_f, **args)) == 1
+  assert tuner().collect(named_f, **args) == [ba.with_config(None)]
+  import inspect
+  for entry in (stellarax.autotune, stellarax.Autotuner.autotune, stellarax.Autotuner.collect,
+                autotuning.get_bound_args, autotuning.check_in_program):
+    kind = inspect.signature(entry).parameters["f"].kind
+    assert kind is inspect.Parameter.POSITIONAL_ONLY, entry
+
+
+def test_a_function_called_without_its_arguments_gets_a_hint(user_cache_dir):
+  # The spec writes autotune(jax.grad(f)): jax's own error gets a note on what to pass.
+  with pytest.raises(TypeError) as info:
+    stellarax.autotune(jax.grad(model))
+  notes = "\n".join(getattr(info.value, "__notes__", []))
+  assert "autotune called f with no arguments" in notes and "functools.partial" in notes
+  lhs, rhs, gs = _inputs()
+  with pytest.raises(TypeError) as info:  # with arguments, jax's error stands alone
+    stellarax.autotune(model, lhs, rhs)
+  assert "autotune called f" not in "\n".join(getattr(info.value, "__notes__", []))
+
+
 def test_miss_policy_autotune_tunes_on_the_spot(user_cache_dir):
   lhs, rhs, gs = _inputs()
   ba = stellarax.XlaRaggedDot.bind(lhs[:16], rhs, gs)

@@ -323,3 +323,24 @@ def test_mistakes_are_found_before_any_work_and_nothing_else_is_touched(tmp_path
   assert (user_cache_dir / "cpu" / "ragged_dot.xla.json").exists()
   assert cli.main(["cache", "ship"]) == 2
   assert "needs a result file" in capsys.readouterr().err
+
+
+def test_cache_add_merges_a_result_file_into_the_user_cache(tmp_path, user_cache_dir, capsys):
+  lhs, rhs = jnp.ones((32, 16)), jax.random.normal(jax.random.key(0), (2, 16, 8))
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, jnp.array([10, 22], jnp.int32))
+  result = stellarax.Autotuner(progress=False, budget_s=2).autotune(ba)
+  out = tmp_path / "tuned_elsewhere.json"
+  result.dump(out)
+  assert autotuning.explain(ba).source == "heuristics"
+  assert cli.main(["cache", "add", str(out)]) == 0
+  assert "added 1 entries" in capsys.readouterr().out
+  assert autotuning.explain(ba).source == "user_cache"
+  (written,) = user_cache_dir.glob("*/ragged_dot.xla.json")
+  assert stellarax.AutotuningResult.load(written) == result
+  # It needs a file, takes no --root (ship's), and a missing file is bad input.
+  assert cli.main(["cache", "add"]) == 2
+  assert "needs a result file: stellarax cache add" in capsys.readouterr().err
+  assert cli.main(["cache", "add", str(out), "--root", str(tmp_path)]) == 2
+  assert "only `cache ship` takes --root" in capsys.readouterr().err
+  assert cli.main(["cache", "add", str(tmp_path / "missing.json")]) == 2
+  assert "stellarax cache: error:" in capsys.readouterr().err

@@ -174,7 +174,7 @@ class Autotuner:
 
   # ---- inputs -----------------------------------------------------------
 
-  def collect(self, f: Any, *args, **kwargs) -> list[BoundArguments]:
+  def collect(self, f: Any, /, *args, **kwargs) -> list[BoundArguments]:
     """The unique bound arguments to tune, from any accepted input."""
     return self._to_tune(_found_calls(f, args, kwargs)[0])
 
@@ -188,7 +188,7 @@ class Autotuner:
 
   # ---- tuning -----------------------------------------------------------
 
-  def autotune(self, f: Any, *args, **kwargs) -> AutotuningResult:
+  def autotune(self, f: Any, /, *args, **kwargs) -> AutotuningResult:
     """Tunes every op call found in `f` (see the module docstring).
 
     Args:
@@ -482,7 +482,14 @@ def _found_calls(f: Any, args: tuple, kwargs: Mapping[str, Any]
   if _is_bound_args(f):
     _no_args(args, kwargs, "a sequence of BoundArguments")
     return list(f), None
-  return capture.get_bound_args(f, *args, **kwargs), None
+  try:
+    return capture.get_bound_args(f, *args, **kwargs), None
+  except TypeError as exc:
+    if not args and not kwargs:  # the spec's `autotune(jax.grad(f))`, with f's arguments left out
+      exc.add_note("autotune called f with no arguments. If f takes some, pass them after it, "
+                   "autotune(f, x, y) or autotune(jax.grad(loss), params, batch), or bind them "
+                   "first: autotune(functools.partial(f, x, y)).")
+    raise
 
 
 def _is_bound_args(f: Any) -> bool:
@@ -505,7 +512,7 @@ def _nothing_found(f: Any) -> str:
           "leaves nothing to tune.")
 
 
-def autotune(f: Any, *args, **kwargs) -> AutotuningResult:
+def autotune(f: Any, /, *args, **kwargs) -> AutotuningResult:
   """Tunes every stellarax op call in `f` with default options.
 
   `autotune(f, *args, **kwargs)` is `Autotuner().autotune(f, *args, **kwargs)`;

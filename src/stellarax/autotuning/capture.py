@@ -84,7 +84,7 @@ def bound_args_from_text(text: str, per_device: Mapping[str, BoundArguments] | N
   return list(dict.fromkeys(seen.values()))
 
 
-def get_bound_args(f: Callable[..., Any] | jax.stages.Lowered, *args, **kwargs) -> list[BoundArguments]:
+def get_bound_args(f: Callable[..., Any] | jax.stages.Lowered, /, *args, **kwargs) -> list[BoundArguments]:
   """Returns the unique `BoundArguments` of every stellarax op in `f`.
 
   Args:

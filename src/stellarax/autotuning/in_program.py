@@ -264,7 +264,7 @@ def _call_times(found: list[BoundArguments], result: AutotuningResult,
   return tuple(sorted(out, key=lambda t: -(t.heuristic_s or 0.0)))
 
 
-def check_in_program(result: AutotuningResult, f: Callable[..., Any], *args,
+def check_in_program(result: AutotuningResult, f: Callable[..., Any], /, *args,
                      options: measure_lib.MeasureOptions | None = None,
                      profile: bool = False, **kwargs) -> ProgramCheck:
   """Times the program `f(*args, **kwargs)` with heuristic and tuned configs, and with

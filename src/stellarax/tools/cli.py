@@ -4,6 +4,7 @@
         [--budget-s S | --total-budget-s S]
     stellarax xplane_to_bound_args --xplane_file=X --output_file=Y
     stellarax cache list | path | prune | clear
+    stellarax cache add RESULT_JSON                 (a result tuned elsewhere, into the user cache)
     stellarax cache ship RESULT_JSON [--root DIR]   (developers: into the library cache)
     stellarax report RESULT_JSON
     stellarax demo [--output DIR] [--budget-s S | --total-budget-s S] [--no-progress]
@@ -149,13 +150,19 @@ def output_problem(path: str) -> str | None:
 def _cache(args) -> int:
   from stellarax.autotuning import cache
   root = cache.user_cache_root()
-  if args.action != "ship" and (args.result or args.root):
-    given = " ".join(filter(None, [args.result, args.root and f"--root {args.root}"]))
+  takes_result = args.action in ("ship", "add")
+  if (args.result and not takes_result) or (args.root and args.action != "ship"):
+    given = " ".join(filter(None, [args.result if not takes_result else None,
+                                   args.root and f"--root {args.root}"]))
     print(f"stellarax cache {args.action}: error: takes no {given!r}: it works on the user "
-          f"cache at {root} (set STELLARAX_CACHE_DIR for another); only `cache ship` takes "
-          "a result file and --root.", file=sys.stderr)
+          f"cache at {root} (set STELLARAX_CACHE_DIR for another); only `cache add` and "
+          "`cache ship` take a result file, and only `cache ship` takes --root.", file=sys.stderr)
     return 2
-  problem = args.action in ("list", "prune", "clear") and cache.USER_CACHE.root_problem()
+  if takes_result and not args.result:
+    print(f"stellarax cache {args.action}: error: needs a result file: stellarax cache "
+          f"{args.action} tuned.json", file=sys.stderr)
+    return 2
+  problem = args.action in ("list", "prune", "clear", "add") and cache.USER_CACHE.root_problem()
   if problem:  # else a file in the way reads as an empty cache, and clearing does nothing
     print(f"stellarax cache {args.action}: error: the user cache at {root} cannot be used: "
           f"{problem}.", file=sys.stderr)
@@ -177,14 +184,18 @@ def _cache(args) -> int:
               + ("" if p.kept else " (file deleted)"))
     if not pruned:
       print(f"user cache at {root}: no stale entries")
+  elif args.action == "add":
+    # A result tuned elsewhere (another run, a colleague's machine) joins the user cache:
+    # per call, the current entry wins over a stale one, else the faster.
+    from stellarax.autotuning.result import AutotuningResult
+    result = AutotuningResult.load(args.result)
+    for path in cache.USER_CACHE.write(result):
+      print(f"wrote {path}")
+    print(f"added {len(result)} entries for {result.device_kind!r} to the user cache at {root}")
   elif args.action == "ship":
     # For developers: merge a measured result into the shipped library cache
     # (src/stellarax/data/autotuning/<device kind>/<op>.json, one file per op), or with
     # --root into a package's own (stellarax.autotuning.add_library_cache reads it).
-    if not args.result:
-      print("stellarax cache ship: error: needs a result file: stellarax cache ship tuned.json",
-            file=sys.stderr)
-      return 2
     from stellarax.autotuning.result import AutotuningResult
     root = Path(args.root) if args.root else cache.LIBRARY_ROOT
     for path in cache.write_library_cache(AutotuningResult.load(args.result), root):
@@ -297,13 +308,15 @@ def main(argv=None) -> int:
   p.add_argument("--output_file", required=True, help="where to write the bound-argument JSON")
   p.set_defaults(run=lambda a: _xplane(a))
 
-  p = sub.add_parser("cache", parents=[reads_ops], help="inspect, prune or clear the user cache")
-  p.add_argument("action", choices=("list", "path", "prune", "clear", "ship"),
+  p = sub.add_parser("cache", parents=[reads_ops],
+                     help="inspect, fill, prune or clear the user cache")
+  p.add_argument("action", choices=("list", "path", "add", "prune", "clear", "ship"),
                  help="list: its files and entries; path: where it is (STELLARAX_CACHE_DIR "
-                      "moves it); prune: remove entries measured under other versions or on "
-                      "other code; clear: remove every file; ship (developers): merge a result "
-                      "into the library cache")
-  p.add_argument("result", nargs="?", help="with ship: the result JSON to add to the library cache")
+                      "moves it); add: merge a result file into it; prune: remove entries "
+                      "measured under other versions or on other code; clear: remove every "
+                      "file; ship (developers): merge a result into the library cache")
+  p.add_argument("result", nargs="?",
+                 help="with add or ship: the result JSON to merge into the user or library cache")
   p.add_argument("--root", help="with ship: the library cache folder (default: the package's)")
   p.set_defaults(run=_cache)
 
