@@ -100,6 +100,30 @@ def test_one_process_one_device_keeps_the_plain_path(calls, monkeypatch):
   assert len(result) == 1
 
 
+def test_a_share_stops_once_a_call_lost_the_device(calls):
+  # After a lost device nothing runs in the process: its later calls are reported as
+  # not tuned, with why, instead of each failing on the dead device.
+  tried, published = [], []
+
+  class LosesTheDevice:
+    def entry_for(self, ba, **kwargs):
+      tried.append(ba)
+      failure = Measurement(status="runtime_error", error="CUDA_ERROR_ILLEGAL_ADDRESS: ...")
+      raise stellarax.autotuning.DeviceLostError("the bad config", {"the bad config": failure})
+
+  class Publisher:
+    def publish(self, worker, index, entry, error):
+      published.append((index, entry, error))
+
+  share = list(calls[:3])
+  distributed._tune_share(LosesTheDevice(), None, share, None, Publisher(), None, {})
+  assert tried == share[:1]
+  assert [(i, e) for i, e, _ in published] == [(0, None), (1, None), (2, None)]
+  assert published[0][2].startswith("DeviceLostError: Running candidate 'the bad config' lost")
+  assert all("lost its device ('the bad config' of BoundArguments(" in error
+             for _, _, error in published[1:])
+
+
 def test_timeout_is_validated():
   with pytest.raises(ValueError, match="distributed_timeout_s=0 must be a positive"):
     stellarax.Autotuner(distributed_timeout_s=0)

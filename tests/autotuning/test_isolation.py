@@ -25,8 +25,13 @@ from stellarax.core.op import Op
 # Every test here holds configs to a time limit and picks the fast one by measuring.
 pytestmark = pytest.mark.timing
 
-BEHAVIOURS = ("fast", "slow", "compile_error", "raise", "nan", "wrong", "hang", "crash")
+BEHAVIOURS = ("fast", "slow", "compile_error", "raise", "nan", "wrong", "hang", "crash", "poison")
 HANG_S = 60.0  # how long the hang config sleeps (a worker process is killed first)
+# What a kernel's illegal memory access leaves on a GPU: the poison config sets it, and
+# then every run of FaultyOp(poison=True) in the process fails as on a lost device.
+_POISONED = False
+_LOST = "CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered"
+POISON_SPACE = ("fast", "slow", "compile_error", "raise", "wrong", "poison")
 
 
 @config_dataclass
@@ -56,12 +61,26 @@ def _crash(v):
   os._exit(3)
 
 
+def _poison(v):
+  global _POISONED
+  _POISONED = True
+  raise RuntimeError(f"INTERNAL: Failed to launch CUDA kernel: {_LOST}")
+
+
+def _fail_if_poisoned(v):
+  if _POISONED:
+    raise RuntimeError(f"INTERNAL: CUDA error: Could not synchronize CUDA stream: {_LOST}")
+  return v
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FaultyOp(Op, name="test_isolation.faulty"):
-  """2 * x with configs that misbehave; `crash` adds the config that kills its process."""
+  """2 * x with configs that misbehave; `crash` adds the config that kills its process,
+  `poison` the one that leaves the process unable to run anything more (a small space)."""
 
   config_cls = FaultyConfig
   crash: bool = False
+  poison: bool = False
 
   def _fwd(self, x, *, config):
     b = config.behaviour
@@ -80,6 +99,10 @@ class FaultyOp(Op, name="test_isolation.faulty"):
       y = _on_host(_hang, y)
     elif b == "crash":
       y = _on_host(_crash, y)
+    elif b == "poison":
+      y = _on_host(_poison, y)
+    if self.poison:
+      y = _on_host(_fail_if_poisoned, y)
     return y, None
 
   def _reference(self, x):
@@ -89,7 +112,9 @@ class FaultyOp(Op, name="test_isolation.faulty"):
     return FaultyConfig(behaviour="slow")
 
   def _get_autotuning_configs(self, ba):
-    return {FaultyConfig(behaviour=b) for b in BEHAVIOURS if self.crash or b != "crash"}
+    if self.poison:
+      return {FaultyConfig(behaviour=b) for b in POISON_SPACE}
+    return {FaultyConfig(behaviour=b) for b in BEHAVIOURS if b != "poison" and (self.crash or b != "crash")}
 
 
 OPTIONS = MeasureOptions(rounds=3, leader_rounds=1, warmup_s=0.0, max_total_s=0.3, min_batch_s=2e-4,
@@ -179,3 +204,42 @@ def test_workers_start_with_this_process_jax_options():
   assert env["JAX_NUMPY_RANK_PROMOTION"] == jax.config.jax_numpy_rank_promotion == "raise"  # conftest
   assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
   assert all(p in env["PYTHONPATH"].split(os.pathsep) for p in sys.path if p)
+
+
+def test_a_config_that_loses_the_device_stops_in_process_tuning_with_advice(monkeypatch):
+  monkeypatch.setattr(sys.modules[__name__], "_POISONED", False)  # and back after
+  with pytest.raises(stellarax.autotuning.DeviceLostError) as info:
+    _tune(FaultyOp(poison=True), isolate=False)
+  exc = info.value
+  assert exc.key == FaultyConfig(behaviour="poison")
+  assert "CUDA_ERROR_ILLEGAL_ADDRESS" in exc.measurements[exc.key].error
+  assert exc.measurements[exc.key].lost_the_device
+  # Measuring stopped at it: no config was timed after the device was lost.
+  assert not any(m.ok for m in exc.measurements.values())
+  assert "isolate=True" in str(exc) and len(exc.partial_result) == 0
+  assert "It happened while tuning" in "\n".join(exc.__notes__)
+
+
+def test_isolated_tuning_records_the_config_that_lost_the_device_and_goes_on(fresh_workers):
+  entry, _ = _tune(FaultyOp(poison=True), isolate=True)
+  statuses = _statuses(entry)
+  assert statuses == {b: EXPECTED.get(b, "runtime_error") for b in POISON_SPACE}
+  poison = dict((c.behaviour, m) for c, m in entry.measurements)["poison"]
+  assert poison.lost_the_device and "CUDA_ERROR_ILLEGAL_ADDRESS" in poison.error
+  assert not any(m.lost_the_device for c, m in entry.measurements if c.behaviour != "poison")
+  assert entry.best_config == FaultyConfig(behaviour="fast")
+
+
+def test_the_autotune_command_says_to_isolate_what_lost_the_device(tmp_path, monkeypatch, capsys,
+                                                                   user_cache_dir, fresh_workers):
+  from stellarax.tools import cli
+  monkeypatch.setattr(sys.modules[__name__], "_POISONED", False)
+  calls = tmp_path / "calls.json"
+  stellarax.autotuning.bound_args_to_json([FaultyOp(poison=True).bind(jnp.ones((64, 32)))], calls)
+  out = tmp_path / "result.json"
+  assert cli.main(["autotune", str(calls), "--output", str(out), "--no-progress"]) == 1
+  assert "lost the device" in capsys.readouterr().err and not out.exists()  # nothing tuned
+  monkeypatch.setattr(sys.modules[__name__], "_POISONED", False)
+  assert cli.main(["autotune", str(calls), "--output", str(out), "--no-progress", "--isolate"]) == 0
+  (entry,) = stellarax.AutotuningResult.load(out)
+  assert entry.best_config == FaultyConfig(behaviour="fast")

@@ -568,3 +568,16 @@ def test_check_close_is_dtype_aware_and_strict_about_nan():
   assert "structure" in m.check_close((ref, ref), [ref, ref])
   assert m.check_close({"a": np.zeros((0, 3))}, {"a": np.zeros((0, 3))}) is None
   assert m.check_close(np.arange(5), np.arange(5) + np.array([0, 0, 0, 0, 1])) is not None
+
+
+def test_an_error_that_lost_the_device_says_so_even_when_cut_short():
+  long_first_line = "INTERNAL: Failed to execute XLA Runtime executable: " + "x" * 400
+  exc = RuntimeError(long_first_line + " CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access")
+  short = m._short_error(exc)
+  assert len(short) <= m._MAX_ERROR_CHARS and short.endswith("[CUDA_ERROR_ILLEGAL_ADDRESS]")
+  assert m.Measurement(status="runtime_error", error=short).lost_the_device
+  assert not m.Measurement(status="runtime_error", error="boom").lost_the_device
+  # Only a run's failure: a compile error that names the same words is the compiler's.
+  assert not m.Measurement(status="compile_error", error=short).lost_the_device
+  assert m.Measurement(status="runtime_error",
+                             error="CUDA error: unspecified launch failure").lost_the_device

@@ -26,6 +26,7 @@ from stellarax.autotuning.file_format import VersionWarning as VersionWarning
 from stellarax.autotuning.heuristics_fit import fit_heuristics as fit_heuristics
 from stellarax.autotuning.in_program import ProgramCheck as ProgramCheck
 from stellarax.autotuning.in_program import check_in_program as check_in_program
+from stellarax.autotuning.measure import DeviceLostError as DeviceLostError
 from stellarax.autotuning.measure import Measurement as Measurement
 from stellarax.autotuning.measure import MeasureOptions as MeasureOptions
 from stellarax.autotuning.result import AutotuningResult as AutotuningResult

@@ -207,6 +207,10 @@ class Autotuner:
         distributing, if a process stalled or some call failed.
       TypeError: for traced arguments (autotune called inside jit, vmap, grad), or
         for a tuning option among f's keyword arguments that f does not take.
+      measure.DeviceLostError: (a RuntimeError) when, measuring in this process, a
+        config lost the device (an illegal memory access, a trap): nothing more can
+        run here; it names the config, suggests `isolate=True`, and carries the calls
+        tuned before in `partial_result`.
 
     Warns:
       NothingToTuneWarning: when a callable, Lowered or JSON holds no op call (the
@@ -340,6 +344,12 @@ class Autotuner:
           result = result.with_entry(entry)
           if len(entry.measurements) <= 1 < len(ba.autotuning_configs):
             starved.append(ba)
+        except measure_lib.DeviceLostError as exc:  # nothing more can run here
+          exc.partial_result = result
+          exc.add_note(f"It happened while tuning {ba}. The {len(result)} calls tuned before "
+                       "it are in exc.partial_result"
+                       + (", and in the user cache." if self.cache else "."))
+          raise
         except Exception as exc:  # Data about this call; the others are still tuned.
           errors[ba] = exc
         seconds.append(_clock() - start)

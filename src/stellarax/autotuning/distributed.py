@@ -63,6 +63,7 @@ from typing import Any, Protocol
 import jax
 
 from stellarax.autotuning import autotuner as autotuner_lib
+from stellarax.autotuning import measure as measure_lib
 from stellarax.autotuning.progress import Progress
 from stellarax.autotuning.result import AutotuningResult, Entry
 from stellarax.core.bound_args import BoundArguments
@@ -409,12 +410,17 @@ def _tune_share(tuner: autotuner_lib.Autotuner, worker: _Worker, share: Sequence
   # The share's calls draw on the sum of their budgets: what one leaves goes to the next.
   pool = (autotuner_lib.BudgetPool({ba: budgets[ba] for ba in share}, sum(budgets[ba] for ba in share))
           if budgets and share else None)
+  lost = None  # once a call lost the device, nothing more can run in this process
   for index, ba in enumerate(share):
-    entry, error = None, None
-    try:
-      entry = tuner.entry_for(ba, progress=progress, device=device, pool=pool)
-    except Exception as exc:  # Reported to every process as data; the share goes on.
-      error = f"{type(exc).__name__}: {exc}"
+    entry, error = None, lost
+    if lost is None:
+      try:
+        entry = tuner.entry_for(ba, progress=progress, device=device, pool=pool)
+      except measure_lib.DeviceLostError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        lost = f"not tuned: tuning an earlier call of this process lost its device ({exc.key!r} of {ba})"
+      except Exception as exc:  # Reported to every process as data; the share goes on.
+        error = f"{type(exc).__name__}: {exc}"
     publisher.publish(worker, index, entry, error)
 
 

@@ -18,7 +18,10 @@ per device and reused across calls; on a GPU they do not preallocate memory
 
 A worker lost while measuring several configs does not say which one killed it: the
 configs are split in halves and measured again until the culprit is alone, so one bad
-config costs about log2(#configs) extra workers.
+config costs about log2(#configs) extra workers. A config that loses the device (an
+illegal address, a trap: `Measurement.lost_the_device`) leaves the worker alive but
+unable to run anything more: the worker reports the configs decided so far, that one
+among them, and stops, and a fresh worker measures the rest.
 
 Messages are length-prefixed pickles on the worker's stdin and on a duplicate of its
 original stdout (its own prints go to stderr). The worker's entry point is
@@ -307,8 +310,9 @@ def _serve(request: _Request, measurer: CallMeasurer | None) -> tuple[dict[str, 
   out = measurer(configs, request.effort, request.options)
   index = {c: i for i, c in enumerate(configs)}
   # Any timeout leaves work behind (a hung run on the device, or a compilation on an
-  # abandoned thread): this worker stops after replying and a fresh one goes on.
-  stalled = any(m.status == "timeout" for m in out.values())
+  # abandoned thread), and a lost device fails all later work: this worker stops after
+  # replying and a fresh one goes on.
+  stalled = any(m.status == "timeout" or m.lost_the_device for m in out.values())
   return {"measurements": {index[c]: m for c, m in out.items()}, "stalled": stalled}, measurer
 
 

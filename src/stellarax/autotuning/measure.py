@@ -96,6 +96,7 @@ import math
 import os
 import queue
 import random
+import re
 import tempfile
 import threading
 import time
@@ -123,6 +124,13 @@ _MAX_BATCH_GROWTH: Final = 100
 # A call this long is never host-bound (no dispatch takes a tenth of it), so when every
 # candidate takes longer the dispatch floor is not measured.
 _SURELY_DEVICE_BOUND_S: Final = 1e-3
+# Errors after which a process's GPU context is unusable: CUDA's "sticky" errors (a
+# kernel that wrote out of bounds, trapped or asserted). Every later call in that process
+# fails the same way, so no measurement taken after one means anything.
+_DEVICE_LOST: Final = re.compile(
+    r"CUDA_ERROR_(?:ILLEGAL_ADDRESS|LAUNCH_FAILED|MISALIGNED_ADDRESS|ILLEGAL_INSTRUCTION|"
+    r"HARDWARE_STACK_ERROR|INVALID_PC|ASSERT|ECC_UNCORRECTABLE|CONTEXT_IS_DESTROYED)"
+    r"|an illegal memory access was encountered|unspecified launch failure")
 # Measurement.to_json leaves these out when they are None.
 _OPTIONAL_JSON_KEYS: Final = frozenset({"profiled_s"})
 
@@ -167,6 +175,14 @@ class Measurement:
     if self.profiled_s is not None and not (self.ok and 0 <= self.profiled_s < math.inf):
       raise ValueError(f"{self.profiled_s=} must be None, or a finite time >= 0 of an ok"
                        f" measurement (status is {self.status!r}).")
+
+  @property
+  def lost_the_device(self) -> bool:
+    """Whether this run failed with an error that leaves the process's GPU context
+    unusable (an illegal address, a trap, a device-side assert): every later call in the
+    process fails too, so measurements taken after it there mean nothing."""
+    return self.status == "runtime_error" and bool(self.error) and bool(
+        _DEVICE_LOST.search(self.error))
 
   def _validate_ok(self):
     times = (self.ci_low_s, self.median_s, self.ci_high_s)
@@ -264,8 +280,10 @@ class MeasureOptions:
     compile_threads: compilations at once; None uses min(#candidates, os.cpu_count()).
     stop_after_run_timeout: after a check run or timed batch times out, measure
       nothing more and return only the candidates already decided (failed ones):
-      the device may still be busy with the hung call. For measuring in a worker
-      process that is replaced afterwards (see `autotuning/isolation.py`).
+      the device may still be busy with the hung call. The same after a run that
+      lost the device (`Measurement.lost_the_device`), which otherwise raises
+      `DeviceLostError`. For measuring in a worker process that is replaced
+      afterwards (see `autotuning/isolation.py`).
     loop_calls: calls of a host-bound candidate in one looped program (step 4 of the
       module docstring); 0 never loops, so that every candidate is timed in batches.
     host_bound_factor: a candidate whose warm-up time per call is below this multiple
@@ -358,6 +376,31 @@ class MeasureOptions:
       ValueError: if effort is outside (0, 1].
     """
     return self.with_effort(effort).rounds / self.rounds
+
+
+class DeviceLostError(RuntimeError):
+  """A candidate's run lost the device (`Measurement.lost_the_device`): the process's
+  GPU context cannot run anything more, so measuring stopped there.
+
+  Attributes:
+    key: the candidate whose run lost the device.
+    measurements: key -> Measurement of the candidates decided before measuring
+      stopped (failures, and `key`'s own).
+    partial_result: set by `Autotuner.autotune`: the calls tuned before this one, as
+      an `AutotuningResult` (None elsewhere).
+  """
+
+  def __init__(self, key: Any, measurements: Mapping[Any, Measurement]):
+    self.key, self.measurements = key, dict(measurements)
+    self.partial_result = None
+    error = measurements[key].error if key in measurements else "(no measurement)"
+    super().__init__(
+        f"Running candidate {key!r} lost the device: {error}. After such "
+        "an error (an illegal memory access, a trap or a device-side assert in a kernel) the "
+        "process's GPU context is unusable and every later call fails the same way, so "
+        "measuring stopped. Restart the process; to tune configs that may do this, measure "
+        "in worker processes, stellarax.Autotuner(isolate=True) (`stellarax autotune "
+        "--isolate`), which records such a config as failed and goes on.")
 
 
 class AllCandidatesFailedError(ValueError):
@@ -598,7 +641,12 @@ def _short_error(exc: BaseException) -> str:
   text = type(exc).__name__
   if lines:
     text += f": {lines[0]}" + (f" ... {lines[-1]}" if len(lines) > 1 else "")
-  return text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS - 3] + "..."
+  if len(text) > _MAX_ERROR_CHARS:
+    text = text[:_MAX_ERROR_CHARS - 3] + "..."
+  lost = _DEVICE_LOST.search(str(exc))
+  if lost and not _DEVICE_LOST.search(text):  # what tells a lost device must survive the cut
+    text = text[:_MAX_ERROR_CHARS - len(lost[0]) - 3] + f" [{lost[0]}]"
+  return text
 
 
 class _Runner:
@@ -770,6 +818,21 @@ class _Stalled(Exception):
   """A run timed out under `stop_after_run_timeout`: measure nothing more."""
 
 
+class _DeviceLost(Exception):
+  """A run lost the device (see `_DEVICE_LOST`): nothing more can run in this process."""
+
+  def __init__(self, key: Any):
+    super().__init__(key)
+    self.key = key
+
+
+def _run_failed(cand: _Candidate, exc: BaseException) -> None:
+  """Records a run's exception as a runtime error; one that lost the device stops all."""
+  cand.fail("runtime_error", _short_error(exc))
+  if _DEVICE_LOST.search(str(exc)):
+    raise _DeviceLost(cand.key)
+
+
 def _timed_out(cand: _Candidate, error: str, options: MeasureOptions) -> None:
   cand.fail("timeout", error)
   if options.stop_after_run_timeout:
@@ -785,7 +848,7 @@ def _check_output(cand: _Candidate, args: tuple, reference: Any,
     _timed_out(cand, f"the check run did not finish within timeout_s={options.timeout_s:g} s",
                options)
   elif kind == "error":
-    cand.fail("runtime_error", _short_error(value))
+    _run_failed(cand, value)
   elif check is not None:
     reason = check(value, reference)
     if reason is not None:
@@ -834,7 +897,7 @@ def _run_batch(cand: _Candidate, input_sets: list[tuple], n: int,
                options)
     return None
   if kind == "error":
-    cand.fail("runtime_error", _short_error(value))
+    _run_failed(cand, value)
     return None
   return value
 
@@ -1081,11 +1144,14 @@ def measure_candidates(
 
   Returns:
     key -> Measurement, in `order`; under `options.stop_after_run_timeout`, after a
-    run timed out, only the candidates that failed before it and the one that timed out.
+    run timed out or lost the device, only the candidates that failed before it and
+    that one.
 
   Raises:
     ValueError: if candidates is empty, order misses a candidate, or effort is not in (0, 1].
     TypeError: if a candidate is not callable.
+    DeviceLostError: when a run lost the device (an illegal address, a trap), unless
+      `options.stop_after_run_timeout`: nothing more can run in this process.
   """
   if not candidates:
     raise ValueError("No candidates to measure: pass a non-empty mapping of key -> function.")
@@ -1106,8 +1172,11 @@ def measure_candidates(
           if cand.alive:
             _check_output(cand, args, expected, check, options)
       _time_all([c for c in cands if c.alive], candidates, args, options, compile_cache)
-  except _Stalled:
-    return {c.key: _to_measurement(c, platform, options) for c in cands if not c.alive}
+  except (_Stalled, _DeviceLost) as stop:
+    decided = {c.key: _to_measurement(c, platform, options) for c in cands if not c.alive}
+    if isinstance(stop, _DeviceLost) and not options.stop_after_run_timeout:
+      raise DeviceLostError(stop.key, decided) from None
+    return decided
   return {c.key: _to_measurement(c, platform, options) for c in cands}
 
 
@@ -1126,10 +1195,14 @@ def dispatch_floor_s(args: tuple, options: MeasureOptions = MeasureOptions()) ->
     The floor in seconds per call.
 
   Raises:
-    RuntimeError: if the floor's program failed to compile or run within options.timeout_s.
+    RuntimeError: if the floor's program failed to compile or run within options.timeout_s;
+      DeviceLostError (a RuntimeError) if running it lost the device.
   """
-  with _one_runner():
-    floor_s = _dispatch_floor_s(_input_sets(_on_device(tuple(args)), options), options, None)
+  try:
+    with _one_runner():
+      floor_s = _dispatch_floor_s(_input_sets(_on_device(tuple(args)), options), options, None)
+  except _DeviceLost as lost:
+    raise DeviceLostError(lost.key, {}) from None
   if floor_s is None:
     raise RuntimeError(f"The dispatch floor's program did not compile or run within"
                        f" timeout_s={options.timeout_s:g} s for arguments"

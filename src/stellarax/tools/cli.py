@@ -55,6 +55,8 @@ def _autotune(args) -> int:
       result = tuner.autotune(args.bound_args)
     except stellarax.autotuning.IncompleteTuningError as exc:
       result, failure = exc.partial_result, exc
+    except stellarax.autotuning.DeviceLostError as exc:  # its message says: --isolate
+      result, failure = exc.partial_result, exc
   if args.no_progress:  # with progress on, the tuner has printed the table already
     print(result.summary())
   if args.output and len(result):
