@@ -56,7 +56,10 @@ def _autotune(args) -> int:
     except stellarax.autotuning.IncompleteTuningError as exc:
       result, failure = exc.partial_result, exc
     except stellarax.autotuning.DeviceLostError as exc:  # its message says: --isolate
+      from stellarax.autotuning.cache import current_device_kind
       result, failure = exc.partial_result, exc
+      if result is None:  # raised outside a tuning run's loop: nothing was tuned
+        result = stellarax.AutotuningResult(current_device_kind())
   if args.no_progress:  # with progress on, the tuner has printed the table already
     print(result.summary())
   if args.output and len(result):
