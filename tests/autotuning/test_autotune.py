@@ -744,6 +744,29 @@ def test_miss_policy_autotune_tunes_on_the_spot(user_cache_dir):
   assert autotuning.explain(other).source == "heuristics"  # the policy is gone
 
 
+def test_ctrl_c_while_the_miss_policy_tunes_stops_at_once(monkeypatch):
+  # The tuning runs on a thread of its own; an interrupt of the waiting thread must
+  # not wait for it to end (a thread pool's shutdown did).
+  import _thread
+  release, ended = threading.Event(), []
+
+  def long_tuning(self, ba, **kwargs):
+    release.wait(60)
+    ended.append(ba)
+
+  monkeypatch.setattr(autotuner_lib.Autotuner, "tune_one", long_tuning)
+  lhs, rhs, gs = _inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs[:40], rhs, gs)
+  threading.Timer(0.2, _thread.interrupt_main).start()
+  try:
+    with pytest.raises(KeyboardInterrupt), resolution.miss_policy_scope("autotune"):
+      resolution.resolve_config(ba)
+    assert not ended  # interrupted while the tuning still ran
+  finally:
+    release.set()
+  assert autotuning.explain(ba).source == "heuristics"  # nothing kept
+
+
 def test_results_are_per_thread_context():
   import threading
   lhs, rhs, gs = _inputs()
@@ -1049,6 +1072,23 @@ def test_a_budget_too_small_to_search_says_so():
     warnings.simplefilter("error", autotuning.SmallBudgetWarning)
     result = stellarax.Autotuner(progress=False).autotune([light])
   assert len(next(iter(result)).measurements) == len(light.autotuning_configs)
+
+
+def test_a_cached_entry_the_budget_starved_is_tuned_again(user_cache_dir):
+  # Following the warning's advice, a bigger budget must search, not reuse an entry
+  # that measured only its heuristic config.
+  (call,) = _ragged_calls(1)
+  with pytest.warns(autotuning.SmallBudgetWarning, match="is tuned again, not reused"):
+    stellarax.Autotuner(budget_s=0.001, progress=False, cache=True).autotune([call])
+  (cached,) = stellarax.autotuning.USER_CACHE.results()[0]
+  assert len(cached.measurements) == 1
+  (entry,) = stellarax.Autotuner(progress=False, cache=True).autotune([call])
+  assert len(entry.measurements) == len(call.autotuning_configs)
+  (cached,) = stellarax.autotuning.USER_CACHE.results()[0]
+  assert cached == entry
+  # A searched entry is reused as it is.
+  (again,) = stellarax.Autotuner(progress=False, cache=True).autotune([call])
+  assert again == entry
 
 
 def _with_times(entry, factor):

@@ -581,3 +581,16 @@ def test_an_error_that_lost_the_device_says_so_even_when_cut_short():
   assert not m.Measurement(status="compile_error", error=short).lost_the_device
   assert m.Measurement(status="runtime_error",
                              error="CUDA error: unspecified launch failure").lost_the_device
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit])
+def test_an_interrupt_while_a_candidate_is_traced_stops_measuring(stop):
+  # Raised on a compile thread, it must reach the caller, not wait out timeout_s as a
+  # "timeout" of that candidate.
+  def interrupted(x):
+    raise stop()
+
+  x = jnp.ones(8)
+  with pytest.raises(stop):
+    m.measure_candidates({"fine": lambda x: 2 * x, "stop": interrupted}, (x,),
+                         options=m.MeasureOptions(timeout_s=30.0))

@@ -27,12 +27,13 @@ measured, and running it again tunes only the calls still missing.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import datetime
 import inspect
 import os
+import queue
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -342,7 +343,7 @@ class Autotuner:
         try:
           entry = self._tune_and_keep_drawing(ba, progress, pool)
           result = result.with_entry(entry)
-          if len(entry.measurements) <= 1 < len(ba.autotuning_configs):
+          if _starved(entry):
             starved.append(ba)
         except measure_lib.DeviceLostError as exc:  # nothing more can run here
           exc.partial_result = result
@@ -373,7 +374,8 @@ class Autotuner:
         f"The budget ({budget}) was too small for {starved} of the {tuned} calls tuned to have "
         f"any config measured but their heuristic one, so their entries keep it. A call took "
         f"{mean_s:.1f} s here on average (compiling and timing its first configs); give each "
-        f"a few times that to search its space.", SmallBudgetWarning)
+        f"a few times that to search its space (a cached entry that measured only its "
+        f"heuristic config is tuned again, not reused).", SmallBudgetWarning)
 
   def tune_one(self, ba: BoundArguments, *, progress: Progress | None = None,
                device: jax.Device | None = None) -> Entry:
@@ -668,12 +670,19 @@ def _method(measurements) -> str:
 
 def _cached_entry(ba: BoundArguments) -> Entry | None:
   """The call's entry in the user or library cache, unless it is stale
-  (`Entry.stale_reason`): that one is measured again."""
+  (`Entry.stale_reason`) or a budget let it measure only its heuristic config
+  (`_starved`): those are measured again."""
   for _, result in cached_results(ba.op.name):
     entry = result.entry(ba)
-    if entry is not None and entry.is_current:
+    if entry is not None and entry.is_current and not _starved(entry):
       return entry
   return None
+
+
+def _starved(entry: Entry) -> bool:
+  """Whether the entry measured only its heuristic config of a larger space (a budget
+  too small to search it): it chose nothing, and tuning it again can only find more."""
+  return len(entry.measurements) <= 1 < len(entry.bound_args.autotuning_configs)
 
 
 def _alternatives(ba: BoundArguments) -> list[BoundArguments]:
@@ -705,10 +714,32 @@ def _autotune_on_miss(ba: BoundArguments) -> Any:
   """
   key = _miss_key(ba)
   if key not in _TUNED_ON_MISS:
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stellarax-tune") as pool:
-      entry = pool.submit(Autotuner(progress=False).tune_one, ba).result()
-    _TUNED_ON_MISS[key] = entry.best_config
+    _TUNED_ON_MISS[key] = _in_own_thread(Autotuner(progress=False).tune_one, ba).best_config
   return _TUNED_ON_MISS[key]
+
+
+def _in_own_thread(fn: Callable[..., Any], *args) -> Any:
+  """fn(*args) on a daemon thread of its own, waited for: a Ctrl-C stops the waiting at
+  once (the tuning is abandoned, and does not hold up the interpreter's exit), where a
+  thread pool's shutdown would wait for the tuning to end."""
+  done: queue.SimpleQueue = queue.SimpleQueue()
+
+  def run():
+    try:
+      done.put((True, fn(*args)))
+    except BaseException as exc:  # noqa: BLE001 (re-raised in the waiting thread)
+      done.put((False, exc))
+
+  threading.Thread(target=run, name="stellarax-tune", daemon=True).start()
+  while True:  # short waits: the interrupt is seen between them, however it was raised
+    try:
+      ok, value = done.get(timeout=0.1)
+      break
+    except queue.Empty:
+      continue
+  if not ok:
+    raise value
+  return value
 
 
 def config_tuned_on_miss(ba: BoundArguments) -> Any | None:

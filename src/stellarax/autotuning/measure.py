@@ -748,8 +748,9 @@ def _program_name(key: Any) -> str:
 
 
 def _compile_one(fn: Callable[..., Any], args: tuple, name: str) -> tuple[str, Any, float]:
-  """Compiles `fn` for `args` as a program named `name`: ("ok", executable, seconds), or
-  ("error", the exception, seconds)."""
+  """Compiles `fn` for `args` as a program named `name`: ("ok", executable, seconds),
+  ("error", the exception, seconds), or ("raise", a KeyboardInterrupt or SystemExit
+  raised while tracing, seconds): not the candidate's failure, so it stops measuring."""
   def program(*arrays):
     return fn(*arrays)
   program.__name__ = program.__qualname__ = name
@@ -758,6 +759,8 @@ def _compile_one(fn: Callable[..., Any], args: tuple, name: str) -> tuple[str, A
     executable = jax.jit(program).lower(*args).compile()
   except Exception as exc:  # Any failure to build the program is the candidate's.
     return "error", exc, time.perf_counter() - start
+  except BaseException as exc:  # KeyboardInterrupt, SystemExit: the caller's, raised there
+    return "raise", exc, time.perf_counter() - start
   return "ok", executable, time.perf_counter() - start
 
 
@@ -788,6 +791,8 @@ def _compile_all(cands: list[_Candidate], fns: Mapping[Any, Callable[..., Any]],
       continue
     if running.pop(cand, None) is None:
       continue  # An abandoned compilation finished late; its timeout stands.
+    if kind == "raise":
+      raise value
     entry = (_Compiled(value, seconds) if kind == "ok" else
              _Compiled(None, seconds, "compile_error", _short_error(value)))
     _apply_compiled(cand, entry)
@@ -1152,6 +1157,8 @@ def measure_candidates(
     TypeError: if a candidate is not callable.
     DeviceLostError: when a run lost the device (an illegal address, a trap), unless
       `options.stop_after_run_timeout`: nothing more can run in this process.
+    KeyboardInterrupt, SystemExit: raised while a candidate was traced (they are the
+      caller's, not the candidate's failure).
   """
   if not candidates:
     raise ValueError("No candidates to measure: pass a non-empty mapping of key -> function.")
