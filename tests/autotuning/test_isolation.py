@@ -14,7 +14,9 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.experimental import io_callback
 
 import stellarax
 from stellarax.autotuning import isolation
@@ -25,13 +27,18 @@ from stellarax.core.op import Op
 # Every test here holds configs to a time limit and picks the fast one by measuring.
 pytestmark = pytest.mark.timing
 
-BEHAVIOURS = ("fast", "slow", "compile_error", "raise", "nan", "wrong", "hang", "crash", "poison")
+BEHAVIOURS = ("fast", "slow", "compile_error", "raise", "nan", "wrong", "hang", "crash", "poison",
+              "scribble", "unrolled")
 HANG_S = 60.0  # how long the hang config sleeps (a worker process is killed first)
 # What a kernel's illegal memory access leaves on a GPU: the poison config sets it, and
 # then every run of FaultyOp(poison=True) in the process fails as on a lost device.
 _POISONED = False
 _LOST = "CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered"
 POISON_SPACE = ("fast", "slow", "compile_error", "raise", "wrong", "poison")
+# The scribble config writes into the buffer at this address (the call's input, as a
+# kernel writing out of bounds on a GPU can); "unrolled" is a correct config after it.
+_SCRIBBLE_AT = None
+SCRIBBLE_SPACE = ("slow", "fast", "scribble", "unrolled")
 
 
 @config_dataclass
@@ -67,6 +74,12 @@ def _poison(v):
   raise RuntimeError(f"INTERNAL: Failed to launch CUDA kernel: {_LOST}")
 
 
+def _scribble():
+  import ctypes
+  ctypes.memset(_SCRIBBLE_AT, 0x7F, 16)
+  return np.int32(0)
+
+
 def _fail_if_poisoned(v):
   if _POISONED:
     raise RuntimeError(f"INTERNAL: CUDA error: Could not synchronize CUDA stream: {_LOST}")
@@ -81,6 +94,7 @@ class FaultyOp(Op, name="test_isolation.faulty"):
   config_cls = FaultyConfig
   crash: bool = False
   poison: bool = False
+  scribble: bool = False
 
   def _fwd(self, x, *, config):
     b = config.behaviour
@@ -101,6 +115,10 @@ class FaultyOp(Op, name="test_isolation.faulty"):
       y = _on_host(_crash, y)
     elif b == "poison":
       y = _on_host(_poison, y)
+    elif b == "scribble":
+      io_callback(_scribble, jax.ShapeDtypeStruct((), jnp.int32), ordered=False)
+    elif b == "unrolled":
+      y = x + x
     if self.poison:
       y = _on_host(_fail_if_poisoned, y)
     return y, None
@@ -114,7 +132,10 @@ class FaultyOp(Op, name="test_isolation.faulty"):
   def _get_autotuning_configs(self, ba):
     if self.poison:
       return {FaultyConfig(behaviour=b) for b in POISON_SPACE}
-    return {FaultyConfig(behaviour=b) for b in BEHAVIOURS if b != "poison" and (self.crash or b != "crash")}
+    if self.scribble:
+      return {FaultyConfig(behaviour=b) for b in SCRIBBLE_SPACE}
+    return {FaultyConfig(behaviour=b) for b in BEHAVIOURS
+            if b not in ("poison", "scribble", "unrolled") and (self.crash or b != "crash")}
 
 
 OPTIONS = MeasureOptions(rounds=3, leader_rounds=1, warmup_s=0.0, max_total_s=0.3, min_batch_s=2e-4,
@@ -243,3 +264,26 @@ def test_the_autotune_command_says_to_isolate_what_lost_the_device(tmp_path, mon
   assert cli.main(["autotune", str(calls), "--output", str(out), "--no-progress", "--isolate"]) == 0
   (entry,) = stellarax.AutotuningResult.load(out)
   assert entry.best_config == FaultyConfig(behaviour="fast")
+
+
+def test_a_config_that_writes_into_its_inputs_is_never_chosen_nor_spoils_the_rest(monkeypatch):
+  # Each config measured on its own (chunks of one), so the configs after the scribbler
+  # run on the call's kept inputs: those must be fresh again, not what it wrote.
+  import functools
+  from stellarax.autotuning import search
+  real_init = isolation.CallMeasurer.__init__
+
+  def init(self, *args, **kwargs):
+    real_init(self, *args, **kwargs)
+    monkeypatch.setattr(sys.modules[__name__], "_SCRIBBLE_AT", self.arrays[0].unsafe_buffer_pointer())
+
+  monkeypatch.setattr(isolation.CallMeasurer, "__init__", init)
+  x = jax.random.normal(jax.random.key(0), (256, 64))
+  tuner = stellarax.Autotuner(progress=False, measure_options=OPTIONS,
+                              strategy=functools.partial(search.exhaustive, chunk_size=1))
+  (entry,) = tuner.autotune(FaultyOp(scribble=True).bind(x))
+  assert _statuses(entry) == {"slow": "ok", "fast": "ok", "scribble": "wrong_result",
+                              "unrolled": "ok"}
+  scribble = dict((c.behaviour, m) for c, m in entry.measurements)["scribble"]
+  assert scribble.error.startswith("it changed its inputs")
+  assert entry.best_config in (FaultyConfig(behaviour="fast"), FaultyConfig(behaviour="unrolled"))

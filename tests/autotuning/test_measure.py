@@ -594,3 +594,48 @@ def test_an_interrupt_while_a_candidate_is_traced_stops_measuring(stop):
   with pytest.raises(stop):
     m.measure_candidates({"fine": lambda x: 2 * x, "stop": interrupted}, (x,),
                          options=m.MeasureOptions(timeout_s=30.0))
+
+
+def _scribbler(array):
+  """A candidate for `array` that writes into its input buffer, as a kernel writing out of
+  bounds on a GPU can: the device does not fault where the address is allocated."""
+  import ctypes
+  from jax.experimental import io_callback
+  pointer = array.unsafe_buffer_pointer()
+
+  def scribble():
+    ctypes.memset(pointer, 0x7F, 16)
+    return np.int32(0)
+
+  def candidate(x):
+    io_callback(scribble, jax.ShapeDtypeStruct((), jnp.int32), ordered=False)
+    return 2 * x
+  return candidate
+
+
+def test_a_candidate_that_writes_into_its_inputs_is_wrong_and_the_others_get_clean_ones():
+  x = jax.random.normal(jax.random.key(0), (64,)) + 0
+  clean = np.asarray(x).copy()
+  got = m.measure_candidates(
+      {"before": lambda x: 2 * x, "scribbles": _scribbler(x), "after": lambda x: x + x},
+      (x,), reference=2 * clean,
+      options=m.MeasureOptions(rounds=2, leader_rounds=0, warmup_s=0.0, max_total_s=0.2))
+  assert got["scribbles"].status == "wrong_result"
+  assert got["scribbles"].error.startswith("it changed its inputs")
+  # Without clean copies "after" would be checked on what the scribbler wrote.
+  assert got["before"].ok and got["after"].ok
+
+
+def test_the_input_digest_sees_any_element_and_every_dtype():
+  xs = (jnp.ones((3, 4), jnp.bfloat16), jnp.array([True, False]), jnp.arange(5, dtype=jnp.int8),
+        jnp.ones(3, jnp.float8_e4m3fn), jnp.ones(4, jnp.int4), jnp.zeros((0, 3)),
+        jnp.array([1 + 2j], jnp.complex64), {"nested": jnp.float32(3)})
+  digest = m.input_digest(xs)
+  assert digest.shape == (len(xs), 2) and np.array_equal(digest, m.input_digest(xs))
+  assert not np.array_equal(digest, m.input_digest((xs[0].at[2, 3].set(5), *xs[1:])))
+  # A NaN whose bits changed is a change, though NaN != NaN either way.
+  nan = jnp.array([jnp.nan], jnp.float32)
+  other_nan = jax.lax.bitcast_convert_type(jnp.array([0x7FC00001], jnp.uint32), jnp.float32)
+  assert not np.array_equal(m.input_digest(nan), m.input_digest(other_nan))
+  # Two elements swapped: the position-weighted sum sees it.
+  assert not np.array_equal(m.input_digest(jnp.array([1.0, 2.0])), m.input_digest(jnp.array([2.0, 1.0])))

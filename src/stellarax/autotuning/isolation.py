@@ -255,12 +255,14 @@ class CallMeasurer:
 
   def __init__(self, bound_args: Any, seed: int, device: Any = None):
     import jax
+    import numpy as np
     self.bound_args, self.seed, self.device = bound_args, seed, device
-    arrays = bound_args.example_arrays(seed)
-    if device is not None:
-      arrays = jax.device_put(arrays, device)
-    self.arrays = tuple(arrays)
-    self.reference = jax.jit(bound_args.runner(reference=True))(*self.arrays)
+    self.arrays = self._fresh_arrays()
+    # On the host, where no kernel's stray write can reach it (a copy: on a CPU the
+    # host's view of an array may be its buffer).
+    reference = jax.jit(bound_args.runner(reference=True))(*self.arrays)
+    self.reference = jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(reference))
+    self.digest = measure_lib.input_digest(self.arrays)
     self.output_types = _output_types(bound_args, self.arrays)
     self.compiled: dict[Any, Any] = {}  # racing re-measures configs: compile each once
 
@@ -271,9 +273,20 @@ class CallMeasurer:
     def check(output, reference):
       return (_other_output_types(output, self.output_types)
               or measure_lib.check_close(output, reference, rtol=options.rtol, atol=options.atol))
-    return measure_lib.measure_candidates(
+    out = measure_lib.measure_candidates(
         {c: self.bound_args.runner(c) for c in configs}, self.arrays, reference=self.reference,
         check=check, options=options, order=configs, compile_cache=self.compiled, effort=effort)
+    import numpy as np
+    if not np.array_equal(measure_lib.input_digest(self.arrays), self.digest):
+      # A config wrote into the inputs (measure_candidates says which, and measured the
+      # rest on clean copies): the next measurement starts from fresh ones.
+      self.arrays = self._fresh_arrays()
+    return out
+
+  def _fresh_arrays(self) -> tuple:
+    import jax
+    arrays = self.bound_args.example_arrays(self.seed)
+    return tuple(jax.device_put(arrays, self.device) if self.device is not None else arrays)
 
 
 def _output_types(bound_args: Any, arrays: tuple) -> Any:

@@ -17,7 +17,13 @@ Method, in the order `measure_candidates` runs it:
    is a `compile_error`; a compilation still running after `timeout_s` is a `timeout`.
 3. Check. Each compiled candidate runs once. An exception is a `runtime_error`; an output
    that the check rejects (by default `check_close` against `reference`, with tolerances
-   from `default_tolerance`) is a `wrong_result`, its largest error in `error`.
+   from `default_tolerance`) is a `wrong_result`, its largest error in `error`. After each
+   check run a digest of the inputs (`input_digest`) is compared with theirs before any
+   run: no candidate may write into its inputs (none is compiled with donation), and a
+   kernel that writes out of bounds on a GPU can land there without a fault. Such a
+   candidate is a `wrong_result` whatever its output, and the others go on with clean
+   copies of the inputs (kept on the host), so they are not checked on what it wrote.
+   A run that loses the device (`Measurement.lost_the_device`) stops the measurement.
 4. Warm-up and batch size. Each surviving candidate runs batches of n calls, n growing from
    1, until it has run `warmup_runs` calls for at least `warmup_s` and one batch lasts at
    least `min_batch_s` (or n reached `max_batch_calls`). That n is kept for its samples.
@@ -823,6 +829,72 @@ class _Stalled(Exception):
   """A run timed out under `stop_after_run_timeout`: measure nothing more."""
 
 
+def input_digest(args: Any) -> np.ndarray:
+  """A digest of every array in `args`, computed on their device: two sums of each
+  array's bits (one weighted by position), so that a write into any element shows.
+
+  Args:
+    args: a pytree of arrays.
+
+  Returns:
+    A (number of arrays, 2) uint32 numpy array; equal digests mean equal contents,
+    unless a change was made to cancel out (a wrong write does not).
+  """
+  return np.asarray(jax.device_get(_digest(args)))
+
+
+@jax.jit
+def _digest(args: Any) -> jax.Array:
+  sums = [jnp.zeros((0, 2), jnp.uint32)]
+  for x in jax.tree.leaves(args):
+    bits = _bits_as_uint32(jnp.asarray(x)).ravel()
+    weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + 1
+    sums.append(jnp.stack([jnp.sum(bits, dtype=jnp.uint32),
+                           jnp.sum(bits * weights, dtype=jnp.uint32)])[None])
+  return jnp.concatenate(sums)
+
+
+def _bits_as_uint32(x: jax.Array) -> jax.Array:
+  """The array's bit patterns as uint32 (NaNs included, unlike its values)."""
+  if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if jnp.issubdtype(x.dtype, jnp.complexfloating):
+    x = jnp.stack([x.real, x.imag])
+  unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}.get(x.dtype.itemsize)
+  if x.dtype == jnp.bool_ or unsigned is None:
+    return x.astype(jnp.uint32)
+  try:  # 8-byte types come out as two uint32 each
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+  except (TypeError, ValueError):  # a sub-byte type (int4): an itemsize of 1, fewer bits
+    return x.astype(jnp.uint32)
+
+
+class _InputGuard:
+  """The inputs candidates run on, with what they held before any run (see step 3)."""
+
+  def __init__(self, args: tuple):
+    self.args = args
+    # To restore from, should a candidate write there: a copy, since on a CPU the
+    # host's view of an array may be its buffer itself.
+    self._host = jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(args))
+    self._digest = input_digest(args)
+
+  def intact(self) -> bool:
+    return np.array_equal(input_digest(self.args), self._digest)
+
+  def restore(self) -> None:
+    put = lambda host, now: (jax.device_put(host, now.sharding) if isinstance(now, jax.Array)
+                             else host)
+    self.args = jax.block_until_ready(jax.tree.map(put, self._host, self.args))
+
+
+def _wrote_its_inputs(cand: _Candidate) -> None:
+  also = f" (and: {cand.error})" if not cand.alive and cand.error else ""
+  cand.fail("wrong_result", "it changed its inputs, which no correct config writes (a write "
+            "out of bounds, or into a buffer it only reads); the other candidates ran on "
+            "clean copies" + also)
+
+
 class _DeviceLost(Exception):
   """A run lost the device (see `_DEVICE_LOST`): nothing more can run in this process."""
 
@@ -1175,9 +1247,15 @@ def measure_candidates(
     with _one_runner():  # every check run and batch on one thread (see _Runner)
       if any(c.alive for c in cands):
         expected = jax.device_get(reference() if callable(reference) else reference)
+        guard = _InputGuard(args)
         for cand in cands:
           if cand.alive:
-            _check_output(cand, args, expected, check, options)
+            _check_output(cand, guard.args, expected, check, options)
+            # (after a timeout the device may still be busy: a digest would wait on it)
+            if cand.status != "timeout" and not guard.intact():
+              _wrote_its_inputs(cand)
+              guard.restore()
+        args = guard.args
       _time_all([c for c in cands if c.alive], candidates, args, options, compile_cache)
   except (_Stalled, _DeviceLost) as stop:
     decided = {c.key: _to_measurement(c, platform, options) for c in cands if not c.alive}
