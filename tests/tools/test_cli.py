@@ -344,3 +344,33 @@ def test_cache_add_merges_a_result_file_into_the_user_cache(tmp_path, user_cache
   assert "only `cache ship` takes --root" in capsys.readouterr().err
   assert cli.main(["cache", "add", str(tmp_path / "missing.json")]) == 2
   assert "stellarax cache: error:" in capsys.readouterr().err
+
+
+def test_ctrl_c_saves_what_autotune_had_tuned(tmp_path, user_cache_dir, capsys, monkeypatch):
+  from stellarax.autotuning import autotuner as autotuner_lib
+  lhs, rhs = jnp.ones((32, 16)), jax.random.normal(jax.random.key(0), (2, 16, 8))
+  calls = [stellarax.XlaRaggedDot.bind(lhs[:n], rhs, jnp.array([n // 2, n - n // 2], jnp.int32))
+           for n in (32, 24)]
+  path = tmp_path / "calls.json"
+  autotuning.bound_args_to_json(calls, path)
+  real, tuned = autotuner_lib.Autotuner.tune_one, []
+
+  def interrupted_on_the_second(self, ba, **kwargs):
+    if tuned:
+      raise KeyboardInterrupt
+    tuned.append(ba)
+    return real(self, ba, **kwargs)
+
+  monkeypatch.setattr(autotuner_lib.Autotuner, "tune_one", interrupted_on_the_second)
+  out = tmp_path / "result.json"
+  assert cli.main(["autotune", str(path), "--output", str(out), "--no-progress",
+                   "--budget-s", "2"]) == 130
+  err = capsys.readouterr().err
+  assert "interrupted after tuning 1 calls" in err and f"stellarax cache add {out}" in err
+  (entry,) = stellarax.AutotuningResult.load(out)
+  assert entry.bound_args == tuned[0]
+  # In Python the interrupt carries the same: nothing tuned is lost.
+  tuned.clear()
+  with pytest.raises(KeyboardInterrupt) as info:
+    stellarax.Autotuner(progress=False, budget_s=2).autotune(calls)
+  assert [e.bound_args for e in info.value.partial_result] == tuned

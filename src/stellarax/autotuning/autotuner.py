@@ -208,6 +208,8 @@ class Autotuner:
         distributing, if a process stalled or some call failed.
       TypeError: for traced arguments (autotune called inside jit, vmap, grad), or
         for a tuning option among f's keyword arguments that f does not take.
+      KeyboardInterrupt: on Ctrl-C, as always; it carries the calls tuned so far in
+        its `partial_result` attribute (when tuning in this process).
       measure.DeviceLostError: (a RuntimeError) when, measuring in this process, a
         config lost the device (an illegal memory access, a trap): nothing more can
         run here; it names the config, suggests `isolate=True`, and carries the calls
@@ -354,6 +356,9 @@ class Autotuner:
         except Exception as exc:  # Data about this call; the others are still tuned.
           errors[ba] = exc
         seconds.append(_clock() - start)
+    except KeyboardInterrupt as exc:  # the user stops the run: what it tuned is theirs
+      exc.partial_result = result
+      raise
     finally:
       progress.close()
     # Under a budget a strategy stops before a config it predicts would overrun it; with

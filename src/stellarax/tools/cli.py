@@ -27,7 +27,8 @@ def _autotune(args) -> int:
   """Tunes the calls of a bound-arguments file; exits 1 when some could not be tuned
   (after saving and caching the others, and saying why each failed), the file holds
   none, or the user cache could not be written (after saving the --output file); 2
-  when the file cannot be read or the result would have nowhere to go."""
+  when the file cannot be read or the result would have nowhere to go; 130 on Ctrl-C,
+  after saving and caching the calls tuned so far."""
   import stellarax
   try:
     tuner = stellarax.Autotuner(budget_s=args.budget_s, total_budget_s=args.total_budget_s,
@@ -49,12 +50,23 @@ def _autotune(args) -> int:
   if problem:  # before tuning, whose measurements would have nowhere to go
     print(f"stellarax autotune: error: {problem}", file=sys.stderr)
     return 2
-  failure = None
+  failure, interrupted = None, False
   with _cache_write_failures() as not_cached:
     try:
       result = tuner.autotune(args.bound_args)
     except stellarax.autotuning.IncompleteTuningError as exc:
       result, failure = exc.partial_result, exc
+    except KeyboardInterrupt as exc:  # Ctrl-C: keep what was tuned, then stop
+      result = getattr(exc, "partial_result", None)
+      if result is None:
+        raise
+      failure = f"stellarax autotune: interrupted after tuning {len(result)} calls; " + (
+          "they are in the user cache, so a rerun with --cache tunes only the others"
+          if args.cache else f"to tune only the others, `stellarax cache add {args.output}`"
+          " and rerun with --cache")
+      if not len(result):
+        failure = "stellarax autotune: interrupted before any call was tuned"
+      interrupted = True
     except stellarax.autotuning.DeviceLostError as exc:  # its message says: --isolate
       from stellarax.autotuning.cache import current_device_kind
       result, failure = exc.partial_result, exc
@@ -70,6 +82,8 @@ def _autotune(args) -> int:
   if not_cached:
     print(f"stellarax autotune: error: {_not_cached(not_cached[0], args.output)}",
           file=sys.stderr)
+  if interrupted:
+    return 130  # what a shell reports for a program stopped by SIGINT
   return 1 if failure is not None or not_cached else 0
 
 
@@ -279,7 +293,8 @@ def main(argv=None) -> int:
   Returns:
     The exit status: 0 done, 1 something could not be done (`autotune`: some call
     could not be tuned, or none was given), 2 bad input (a file that cannot be read or
-    is not in its format, conflicting options).
+    is not in its format, conflicting options), 130 `autotune` stopped by Ctrl-C (what
+    it had tuned is saved).
   """
   parser = argparse.ArgumentParser(prog="stellarax", description="stellarax kernels and autotuning")
   sub = parser.add_subparsers(dest="command", required=True)
