@@ -36,3 +36,4 @@ from stellarax.autotuning.transfer import transfer_scope as transfer_scope
 from stellarax.core.bound_args import BoundArguments as BoundArguments
 from stellarax.core.resolution import ConfigMissError as ConfigMissError
 from stellarax.core.resolution import miss_policy_scope as miss_policy_scope
+from stellarax.core.resolution import reproducible_scope as reproducible_scope

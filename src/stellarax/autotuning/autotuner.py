@@ -120,6 +120,11 @@ class Autotuner:
       (an interrupted or failed run keeps what it measured; the next run reads
       those calls from the cache unless ignore_cache); distributed tuning also
       writes the calls other processes tuned, when all are done.
+    reproducible: measure and choose only configs whose outputs are bit-identical
+      run after run (`Op._is_reproducible`: no atomic adds); None follows the mode
+      where `autotune` is called (`stellarax.autotuning.reproducible_scope`, on
+      where XLA_FLAGS turn on --xla_gpu_deterministic_ops). A cached entry is then
+      reused only where it measured such a config.
     measure_options: how each config is measured.
     seed: seed of the random inputs.
     distribute: when the program runs several JAX processes or this process
@@ -142,6 +147,7 @@ class Autotuner:
   progress: bool = True
   ignore_cache: bool = False
   cache: bool = False
+  reproducible: bool | None = None
   measure_options: measure_lib.MeasureOptions = dataclasses.field(default_factory=measure_lib.MeasureOptions)
   seed: int = 0
   distribute: bool = True
@@ -167,6 +173,8 @@ class Autotuner:
     for name in ("progress", "ignore_cache", "cache", "distribute", "isolate"):
       if not isinstance(getattr(self, name), bool):  # "no" would be true
         raise TypeError(f"Autotuner({name}={getattr(self, name)!r}): pass True or False.")
+    if self.reproducible is not None and not isinstance(self.reproducible, bool):
+      raise TypeError(f"Autotuner(reproducible={self.reproducible!r}): pass True, False or None.")
     if not isinstance(self.measure_options, measure_lib.MeasureOptions):
       raise TypeError(f"Autotuner(measure_options={self.measure_options!r}): pass a "
                       "stellarax.autotuning.MeasureOptions(...), e.g. MeasureOptions(rounds=5).")
@@ -221,6 +229,9 @@ class Autotuner:
     """
     _check_not_traced(args, kwargs)
     _check_no_tuning_options(f, kwargs)
+    if self.reproducible is None:  # the caller's mode, for the threads that tune too
+      tuner = dataclasses.replace(self, reproducible=resolution.reproducible())
+      return tuner.autotune(f, *args, **kwargs)
     found, profiled = _found_calls(f, args, kwargs)
     calls = self._to_tune(found)
     if not calls and not _is_bound_args(f):
@@ -275,8 +286,14 @@ class Autotuner:
     return self._tune_and_keep_drawing(ba, progress, pool, device)
 
   def _reusable_entry(self, ba: BoundArguments) -> Entry | None:
-    """The call's current cached entry, unless ignore_cache."""
-    return None if self.ignore_cache else _cached_entry(ba)
+    """The call's current cached entry, unless ignore_cache (in reproducible mode, one
+    that measured a reproducible config)."""
+    return None if self.ignore_cache else _cached_entry(ba, self._accept(ba))
+
+  def _accept(self, ba: BoundArguments) -> Callable[[Any], bool] | None:
+    """Which configs of the call may be chosen: reproducible ones in reproducible mode."""
+    on = resolution.reproducible() if self.reproducible is None else self.reproducible
+    return ba.op._is_reproducible if on else None
 
   def _weights(self, f: Any, calls: Sequence[BoundArguments], args: tuple,
                kwargs: Mapping[str, Any], in_file: Mapping[BoundArguments, float] | None
@@ -399,8 +416,9 @@ class Autotuner:
     """
     type(ba.op).require_available()  # one clear error, not one per config of the space
     ba = ba.with_config(None)
-    heuristic = ba.heuristics_config
-    space = _ordered_space(ba)
+    accept = self._accept(ba)
+    heuristic = resolution.reproducible_heuristic(ba, accept)
+    space = [c for c in _ordered_space(ba, heuristic) if accept is None or accept(c)]
     label = ba.op.name
     measure_here = self._isolated_measure(ba, device) if self.isolate else self._local_measure(ba, device)
     seen: set[Any] = set()  # progress counts each config once, however often measured
@@ -576,9 +594,10 @@ def _no_args(args, kwargs, what):
                     "through stellarax.Autotuner(...).autotune(...).")
 
 
-def _ordered_space(ba: BoundArguments) -> list[Any]:
-  """The heuristic config first, then the rest in a fixed order."""
-  heuristic = ba.heuristics_config
+def _ordered_space(ba: BoundArguments, heuristic: Any = None) -> list[Any]:
+  """The heuristic config (by default the op's) first, then the rest in a fixed order."""
+  if heuristic is None:
+    heuristic = ba.heuristics_config
   rest = sorted((c for c in ba.autotuning_configs if c != heuristic),
                 key=lambda c: canonical_json(config_to_json(c)))
   return [heuristic, *rest]
@@ -673,13 +692,15 @@ def _method(measurements) -> str:
   return ",".join(sorted(methods)) or "none"
 
 
-def _cached_entry(ba: BoundArguments) -> Entry | None:
+def _cached_entry(ba: BoundArguments, accept: Callable[[Any], bool] | None = None
+                  ) -> Entry | None:
   """The call's entry in the user or library cache, unless it is stale
-  (`Entry.stale_reason`) or a budget let it measure only its heuristic config
-  (`_starved`): those are measured again."""
+  (`Entry.stale_reason`), a budget let it measure only its heuristic config
+  (`_starved`), or it measured no config that `accept` takes: those are measured again."""
   for _, result in cached_results(ba.op.name):
     entry = result.entry(ba)
-    if entry is not None and entry.is_current and not _starved(entry):
+    if (entry is not None and entry.is_current and not _starved(entry)
+        and entry.config_for(accept) is not None):
       return entry
   return None
 
@@ -719,7 +740,9 @@ def _autotune_on_miss(ba: BoundArguments) -> Any:
   """
   key = _miss_key(ba)
   if key not in _TUNED_ON_MISS:
-    _TUNED_ON_MISS[key] = _in_own_thread(Autotuner(progress=False).tune_one, ba).best_config
+    # The mode is this thread's: the tuning thread is told it.
+    tuner = Autotuner(progress=False, reproducible=resolution.reproducible())
+    _TUNED_ON_MISS[key] = _in_own_thread(tuner.tune_one, ba).best_config
   return _TUNED_ON_MISS[key]
 
 
@@ -760,9 +783,10 @@ def config_tuned_on_miss(ba: BoundArguments) -> Any | None:
   return _TUNED_ON_MISS.get(_miss_key(ba))
 
 
-def _miss_key(ba: BoundArguments) -> tuple[str, str]:
-  """A call's key in _TUNED_ON_MISS: its op (with fields) and its arguments."""
-  return ba.op_json(), ba.key_json()
+def _miss_key(ba: BoundArguments) -> tuple[str, str, bool]:
+  """A call's key in _TUNED_ON_MISS: its op (with fields), its arguments and whether
+  only reproducible configs were tuned."""
+  return ba.op_json(), ba.key_json(), resolution.reproducible()
 
 
 class _TuningBackend:

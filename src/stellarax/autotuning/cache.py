@@ -206,9 +206,9 @@ class FileCache:
     result = self.result_for(current_device_kind(), bound_args.op.name)
     return None if result is None else result.entry(bound_args)
 
-  def lookup_config(self, bound_args) -> Any | None:
+  def lookup_config(self, bound_args, accept=None) -> Any | None:
     entry = self._entry(bound_args)
-    return None if entry is None else entry.best_config
+    return None if entry is None else entry.config_for(accept)
 
   def lookup_time(self, bound_args) -> float | None:
     entry = self._entry(bound_args)

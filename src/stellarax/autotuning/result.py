@@ -16,13 +16,13 @@ import hashlib
 import io
 import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
 
 from stellarax.autotuning import file_format
-from stellarax.autotuning.measure import Measurement
+from stellarax.autotuning.measure import Measurement, pick_best
 from stellarax.core import resolution
 from stellarax.core import specs
 from stellarax.core.bound_args import BoundArguments
@@ -99,6 +99,25 @@ class Entry:
 
   def _first_ok(self, config: Any) -> Measurement | None:
     return next((m for c, m in self.measurements if c == config and m.status == "ok"), None)
+
+  def config_for(self, accept: Callable[[Any], bool] | None = None) -> Any | None:
+    """The config to run: `best_config`, or, when `accept` refuses it, the fastest
+    config measured ok that `accept` takes (ties go to the heuristic config, as in the
+    search); None when there is none.
+
+    Args:
+      accept: which configs may run (e.g. `Op._is_reproducible`); None: any.
+
+    Returns:
+      A config, or None.
+    """
+    if accept is None or accept(self.best_config):
+      return self.best_config
+    taken = {c: m for c, m in self.measurements if m.ok and accept(c)}
+    if not taken:
+      return None
+    prefer = self.heuristic_config if self.heuristic_config in taken else None
+    return pick_best(taken, prefer=prefer)
 
   @property
   def best_time(self) -> float | None:
@@ -186,8 +205,10 @@ class AutotuningResult:
     return None if entry is None else entry.best_config
 
   # The ConfigSource protocol of core.resolution.
-  def lookup_config(self, bound_args: BoundArguments) -> Any | None:
-    return self.best_config(bound_args)
+  def lookup_config(self, bound_args: BoundArguments,
+                    accept: Callable[[Any], bool] | None = None) -> Any | None:
+    entry = self.entry(bound_args)
+    return None if entry is None else entry.config_for(accept)
 
   def lookup_time(self, bound_args: BoundArguments) -> float | None:
     entry = self.entry(bound_args)

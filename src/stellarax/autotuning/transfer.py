@@ -253,9 +253,11 @@ def nearest_config(ba: BoundArguments, candidates: Iterable[tuple[str, Entry]]
       ranked.append((distance, order, where, entry))
   ranked.sort(key=lambda r: r[:2])
   space = ba.autotuning_configs
+  accept = resolution.reproducible_filter(ba.op)
   for distance, _, where, entry in ranked:
-    if entry.best_config in space:
-      return TransferResolution(entry.best_config, f"transfer:{distance:.2f}", distance=distance,
+    config = entry.config_for(accept)
+    if config is not None and config in space:
+      return TransferResolution(config, f"transfer:{distance:.2f}", distance=distance,
                                 confidence=2.0 ** -distance, where=where, neighbour=entry.bound_args)
   return None
 

@@ -151,6 +151,14 @@ class Op(abc.ABC):
     del arguments
     return False
 
+  def _is_reproducible(self, config: Any) -> bool:
+    """Whether the op run with `config` gives bit-identical outputs run after run on the
+    same inputs: False for a config that sums in an order that varies between runs
+    (atomic adds). Under `stellarax.autotuning.reproducible_scope()` such configs are
+    never chosen (see core/resolution.py)."""
+    del config
+    return True
+
   @abc.abstractmethod
   def _get_heuristics_config(self, ba: Any) -> Any:
     """Returns the config to use when nothing was measured."""

@@ -11,6 +11,14 @@ One function, `resolve_config`, decides, in this order:
    config, `"error"` raises `ConfigMissError`, `"autotune"` tunes the call on
    the spot (and keeps the result for the rest of the process).
 
+Reproducible mode (`reproducible_scope()`, on by default where `XLA_FLAGS` asks
+XLA for deterministic GPU ops): every step above but the first passes over configs
+that the op says are not bit-reproducible (`Op._is_reproducible`, e.g. one that adds
+with atomics): a result or cache entry gives its fastest measured config that is,
+and a heuristic that is not gives way to the first config of the space that is. The
+mode is part of JAX's jit key, so a function traced outside it is traced again
+inside.
+
 Sources 3 and 4, and the `autotune` policy, are provided by
 `stellarax.autotuning`, which registers them here at import; `core` knows no
 cache format. Active results live on a `contextvars` stack, so threads and
@@ -23,10 +31,15 @@ import contextlib
 import contextvars
 import dataclasses
 import os
+import re
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+from jax._src import config as _jax_config
+
 from stellarax.core import trace_keys
+from stellarax.core.config import config_to_json
+from stellarax.core.specs import canonical_json
 
 MISS_POLICIES = ("heuristics", "error", "autotune")
 _MISS_POLICY_ENV = "STELLARAX_MISS_POLICY"
@@ -37,8 +50,10 @@ class ConfigSource(Protocol):
 
   source_name: str
 
-  def lookup_config(self, bound_args: Any) -> Any | None:
-    """Returns the config for `bound_args`, or None on a miss."""
+  def lookup_config(self, bound_args: Any, accept: Callable[[Any], bool] | None = None
+                    ) -> Any | None:
+    """Returns the config for `bound_args` (the best one `accept` takes, when given),
+    or None on a miss."""
 
 
 class ConfigMissError(LookupError):
@@ -57,6 +72,52 @@ class Resolution:
 
   config: Any
   source: str
+
+
+def _xla_asks_determinism(flags: str) -> bool:
+  """Whether XLA_FLAGS turn on XLA's deterministic GPU ops (then ours are too)."""
+  found = re.findall(r"--xla_gpu_(?:deterministic_ops|exclude_nondeterministic_ops)(?:=(\S*))?",
+                     flags)
+  return bool(found) and found[-1].lower() in ("", "true", "1")
+
+
+_reproducible = _jax_config.bool_state(
+    name="stellarax_reproducible", default=_xla_asks_determinism(os.environ.get("XLA_FLAGS", "")),
+    include_in_jit_key=True, include_in_trace_context=True,
+    help="Choose only configs whose outputs are bit-identical run after run (see "
+         "stellarax/core/resolution.py); on by default where XLA_FLAGS turn on "
+         "--xla_gpu_deterministic_ops.")
+
+
+def reproducible() -> bool:
+  """Whether configs are chosen for bit-identical outputs run after run: inside
+  `reproducible_scope()`, else the `STELLARAX_REPRODUCIBLE` environment variable or
+  `jax.config.update("stellarax_reproducible", ...)`, else whether `XLA_FLAGS` turn on
+  `--xla_gpu_deterministic_ops` (or `--xla_gpu_exclude_nondeterministic_ops`)."""
+  return bool(_reproducible.value)
+
+
+@contextlib.contextmanager
+def reproducible_scope(on: bool = True) -> Iterator[None]:
+  """Chooses only bit-reproducible configs inside a `with` block (see the module
+  docstring), or, with `on=False`, lifts that where it is on by default.
+
+  Args:
+    on: whether to choose only reproducible configs.
+
+  Raises:
+    TypeError: if `on` is not a bool.
+  """
+  if not isinstance(on, bool):
+    raise TypeError(f"reproducible_scope(on={on!r}): pass True or False.")
+  with _reproducible(on):
+    yield
+
+
+def reproducible_filter(op: Any) -> Callable[[Any], bool] | None:
+  """What configs of `op` may be chosen now: `op._is_reproducible` in reproducible
+  mode, None (any) otherwise."""
+  return op._is_reproducible if reproducible() else None
 
 
 _active_results: contextvars.ContextVar[tuple[ConfigSource, ...]] = contextvars.ContextVar(
@@ -131,8 +192,11 @@ def restored(state: tuple[tuple[ConfigSource, ...], str | None]) -> Iterator[Non
 
 
 def _innermost_config(results: tuple[ConfigSource, ...], bound_args: Any) -> Any | None:
+  # The mode is read here, not passed: a trace keyed by this question is reused only
+  # where the mode (part of JAX's jit key) is the one it was asked under.
+  accept = reproducible_filter(bound_args.op)
   for result in reversed(results):
-    config = result.lookup_config(bound_args)
+    config = result.lookup_config(bound_args, accept)
     if config is not None:
       return config
   return None
@@ -233,11 +297,12 @@ def resolve_config(bound_args: Any) -> Resolution:
   config = ask_active_results(_innermost_config, bound_args)
   if config is not None:
     return Resolution(config, "result")
+  accept = reproducible_filter(op)
   for cache in _cache_sources:
-    config = cache.lookup_config(bound_args)
+    config = cache.lookup_config(bound_args, accept)
     if config is not None:
       return Resolution(config, cache.source_name)
-  heuristic = bound_args.heuristics_config
+  heuristic = reproducible_heuristic(bound_args, accept)
   for fallback in _fallbacks:
     found = fallback(bound_args, heuristic)
     if found is not None:
@@ -254,3 +319,24 @@ def resolve_config(bound_args: Any) -> Resolution:
       raise RuntimeError("The 'autotune' miss policy needs stellarax.autotuning imported.")
     return Resolution(_autotune_on_miss(bound_args), "autotuned")
   return Resolution(heuristic, "heuristics")
+
+
+def reproducible_heuristic(bound_args: Any, accept: Callable[[Any], bool] | None) -> Any:
+  """The call's heuristic config; where `accept` (`reproducible_filter`'s) refuses it,
+  the first config of its space, in canonical order, that it takes.
+
+  Raises:
+    ValueError: when `accept` takes no config of the space.
+  """
+  heuristic = bound_args.heuristics_config
+  if accept is None or accept(heuristic):
+    return heuristic
+  space = sorted(bound_args.autotuning_configs, key=lambda c: canonical_json(config_to_json(c)))
+  for config in space:
+    if accept(config):
+      return config
+  raise ValueError(
+      f"{bound_args.op.name} has no bit-reproducible config for {bound_args.key_json()}, and "
+      "configs are being chosen for reproducibility (reproducible_scope, "
+      "STELLARAX_REPRODUCIBLE or XLA's --xla_gpu_deterministic_ops). Use another "
+      "implementation of the op, or leave reproducible mode: reproducible_scope(False).")
