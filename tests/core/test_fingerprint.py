@@ -47,6 +47,76 @@ def test_editing_any_module_of_the_closure_changes_the_fingerprint(tmp_path, mon
       del sys.modules[name]
 
 
+def _write_package(root, files):
+  """Writes `files` ({relative path: source}) under `root`, making the folders."""
+  for relative, source in files.items():
+    (root / relative).parent.mkdir(parents=True, exist_ok=True)
+    (root / relative).write_text(source)
+
+
+def _forget_package(name):
+  fingerprint.code_fingerprint.cache_clear()
+  for module in [n for n in sys.modules if n == name or n.startswith(name + ".")]:
+    del sys.modules[module]
+
+
+def test_importing_an_unrelated_module_of_the_package_keeps_the_fingerprint(
+    tmp_path, monkeypatch):
+  # `import fp_mylib.helpers` binds the package, whose globals gain `train` once anything
+  # imports it; that must not make entries tuned with and without it look stale.
+  _write_package(tmp_path, {
+      "fp_mylib/__init__.py": '"""A package with its own op."""\n',
+      "fp_mylib/helpers.py": "def double(x):\n  return x * 2\n",
+      "fp_mylib/train.py": "LEARNING_RATE = 1e-3\n",
+      "fp_mylib/ops.py": "import fp_mylib.helpers\n\nclass MyOp:\n  pass\n",
+  })
+  monkeypatch.syspath_prepend(str(tmp_path))
+  try:
+    ops = importlib.import_module("fp_mylib.ops")
+    before = fingerprint.code_fingerprint(ops.MyOp)
+    importlib.import_module("fp_mylib.train")
+    fingerprint.code_fingerprint.cache_clear()
+    assert fingerprint.code_fingerprint(ops.MyOp) == before
+    # The package's __init__ is not the op's code just because helpers came through it.
+    assert fingerprint.module_closure("fp_mylib.ops") == ["fp_mylib.helpers", "fp_mylib.ops"]
+    (tmp_path / "fp_mylib/helpers.py").write_text("def double(x):\n  return x + x\n")
+    fingerprint.code_fingerprint.cache_clear()
+    assert fingerprint.code_fingerprint(ops.MyOp) != before
+  finally:
+    _forget_package("fp_mylib")
+
+
+def test_the_closure_follows_every_form_of_import_without_importing(tmp_path, monkeypatch):
+  _write_package(tmp_path, {
+      "fp_forms/__init__.py": "from fp_forms.shared import SCALE\n",
+      "fp_forms/shared.py": "SCALE = 2\n",
+      "fp_forms/kernels/__init__.py": "",
+      "fp_forms/kernels/tile.py": "TILE = 64\n",
+      "fp_forms/kernels/op.py": (
+          "from . import tile\n"                    # a module, relative
+          "from ..shared import SCALE\n"            # a name of a module
+          "from fp_forms import SCALE as S\n"       # a name of the package itself
+          "\n"
+          "def lazy():\n"
+          "  from fp_forms.lazy.deep import f\n"    # under a package not imported
+          "  return f\n"
+          "\n"
+          "class Op:\n  pass\n"),
+      # Importing it would fail: finding `deep` must not run it.
+      "fp_forms/lazy/__init__.py": "raise RuntimeError('imported')\n",
+      "fp_forms/lazy/deep.py": "def f():\n  return 1\n",
+  })
+  monkeypatch.syspath_prepend(str(tmp_path))
+  try:
+    importlib.import_module("fp_forms.kernels.op")
+    assert fingerprint.module_closure("fp_forms.kernels.op") == [
+        "fp_forms", "fp_forms.kernels.op", "fp_forms.kernels.tile", "fp_forms.lazy.deep",
+        "fp_forms.shared"]
+    assert "fp_forms.lazy" not in sys.modules
+  finally:
+    _forget_package("fp_forms")
+
+
 def test_code_without_a_source_file_has_no_fingerprint(monkeypatch):
   module = types.ModuleType("fp_interactive")
   exec("class Kernel:\n  pass\n", module.__dict__)
