@@ -5,6 +5,7 @@ import functools
 import json
 import multiprocessing
 import os
+import re
 import threading
 import time
 import warnings
@@ -99,11 +100,18 @@ def test_corrupt_files_name_themselves(tmp_path, grad_result):
     stellarax.AutotuningResult.load(bad)
 
 
+def _named_mosaic_gpu(data):
+  """An edit naming the Mosaic GPU op in entry 0, a kernel that refuses its call, with no
+  code fingerprint: the XLA op's, recorded there, would make the entry read as measured
+  on other code of the Mosaic GPU op, and be dropped rather than refused."""
+  data["entries"][0]["bound_args"]["op"]["name"] = "ragged_dot.pallas_mosaic_gpu"
+  data["entries"][0]["code"] = ""
+
+
 @pytest.mark.parametrize("edit, complaint", [
     (lambda d: d["entries"][0]["bound_args"]["op"].update(fields=[]),
      "entry 0 is invalid: AttributeError"),
-    (lambda d: d["entries"][0]["bound_args"]["op"].update(name="ragged_dot.pallas_mosaic_gpu"),
-     "entry 0 is invalid: NotImplementedError: .*Mosaic GPU"),  # a kernel refusing the call
+    (_named_mosaic_gpu, "entry 0 is invalid: NotImplementedError: .*Mosaic GPU"),
     (lambda d: d.update(schema=True), "schema True is not a schema version"),
     (lambda d: d.update(schema=0), "schema 0 is not a schema version"),
     (lambda d: d.update(device_kind=None), "'device_kind' must name a device kind"),
@@ -227,6 +235,55 @@ def test_a_config_field_an_older_file_lacks_takes_its_default_silently(grad_resu
   loaded = stellarax.AutotuningResult.loads(_edited(grad_result, _without_field(code)))
   (entry,) = [e for e in loaded if e.bound_args.op.name == "ragged_dot.xla"]
   assert entry.best_config.tile_m == 128
+
+
+def _renamed_field(code=None):
+  """An edit renaming tile_m to tile_rows in the ragged_dot.xla entry's configs, as data
+  an op would hold whose config field was renamed since (and setting the entry's code
+  fingerprint to `code`, unless None)."""
+  def edit(data):
+    (entry,) = [e for e in data["entries"] if e["bound_args"]["op"]["name"] == "ragged_dot.xla"]
+    for config in [entry["best_config"], *(m["config"] for m in entry["measurements"])]:
+      config["tile_rows"] = config.pop("tile_m")
+    if code is not None:
+      entry["code"] = code
+  return edit
+
+
+def test_an_entry_from_other_code_that_no_longer_validates_is_dropped_alone(grad_result):
+  # The same versions, but its op's code changed (an editable install renamed a config
+  # field): that entry is stale data, not a broken file, and the others still load.
+  text = _edited(grad_result, _renamed_field(code="0123456789abcdef"))
+  with pytest.warns(file_format.VersionWarning) as record:
+    loaded = stellarax.AutotuningResult.loads(text, source="cache.json")
+  (message,) = [str(w.message) for w in record]
+  assert re.match(r"cache.json: entry \d skipped \(measured on other code of ragged_dot.xla: "
+                  r"fingerprint 0123456789abcdef, now [0-9a-f]{16}\):.*tile_rows", message)
+  assert "other versions" not in message
+  assert [e.bound_args.op.name for e in loaded] == ["ragged_dot.xla_vjp"]
+  # The library cache reads its files without these warnings (warnings are errors here).
+  assert len(stellarax.AutotuningResult.loads(text, warn_other_versions=False)) == 1
+
+
+@pytest.mark.parametrize("code", [None, ""])  # the running code (as written), or unknown
+def test_an_entry_from_the_running_code_that_does_not_validate_is_a_format_error(grad_result,
+                                                                                 code):
+  with pytest.raises(file_format.FormatError, match=r"bad.json: entry \d is invalid: .*tile_rows"):
+    stellarax.AutotuningResult.loads(_edited(grad_result, _renamed_field(code)), source="bad.json")
+
+
+def test_a_user_cache_file_with_an_entry_from_other_code_stays_readable(user_cache_dir,
+                                                                        grad_result):
+  # Before, the entry made the whole file unreadable, and the next write moved it aside.
+  lhs, rhs, gs = _inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  path = cache_lib.USER_CACHE.path_for(cache_lib.current_device_kind(), ba.op.name)
+  path.parent.mkdir(parents=True)
+  path.write_text(_edited(grad_result, _renamed_field(code="0123456789abcdef")))
+  with pytest.warns(file_format.VersionWarning, match="measured on other code"):
+    result = tuner(cache=True).autotune([ba])  # a CacheWarning would fail here
+  assert not path.with_suffix(".json.unreadable").exists()
+  assert stellarax.AutotuningResult.load(path).entry(ba) == result.entry(ba)
 
 
 def test_files_are_written_with_the_umask_s_permissions(tmp_path, grad_result):

@@ -33,12 +33,16 @@ configs are validated when read and a config that no longer validates (or an
 op that no longer exists) drops just that entry, with a warning. They are
 stale all the same (`result.Entry.stale_reason`), as are entries measured on
 other code of their op (used silently): `autotune` measures their calls again,
-and the new entry wins the merge. The shipped library cache reads its
-own files without these warnings (`cache.FileCache.warn_other_versions`). A
-file that is not valid JSON, lacks a required field, or holds an invalid entry
-recorded under the running versions raises `FormatError` naming the file and
-the problem, whatever the op's checks raised. Files are written atomically, with
-the permissions `open` would give them (the umask's).
+and the new entry wins the merge. An entry measured on other code of its op (its
+`code` is not the op's current fingerprint, as when an op of an editable install
+renamed a config field) that no longer validates is dropped alone too, with the
+same warning, under the running versions as well. The shipped library cache
+reads its own files without these warnings (`cache.FileCache.warn_other_versions`).
+A file that is not valid JSON, lacks a required field, or holds an invalid entry
+recorded under the running versions on the running code of its op (or on unknown
+code) raises `FormatError` naming the file and the problem, whatever the op's
+checks raised. Files are written atomically, with the permissions `open` would
+give them (the umask's).
 
 Hand edits. Schema 1 has always written each field with one JSON type (an object,
 a list, a string, a number), so a field of another type (`"versions": "0.1"`,
@@ -68,6 +72,8 @@ from typing import Any
 import jax
 import jaxlib
 
+from stellarax.core import registry
+from stellarax.core.fingerprint import code_fingerprint
 from stellarax.core.warn import warn
 
 SCHEMA_VERSION = 1
@@ -82,7 +88,8 @@ class NewerSchemaError(FormatError):
 
 
 class VersionWarning(UserWarning):
-  """Data recorded under other versions is being used."""
+  """Data recorded under other versions is being used, or an entry recorded under other
+  versions or on other code of its op no longer validates and is dropped."""
 
 
 class FormatWarning(UserWarning):
@@ -251,10 +258,12 @@ def result_from_json(cls, data: dict[str, Any], *, source: str, warn_other_versi
 
   Raises:
     FormatError: for a field of the wrong JSON type, or an invalid entry recorded
-      under the running versions, naming `source` and the entry.
+      under the running versions on the running (or unknown) code of its op, naming
+      `source` and the entry.
 
   Warns:
-    VersionWarning: for entries from other versions (see the module policy).
+    VersionWarning: for entries from other versions, and for each entry dropped
+      because it no longer validates (see the module policy).
     FormatWarning: for one call in two entries with different data, or a current
       entry whose configs lack fields.
   """
@@ -286,22 +295,43 @@ def result_from_json(cls, data: dict[str, Any], *, source: str, warn_other_versi
 
 def _read_entry(raw: dict[str, Any], i: int, versions: Mapping[str, str], *, source: str,
                 warn_other_versions: bool):
-  """Entry `i` of a file, or None where it no longer validates under other versions.
+  """Entry `i` of a file, or None where it no longer validates under other versions or
+  on other code of its op.
 
   Raises:
-    FormatError: for an invalid entry recorded under the running versions.
+    FormatError: for an invalid entry recorded under the running versions on the
+      running (or unknown) code of its op.
   """
   try:
     return entry_from_json(raw, source=source, versions=versions)
   except Exception as e:  # noqa: BLE001 (whatever an op's checks raise, the entry is bad)
-    # Same versions: the file was broken (by hand or by a bug), say so.
-    # Other versions: an op or config changed since, drop just this entry.
+    # Same versions and code: the file was broken (by hand or by a bug), say so.
+    # Other versions, or other code of the op (edited in an editable install, where the
+    # versions stay): the op or its config changed since, drop just this entry.
     why = f"{type(e).__name__}: {e}" if not isinstance(e, (KeyError, ValueError)) else str(e)
-    if same_versions(versions):
+    other_code = _other_code(raw)
+    if same_versions(versions) and other_code is None:
       raise FormatError(f"{source}: entry {i} is invalid: {why}") from None
     if warn_other_versions:
-      warn(f"{source}: entry {i} skipped (recorded by other versions): {why}", VersionWarning)
+      made = "recorded by other versions" if not same_versions(versions) else other_code
+      warn(f"{source}: entry {i} skipped ({made}): {why}", VersionWarning)
     return None
+
+
+def _other_code(raw: dict[str, Any]) -> str | None:
+  """That entry `raw` was measured on other code of its op, in words, or None where it
+  names the running code or none (the test of `result.Entry.stale_reason`)."""
+  recorded = raw.get("code") or ""
+  if not recorded:
+    return None
+  try:
+    name = raw["bound_args"]["op"]["name"]
+    now = code_fingerprint(registry.lookup(name))
+  except (KeyError, TypeError):  # no op of that name: no code to compare with
+    return None
+  if recorded == now:
+    return None
+  return f"measured on other code of {name}: fingerprint {recorded}, now {now or 'unknown'}"
 
 
 def _one_of_two(first, i: int, second, j: int, *, source: str):
