@@ -651,6 +651,27 @@ def test_writers_that_remove_their_lock_files_still_exclude_each_other(tmp_path)
   assert int(count.read_text()) == 150
 
 
+def test_a_killed_writer_s_temporary_file_is_no_cache_file(user_cache_dir, grad_result):
+  # A writer killed between writing its temporary file and renaming it over the cache
+  # file leaves the temporary behind, holding a whole result: no reader may take it
+  # for a cache file of its own (an op named ".tmp-ii8p5y7m").
+  written = cache_lib.USER_CACHE.write(grad_result)
+  left = written[0].with_name(".tmp-ii8p5y7m.json")
+  left.write_text(written[0].read_text())
+  assert cache_lib.USER_CACHE.files() == written
+  assert len(cache_lib.USER_CACHE.results(grad_result.device_kind)) == len(written)
+  assert cache_lib.USER_CACHE.temporaries() == [left]
+  assert cache_lib.USER_CACHE.temporaries(min_age_s=cache_lib.LEFTOVER_AGE_S) == []
+  # A young one may be a write under way, so clear keeps it; an old one it removes.
+  cache_lib.USER_CACHE.clear()
+  assert left.exists() and not any(path.exists() for path in written)
+  old = time.time() - cache_lib.LEFTOVER_AGE_S - 1
+  os.utime(left, (old, old))
+  assert cache_lib.USER_CACHE.temporaries(min_age_s=cache_lib.LEFTOVER_AGE_S) == [left]
+  assert cache_lib.USER_CACHE.clear() == 1
+  assert list(user_cache_dir.iterdir()) == []
+
+
 def test_library_cache_is_consulted_after_the_user_cache(tmp_path, monkeypatch, grad_result):
   lib = cache_lib.FileCache(tmp_path / "lib", "library_cache", writable=True)
   lib.write(grad_result)

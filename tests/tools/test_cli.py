@@ -1,6 +1,8 @@
 """The `stellarax` command line."""
 
 import dataclasses
+import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +10,7 @@ import pytest
 
 import stellarax
 from stellarax import autotuning
+from stellarax.autotuning import cache
 from stellarax.tools import cli
 
 
@@ -281,6 +284,31 @@ def test_cache_clear_removes_the_cache_s_files_only(tmp_path, user_cache_dir, ca
   assert "files removed" in capsys.readouterr().out
   assert sorted(p.name for p in user_cache_dir.rglob("*")) == ["notes.txt"]
   assert autotuning.explain(ba).source != "user_cache"
+
+
+def test_cache_commands_pass_over_a_killed_writer_s_temporary_file(user_cache_dir, capsys):
+  # A writer killed before renaming its temporary file over the cache file leaves it:
+  # it is no cache file, and `cache clear` removes it once too old to be a live write's.
+  folder = user_cache_dir / "cpu"
+  folder.mkdir(parents=True)
+  old, young = folder / ".tmp-ii8p5y7m.json", folder / ".tmp-k2j4h6x0.json"
+  for path in (old, young):
+    path.write_text('{"device_kind": "cpu"')  # cut short
+  then = time.time() - cache.LEFTOVER_AGE_S - 1
+  os.utime(old, (then, then))
+  assert cli.main(["cache", "list"]) == 0
+  out = capsys.readouterr().out
+  assert out.splitlines() == [
+      f"user cache at {user_cache_dir} is empty",
+      "cpu/.tmp-ii8p5y7m.json: left by a cache write that did not finish, not a cache file "
+      "(`stellarax cache clear` removes it)"]
+  assert cli.main(["cache", "prune"]) == 0
+  assert "no stale entries" in capsys.readouterr().out
+  assert cli.main(["cache", "clear"]) == 0
+  out = capsys.readouterr().out
+  assert f"cleared the user cache at {user_cache_dir}: 1 files removed" in out
+  assert "kept 1 temporary files of cache writes that may still be under way" in out
+  assert sorted(folder.iterdir()) == [young]
 
 
 def test_python_dash_m_runs_the_command_line():

@@ -11,7 +11,9 @@ Both are folders of result files, one per device kind and op:
   merge (`AutotuningResult.__or__`), and replace it atomically, so several
   processes writing at once lose nothing and readers never see a torn file.
   The lock files stay (`clear` removes them); `write_library_cache` removes its
-  own, so that a folder to ship holds its JSON files only.
+  own, so that a folder to ship holds its JSON files only. A writer killed mid-write
+  leaves its temporary file (`.tmp-*.json`): no reader takes it for a result file,
+  and `clear` removes it once it is `LEFTOVER_AGE_S` old.
 - The library cache ships in `stellarax/data/autotuning/` and is read-only. A package
   that defines ops of its own ships their configs the same way (`write_library_cache`)
   and adds its folder when imported (`add_library_cache`), after stellarax's.
@@ -32,6 +34,7 @@ import os
 import re
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +46,14 @@ from stellarax.core import resolution
 from stellarax.core.warn import warn
 
 LIBRARY_ROOT = Path(__file__).resolve().parent.parent / "data" / "autotuning"
+
+# How old (by mtime) the temporary file of an atomic write must be before it is taken
+# for a leftover of a killed writer. Its age alone tells: a live writer's temporary
+# exists only while it writes and fsyncs one file (milliseconds), and deleting it
+# would make that writer's rename fail and lose its entries. Which writer a temporary
+# belongs to is not in its name, so its op's lock cannot tell; the margin covers a
+# slow disk or a writer stopped for a while (Ctrl-Z).
+LEFTOVER_AGE_S = 600.0
 
 
 class CacheWarning(UserWarning):
@@ -220,7 +231,7 @@ class FileCache:
     if not folder.is_dir():
       return []
     out = []
-    for path in sorted(folder.glob("*.json")):
+    for path in sorted(p for p in folder.glob("*.json") if not _is_temporary(p)):
       r = self.result_for(device_kind or current_device_kind(), path.stem)
       if r is not None:
         out.append(r)
@@ -291,8 +302,10 @@ class FileCache:
 
   def clear(self) -> int:
     """Removes every file of the cache (results, their locks, files moved aside as
-    unreadable, temporary files) and the device-kind folders left empty; other files
-    in the cache folder stay (it may be a folder of the user's).
+    unreadable, temporary files of writes that did not finish) and the device-kind
+    folders left empty; other files in the cache folder stay (it may be a folder of
+    the user's), and so do temporary files younger than `LEFTOVER_AGE_S` (a write
+    may still be under way).
 
     Returns:
       How many files were removed.
@@ -306,9 +319,12 @@ class FileCache:
     if not self.root.is_dir():
       return 0
     removed = 0
+    leftovers = set(self.temporaries(min_age_s=LEFTOVER_AGE_S))
     for folder in sorted(p for p in self.root.iterdir() if p.is_dir()):
-      for pattern in ("*.json", "*.json.lock", "*.json.unreadable", ".tmp-*.json"):
+      for pattern in ("*.json", "*.json.lock", "*.json.unreadable"):
         for path in folder.glob(pattern):
+          if _is_temporary(path) and path not in leftovers:
+            continue  # a write under way: deleting it would lose its entries
           path.unlink()
           removed += 1
       with contextlib.suppress(OSError):  # not empty: something else lives there
@@ -318,8 +334,34 @@ class FileCache:
     return removed
 
   def files(self) -> list[Path]:
-    """Every result file of the cache, of every device kind, sorted."""
-    return sorted(self.root.glob("*/*.json")) if self.root.is_dir() else []
+    """Every result file of the cache, of every device kind, sorted (not the temporary
+    files of atomic writes)."""
+    if not self.root.is_dir():
+      return []
+    return sorted(p for p in self.root.glob("*/*.json") if not _is_temporary(p))
+
+  def temporaries(self, *, min_age_s: float = 0.0) -> list[Path]:
+    """The temporary files of atomic writes in the cache's folders, sorted.
+
+    Args:
+      min_age_s: only those whose last change is at least this many seconds old
+        (`LEFTOVER_AGE_S`: those left by writers that were killed).
+
+    Returns:
+      Their paths; one that vanishes while they are looked at (its write finished) is
+      left out.
+    """
+    if not self.root.is_dir():
+      return []
+    now, found = time.time(), []
+    for path in sorted(self.root.glob(f"*/{file_format.TEMPORARY_PREFIX}*.json")):
+      try:
+        age = now - path.stat().st_mtime
+      except FileNotFoundError:  # renamed over its result file meanwhile
+        continue
+      if age >= min_age_s:
+        found.append(path)
+    return found
 
   def prune(self) -> list[Pruned]:
     """Removes the stale entries (`Entry.stale_reason`: measured under other versions
@@ -355,6 +397,11 @@ class FileCache:
           path.unlink()
       pruned.append(Pruned(path, len(result) - len(current), len(current)))
     return pruned
+
+
+def _is_temporary(path: Path) -> bool:
+  """Whether `path` is the temporary file of an atomic write (`file_format.atomic_write`)."""
+  return path.name.startswith(file_format.TEMPORARY_PREFIX)
 
 
 def _nearest_existing(path: Path) -> Path:

@@ -163,13 +163,20 @@ def _umask() -> int:
   return mask
 
 
+# The temporary file of an atomic write: `<folder>/.tmp-<random>.json`. A writer killed
+# before its rename (SIGKILL, power loss) leaves it behind; readers of a folder of
+# results pass such files over (`FileCache.files`), and `cache clear` removes old ones.
+TEMPORARY_PREFIX = ".tmp-"
+
+
 def atomic_write(path: str | os.PathLike, text: str) -> None:
-  """Writes `text` to `path` atomically (temp file in the same folder, rename)."""
+  """Writes `text` to `path` atomically (a temporary file in the same folder, named
+  `TEMPORARY_PREFIX...json`, then renamed over `path`)."""
   path = os.fspath(path)
   folder = os.path.dirname(os.path.abspath(path))
   os.makedirs(folder, exist_ok=True)
   try:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=TEMPORARY_PREFIX, suffix=".json", dir=folder)
   except OSError as exc:  # name the file asked for, not the temporary one
     raise OSError(exc.errno, exc.strerror, path) from None
   try:

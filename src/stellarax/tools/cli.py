@@ -222,12 +222,18 @@ def _cache(args) -> int:
   elif args.action == "clear":
     removed = cache.USER_CACHE.clear()
     print(f"cleared the user cache at {root}: {removed} files removed")
+    if kept := cache.USER_CACHE.temporaries():
+      print(f"kept {len(kept)} temporary files of cache writes that may still be under way "
+            f"(`stellarax cache clear` removes them once {cache.LEFTOVER_AGE_S / 60:g} minutes "
+            "old)")
   return 0
 
 
 def _list(user_cache) -> None:
   """Prints each file of the user cache with its entry count and how many are stale; an
-  unreadable file is listed with its error (`cache clear` removes it)."""
+  unreadable file is listed with its error, and a temporary file left by a killed
+  writer as such (`cache clear` removes both)."""
+  from stellarax.autotuning import cache
   from stellarax.autotuning.result import AutotuningResult
   files = user_cache.files()
   if not files:
@@ -245,6 +251,10 @@ def _list(user_cache) -> None:
     stale = sum(not e.is_current for e in result)
     print(f"{name}: {len(result)} entries" + (f", {stale} stale (`stellarax cache prune`"
                                                " removes them)" if stale else ""))
+  # Only old temporaries: a younger one is most likely a write under way.
+  for path in user_cache.temporaries(min_age_s=cache.LEFTOVER_AGE_S):
+    print(f"{path.relative_to(user_cache.root)}: left by a cache write that did not finish, "
+          "not a cache file (`stellarax cache clear` removes it)")
 
 
 _NOT_IMPORTED = ("entries of {op}, an op no imported module defines (`--import MODULE` names "
