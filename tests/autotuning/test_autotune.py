@@ -672,6 +672,90 @@ def test_a_killed_writer_s_temporary_file_is_no_cache_file(user_cache_dir, grad_
   assert list(user_cache_dir.iterdir()) == []
 
 
+def test_clear_racing_writers_and_readers_fails_none_of_them(user_cache_dir, grad_result):
+  # `cache clear` while tuning writes the cache: each write lands before a clear or
+  # after it, whole, and no side raises (a file gone meanwhile is no error for clear,
+  # nor for prune or a reader, nor for a writer whose folder clear removed).
+  kind, cache = grad_result.device_kind, cache_lib.USER_CACHE
+  singles = [autotuning.AutotuningResult(kind, {e.key: e}) for e in grad_result]
+  stop, errors = threading.Event(), []
+
+  def repeat(action) -> None:
+    try:
+      while not stop.is_set():
+        action()
+    except BaseException as exc:  # noqa: BLE001 (the test reads what was raised)
+      errors.append(exc)
+
+  actions = [functools.partial(cache.write, single) for single in singles * 2]
+  actions += [cache.clear, cache.prune, functools.partial(cache.results, kind)]
+  threads = [threading.Thread(target=repeat, args=(action,)) for action in actions]
+  for t in threads:
+    t.start()
+  time.sleep(1.5)
+  stop.set()
+  for t in threads:
+    t.join()
+  assert not errors, errors
+  for path in cache.files():  # what the last clear left: whole files, of their op
+    assert [e.bound_args.op.name for e in autotuning.AutotuningResult.load(path)] == [path.stem]
+  assert cache.write(grad_result) and len(cache.results(kind)) == len(singles)
+
+
+def test_clear_waits_for_a_writer_holding_a_file_s_lock(user_cache_dir, grad_result):
+  # Removing a lock file a writer holds would let the next writer lock a new file at
+  # the same path and write beside it: clear takes each file's lock, as writers do.
+  (path, *_) = cache_lib.USER_CACHE.write(grad_result)
+  lock = path.with_suffix(".json.lock")
+  with cache_lib._exclusive_lock(lock):
+    clearing = threading.Thread(target=cache_lib.USER_CACHE.clear)
+    clearing.start()
+    clearing.join(0.3)
+    assert clearing.is_alive() and lock.exists() and path.exists()
+  clearing.join()
+  assert not lock.exists() and not path.exists()
+
+
+@pytest.mark.parametrize("folder_stays", [False, True])
+def test_writers_still_exclude_each_other_while_the_cache_is_cleared(tmp_path, folder_stays):
+  # Clear removes lock files (and, unless a file of the user's keeps it, their emptied
+  # folder) while writers lock them: no two writers may hold the lock at once (no
+  # increment lost), and none may fail.
+  cache = cache_lib.FileCache(tmp_path / "cache", "user_cache", writable=True)
+  lock, count = tmp_path / "cache" / "cpu" / "op.json.lock", tmp_path / "count"
+  count.write_text("0")
+  if folder_stays:
+    lock.parent.mkdir(parents=True)
+    (lock.parent / "notes.txt").write_text("the user's own")
+  done, errors = threading.Event(), []
+
+  def add(n: int) -> None:
+    try:
+      for _ in range(n):
+        with cache_lib._exclusive_lock(lock):
+          seen = int(count.read_text())
+          time.sleep(0.0005)  # widen the window a second writer would slip into
+          count.write_text(str(seen + 1))
+    except BaseException as exc:  # noqa: BLE001 (the test reads what was raised)
+      errors.append(exc)
+
+  def clear() -> None:
+    while not done.is_set():
+      cache.clear()
+
+  clearing = threading.Thread(target=clear)
+  clearing.start()
+  writers = [threading.Thread(target=add, args=(25,)) for _ in range(4)]
+  for t in writers:
+    t.start()
+  for t in writers:
+    t.join()
+  done.set()
+  clearing.join()
+  assert not errors, errors
+  assert int(count.read_text()) == 100
+
+
 def test_library_cache_is_consulted_after_the_user_cache(tmp_path, monkeypatch, grad_result):
   lib = cache_lib.FileCache(tmp_path / "lib", "library_cache", writable=True)
   lib.write(grad_result)

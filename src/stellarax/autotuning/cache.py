@@ -10,7 +10,8 @@ Both are folders of result files, one per device kind and op:
   Writers take an exclusive `fcntl` lock on `<file>.lock`, re-read the file,
   merge (`AutotuningResult.__or__`), and replace it atomically, so several
   processes writing at once lose nothing and readers never see a torn file.
-  The lock files stay (`clear` removes them); `write_library_cache` removes its
+  The lock files stay (`clear` removes each while holding it, so that writers
+  racing a clear still exclude each other); `write_library_cache` removes its
   own, so that a folder to ship holds its JSON files only. A writer killed mid-write
   leaves its temporary file (`.tmp-*.json`): no reader takes it for a result file,
   and `clear` removes it once it is `LEFTOVER_AGE_S` old.
@@ -148,6 +149,8 @@ class FileCache:
         try:
           result = AutotuningResult.load(path, warn_other_versions=self.warn_other_versions)
           _check_device_kind(result, device_kind, path)
+        except FileNotFoundError:  # removed since its stat (`clear`): absent, no problem
+          return None
         except (OSError, file_format.FormatError) as exc:
           self._warn_once(path, mtime, str(exc).splitlines()[0])  # it names the file
           result = None
@@ -272,7 +275,7 @@ class FileCache:
     written = []
     for op_name, entries in sorted(by_op.items()):
       path = self.path_for(result.device_kind, op_name)
-      path.parent.mkdir(parents=True, exist_ok=True)
+      _make_folder(path.parent)
       with _exclusive_lock(path.with_suffix(".json.lock"), remove=remove_locks):
         merged = AutotuningResult(result.device_kind)
         if path.exists():
@@ -307,6 +310,10 @@ class FileCache:
     the user's), and so do temporary files younger than `LEFTOVER_AGE_S` (a write
     may still be under way).
 
+    Writers may go on meanwhile: each result file is removed under its lock, so a
+    write lands whole either before the clear (and is removed) or after it (and
+    stays), and a file gone meanwhile is no error.
+
     Returns:
       How many files were removed.
 
@@ -318,15 +325,9 @@ class FileCache:
       raise PermissionError(f"The {self.source_name} at {self.root} is read-only.")
     if not self.root.is_dir():
       return 0
-    removed = 0
-    leftovers = set(self.temporaries(min_age_s=LEFTOVER_AGE_S))
+    removed = sum(_unlink(path) for path in self.temporaries(min_age_s=LEFTOVER_AGE_S))
     for folder in sorted(p for p in self.root.iterdir() if p.is_dir()):
-      for pattern in ("*.json", "*.json.lock", "*.json.unreadable"):
-        for path in folder.glob(pattern):
-          if _is_temporary(path) and path not in leftovers:
-            continue  # a write under way: deleting it would lose its entries
-          path.unlink()
-          removed += 1
+      removed += _clear_folder(folder)
       with contextlib.suppress(OSError):  # not empty: something else lives there
         folder.rmdir()
     with self._lock:
@@ -385,6 +386,8 @@ class FileCache:
       with _exclusive_lock(path.with_suffix(".json.lock")):
         try:
           result = AutotuningResult.load(path, warn_other_versions=False)
+        except FileNotFoundError:  # removed since listed (`clear`): nothing to prune
+          continue
         except ValueError as exc:  # file_format.FormatError: it names the file
           pruned.append(Pruned(path, 0, 0, error=str(exc).splitlines()[0]))
           continue
@@ -397,6 +400,41 @@ class FileCache:
           path.unlink()
       pruned.append(Pruned(path, len(result) - len(current), len(current)))
     return pruned
+
+
+def _clear_folder(folder: Path) -> int:
+  """Removes the cache's files from one device kind's folder (not the temporary files
+  of atomic writes: `FileCache.clear` sees to those); returns how many it removed."""
+  try:
+    names = {p.name for p in folder.iterdir()}
+  except FileNotFoundError:  # another clear removed the folder meanwhile
+    return 0
+  removed = 0
+  # Under each result file's lock, as writers and `prune` take it: a writer holding it
+  # finishes first, and one waiting on it finds the lock file gone once it gets it and
+  # starts again on a new one (`_locked_file`), so its entries land after the clear.
+  # Removing the lock file while holding it (as `write(remove_locks=True)` does)
+  # never leaves a writer holding a lock file that another writer cannot find.
+  results = {n for n in names if n.endswith(".json") and not _is_temporary(Path(n))}
+  results |= {n.removesuffix(".lock") for n in names if n.endswith(".json.lock")}
+  for name in sorted(results):
+    with _exclusive_lock(folder / f"{name}.lock", remove=True):
+      removed += _unlink(folder / name)
+    removed += int(f"{name}.lock" in names)  # the lock file, if it was there before
+  # Files moved aside as unreadable need no lock: writers only ever add them.
+  for name in sorted(n for n in names if n.endswith(".json.unreadable")):
+    removed += _unlink(folder / name)
+  return removed
+
+
+def _unlink(path: Path) -> int:
+  """Removes `path`: 1 if it did, 0 if it was gone already (renamed or removed by a
+  writer or another clear since it was listed)."""
+  try:
+    path.unlink()
+  except FileNotFoundError:
+    return 0
+  return 1
 
 
 def _is_temporary(path: Path) -> bool:
@@ -474,9 +512,14 @@ def _exclusive_lock(lock_path: Path, *, remove: bool = False):
 
 
 def _locked_file(lock_path: Path):
-  """The lock file, open and exclusively locked, once it is the file at `lock_path`."""
+  """The lock file, open and exclusively locked, once it is the file at `lock_path`
+  (its folder is made again if `clear` removed it)."""
   while True:
-    f = open(lock_path, "a+")
+    try:
+      f = open(lock_path, "a+")
+    except FileNotFoundError:  # `clear` removed the folder, empty, after it was made
+      _make_folder(lock_path.parent)
+      continue
     try:
       fcntl.flock(f.fileno(), fcntl.LOCK_EX)
       if _same_file(f.fileno(), lock_path):
@@ -485,6 +528,25 @@ def _locked_file(lock_path: Path):
       f.close()
       raise
     f.close()  # removed while we waited: lock the file that is there now
+
+
+def _make_folder(folder: Path) -> None:
+  """Makes `folder` and those above it where missing, though `clear` may remove it
+  (empty) at any moment: `mkdir(exist_ok=True)` then fails if it sees the folder
+  exist and then no longer a folder, and tries again here.
+
+  Raises:
+    FileExistsError: when a file (not a folder) stands at `folder` or above it.
+    OSError: when it cannot be made (e.g. PermissionError).
+  """
+  while True:
+    try:
+      folder.mkdir(parents=True, exist_ok=True)
+      return
+    except FileExistsError as exc:
+      blocker = exc.filename or folder  # `folder`, or one above it
+      if os.path.lexists(blocker) and not os.path.isdir(blocker):
+        raise  # a file (or a broken link) in the way, not a folder removed meanwhile
 
 
 def _same_file(fd: int, path: Path) -> bool:

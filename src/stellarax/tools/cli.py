@@ -242,6 +242,8 @@ def _list(user_cache) -> None:
     name = path.relative_to(user_cache.root)
     try:
       result = AutotuningResult.load(path, warn_other_versions=False)
+    except FileNotFoundError:  # removed since listed (a `cache clear` meanwhile)
+      continue
     except ValueError as exc:
       if _of_an_op_not_imported(path):
         print(f"{name}: {_NOT_IMPORTED.format(op=path.stem)}")
