@@ -22,7 +22,8 @@ A call that cannot be tuned (every config failed) does not stop the others: once
 every call was tried, `IncompleteTuningError` names the ones that failed and
 carries the rest in `partial_result`. With `cache=True` each call's entry goes
 into the user cache as soon as it is tuned, so an interrupted run keeps what it
-measured, and running it again tunes only the calls still missing.
+measured, and running it again tunes only the calls still missing; within a call,
+its journal (journal.py) keeps each config as it is measured.
 """
 
 from __future__ import annotations
@@ -42,10 +43,12 @@ import jax
 
 from stellarax.autotuning import capture
 from stellarax.autotuning import isolation
+from stellarax.autotuning import journal as journal_lib
 from stellarax.autotuning import measure as measure_lib
 from stellarax.autotuning import profile
 from stellarax.autotuning import search
-from stellarax.autotuning.cache import USER_CACHE, CacheWriteWarning, cached_results, current_device_kind
+from stellarax.autotuning.cache import (USER_CACHE, CacheWriteWarning, cached_results, current_device_kind,
+                                       device_kind_slug)
 from stellarax.autotuning.progress import Progress
 from stellarax.autotuning.result import AutotuningResult, Entry
 from stellarax.core import registry
@@ -118,8 +121,15 @@ class Autotuner:
       the faster of old and new, and a lucky old time would never be replaced).
     cache: write each call's entry into the user cache as soon as it is tuned
       (an interrupted or failed run keeps what it measured; the next run reads
-      those calls from the cache unless ignore_cache); distributed tuning also
-      writes the calls other processes tuned, when all are done.
+      those calls from the cache unless ignore_cache), and each measured config
+      of a call into its journal (journal.py), so that a call interrupted while
+      tuned resumes from the configs it measured; distributed tuning also writes
+      the calls other processes tuned, when all are done.
+    prune: `(bound_args, configs) -> the configs to measure`, called with each call's
+      space before it is searched (as Triton's `prune_configs_by`): a way to search
+      less, e.g. only num_stages <= 3, without changing the op. The heuristic config
+      is measured whatever it returns (it is the baseline every other config must
+      beat); the entry's method then ends with "pruned <kept>/<space>".
     reproducible: measure and choose only configs whose outputs are bit-identical
       run after run (`Op._is_reproducible`: no atomic adds); None follows the mode
       where `autotune` is called (`stellarax.autotuning.reproducible_scope`, on
@@ -148,6 +158,7 @@ class Autotuner:
   ignore_cache: bool = False
   cache: bool = False
   reproducible: bool | None = None
+  prune: Callable[[BoundArguments, list[Any]], Any] | None = None
   measure_options: measure_lib.MeasureOptions = dataclasses.field(default_factory=measure_lib.MeasureOptions)
   seed: int = 0
   distribute: bool = True
@@ -175,6 +186,9 @@ class Autotuner:
         raise TypeError(f"Autotuner({name}={getattr(self, name)!r}): pass True or False.")
     if self.reproducible is not None and not isinstance(self.reproducible, bool):
       raise TypeError(f"Autotuner(reproducible={self.reproducible!r}): pass True, False or None.")
+    if self.prune is not None and not callable(self.prune):
+      raise TypeError(f"Autotuner(prune={self.prune!r}): pass a function (bound_args, configs) "
+                      "-> the configs to measure, or None.")
     if not isinstance(self.measure_options, measure_lib.MeasureOptions):
       raise TypeError(f"Autotuner(measure_options={self.measure_options!r}): pass a "
                       "stellarax.autotuning.MeasureOptions(...), e.g. MeasureOptions(rounds=5).")
@@ -258,6 +272,9 @@ class Autotuner:
     if self.cache and len(result):
       try:
         USER_CACHE.write(result, replace=self.ignore_cache)
+        folder = USER_CACHE.root / device_kind_slug(result.device_kind)
+        for entry in result:  # in the cache now: nothing to resume
+          journal_lib.remove(entry.bound_args, folder)
       except OSError as exc:
         warn(CacheWriteWarning(
             f"Autotuner(cache=True): the user cache at {USER_CACHE.root} cannot be "
@@ -419,21 +436,28 @@ class Autotuner:
     accept = self._accept(ba)
     heuristic = resolution.reproducible_heuristic(ba, accept)
     space = [c for c in _ordered_space(ba, heuristic) if accept is None or accept(c)]
+    whole = len(space)
+    space = self._pruned(ba, space)
     label = ba.op.name
     measure_here = self._isolated_measure(ba, device) if self.isolate else self._local_measure(ba, device)
+    journal = self._journal(ba, device)
     seen: set[Any] = set()  # progress counts each config once, however often measured
 
     def measure(configs, *, effort=1.0):
       configs = list(configs)
-      out = measure_here(configs, effort)
+      known = {c: m for c in configs if (m := journal.recall(c, effort)) is not None}
+      todo = [c for c in configs if c not in known]
+      out = measure_here(todo, effort) if todo else {}
+      journal.record(out, effort)
       if progress is not None:
         progress.advance(len(set(configs) - seen), label)
       seen.update(configs)
-      return out
+      return {c: known[c] if c in known else out[c] for c in configs}
 
     measure.effective_effort = self.measure_options.effective_effort  # search.py: "The measure"
     strategy = _strategy(self.strategy, len(space))
     outcome = strategy(space, measure, heuristic=heuristic, budget_s=self.budget_s)
+    outcome = _confirm_recalled(outcome, measure_here, journal, heuristic)
     if progress is not None:  # configs a budgeted strategy skipped count as done
       progress.advance(len(set(space) - seen), label)
     measurements = tuple(outcome.measurements.items())
@@ -441,8 +465,37 @@ class Autotuner:
         bound_args=ba, best_config=outcome.best, heuristic_config=heuristic,
         measurements=measurements,
         measured_at=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        method=f"{outcome.strategy}/{_method(measurements)}",
+        method=f"{outcome.strategy}/{_method(measurements)}"
+               + (f"/pruned {len(space)}/{whole}" if len(space) < whole else ""),
         code=code_fingerprint(type(ba.op)))
+
+  def _pruned(self, ba: BoundArguments, space: list[Any]) -> list[Any]:
+    """The space as `prune` leaves it (the heuristic config, first, always stays).
+
+    Raises:
+      ValueError: when `prune` returns a config that is not in the space.
+    """
+    if self.prune is None:
+      return space
+    kept = list(self.prune(ba, list(space)))
+    strangers = [c for c in kept if c not in space]
+    if strangers:
+      raise ValueError(f"Autotuner(prune=...) returned {len(strangers)} configs that are not "
+                       f"in the space of {ba.op.name}, e.g. {strangers[0]!r}: it may drop "
+                       "configs, not add them (pin a config with the op's config= instead).")
+    kept = set(kept)
+    return [space[0]] + [c for c in space[1:] if c in kept]
+
+  def _journal(self, ba: BoundArguments, device: jax.Device | None) -> Any:
+    """The call's journal in the user cache with `cache=True` (see journal.py), else one
+    that recalls and keeps nothing."""
+    if not self.cache:
+      return _NO_JOURNAL
+    kind = device.device_kind if device is not None else current_device_kind()
+    journal = journal_lib.Journal.for_call(
+        ba, USER_CACHE.root / device_kind_slug(kind), seed=self.seed,
+        options=self.measure_options, isolate=self.isolate, anew=self.ignore_cache)
+    return _WarnOnce(journal)
 
   def _local_measure(self, ba: BoundArguments, device: jax.Device | None):
     """`(configs, effort) -> {config: Measurement}`, measuring in this process."""
@@ -804,3 +857,66 @@ class _TuningBackend:
 
 resolution.set_autotune_on_miss(_autotune_on_miss)
 resolution.set_tuning_backend(_TuningBackend())
+
+
+class _NoJournal:
+  """The journal of a tuning that keeps none (`cache=False`)."""
+
+  def recall(self, config: Any, effort: float) -> None:
+    return None
+
+  def record(self, measurements: Mapping[Any, Any], effort: float) -> None:
+    pass
+
+  def is_recalled(self, config: Any, measurement: Any) -> bool:
+    return False
+
+
+_NO_JOURNAL = _NoJournal()
+
+
+class _WarnOnce:
+  """A journal whose write failures cost one warning, then no more journaling: the
+  measurements go on, only resuming is lost."""
+
+  def __init__(self, journal: journal_lib.Journal):
+    self._journal = journal
+    self.recall, self.is_recalled = journal.recall, journal.is_recalled
+    self._failed = False
+
+  def record(self, measurements: Mapping[Any, Any], effort: float) -> None:
+    if self._failed:
+      return
+    try:
+      self._journal.record(measurements, effort)
+    except OSError as exc:
+      self._failed = True
+      warn(CacheWriteWarning(
+          f"Autotuner(cache=True): the tuning journal {self._journal.path} cannot be written "
+          f"({exc}); tuning goes on, but an interrupted run would measure this call again.",
+          exc), CacheWriteWarning)
+
+
+# At most this many configs, the best and those within its noise, are measured again
+# together when one of them was recalled from a journal.
+_MAX_CONFIRMED = 8
+
+
+def _confirm_recalled(outcome: search.SearchOutcome, measure_here: Callable[..., Any],
+                      journal: Any, heuristic: Any) -> search.SearchOutcome:
+  """The outcome, with the best config and those within its noise measured again together
+  when one of them was recalled from a journal (another run's time: see journal.py)."""
+  ms = dict(outcome.measurements)
+  best = ms[outcome.best]
+  close = [c for c, m in ms.items() if m.ok and c != outcome.best and m.ci_low_s <= best.ci_high_s]
+  contenders = [outcome.best] + sorted(close, key=lambda c: ms[c].median_s)[:_MAX_CONFIRMED - 1]
+  if len(contenders) < 2 or not any(journal.is_recalled(c, ms[c]) for c in contenders):
+    return outcome
+  fresh = measure_here(contenders, 1.0)
+  journal.record(fresh, 1.0)
+  ms.update(fresh)
+  ok = {c: m for c, m in fresh.items() if m.ok}
+  if not ok:  # all failed now: the choice falls to every measurement there is
+    ok = {c: m for c, m in ms.items() if m.ok}
+  chosen = measure_lib.pick_best(ok, prefer=heuristic if heuristic in ok else None)
+  return dataclasses.replace(outcome, best=chosen, measurements=ms)

@@ -305,7 +305,7 @@ class FileCache:
 
   def clear(self) -> int:
     """Removes every file of the cache (results, their locks, files moved aside as
-    unreadable, temporary files of writes that did not finish) and the device-kind
+    unreadable, tuning journals, temporary files of writes that did not finish) and the device-kind
     folders left empty; other files in the cache folder stay (it may be a folder of
     the user's), and so do temporary files younger than `LEFTOVER_AGE_S` (a write
     may still be under way).
@@ -421,8 +421,9 @@ def _clear_folder(folder: Path) -> int:
     with _exclusive_lock(folder / f"{name}.lock", remove=True):
       removed += _unlink(folder / name)
     removed += int(f"{name}.lock" in names)  # the lock file, if it was there before
-  # Files moved aside as unreadable need no lock: writers only ever add them.
-  for name in sorted(n for n in names if n.endswith(".json.unreadable")):
+  # Files moved aside as unreadable need no lock: writers only ever add them; nor do
+  # tuning journals (autotuning/journal.py), which a tuning under way starts again.
+  for name in sorted(n for n in names if n.endswith((".json.unreadable", ".journal"))):
     removed += _unlink(folder / name)
   return removed
 

@@ -1,0 +1,160 @@
+"""Tuning journals: an interrupted tuning of a call resumes from the configs it measured."""
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import stellarax
+from stellarax.autotuning import autotuner as autotuner_lib
+from stellarax.autotuning import cache as cache_lib
+from stellarax.autotuning import journal as journal_lib
+from stellarax.autotuning import search
+from stellarax.autotuning.measure import Measurement, MeasureOptions
+from stellarax.tools import cli
+
+FAST = MeasureOptions(rounds=2, leader_rounds=0, warmup_s=0.0, max_total_s=0.2, min_batch_s=2e-4)
+
+
+def _call():
+  lhs = jax.random.normal(jax.random.key(0), (48, 32))
+  rhs = jax.random.normal(jax.random.key(1), (4, 32, 16))
+  return stellarax.XlaRaggedDot.bind(lhs, rhs, jnp.array([20, 0, 28, 0], jnp.int32))
+
+
+def _tuner(options=FAST):
+  # Chunks of two configs: one measure call each, so a run can stop between them.
+  return stellarax.Autotuner(progress=False, measure_options=options, cache=True,
+                             strategy=functools.partial(search.exhaustive, chunk_size=2))
+
+
+@pytest.fixture
+def measured(monkeypatch):
+  """The configs of each measure call that reached the device; `stop_at` interrupts."""
+  calls, real = [], autotuner_lib.Autotuner._local_measure
+  state = {"stop_at": None}
+
+  def local_measure(self, ba, device):
+    measure = real(self, ba, device)
+
+    def spy(configs, effort):
+      if state["stop_at"] is not None and len(calls) == state["stop_at"]:
+        raise KeyboardInterrupt
+      calls.append(list(configs))
+      return measure(configs, effort)
+    return spy
+
+  monkeypatch.setattr(autotuner_lib.Autotuner, "_local_measure", local_measure)
+  return calls, state
+
+
+def _journal_of(ba, root):
+  (folder,) = [p for p in root.iterdir() if p.is_dir()]
+  return journal_lib.journal_path(ba, folder)
+
+
+def test_an_interrupted_tuning_resumes_from_the_configs_it_measured(user_cache_dir, measured):
+  calls, state = measured
+  ba = _call()
+  space = len(ba.autotuning_configs)
+  assert space >= 5
+  state["stop_at"] = 2
+  with pytest.raises(KeyboardInterrupt):
+    _tuner().autotune(ba)
+  done = [c for call in calls for c in call]
+  path = _journal_of(ba, user_cache_dir)
+  lines = path.read_text().splitlines()
+  assert len(lines) == 1 + len(done) == 5
+  assert json.loads(lines[0])["code"]  # what the measurements are valid for
+  # The rerun measures the rest; the configs done before are measured again only in the
+  # last call, where the best and those within its noise are confirmed together.
+  calls.clear()
+  state["stop_at"] = None
+  (entry,) = _tuner().autotune(ba)
+  rest, *confirming = calls
+  assert sorted(map(str, rest)) == sorted(str(c) for c in ba.autotuning_configs if c not in done)
+  assert len(confirming) <= 1 and all(set(call) & set(done) for call in confirming)
+  assert {c for c, _ in entry.measurements} == set(ba.autotuning_configs)
+  assert not path.exists()  # the entry is in the cache: nothing to resume
+  (cached,) = stellarax.autotuning.USER_CACHE.results()[0]
+  assert cached == entry
+
+
+def test_a_journal_of_other_settings_or_cut_short_is_not_recalled(user_cache_dir, measured):
+  calls, state = measured
+  ba = _call()
+  state["stop_at"] = 1
+  with pytest.raises(KeyboardInterrupt):
+    _tuner().autotune(ba)
+  path = _journal_of(ba, user_cache_dir)
+  with open(path, "a") as f:
+    f.write('{"config": {"tiles')  # a process killed while writing a line
+  folder = path.parent
+  journal = journal_lib.Journal.for_call(ba, folder, seed=0, options=FAST, isolate=False)
+  assert len(journal.recalled) == 2
+  first = calls[0][0]
+  assert journal.recall(first, 1.0) is not None and journal.recall(first, 1.0).ok
+  # Other measure options (or seed, versions, code): measured again, the journal restarted.
+  other = MeasureOptions(rounds=3, leader_rounds=0, warmup_s=0.0, max_total_s=0.2, min_batch_s=2e-4)
+  assert journal_lib.Journal.for_call(ba, folder, seed=0, options=other, isolate=False).recalled == {}
+  assert journal_lib.Journal.for_call(ba, folder, seed=1, options=FAST, isolate=False).recalled == {}
+  calls.clear()
+  state["stop_at"] = 1
+  with pytest.raises(KeyboardInterrupt):
+    _tuner(other).autotune(ba)
+  assert calls[0][0] == first  # measured again
+  assert len(path.read_text().splitlines()) == 1 + len(calls[0])
+  # `stellarax cache clear` removes journals with the rest.
+  assert cli.main(["cache", "clear"]) == 0
+  assert not path.exists()
+
+
+def _ok(ms):
+  return Measurement(status="ok", median_s=ms * 1e-3, ci_low_s=ms * 0.9e-3,
+                     ci_high_s=ms * 1.1e-3, num_samples=5)
+
+
+class _FakeJournal:
+  def __init__(self, recalled):
+    self.recalled, self.records = recalled, []
+
+  def is_recalled(self, config, measurement):
+    return self.recalled.get(config) is measurement
+
+  def record(self, measurements, effort):
+    self.records.append((dict(measurements), effort))
+
+
+def test_a_recalled_config_in_a_close_choice_is_measured_again_with_its_rivals():
+  # "a" was recalled as best; "b" is within its noise; "c" is far slower.
+  ms = {"a": _ok(1.0), "b": _ok(1.05), "c": _ok(3.0)}
+  outcome = search.SearchOutcome(strategy="exhaustive", best="a", measurements=ms, wall_time_s=1.0, num_configs=3)
+  asked = []
+
+  def measure_here(configs, effort):
+    asked.append((list(configs), effort))
+    return {"a": _ok(1.2), "b": _ok(0.9)}
+
+  journal = _FakeJournal({"a": ms["a"]})
+  confirmed = autotuner_lib._confirm_recalled(outcome, measure_here, journal, heuristic="c")
+  assert asked == [(["a", "b"], 1.0)] and confirmed.best == "b"
+  assert confirmed.measurements["a"].median_s == pytest.approx(1.2e-3)
+  assert journal.records == [({"a": _ok(1.2), "b": _ok(0.9)}, 1.0)]
+  # Nothing recalled among the close ones, or no close rival: the outcome stands.
+  for recalled, rivals in (({"c": ms["c"]}, ms), ({"a": ms["a"]}, {"a": ms["a"], "c": ms["c"]})):
+    same = search.SearchOutcome(strategy="exhaustive", best="a", measurements=rivals, wall_time_s=1.0,
+                                num_configs=3)
+    assert autotuner_lib._confirm_recalled(same, measure_here, _FakeJournal(recalled), "c") is same
+  assert len(asked) == 1
+
+
+def test_without_cache_nothing_is_journaled(user_cache_dir, measured):
+  calls, state = measured
+  state["stop_at"] = 1
+  with pytest.raises(KeyboardInterrupt):
+    stellarax.Autotuner(progress=False, measure_options=FAST,
+                        strategy=functools.partial(search.exhaustive, chunk_size=2)).autotune(_call())
+  assert not user_cache_dir.exists() or not list(user_cache_dir.rglob("*.journal"))
+  assert cache_lib.USER_CACHE.files() == []
