@@ -1,5 +1,7 @@
 """check_in_program: tuned configs timed in the program they were tuned for."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -116,6 +118,52 @@ def test_a_result_that_changes_no_config_reports_no_ratio(monkeypatch):
   assert check.calls == () and "(the same configs: no call's tuned config" in check.lines()[0]
 
 
+def test_the_yardstick_is_todays_heuristic_not_the_one_recorded(monkeypatch):
+  # An entry tuned under an older heuristic: its recorded heuristic is another config.
+  result, entry = _result_with_other_config()
+  today = entry.heuristic_config
+  older = entry.best_config
+  moved = dataclasses.replace(entry, best_config=today, heuristic_config=older)
+  same = autotuning.AutotuningResult(result.device_kind, {moved.key: moved})
+  monkeypatch.setattr(in_program.measure_lib, "measure_candidates", lambda programs, *a, **k: {
+      name: _ok(1.0) for name in programs})
+  # Its best config is today's heuristic: nothing changes, nothing to leave out.
+  assert autotuning.check_in_program(same, program, *_inputs()).calls == ()
+  # Best differs from today's heuristic: left out, the call runs today's heuristic,
+  # and kept() puts that one back.
+  other = dataclasses.replace(entry, heuristic_config=older)
+  result = autotuning.AutotuningResult(result.device_kind, {other.key: other})
+  traced = {}
+  def fake_measure(programs, margs, **kwargs):
+    traced.update({n: str(jax.make_jaxpr(fn)(*margs)) for n, fn in programs.items()})
+    return {"heuristics": _ok(1.0), "tuned": _ok(1.0), 0: _ok(1.0)}
+  monkeypatch.setattr(in_program.measure_lib, "measure_candidates", fake_measure)
+  check = autotuning.check_in_program(result, program, *_inputs())
+  assert [c.entry for c in check.calls] == [other] and check.calls[0].heuristic_config == today
+  assert traced[0] == traced["heuristics"] != traced["tuned"]
+  (kept,) = check.kept()
+  assert kept.best_config == today and "heuristic kept" in kept.method
+
+
+def test_a_lowered_program_is_refused_up_front():
+  result, _ = _result_with_other_config()
+  lowered = jax.jit(program).lower(*_inputs())
+  with pytest.raises(TypeError, match=r"Lowered.*pass f and its arguments"):
+    autotuning.check_in_program(result, lowered)
+
+
+def test_a_program_failing_at_its_heuristics_says_nothing_can_be_checked():
+  result, _ = _result_with_other_config()
+  def failing(lhs, rhs, gs):
+    out = program(lhs, rhs, gs)
+    jax.debug.callback(lambda: 1 / 0)  # fails when it runs, not when traced
+    return out
+  with pytest.raises(Exception) as caught:
+    autotuning.check_in_program(result, failing, *_inputs(), options=FAST)
+  assert any("every op call at its heuristic config" in n
+             for n in getattr(caught.value, "__notes__", [])), caught.value
+
+
 def test_a_program_without_ops_is_refused():
   with pytest.raises(ValueError, match="calls no stellarax op"):
     autotuning.check_in_program(autotuning.AutotuningResult("cpu"), lambda x: x * 2, jnp.ones(3))
@@ -163,7 +211,9 @@ def test_profile_gives_each_calls_own_device_time_in_the_program():
   start = lines.index("each call's own device time per run of the program (profiled, 3 runs):")
   assert any(line.startswith("  ragged_dot.xla: ") and "on its own 2.00x" in line
              for line in lines[start:]), lines
-  assert any(line.startswith("  layer_norm.xla: ") and line.endswith("not timed on its own)")
+  # Not in the result: the same config in both programs, whose times differ by noise.
+  assert ragged.changed and not norm.changed
+  assert any(line.startswith("  layer_norm.xla: ") and line.endswith("(the same config in both)")
              for line in lines[start:]), lines
 
 

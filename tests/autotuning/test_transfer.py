@@ -237,6 +237,28 @@ def test_explain_reports_the_transfer():
   assert plain.source == "heuristics" and plain.confidence is None
 
 
+def test_explain_says_when_the_entry_transferred_from_is_stale():
+  entry = _entry(_ragged(256), _tiled(32))
+  old = dataclasses.replace(entry, versions={**entry.versions, "jax": "0.0.1"})
+  with _result(old):
+    explanation = autotuning.explain(_ragged(512))
+  assert explanation.source.startswith("transfer:") and "'jax': '0.0.1'" in explanation.stale
+  assert "transferred from a stale entry" in str(explanation)
+  with _result(entry):
+    assert autotuning.explain(_ragged(512)).stale is None
+
+
+def test_explain_names_the_devices_a_miss_was_tuned_on(user_cache_dir):
+  h200 = _result(_entry(_ragged(256), _tiled(32)), device_kind="NVIDIA H200")
+  cache_lib.USER_CACHE.write(h200)
+  explanation = autotuning.explain(_ragged(512))
+  assert explanation.source == "heuristics" and explanation.other_device_kinds == ("NVIDIA_H200",)
+  assert "tuned on other devices (NVIDIA_H200), which are not used here" in str(explanation)
+  # This device's own entries: the nearest one is named, not the other devices.
+  cache_lib.USER_CACHE.write(_result(_entry(_ragged(256, dtype=BF16), _tiled(32))))
+  assert autotuning.explain(_ragged(512)).other_device_kinds == ()
+
+
 def test_a_transferred_config_runs_and_is_right():
   k = jax.random.split(jax.random.key(5), 2)
   lhs = jax.random.normal(k[0], (200, 64), F32)
@@ -311,6 +333,42 @@ def test_fit_heuristics_rejects_too_little_data():
     autotuning.fit_heuristics([few], "ragged_dot.xla")
   with pytest.raises(TypeError, match="pass an op's registered name"):
     autotuning.fit_heuristics(few, 3)
+
+
+def test_fit_heuristics_fits_one_structure_at_a_time():
+  """A float32 and a bfloat16 sweep of one shape have the same features: pooled, one rule
+  would average two devices' worth of different answers. It asks which one."""
+  f32 = [_entry(_ragged(m, g=8), _tiled(16)) for m in (64, 256, 1024)]
+  bf16 = [_entry(_ragged(m, g=8, dtype=BF16), _tiled(128)) for m in (64, 256, 1024, 4096)]
+  both = _result(*f32, *bf16)
+  with pytest.raises(ValueError, match=r"2 structures.*4 of group_sizes int32 rank 1, lhs "
+                     r"bfloat16 rank 2.*3 of .*lhs float32 rank 2.*like="):
+    autotuning.fit_heuristics(both, "ragged_dot.xla")
+  fit = autotuning.fit_heuristics(both, "ragged_dot.xla", like=_ragged(32, dtype=BF16))
+  assert fit.num_keys == 4 and fit.rule.predict(_ragged(100, g=8, dtype=BF16)) == _tiled(128)
+  assert "lhs bfloat16 rank 2" in fit.structure and fit.structure in str(fit)
+  fit = autotuning.fit_heuristics(both, "ragged_dot.xla", like=_ragged(32))
+  assert fit.num_keys == 3 and fit.rule.predict(_ragged(100, g=8)) == _tiled(16)
+  with pytest.raises(TypeError, match="like=.*must be a call"):
+    autotuning.fit_heuristics(both, "ragged_dot.xla", like="bf16")
+  with pytest.raises(ValueError, match="like= is a call of test_transfer.toy"):
+    autotuning.fit_heuristics(both, "ragged_dot.xla", like=ToyOp().bind(_spec(16, 4)))
+
+
+@pytest.mark.parametrize("options", [dict(min_gain=None), dict(min_gain="0.1"),
+                                     dict(min_gain=True), dict(max_depth=2.0),
+                                     dict(min_leaf=True), dict(min_gain=-0.1)])
+def test_fit_heuristics_rejects_bad_options_with_the_fix(options):
+  sweeps = _result(*[_entry(_ragged(m), _tiled(16)) for m in (64, 128, 256)])
+  with pytest.raises(ValueError, match=f"{next(iter(options))}=.*must be"):
+    autotuning.fit_heuristics(sweeps, "ragged_dot.xla", **options)
+
+
+def test_rule_text_gives_thresholds_exactly():
+  rule = autotuning.heuristics_fit.Rule(
+      (_tiled(16),), "ratio", 0.123456789, autotuning.heuristics_fit.Rule((_tiled(16),)),
+      autotuning.heuristics_fit.Rule((_tiled(128),)))
+  assert "if ratio <= 0.123456789:" in rule.text()
 
 
 # ---- the recorded sweeps ------------------------------------------------------------------

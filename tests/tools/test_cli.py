@@ -205,6 +205,17 @@ def test_demo_command_takes_the_demos_options(capsys):
   assert "--total-budget-s" in out and "--budget-s" in out and "--no-progress" in out
 
 
+@pytest.mark.parametrize("argv", [["demo", "--budget-s", "0"], ["demo", "--total-budget-s", "-1"],
+                                  ["autotune", "calls.json", "--budget-s", "nan"],
+                                  ["autotune", "calls.json", "--total-budget-s", "ten"]])
+def test_a_budget_that_is_no_positive_number_is_refused_before_any_work(argv, capsys):
+  with pytest.raises(SystemExit) as exit_:
+    cli.main(argv)
+  assert exit_.value.code == 2
+  err = capsys.readouterr().err
+  assert f"argument {argv[-2]}: {argv[-1]!r} is not a number of seconds > 0" in err, err
+
+
 _PLUGIN = '''
 import dataclasses
 import stellarax

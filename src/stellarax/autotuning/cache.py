@@ -44,6 +44,7 @@ import jax
 from stellarax.autotuning import file_format
 from stellarax.autotuning.result import AutotuningResult
 from stellarax.core import resolution
+from stellarax.core import warn as warn_lib
 from stellarax.core.warn import warn
 
 LIBRARY_ROOT = Path(__file__).resolve().parent.parent / "data" / "autotuning"
@@ -114,7 +115,8 @@ class FileCache:
     self.source_name = source_name
     self.writable = writable
     self.warn_other_versions = warn_other_versions
-    self._loaded: dict[Path, tuple[float, AutotuningResult | None]] = {}
+    # path -> (mtime, result or None, why it could not be read or None)
+    self._loaded: dict[Path, tuple[int, AutotuningResult | None, str | None]] = {}
     self._warned: dict[Path, int | None] = {}  # the file version last warned about
     self._lock = threading.Lock()
 
@@ -146,16 +148,22 @@ class FileCache:
     with self._lock:
       cached = self._loaded.get(path)
       if cached is None or cached[0] != mtime:
+        held_before = warn_lib.held_count()
+        problem = None
         try:
           result = AutotuningResult.load(path, warn_other_versions=self.warn_other_versions)
           _check_device_kind(result, device_kind, path)
         except FileNotFoundError:  # removed since its stat (`clear`): absent, no problem
           return None
         except (OSError, file_format.FormatError) as exc:
-          self._warn_once(path, mtime, str(exc).splitlines()[0])  # it names the file
-          result = None
-        cached = (mtime, result)
-        self._loaded[path] = cached
+          problem, result = str(exc).splitlines()[0], None  # it names the file
+        cached = (mtime, result, problem)
+        # A read whose warnings were held back (`warn.held_back`) is not kept: the next
+        # read outside emits them.
+        if held_before is None or warn_lib.held_count() == held_before:
+          self._loaded[path] = cached
+    if cached[2] is not None:
+      self._warn_once(path, mtime, cached[2])
     return cached[1]
 
   def _warn_once(self, path: Path, mtime: int | None, problem: str,
@@ -164,11 +172,11 @@ class FileCache:
     what to do (default: clear the user cache, or reinstall for the library's)."""
     if path in self._warned and self._warned[path] == mtime:
       return
-    self._warned[path] = mtime
     fix = fix or ("`stellarax cache clear` empties the user cache" if self.writable
                   else "reinstalling stellarax restores the library cache")
-    warn(f"{problem} The {self._name} passes over it: its calls resolve as if it were "
-         f"absent ({fix}).", CacheWarning)
+    if warn(f"{problem} The {self._name} passes over it: its calls resolve as if it were "
+            f"absent ({fix}).", CacheWarning):  # held back, it is owed (`warn.held_back`)
+      self._warned[path] = mtime
 
   def root_problem(self, *, writing: bool = False) -> str | None:
     """What keeps the cache's folder from being read (or, with `writing`, written),
@@ -576,6 +584,30 @@ def cached_results(op_name: str, device_kind: str | None = None):
     result = result_for(kind, op_name) if result_for is not None else None
     if result is not None:
       yield cache.source_name, result
+
+
+def other_device_kinds(op_name: str) -> tuple[str, ...]:
+  """The device kinds other than the current one that a registered cache holds a file of
+  `op_name` for, as their folders name them ("NVIDIA_H100_80GB_HBM3"), sorted.
+
+  Args:
+    op_name: the op's registered name.
+
+  Returns:
+    The folder names; empty where none (or a cache cannot be listed).
+  """
+  here = device_kind_slug(current_device_kind())
+  found = set()
+  for cache in resolution.cache_sources():
+    root = getattr(cache, "root", None)
+    if not isinstance(root, Path):
+      continue
+    try:
+      found.update(p.parent.name for p in root.glob(f"*/{op_name}.json"))
+    except OSError:  # a cache that cannot be listed says nothing here
+      continue
+  found.discard(here)
+  return tuple(sorted(found))
 
 
 def write_library_cache(result: AutotuningResult, root: str | Path) -> list[Path]:

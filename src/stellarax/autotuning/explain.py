@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from stellarax.autotuning.autotuner import config_tuned_on_miss
-from stellarax.autotuning.cache import cached_results
+from stellarax.autotuning.cache import cached_results, other_device_kinds
 from stellarax.autotuning.transfer import TransferResolution
 from stellarax.core import resolution
 from stellarax.core.bound_args import BoundArguments
@@ -34,7 +34,11 @@ class Explanation:
     confidence: for a transferred config, the transfer's confidence in
       (0, 1] (see `stellarax.autotuning.transfer`); else None.
     stale: for a config from a stale result or cache entry, why it is stale
-      (`Entry.stale_reason`; `autotune` measures the call again); else None.
+      (`Entry.stale_reason`; `autotune` measures the call again); for a transferred
+      config, why the entry it came from is; else None.
+    other_device_kinds: on a miss with nothing of this op tuned for this device kind,
+      the device kinds the caches hold tuned calls of the op for (configs tuned on one
+      device are not used on another).
   """
 
   op: str
@@ -43,6 +47,7 @@ class Explanation:
   nearest: tuple[str, tuple[str, ...]] | None
   confidence: float | None = None
   stale: str | None = None
+  other_device_kinds: tuple[str, ...] = ()
 
   def __str__(self) -> str:
     if self.source == "trivial":
@@ -52,7 +57,10 @@ class Explanation:
     if source.startswith("transfer:"):  # "transfer:<distance>" reads as a score otherwise
       source = f"transfer (key distance {source.partition(':')[2]})"
     lines = [f"{self.op}: {json.dumps(config_to_json(self.config))} from {source}"]
-    if self.stale is not None:
+    if self.stale is not None and self.confidence is not None:
+      lines.append(f"  transferred from a stale entry ({self.stale}): autotune(...) of this "
+                   "call measures it")
+    elif self.stale is not None:
       lines.append(f"  stale ({self.stale}): autotune measures this call again")
     if self.confidence is not None:
       where, diffs = self.nearest
@@ -63,6 +71,9 @@ class Explanation:
       lines.append(f"  nearest tuned call ({where}) differs in: " + "; ".join(diffs))
     elif self.source.startswith(("heuristics", "miss")):
       lines.append("  no call of this op was tuned in the active results or caches")
+    if self.other_device_kinds:
+      lines.append(f"  the caches hold calls of this op tuned on other devices "
+                   f"({', '.join(self.other_device_kinds)}), which are not used here")
     if self.source == "miss:error":
       lines.append("  the miss policy is 'error': the call raises ConfigMissError (the config "
                    "above is its heuristic)")
@@ -107,17 +118,23 @@ def explain(bound_args: BoundArguments) -> Explanation:
                 else resolution.Resolution(resolved.config, f"miss:{policy}"))
   if isinstance(resolved, TransferResolution):
     diffs = _diff(bound_args.autotuning_cache_key, resolved.neighbour.autotuning_cache_key)
+    where = "result" if resolved.where == "active result" else resolved.where
     return Explanation(bound_args.op.name, resolved.config, resolved.source,
-                       (resolved.where, tuple(diffs)), resolved.confidence)
-  nearest = None
+                       (resolved.where, tuple(diffs)), resolved.confidence,
+                       stale=_stale_reason(resolved.neighbour, where))
+  nearest, elsewhere = None, ()
   if resolved.source not in ("explicit", "result") and not resolved.source.endswith("cache"):
     nearest = _nearest(bound_args)
+    if nearest is None:
+      elsewhere = other_device_kinds(bound_args.op.name)
   return Explanation(bound_args.op.name, resolved.config, resolved.source, nearest,
-                     stale=_stale_reason(bound_args, resolved.source))
+                     stale=_stale_reason(bound_args, resolved.source),
+                     other_device_kinds=elsewhere)
 
 
 def _stale_reason(bound_args: BoundArguments, source: str) -> str | None:
-  """Why the entry a result or cache resolved the call from is stale, or None."""
+  """Why the entry of `bound_args` that a result ("result": the active ones) or cache
+  (its source name) holds is stale, or None."""
   if source == "result":
     results = reversed(resolution.active_results())  # the innermost answers first
   else:

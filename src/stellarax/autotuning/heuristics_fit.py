@@ -1,7 +1,11 @@
 """`fit_heuristics`: a small readable rule learned from measured sweeps, with its regret.
 
 Input: the entries of one op in a result or cache whose measurements cover the call's
-whole search space (full sweeps, e.g. from `Autotuner(strategy="exhaustive")`). Each such
+whole search space (full sweeps, e.g. from `Autotuner(strategy="exhaustive")`), of one
+structure: transfer's (`transfer.structure_of`: the arrays' dtypes and ranks, the vmap
+levels), which the features do not see, so a bfloat16 and a float32 sweep of one shape
+would look like two measurements of one call. `like=` picks the structure where the
+entries hold several. Each such
 key gives, for every config, its slowdown against the fastest measured there; a config
 that failed there counts as the slowest one measured there.
 
@@ -156,6 +160,8 @@ class FittedHeuristics:
     rule_regret: the rule's regret on held-out keys.
     heuristic_regret: the op's fixed heuristic's regret on the same keys.
     transfer_regret: nearest-key transfer's regret on the same keys.
+    structure: the keys' structure in words (`transfer.describe_structure`): the rule
+      is for calls of that one.
   """
 
   op: str
@@ -164,10 +170,11 @@ class FittedHeuristics:
   rule_regret: Regret
   heuristic_regret: Regret
   transfer_regret: Regret
+  structure: str = ""
 
   def __str__(self) -> str:
     return "\n".join([
-        f"{self.op}: rule fitted on {self.num_keys} keys", self.rule.text("  "),
+        f"{self.op}: rule fitted on {self.num_keys} keys ({self.structure})", self.rule.text("  "),
         "regret on held-out keys (leave-one-out), slowdown against the measured best:",
         f"  fixed heuristic: {self.heuristic_regret}",
         f"  nearest-key transfer: {self.transfer_regret}",
@@ -176,7 +183,8 @@ class FittedHeuristics:
 
 def fit_heuristics(result_or_cache: Any, op: str | Op | type[Op], *, max_depth: int = 2,
                    min_leaf: int = 2, min_gain: float = 0.01,
-                   device_kind: str | None = None) -> FittedHeuristics:
+                   device_kind: str | None = None,
+                   like: BoundArguments | None = None) -> FittedHeuristics:
   """Fits a decision-tree rule to measured sweeps of `op` and reports regrets.
 
   Args:
@@ -189,23 +197,30 @@ def fit_heuristics(result_or_cache: Any, op: str | Op | type[Op], *, max_depth: 
     min_gain: the least relative lowering of the geometric mean slowdown over a node's
       keys that a split must bring.
     device_kind: the cache's device kind (default: the current one); ignored for results.
+    like: a call of the op (e.g. `SomeOp.bind(...)` on `jax.ShapeDtypeStruct`s): only
+      entries of its structure (dtypes, ranks, vmap levels) are used. Needed where the
+      entries hold several structures.
 
   Returns:
     A `FittedHeuristics`: the rule fitted on every key, and the three regrets on
     held-out keys (see the module docstring).
 
   Raises:
-    TypeError: for a `result_or_cache` that is neither a result nor a cache, or an `op`
-      that is no name, op class or op.
-    ValueError: for bad options, fewer than `MIN_KEYS` full sweeps, or entries of several
-      op identities under one name when `op` is a name or class.
+    TypeError: for a `result_or_cache` that is neither a result nor a cache, an `op`
+      that is no name, op class or op, or a `like` that is no call.
+    ValueError: for bad options, fewer than `MIN_KEYS` full sweeps, entries of several
+      op identities under one name when `op` is a name or class, or of several
+      structures without `like`.
   """
   _check_options(max_depth, min_leaf, min_gain)
+  if like is not None and not isinstance(like, BoundArguments):
+    raise TypeError(f"like={like!r} must be a call of the op (a BoundArguments, e.g. from "
+                    "SomeOp.bind(...)) or None.")
   if not (isinstance(op, (str, Op)) or (isinstance(op, type) and issubclass(op, Op))):
     raise TypeError(f"op={op!r}: pass an op's registered name (e.g. 'ragged_dot.xla'), its "
                     "class or an instance.")
   name = op if isinstance(op, str) else op.name
-  entries = _entries(result_or_cache, op, name, device_kind)
+  entries = _of_one_structure(_entries(result_or_cache, op, name, device_kind), name, like)
   sweeps = [s for s in map(_Sweep.of, entries) if s is not None]
   if len(sweeps) < MIN_KEYS:
     raise ValueError(
@@ -227,15 +242,37 @@ def fit_heuristics(result_or_cache: Any, op: str | Op | type[Op], *, max_depth: 
   return FittedHeuristics(
       op=name, rule=fitter.fit(list(range(len(sweeps)))), num_keys=len(sweeps),
       rule_regret=_regret(chosen["rule"]), heuristic_regret=_regret(chosen["heuristic"]),
-      transfer_regret=_regret(chosen["transfer"]))
+      transfer_regret=_regret(chosen["transfer"]),
+      structure=transfer.describe_structure(sweeps[0].entry.bound_args))
+
+
+def _of_one_structure(entries: list[Entry], name: str, like: BoundArguments | None) -> list[Entry]:
+  """The entries of `like`'s structure, or all of them where they share one."""
+  groups: dict[Any, list[Entry]] = {}
+  for e in entries:
+    groups.setdefault(transfer.structure_of(e.bound_args), []).append(e)
+  if like is not None:
+    if like.op.name != name:
+      raise ValueError(f"like= is a call of {like.op.name}; pass a call of {name}.")
+    return groups.get(transfer.structure_of(like), [])
+  if len(groups) > 1:
+    kinds = "; ".join(f"{len(g)} of {transfer.describe_structure(g[0].bound_args)}"
+                      for g in sorted(groups.values(), key=len, reverse=True))
+    raise ValueError(
+        f"The entries of {name} hold {len(groups)} structures, which one rule cannot tell "
+        f"apart (its features are shapes): {kinds}. Pass like= a call of the structure to "
+        "fit, e.g. like=SomeOp.bind(*shape_dtype_structs).")
+  return entries
 
 
 def _check_options(max_depth: int, min_leaf: int, min_gain: float) -> None:
-  if not isinstance(max_depth, int) or max_depth < 0:
+  integer = lambda v: isinstance(v, int) and not isinstance(v, bool)
+  if not integer(max_depth) or max_depth < 0:
     raise ValueError(f"{max_depth=} must be an int >= 0.")
-  if not isinstance(min_leaf, int) or min_leaf < 1:
+  if not integer(min_leaf) or min_leaf < 1:
     raise ValueError(f"{min_leaf=} must be an int >= 1.")
-  if not (math.isfinite(min_gain) and min_gain >= 0):
+  if (not isinstance(min_gain, (int, float)) or isinstance(min_gain, bool)
+      or not (math.isfinite(min_gain) and min_gain >= 0)):
     raise ValueError(f"{min_gain=} must be a number >= 0 (0.01: a split must gain 1%).")
 
 
@@ -362,4 +399,4 @@ def _test_text(feature: str, threshold: float) -> str:
   # <= 2 ** threshold are exactly those <= floor(2 ** threshold).
   if feature.startswith("log2 "):
     return f"{feature[5:]} <= {math.floor(2.0 ** threshold + 1e-9)}"
-  return f"{feature} <= {threshold:.4g}"
+  return f"{feature} <= {threshold!r}"  # exact: the rule's own threshold

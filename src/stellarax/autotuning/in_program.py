@@ -68,12 +68,21 @@ class CallCheck:
       where `without` failed).
     alternatives: the result's entries for the same call in other implementations of
       its family (`Autotuner(implementations=...)`), which dispatch may run instead.
+    heuristic_config: the call's heuristic config today, which `without` ran (the
+      entry records the heuristic of when it was measured, which a newer stellarax may
+      have changed); None means the entry's.
   """
 
   entry: Entry
   without: measure_lib.Measurement
   helps: bool
   alternatives: tuple[Entry, ...] = ()
+  heuristic_config: Any = None
+
+  def at_heuristic(self) -> Entry:
+    """The entry pinned to the heuristic config that `without` ran."""
+    heuristic = self.entry.heuristic_config if self.heuristic_config is None else self.heuristic_config
+    return dataclasses.replace(self.entry, best_config=heuristic)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +99,8 @@ class CallTime:
     alone: the call's tuned speed-up measured on its own (heuristic time over the best
       time of the implementation the tuned program ran, from the result), None where
       the result has no timed entry for it.
+    changed: whether the tuned program runs the call otherwise (another config or
+      implementation); where it does not, the two times differ only by noise.
   """
 
   op: str
@@ -97,6 +108,7 @@ class CallTime:
   heuristic_s: float | None
   tuned_s: float | None
   alone: float | None
+  changed: bool = True
 
   @property
   def speedup(self) -> float | None:
@@ -113,7 +125,8 @@ class ProgramCheck:
   Attributes:
     result: the result checked.
     heuristics: the program with every op call at its heuristic config.
-    tuned: the program inside `with result:`.
+    tuned: the program with the result's configs (the calls it does not cover at their
+      heuristic configs, as in `heuristics`).
     calls: one `CallCheck` per call of the program whose tuned config is not its
       heuristic, in program order.
     num_calls: op calls found in the program (tuned or not).
@@ -156,7 +169,7 @@ class ProgramCheck:
           entries.pop(other.key, None)
         if e.key in entries:
           entries[e.key] = dataclasses.replace(
-              _at_heuristic(e), method=f"{e.method}; heuristic kept: not faster in the program checked")
+              call.at_heuristic(), method=f"{e.method}; heuristic kept: not faster in the program checked")
     return AutotuningResult(self.result.device_kind, entries, self.result.versions)
 
   def lines(self) -> list[str]:
@@ -190,6 +203,10 @@ class ProgramCheck:
                  f" {_PROFILED_RUNS} runs):")
     at = format_time
     for t in self.call_times:
+      if not t.changed:
+        out.append(f"  {t.op}: {at(t.heuristic_s)} with heuristics, {at(t.tuned_s)} tuned"
+                   " (the same config in both)")
+        continue
       ratios = [f"{t.speedup:.2f}x"] if t.speedup else []
       ratios.append(f"on its own {t.alone:.2f}x" if t.alone else "not timed on its own")
       out.append(f"  {t.op}: {at(t.heuristic_s)} with heuristics -> {at(t.tuned_s)} tuned"
@@ -220,10 +237,6 @@ def _faster_alternatives(result: AutotuningResult, ba: BoundArguments,
   return others if times and (own_s is None or min(times) < own_s) else ()
 
 
-def _at_heuristic(entry: Entry) -> Entry:
-  return dataclasses.replace(entry, best_config=entry.heuristic_config)
-
-
 def _heuristic_entry(ba) -> Entry:
   """An entry that pins a call to its heuristic config (nothing measured)."""
   ba = ba.with_config(None)
@@ -240,7 +253,8 @@ def _under(result: AutotuningResult, program: Callable[[list], Any]) -> Callable
 
 
 def _call_times(found: list[BoundArguments], result: AutotuningResult,
-                programs: dict[Any, Callable[..., Any]], args: tuple) -> tuple[CallTime, ...]:
+                programs: dict[Any, Callable[..., Any]], args: tuple,
+                changed: set[tuple[str, str]]) -> tuple[CallTime, ...]:
   """A `CallTime` per op call that the heuristic or the tuned program's profile shows."""
   before = profile_lib.device_time_per_call(programs[_HEURISTICS], *args, runs=_PROFILED_RUNS)
   after = profile_lib.device_time_per_call(programs[_TUNED], *args, runs=_PROFILED_RUNS)
@@ -260,8 +274,20 @@ def _call_times(found: list[BoundArguments], result: AutotuningResult,
              if e is not None and ran_entry is not None and e.heuristic_time and ran_entry.best_time
              else None)
     name = ba.op.name if tuned_key == key else f"{ba.op.name} -> {ran_entry.bound_args.op.name}"
-    out.append(CallTime(name, key, before.get(key), after.get(tuned_key), alone))
+    out.append(CallTime(name, key, before.get(key), after.get(tuned_key), alone, key in changed))
   return tuple(sorted(out, key=lambda t: -(t.heuristic_s or 0.0)))
+
+
+def _reference_run(program: Callable[[list], Any], arrays: list) -> Any:
+  """The heuristic program's output, which every variant is checked against; where it
+  fails, the error says that nothing can be checked."""
+  try:
+    return jax.jit(program)(arrays)
+  except Exception as exc:
+    exc.add_note("stellarax.check_in_program: this is the program with every op call at its "
+                 "heuristic config, the reference each variant is checked against; the "
+                 "check needs a program that runs.")
+    raise
 
 
 def check_in_program(result: AutotuningResult, f: Callable[..., Any], /, *args,
@@ -278,14 +304,27 @@ def check_in_program(result: AutotuningResult, f: Callable[..., Any], /, *args,
     profile: also profile the heuristic and the tuned program for each call's own
       device time (`ProgramCheck.call_times`; the module docstring says what it costs).
 
+  Every variant pins each op call of the program: calls the result does not cover run
+  their heuristic config in all of them (not a cache's or a transferred one, as under a
+  plain `with result:`), so the differences measured are the result's alone. A call's
+  heuristic is today's, which may differ from the one its entry recorded.
+
   Returns:
     The `ProgramCheck`.
 
   Raises:
+    TypeError: for a `jax.stages.Lowered` (its configs were fixed when it was lowered;
+      pass the function and its arguments).
     ValueError: if the program has no stellarax op call.
     stellarax.autotuning.profile.ProfileError: with `profile`, if a profile cannot be
       read; RuntimeError if a trace is already running (one at a time).
   """
+  if isinstance(f, (jax.stages.Lowered, jax.stages.Compiled)):
+    raise TypeError(
+        f"check_in_program got a {type(f).__module__}.{type(f).__name__}, whose op configs "
+        "were chosen when it was lowered; it traces the program once per variant, so it "
+        "needs the function: pass f and its arguments (check_in_program(result, f, *args)), "
+        "not f.lower(*args).")
   found = capture.get_bound_args(f, *args, **kwargs)
   if not found:
     raise ValueError(f"{getattr(f, '__name__', f)!r} calls no stellarax op with these arguments:"
@@ -297,8 +336,9 @@ def check_in_program(result: AutotuningResult, f: Callable[..., Any], /, *args,
   # times another implementation of it faster, which dispatch then runs instead.
   alternatives = {key: _faster_alternatives(result, h.bound_args, tuned.get(key))
                   for key, h in heuristic.items()}
+  # Today's heuristic is the yardstick: the heuristic program runs it.
   changed = [(tuned.get(key, heuristic[key]), alternatives[key]) for key in heuristic
-             if (key in tuned and tuned[key].best_config != tuned[key].heuristic_config)
+             if (key in tuned and tuned[key].best_config != heuristic[key].best_config)
              or alternatives[key]]
   pinned = lambda entries: AutotuningResult(device_kind, entries)
   # Static arguments (a mode string, a Python number) stay constants of the programs.
@@ -308,8 +348,10 @@ def check_in_program(result: AutotuningResult, f: Callable[..., Any], /, *args,
   for i, (e, others) in enumerate(changed):
     dropped = {o.key for o in others}
     left_out = {k: v for k, v in (heuristic | tuned).items() if k not in dropped}
-    programs[i] = _under(pinned(left_out | {e.key: _at_heuristic(e)}), program)
-  reference = lambda: jax.jit(programs[_HEURISTICS])(arrays)
+    today = heuristic[e.key].best_config
+    programs[i] = _under(pinned(left_out | {e.key: dataclasses.replace(e, best_config=today)}),
+                         program)
+  reference = lambda: _reference_run(programs[_HEURISTICS], arrays)
   got = measure_lib.measure_candidates(programs, (arrays,), reference=reference,
                                        options=options or measure_lib.MeasureOptions())
   calls = []
@@ -317,6 +359,7 @@ def check_in_program(result: AutotuningResult, f: Callable[..., Any], /, *args,
     without, with_it = got[i], got[_TUNED]
     helps = with_it.ok and (not without.ok or measure_lib.pick_best(
         {i: without, _TUNED: with_it}, prefer=i, order=[i, _TUNED]) == _TUNED)
-    calls.append(CallCheck(e, without, bool(helps), others))
-  times = _call_times(found, result, programs, (arrays,)) if profile else ()
+    calls.append(CallCheck(e, without, bool(helps), others, heuristic[e.key].best_config))
+  times = (_call_times(found, result, programs, (arrays,), {e.key for e, _ in changed})
+           if profile else ())
   return ProgramCheck(result, got[_HEURISTICS], got[_TUNED], tuple(calls), len(found), times)

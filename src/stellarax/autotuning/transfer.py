@@ -156,6 +156,22 @@ def features_of(ba: BoundArguments) -> dict[str, float]:
   return dict(_profile(ba).features)
 
 
+def structure_of(ba: BoundArguments) -> tuple[Any, ...]:
+  """What transfer never crosses (with the op identity): the array arguments with their
+  dtypes and ranks, and the vmap levels with their batched arguments. Hashable; calls
+  with equal structures are comparable when their features have the same names."""
+  return _profile(ba).structure
+
+
+def describe_structure(ba: BoundArguments) -> str:
+  """`structure_of(ba)` in words, e.g. "lhs float32 rank 2, rhs float32 rank 3"."""
+  arrays, levels = structure_of(ba)
+  text = ", ".join(f"{path} {dtype} rank {ndim}" for path, dtype, ndim in arrays)
+  if levels:
+    text += f"; {len(levels)} vmap level{'s' if len(levels) > 1 else ''}"
+  return text or "no arrays"
+
+
 def transfer_distance(a: BoundArguments, b: BoundArguments) -> float | None:
   """The distance between two calls (see the module docstring).
 

@@ -69,6 +69,8 @@ import jax
 from jax._src import config as _jax_config
 from jax._src import core as _jax_core
 
+from stellarax.core import warn as warn_lib
+
 Stack = tuple[Any, ...]
 Question = Callable[[Stack, Any], Any]
 # (question, subject, results pushed above the key's stack, answer). Results
@@ -155,8 +157,11 @@ class TraceKey:
     if memo is not None and memo[0] is now:
       return memo[1]
     try:
-      holds = all(answer is not _CONFLICT and _same(question(now + above, subject), answer)
-                  for question, subject, above, answer in tuple(self._records.values()))
+      # Inside JAX's cache lookup: a warning would reach no line of the user's (and under
+      # -W error be swallowed here); the trace or call it leads to warns instead.
+      with warn_lib.held_back():
+        holds = all(answer is not _CONFLICT and _same(question(now + above, subject), answer)
+                    for question, subject, above, answer in tuple(self._records.values()))
     except Exception:  # a question that fails now must cost a retrace, not a crash
       holds = False
     if len(self._memo) >= _MEMO_LIMIT:

@@ -22,6 +22,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from stellarax.tools import positive_seconds
+
 
 def _autotune(args) -> int:
   """Tunes the calls of a bound-arguments file; exits 1 when some could not be tuned
@@ -321,8 +323,8 @@ def main(argv=None) -> int:
                                   "command refuses to tune with neither)")
   p.add_argument("--cache", action="store_true",
                  help="write the result into the user cache (STELLARAX_CACHE_DIR moves it)")
-  p.add_argument("--budget-s", type=float, default=None, help="tuning budget per op call")
-  p.add_argument("--total-budget-s", type=float, default=None,
+  p.add_argument("--budget-s", type=positive_seconds, default=None, help="tuning budget per op call")
+  p.add_argument("--total-budget-s", type=positive_seconds, default=None,
                  help="one budget for the whole run, shared by the calls by their device time"
                       " in the profile (xplane_to_bound_args output), else equally")
   p.add_argument("--strategy", default="auto", choices=("auto", "exhaustive", "racing", "random"),

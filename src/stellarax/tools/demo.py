@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 import stellarax
 from stellarax.autotuning import measure
+from stellarax.tools import positive_seconds
 
 CONFIG = dict(batch=2, seq=512, heads=4, kv_heads=2, head_dim=32, experts=16, hidden=256)
 
@@ -63,8 +64,8 @@ def loss(params, x):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   """The demo's options, on its own parser or on `stellarax demo`'s."""
   parser.add_argument("--output", default="demo_out", help="folder for the result JSON")
-  parser.add_argument("--budget-s", type=float, default=20.0, help="tuning budget per op call")
-  parser.add_argument("--total-budget-s", type=float, default=None,
+  parser.add_argument("--budget-s", type=positive_seconds, default=20.0, help="tuning budget per op call")
+  parser.add_argument("--total-budget-s", type=positive_seconds, default=None,
                       help="one budget for all calls instead, shared by their device time in a"
                            " profile of the step (Autotuner.total_budget_s)")
   parser.add_argument("--no-progress", action="store_true")
