@@ -596,17 +596,16 @@ def other_device_kinds(op_name: str) -> tuple[str, ...]:
   Returns:
     The folder names; empty where none (or a cache cannot be listed).
   """
-  here = device_kind_slug(current_device_kind())
   found = set()
   for cache in resolution.cache_sources():
-    root = getattr(cache, "root", None)
-    if not isinstance(root, Path):
+    files = getattr(cache, "files", None)
+    if files is None:
       continue
     try:
-      found.update(p.parent.name for p in root.glob(f"*/{op_name}.json"))
+      found.update(p.parent.name for p in files() if p.stem == op_name)
     except OSError:  # a cache that cannot be listed says nothing here
       continue
-  found.discard(here)
+  found.discard(device_kind_slug(current_device_kind()))
   return tuple(sorted(found))
 
 
