@@ -27,7 +27,8 @@ Writes `<out>/results.json` (every row, environment) and `<out>/tuned.json`
 (an AutotuningResult for the library cache) after every workload, so a run cut
 short keeps what it measured; prints each workload's rows as it ends, then
 small calls timed both ways beside the dispatch floor (what sets
-`MeasureOptions.host_bound_factor`), the whole table, the rows whose median is not
+`MeasureOptions.host_bound_factor`), a long call's batches (per call with 1 to 16
+calls a batch, and profiled batches split into lead, busy, gaps and tail), the whole table, the rows whose median is not
 near the device time the profiler saw in one more batch (`MeasureOptions.profile`:
 dispatch or gaps between kernels timed too), the code paths each
 tuning measured (and those faster than the heuristic beyond both confidence
@@ -53,8 +54,10 @@ import json
 import math
 import re
 import sys
+import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -63,7 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import stellarax
-from stellarax.autotuning import measure
+from stellarax.autotuning import measure, profile
 
 
 @dataclasses.dataclass
@@ -554,8 +557,9 @@ def batch_size_check(smoke: bool) -> dict[str, Any]:
   would not), and which a thread's first call may be part of.
 
   Returns:
-    {"name", "per_call_ms": {n: ms}, "new_thread_ms", "min_batch_1ms_ms",
-    "min_batch_20ms_ms", "profiled_ms"}; "error" instead of what failed.
+    {"name", "per_call_ms": {n: ms}, "new_thread_ms", "timeline" (`batch_timeline`),
+    "min_batch_1ms_ms", "min_batch_20ms_ms", "profiled_ms"}; "error" instead of what
+    failed.
   """
   size = 256 if smoke else 8192
   dtype = jnp.float32 if smoke else jnp.bfloat16
@@ -573,6 +577,7 @@ def batch_size_check(smoke: bool) -> dict[str, Any]:
         samples.append((time.perf_counter() - start) / n)
       row["per_call_ms"][n] = float(np.median(samples)) * 1e3
     row["new_thread_ms"] = _one_call_from_new_threads_ms(matmul, a, b)
+    row["timeline"] = batch_timeline(a, b)
     for key, min_batch_s in (("min_batch_1ms_ms", 1e-3), ("min_batch_20ms_ms", 2e-2)):
       opts = measure.MeasureOptions(rounds=5, leader_rounds=0, max_total_s=2.0, timeout_s=20.0,
                                     min_batch_s=min_batch_s, loop_calls=0, profile=True)
@@ -583,6 +588,70 @@ def batch_size_check(smoke: bool) -> dict[str, Any]:
   except Exception as e:  # information, like the dispatch calibration
     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
   return row
+
+
+def batch_timeline(a, b, *, batches: int = 3, calls: int = 2) -> list[dict[str, float]]:
+  """Where a batch's time goes, by the profiler's clock: `batches` batches of `calls`
+  back-to-back calls of `a @ b` with one sync each, as `measure_candidates` times them,
+  profiled. Each batch (a `TraceAnnotation` on the host, around the calls and the sync)
+  is split into lead (its start to its first kernel: dispatch and launch), busy (kernels
+  of the program running), gaps (idle between its first and last kernel) and tail (the
+  last kernel's end to the sync's return). The program's kernels are the events of its
+  module, on the GPU's planes, or on XLA:CPU's threads on a CPU.
+
+  Returns:
+    One {"total_us", "lead_us", "busy_us", "gap_us", "tail_us", "kernels"} a batch, in
+    order; a batch in which no kernel of the program was seen has only "total_us".
+
+  Raises:
+    RuntimeError: when another profiler trace is running.
+  """
+  def stellarax_batch_probe(a, b):
+    return a @ b
+
+  probe = jax.jit(stellarax_batch_probe)
+  jax.block_until_ready(probe(a, b))
+  with tempfile.TemporaryDirectory() as folder:
+    with jax.profiler.trace(folder):
+      for i in range(batches):
+        with jax.profiler.TraceAnnotation(f"stellarax_batch_{i}"):
+          jax.block_until_ready([probe(a, b) for _ in range(calls)])
+    spans, kernels = _annotations_and_kernels(folder, "jit_stellarax_batch_probe")
+  out = []
+  for i in range(batches):
+    start, end = spans[f"stellarax_batch_{i}"]
+    inside = sorted(k for k in kernels if start <= k[0] <= end)
+    row = {"total_us": (end - start) / 1e3}
+    if inside:
+      first, last = inside[0][0], max(e for _, e in inside)
+      busy = profile.union_length(inside)
+      row.update(lead_us=(first - start) / 1e3, busy_us=busy / 1e3,
+                 gap_us=(last - first - busy) / 1e3, tail_us=(end - last) / 1e3,
+                 kernels=len(inside))
+    out.append(row)
+  return out
+
+
+def _annotations_and_kernels(folder: str, module: str
+                             ) -> tuple[dict[str, tuple[int, int]], list[tuple[int, int]]]:
+  """From the one profile under `folder`: {annotation name: (start, end)} of the host's
+  `stellarax_batch_*` annotations, and the (start, end) of every event of the program
+  `module` (its `hlo_module` stat), in nanoseconds of the profile's clock."""
+  from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
+
+  [path] = Path(folder).rglob("*.xplane.pb")
+  spans, kernels = {}, []
+  with warnings.catch_warnings():  # jax 0.11's event stats type warns when iterated
+    warnings.simplefilter("ignore", DeprecationWarning)
+    for plane in ProfileData.from_file(str(path)).planes:
+      for line in plane.lines:
+        for event in line.events:
+          span = (event.start_ns, event.start_ns + event.duration_ns)
+          if event.name.startswith("stellarax_batch_"):
+            spans[event.name] = span
+          elif dict(event.stats).get("hlo_module") == module:
+            kernels.append(span)
+  return spans, kernels
 
 
 def _one_call_from_new_threads_ms(fn, *args, samples: int = 5) -> float:
@@ -607,8 +676,12 @@ def batch_size_lines(check: dict[str, Any]) -> list[str]:
   """`batch_size_check` as text lines."""
   ms = lambda v: "-" if v is None else f"{v:.3f} ms"
   per_call = ", ".join(f"n={n}: {ms(v)}" for n, v in check.get("per_call_ms", {}).items())
+  us = lambda row, key: f"{row[key]:.0f}" if key in row else "-"
+  timeline = [f"  batch of 2 calls, profiled: {us(r, 'total_us')} us = lead {us(r, 'lead_us')}"
+              f" + busy {us(r, 'busy_us')} + gaps {us(r, 'gap_us')} + tail {us(r, 'tail_us')}"
+              for r in check.get("timeline", ())]
   return [f"{check['name']}: per call with n calls a sync: {per_call or '-'};"
-          f" n=1 from a new thread: {ms(check.get('new_thread_ms'))}",
+          f" n=1 from a new thread: {ms(check.get('new_thread_ms'))}", *timeline,
           f"  measure_candidates, batches >= 1 ms: {ms(check.get('min_batch_1ms_ms'))}, >= 20 ms: "
           f"{ms(check.get('min_batch_20ms_ms'))}; profiled {ms(check.get('profiled_ms'))}"
           + (f" ({check['error']})" if "error" in check else "")]

@@ -18,6 +18,7 @@ from stellarax import autotuning
 from stellarax.autotuning.profile import OpCall
 from stellarax.autotuning.profile import ProfileError
 from stellarax.autotuning.profile import read_op_calls
+from stellarax.autotuning.profile import union_length
 from stellarax.autotuning.profile import _Instruction
 from stellarax.autotuning.profile import _custom_call_kernels
 from stellarax.autotuning.profile import _kernel_names
@@ -517,6 +518,13 @@ def _streams(streams):
     lines.append(f'lines {{ id: {number + 1} name: "{stream}" timestamp_ns: 1000'
                  f' {" ".join(events)} }}')
   return _gpu_xspace(lines, ["kernel"], ["hlo_op", "hlo_module", "program_id"])
+
+
+def test_union_length_counts_overlaps_once_in_any_order():
+  assert union_length([]) == 0.0
+  assert union_length([(5, 7), (0, 2), (1, 3)]) == 5  # [0, 3] and [5, 7]
+  assert union_length([(0, 10), (2, 3), (4, 12)]) == 12  # nested, then reaching past
+  assert union_length([(1, 1), (2, 2)]) == 0  # empty spans
 
 
 def test_busy_time_is_the_union_of_each_programs_kernels(tmp_path):

@@ -262,12 +262,23 @@ def test_batch_size_check_times_one_call_per_batch_size_and_both_batch_lengths()
   assert list(check["per_call_ms"]) == [1, 2, 4, 8, 16]
   assert all(v > 0 for v in check["per_call_ms"].values()) and check["new_thread_ms"] > 0
   assert check["min_batch_1ms_ms"] > 0 and check["min_batch_20ms_ms"] > 0 and check["profiled_ms"] > 0
+  # Each profiled batch splits into lead + busy + gaps + tail, its two calls' kernels seen.
+  assert len(check["timeline"]) == 3
+  for batch in check["timeline"]:
+    parts = [batch[k] for k in ("lead_us", "busy_us", "gap_us", "tail_us")]
+    assert all(p >= 0 for p in parts) and batch["busy_us"] > 0 and batch["kernels"] >= 2, batch
+    assert sum(parts) == pytest.approx(batch["total_us"]), batch
   lines = gpu_check.batch_size_lines(check)
   assert lines[0].startswith("matmul 256^3 float32: per call with n calls a sync: n=1: ")
   assert "; n=1 from a new thread: " in lines[0] and lines[0].endswith(" ms")
-  assert ">= 20 ms: " in lines[1] and "; profiled " in lines[1]
+  for line in lines[1:4]:
+    assert re.fullmatch(r"  batch of 2 calls, profiled: \d+ us = lead \d+ \+ busy \d+ \+ gaps \d+"
+                        r" \+ tail \d+", line), line
+  assert ">= 20 ms: " in lines[4] and "; profiled " in lines[4]
   failed = gpu_check.batch_size_lines({"name": "m", "per_call_ms": {}, "error": "E: x"})
   assert failed[0].endswith(": -; n=1 from a new thread: -") and failed[1].endswith("(E: x)")
+  unseen = gpu_check.batch_size_lines({"name": "m", "per_call_ms": {}, "timeline": [{"total_us": 12.0}]})
+  assert unseen[1] == "  batch of 2 calls, profiled: 12 us = lead - + busy - + gaps - + tail -"
 
 
 def test_profile_lines_list_the_rows_far_from_their_device_time():

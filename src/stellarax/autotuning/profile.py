@@ -355,12 +355,19 @@ def busy_time_by_program(path: str | os.PathLike[str], *, host_events: bool = Tr
         intervals[program, event.plane].append(
             (event.start_ns, event.start_ns + event.duration_ns))
     for (program, _), spans in intervals.items():
-      busy[program] = max(busy[program], _union_length(spans) * 1e-9)
+      busy[program] = max(busy[program], union_length(spans) * 1e-9)
   return dict(busy)
 
 
-def _union_length(spans: list[tuple[float, float]]) -> float:
-  """The total length covered by (start, end) intervals, overlaps counted once."""
+def union_length(spans: list[tuple[float, float]]) -> float:
+  """The total length covered by (start, end) intervals, overlaps counted once.
+
+  Args:
+    spans: (start, end) pairs, start <= end, in any order and unit.
+
+  Returns:
+    The length of their union, in the spans' unit (0.0 for none).
+  """
   total, reach = 0.0, -math.inf
   for start, end in sorted(spans):
     if end > reach:
