@@ -20,6 +20,18 @@ search spent (above 1: it overran). `--against` adds the strategies
 of another search.py (e.g. `git show REV:src/stellarax/autotuning/search.py >
 /tmp/old.py`), to compare a change with what it replaces.
 
+    python bench/search_strategies.py --kernel-tuner-cache FILE [--seeds 40] [--against ...]
+
+instead replays a real sweep: a cache file that kernel_tuner wrote while it measured a
+whole search space on a GPU (JSON: "tune_params_keys", and "cache", one record per config
+with "time" in milliseconds, or a failure's name such as "CompilationFailedConfig", and
+"compile_time" and "benchmark_time"). Its times are replayed with 1% noise; compiling
+costs its share of the records' compile and benchmark time. Each seed starts from
+another heuristic config, a random one of the space's 25% fastest, as an op's heuristic
+would usually be good and seldom the best. Such a file is not part of stellarax: e.g.
+kernel_tuner's repository kept `SampleCacheFiles/convolution_MI50.json` (a 2D convolution
+on an AMD MI50, 2,442 configs) at commit 30eb17329f09.
+
     python bench/search_strategies.py --live [--against OLD_SEARCH_PY]
 
 instead tunes one real op call on this machine (XLA chunked attention, 16 configs) with
@@ -121,6 +133,71 @@ def run(seeds: int, against: str | None, whole_rounds: bool = False) -> list[str
   return [header, "|" + "---|" * (3 + len(strategies))] + lines
 
 
+def kernel_tuner_sweep(path: str) -> tuple[dict, float]:
+  """A kernel_tuner cache file (see the module docstring) as a sweep, config -> seconds or
+  a failed Measurement, and the share of compiling in its records' measuring time.
+
+  Raises:
+    ValueError: when the file has no "tune_params_keys" or "cache", or no config ran.
+  """
+  import dataclasses
+  import json
+
+  data = json.loads(Path(path).read_text())
+  if not isinstance(data, dict) or "tune_params_keys" not in data or "cache" not in data:
+    raise ValueError(f"{path}: not a kernel_tuner cache file (it needs 'tune_params_keys' and"
+                     " 'cache'); pass one that kernel_tuner wrote with cache=FILE.")
+  keys = list(data["tune_params_keys"])
+  config = dataclasses.make_dataclass("KernelTunerConfig", keys, frozen=True, kw_only=True)
+  sweep, compile_s, bench_s = {}, 0.0, 0.0
+  for record in data["cache"].values():
+    c = config(**{k: record[k] for k in keys})
+    time_ms = record.get("time")
+    if isinstance(time_ms, (int, float)) and time_ms > 0:
+      sweep[c] = time_ms * 1e-3
+      compile_s += record.get("compile_time", 0.0)
+      bench_s += record.get("benchmark_time", 0.0)
+    else:
+      sweep[c] = Measurement(status="compile_error", error=str(time_ms))
+  if not any(isinstance(v, float) for v in sweep.values()):
+    raise ValueError(f"{path}: no config of its cache ran; nothing to replay.")
+  return sweep, compile_s / (compile_s + bench_s) if compile_s + bench_s else 0.5
+
+
+def run_real(path: str, seeds: int, against: str | None) -> list[str]:
+  """The report's lines for `--kernel-tuner-cache` (see the module docstring)."""
+  sweep, compile_share = kernel_tuner_sweep(path)
+  strategies = _strategies(search, "")
+  if against:
+    strategies |= _strategies(_load(against), f" ({Path(against).name})")
+  ran = sorted((t, i) for i, t in enumerate(sweep.values()) if isinstance(t, float))
+  configs = list(sweep)
+  good = [configs[i] for _, i in ran[:max(1, len(ran) // 4)]]
+  best = ran[0][0]
+  lines = [f"{Path(path).name}: {len(sweep)} configs, {len(ran)} ran, best {best * 1e3:.3f} ms,"
+           f" compiling {compile_share:.0%} of the measuring time", "",
+           "| budget | " + " | ".join(f"{n}: within 2%, geo mean, worst, most budget spent"
+                                     for n in strategies) + " |",
+           "|" + "---|" * (1 + len(strategies))]
+  for fraction in (0.02, 0.05, 0.1, 0.2):
+    parts = []
+    for strategy in strategies.values():
+      ratios, spent = [], []
+      for seed in range(seeds):
+        heuristic = good[np.random.default_rng(seed).integers(len(good))]
+        replay = search.ReplayMeasure(sweep, noise=0.01, seed=seed, compile_cost_s=compile_share,
+                                      cost_s_per_config=1 - compile_share, whole_rounds=True)
+        budget = fraction * len(sweep)
+        outcome = strategy(sweep, replay, heuristic, budget, seed, replay.clock)
+        ratios.append(sweep[outcome.best] / best)
+        spent.append(replay.clock() / budget)
+      within = sum(r <= 1.02 for r in ratios)
+      parts.append(f"{within}/{seeds}, {math.exp(np.mean(np.log(ratios))):.3f}, {max(ratios):.3f},"
+                   f" {max(spent):.2f}")
+    lines.append(f"| {fraction} | " + " | ".join(parts) + " |")
+  return lines
+
+
 def live(against: str | None, budgets=(3.0, 8.0), repeats: int = 2) -> list[str]:
   """The report's lines for `--live` (see the module docstring)."""
   import time
@@ -160,9 +237,16 @@ def main(argv=None) -> int:
                       help="charge whole samples, at least one round (as real measurements)")
   parser.add_argument("--live", action="store_true",
                       help="tune a real op call on this machine instead (budget use)")
+  parser.add_argument("--kernel-tuner-cache", metavar="FILE",
+                      help="replay this real sweep (a kernel_tuner cache file) instead")
   args = parser.parse_args(argv)
-  print("\n".join(live(args.against) if args.live
-                  else run(args.seeds, args.against, args.whole_rounds)))
+  if args.live:
+    lines = live(args.against)
+  elif args.kernel_tuner_cache:
+    lines = run_real(args.kernel_tuner_cache, args.seeds, args.against)
+  else:
+    lines = run(args.seeds, args.against, args.whole_rounds)
+  print("\n".join(lines))
   return 0
 
 
