@@ -214,6 +214,27 @@ def test_nested_vmaps_are_recorded_innermost_first():
   assert [s.shape for s in ba.batched_array_specs()[1:]] == [(2, 3, *lhs.shape), (3, *rhs.shape)]
 
 
+def test_an_eager_call_chooses_and_binds_once_per_shapes_and_static_arguments(monkeypatch):
+  from stellarax.core import dispatch
+  chosen = []
+  choose = dispatch._call_family
+  monkeypatch.setattr(dispatch, "_call_family", lambda *a: chosen.append(a[0]) or choose(*a))
+  x = jax.random.normal(jax.random.key(0), (7, 33))  # shapes no other test calls with
+  scale = jnp.arange(33, dtype=jnp.float32)
+  expected = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * scale[None]
+  for _ in range(3):
+    np.testing.assert_allclose(stellarax.rms_norm(x, scale), expected, rtol=1e-5, atol=1e-5)
+  assert len(chosen) == 1  # one trace of the whole call, then JAX's cache
+  stellarax.rms_norm(x, scale, epsilon=1e-5)  # another static argument
+  stellarax.rms_norm(x[:5], scale)  # other shapes
+  stellarax.rms_norm(x, scale, epsilon=1e-5)
+  assert len(chosen) == 3
+  # An eager call with an op instance takes the plain way: chosen (untraced) every call.
+  for _ in range(2):
+    stellarax.rms_norm(x, scale, implementation=stellarax.XlaLayerNorm())
+  assert len(chosen) == 5
+
+
 def test_implementation_selection_and_errors():
   lhs, rhs, gs = _ragged_inputs()
   ref = jax.lax.ragged_dot(lhs, rhs, gs)

@@ -16,7 +16,8 @@ applies, the error lists each candidate's reason.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -24,6 +25,8 @@ import jax
 from stellarax.core import calling
 from stellarax.core import registry
 from stellarax.core import resolution
+from stellarax.core import specs
+from stellarax.core import trace_keys
 from stellarax.core.bound_args import BoundArguments
 from stellarax.core.op import Op
 
@@ -96,6 +99,84 @@ def call_family(family: str, preference: Sequence[str], implementation: Any, arg
     TypeError: for an op class instead of an instance, or an implementation of
       another type.
   """
+  eager = _eager_program(family, preference, implementation, args, kwargs)
+  if eager is None:
+    return _call_family(family, preference, implementation, args, kwargs)
+  program, arrays = eager
+  try:
+    return program(*arrays)
+  except ValueError as e:  # raised while compiling, after the traced call below returned
+    if isinstance(implementation, str):
+      _note_where_it_runs(e, _as_op(family, implementation))
+    raise
+
+
+def _eager_program(family: str, preference: Sequence[str], implementation: Any, args: tuple,
+                   kwargs: dict) -> tuple[Callable[..., Any], list[Any]] | None:
+  """A call made eagerly, as one cached `jax.jit` of the whole call and the arrays to call
+  it with; None for a call being traced (it takes the traced way), or one whose other
+  arguments cannot be part of a cache key.
+
+  Choosing and binding an implementation costs about 100 us of Python a call (2026-12-06,
+  CPU), five times a small jitted call's dispatch: run eagerly every time, it made an
+  op called outside `jit` that much slower than JAX's own ops. Inside one jit it runs
+  once per array shapes and static arguments, and the trace keys (`core/trace_keys.py`)
+  trace it again where an entered result answers differently, as for any jitted function
+  of the user's."""
+  if trace_keys.building():
+    return None
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  is_array = tuple(specs.is_array_value(x) for x in leaves)
+  if any(isinstance(x, jax.core.Tracer) for x in leaves):
+    return None
+  if any(array and x.ndim == 0 for x, array in zip(leaves, is_array)):
+    # A concrete scalar may be a static option given as an array (epsilon=jnp.float32(...)),
+    # which binding reads as a number: traced, it could not be read.
+    return None
+  if isinstance(implementation, (list, tuple)) and all(isinstance(i, str) for i in implementation):
+    implementation = (type(implementation), tuple(implementation))  # rebuilt as given
+  elif implementation is not None and not isinstance(implementation, str):
+    return None  # an Op instance: the call takes the plain way (its fields' types matter)
+  # Static values by type too: 1, 1.0 and True are equal and hash alike (see calling._types_of).
+  statics = tuple((type(x), x) for x, array in zip(leaves, is_array) if not array)
+  try:
+    program = _family_program(family, tuple(preference), implementation, treedef, is_array, statics)
+  except TypeError:  # an unhashable static argument
+    return None
+  return program, [x for x, array in zip(leaves, is_array) if array]
+
+
+@functools.lru_cache(maxsize=512)
+def _family_program(family: str, preference: tuple[str, ...], implementation: Any,
+                    treedef: Any, is_array: tuple[bool, ...], statics: tuple) -> Callable[..., Any]:
+  given = implementation[0](implementation[1]) if isinstance(implementation, tuple) else implementation
+
+  def program(*arrays):
+    arrays_left, statics_left = iter(arrays), iter(value for _, value in statics)
+    leaves = [next(arrays_left) if array else next(statics_left) for array in is_array]
+    args, kwargs = jax.tree.unflatten(treedef, leaves)
+    return _call_family(family, preference, given, args, kwargs)
+
+  program.__name__ = program.__qualname__ = family  # the program's name in profiles
+  return jax.jit(program)
+
+
+def _note_where_it_runs(e: Exception, op: Op) -> None:
+  """Adds to JAX's error for a kernel that cannot lower here (its own words, such as
+  "Only interpret mode is supported on CPU backend.", say neither which op asked for the
+  kernel nor how to run it here) which op it was and how to run it."""
+  device = jax.devices()[0]
+  if _runs_on(op, device) or any(n.startswith("stellarax:") for n in getattr(e, "__notes__", ())):
+    return
+  e.add_note(f"stellarax: {op.name} does not run on the default device"
+             f" ({device.device_kind}); pass {type(op).__name__}(interpret=True) to run"
+             " its kernel here, or a preference list such as"
+             f" [{op.name.partition('.')[2]!r}, 'xla'] to fall back.")
+
+
+def _call_family(family: str, preference: Sequence[str], implementation: Any, args: tuple,
+                 kwargs: dict) -> Any:
+  """`call_family` without the eager shortcut."""
   if isinstance(implementation, type):
     _as_op(family, implementation)  # an op class: says to pass an instance
   if implementation is None:
@@ -139,12 +220,6 @@ def call_family(family: str, preference: Sequence[str], implementation: Any, arg
   try:
     return calling.call_op(op, values)
   except ValueError as e:
-    # JAX's own words ("Only interpret mode is supported on CPU backend.") do not say
-    # which op asked for the kernel, nor how to run it here.
-    device = jax.devices()[0]
-    if explicit and not _runs_on(op, device):
-      e.add_note(f"stellarax: {op.name} does not run on the default device"
-                 f" ({device.device_kind}); pass {type(op).__name__}(interpret=True) to run"
-                 " its kernel here, or a preference list such as"
-                 f" [{op.name.partition('.')[2]!r}, 'xla'] to fall back.")
+    if explicit:
+      _note_where_it_runs(e, op)
     raise
