@@ -235,6 +235,23 @@ def test_an_eager_call_chooses_and_binds_once_per_shapes_and_static_arguments(mo
   assert len(chosen) == 5
 
 
+def test_ops_run_under_disable_jit_as_they_do_jitted():
+  # The eager ways go through a jit of the call; with jit disabled that jit would run the
+  # call eagerly again, without end (a RecursionError until 2026-12-06).
+  x = jax.random.normal(jax.random.key(1), (4, 16))
+  scale = jnp.linspace(0.5, 1.5, 16)
+  lhs, rhs = jnp.ones((8, 4)), jax.random.normal(jax.random.key(2), (2, 4, 3))
+  gs = jnp.array([3, 5], jnp.int32)
+  loss = lambda x: jnp.sum(stellarax.rms_norm(x, scale) ** 2)
+  expected = (stellarax.rms_norm(x, scale), jax.grad(loss)(x),
+              stellarax.ragged_dot(lhs, rhs, gs), stellarax.XlaRaggedDot()(lhs, rhs, gs))
+  with jax.disable_jit():
+    got = (stellarax.rms_norm(x, scale), jax.grad(loss)(x),
+           stellarax.ragged_dot(lhs, rhs, gs), stellarax.XlaRaggedDot()(lhs, rhs, gs))
+  for a, b in zip(got, expected):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_implementation_selection_and_errors():
   lhs, rhs, gs = _ragged_inputs()
   ref = jax.lax.ragged_dot(lhs, rhs, gs)

@@ -117,11 +117,14 @@ def call_op(op, values: dict[str, Any]) -> Any:
     return _zeros_of_reference(op, arrays, rebuild)
   ba = BoundArguments.from_values(op, values)
   arrays = partitioning.vary_alike(arrays)  # inside a user's shard_map that checks
-  if not trace_keys.building() and not any(isinstance(x, jax.core.Tracer) for x in arrays):
+  if (not trace_keys.building() and not jax.config.jax_disable_jit
+      and not any(isinstance(x, jax.core.Tracer) for x in arrays)):
     # Called eagerly: the pieces below (custom_vjp, custom_vmap, the marker) are
     # new functions on every call, so JAX would trace and compile them every
     # time. One cached jit per call signature is compiled once, and its trace
     # resolves the config like any traced call (re-traced where a result changes it).
+    # Under jax.disable_jit() that jit would run this call again eagerly, without end:
+    # the pieces below run op by op there instead.
     return _eager_callable(ba, _types_of(ba))(*arrays)
 
   def make_impl(config):

@@ -123,7 +123,7 @@ def _eager_program(family: str, preference: Sequence[str], implementation: Any, 
   once per array shapes and static arguments, and the trace keys (`core/trace_keys.py`)
   trace it again where an entered result answers differently, as for any jitted function
   of the user's."""
-  if trace_keys.building():
+  if trace_keys.building() or jax.config.jax_disable_jit:
     return None
   leaves, treedef = jax.tree.flatten((args, kwargs))
   is_array = tuple(specs.is_array_value(x) for x in leaves)
