@@ -16,6 +16,7 @@ applies, the error lists each candidate's reason.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -105,9 +106,10 @@ def call_family(family: str, preference: Sequence[str], implementation: Any, arg
   program, arrays = eager
   try:
     return program(*arrays)
-  except ValueError as e:  # raised while compiling, after the traced call below returned
+  except ValueError as e:  # also raised while compiling, after the traced call returned
     if isinstance(implementation, str):
-      _note_where_it_runs(e, _as_op(family, implementation))
+      with contextlib.suppress(ValueError):  # an unknown name: its error says so already
+        _note_where_it_runs(e, _as_op(family, implementation))
     raise
 
 
@@ -117,8 +119,8 @@ def _eager_program(family: str, preference: Sequence[str], implementation: Any, 
   it with; None for a call being traced (it takes the traced way), or one whose other
   arguments cannot be part of a cache key.
 
-  Choosing and binding an implementation costs about 100 us of Python a call (2026-12-06,
-  CPU), five times a small jitted call's dispatch: run eagerly every time, it made an
+  Choosing and binding an implementation costs 100-500 us of Python a call (2026-12-06,
+  CPU), 5-17 times a small jitted call's dispatch: run eagerly every time, it made an
   op called outside `jit` that much slower than JAX's own ops. Inside one jit it runs
   once per array shapes and static arguments, and the trace keys (`core/trace_keys.py`)
   trace it again where an entered result answers differently, as for any jitted function
