@@ -600,8 +600,9 @@ def batch_timeline(a, b, *, batches: int = 3, calls: int = 2) -> list[dict[str, 
   module, on the GPU's planes, or on XLA:CPU's threads on a CPU.
 
   Returns:
-    One {"total_us", "lead_us", "busy_us", "gap_us", "tail_us", "kernels"} a batch, in
-    order; a batch in which no kernel of the program was seen has only "total_us".
+    One {"calls", "total_us", "lead_us", "busy_us", "gap_us", "tail_us", "kernels"} a
+    batch, in order; a batch in which no kernel of the program was seen has only "calls"
+    and "total_us".
 
   Raises:
     RuntimeError: when another profiler trace is running.
@@ -621,7 +622,7 @@ def batch_timeline(a, b, *, batches: int = 3, calls: int = 2) -> list[dict[str, 
   for i in range(batches):
     start, end = spans[f"stellarax_batch_{i}"]
     inside = sorted(k for k in kernels if start <= k[0] <= end)
-    row = {"total_us": (end - start) / 1e3}
+    row = {"calls": calls, "total_us": (end - start) / 1e3}
     if inside:
       first, last = inside[0][0], max(e for _, e in inside)
       busy = profile.union_length(inside)
@@ -677,7 +678,7 @@ def batch_size_lines(check: dict[str, Any]) -> list[str]:
   ms = lambda v: "-" if v is None else f"{v:.3f} ms"
   per_call = ", ".join(f"n={n}: {ms(v)}" for n, v in check.get("per_call_ms", {}).items())
   us = lambda row, key: f"{row[key]:.0f}" if key in row else "-"
-  timeline = [f"  batch of 2 calls, profiled: {us(r, 'total_us')} us = lead {us(r, 'lead_us')}"
+  timeline = [f"  batch of {r['calls']} calls, profiled: {us(r, 'total_us')} us = lead {us(r, 'lead_us')}"
               f" + busy {us(r, 'busy_us')} + gaps {us(r, 'gap_us')} + tail {us(r, 'tail_us')}"
               for r in check.get("timeline", ())]
   return [f"{check['name']}: per call with n calls a sync: {per_call or '-'};"

@@ -103,33 +103,49 @@ def _load(path: str) -> ModuleType:
   return module
 
 
-def run(seeds: int, against: str | None, whole_rounds: bool = False) -> list[str]:
-  """The report's lines."""
+def _compared(against: str | None) -> dict:
+  """This search.py's strategies, and `against`'s under names of their own."""
   strategies = _strategies(search, "")
   if against:
     strategies |= _strategies(_load(against), f" ({Path(against).name})")
+  return strategies
+
+
+_CELL = "within 2%, geo mean, worst, most budget spent"
+
+
+def _cell(strategy, seeds: int, case) -> str:
+  """One strategy's cell over `seeds` replays: `case(seed)` gives (sweep, heuristic,
+  replay, budget); how many seeds chose a config within 2% of the sweep's best, the
+  geometric mean and worst of chosen / best, and the most of the budget a seed spent."""
+  ratios, spent = [], []
+  for seed in range(seeds):
+    sweep, heuristic, replay, budget = case(seed)
+    best = min(v for v in sweep.values() if isinstance(v, float))
+    outcome = strategy(sweep, replay, heuristic, budget, seed, replay.clock)
+    ratios.append(sweep[outcome.best] / best)
+    spent.append(replay.clock() / budget)
+  within = sum(r <= 1.02 for r in ratios)
+  return (f"{within}/{seeds}, {math.exp(np.mean(np.log(ratios))):.3f}, {max(ratios):.3f},"
+          f" {max(spent):.2f}")
+
+
+def run(seeds: int, against: str | None, whole_rounds: bool = False) -> list[str]:
+  """The report's lines."""
+  strategies = _compared(against)
   lines = []
   for rough, compile_share, fraction in itertools.product((0.0, 0.03, 0.1), (0.0, 0.5, 0.9),
                                                           (0.05, 0.1, 0.2)):
-    parts = []
-    for name, strategy in strategies.items():
-      ratios, spent = [], []
-      for seed in range(seeds):
-        sweep = landscape(seed, rough)
-        times = [v for v in sweep.values() if isinstance(v, float)]
-        replay = search.ReplayMeasure(sweep, noise=0.01, seed=seed, compile_cost_s=compile_share,
-                                      cost_s_per_config=1 - compile_share,
-                                      whole_rounds=whole_rounds)
-        budget = fraction * len(sweep)
-        outcome = strategy(sweep, replay, HEURISTIC, budget, seed, replay.clock)
-        ratios.append(sweep[outcome.best] / min(times))
-        spent.append(replay.clock() / budget)
-      within = sum(r <= 1.02 for r in ratios)
-      parts.append(f"{within}/{seeds}, {math.exp(np.mean(np.log(ratios))):.3f}, {max(ratios):.3f},"
-                   f" {max(spent):.2f}")
+    def case(seed, rough=rough, compile_share=compile_share, fraction=fraction):
+      sweep = landscape(seed, rough)
+      replay = search.ReplayMeasure(sweep, noise=0.01, seed=seed, compile_cost_s=compile_share,
+                                    cost_s_per_config=1 - compile_share, whole_rounds=whole_rounds)
+      return sweep, HEURISTIC, replay, fraction * len(sweep)
+
+    parts = [_cell(strategy, seeds, case) for strategy in strategies.values()]
     lines.append(f"| {rough} | {compile_share} | {fraction} | " + " | ".join(parts) + " |")
   header = "| roughness | compile share | budget | " + " | ".join(
-      f"{n}: within 2%, geo mean, worst, most budget spent" for n in strategies) + " |"
+      f"{n}: {_CELL}" for n in strategies) + " |"
   return [header, "|" + "---|" * (3 + len(strategies))] + lines
 
 
@@ -167,33 +183,22 @@ def kernel_tuner_sweep(path: str) -> tuple[dict, float]:
 def run_real(path: str, seeds: int, against: str | None) -> list[str]:
   """The report's lines for `--kernel-tuner-cache` (see the module docstring)."""
   sweep, compile_share = kernel_tuner_sweep(path)
-  strategies = _strategies(search, "")
-  if against:
-    strategies |= _strategies(_load(against), f" ({Path(against).name})")
+  strategies = _compared(against)
   ran = sorted((t, i) for i, t in enumerate(sweep.values()) if isinstance(t, float))
   configs = list(sweep)
   good = [configs[i] for _, i in ran[:max(1, len(ran) // 4)]]
-  best = ran[0][0]
-  lines = [f"{Path(path).name}: {len(sweep)} configs, {len(ran)} ran, best {best * 1e3:.3f} ms,"
+  lines = [f"{Path(path).name}: {len(sweep)} configs, {len(ran)} ran, best {ran[0][0] * 1e3:.3f} ms,"
            f" compiling {compile_share:.0%} of the measuring time", "",
-           "| budget | " + " | ".join(f"{n}: within 2%, geo mean, worst, most budget spent"
-                                     for n in strategies) + " |",
+           "| budget | " + " | ".join(f"{n}: {_CELL}" for n in strategies) + " |",
            "|" + "---|" * (1 + len(strategies))]
   for fraction in (0.02, 0.05, 0.1, 0.2):
-    parts = []
-    for strategy in strategies.values():
-      ratios, spent = [], []
-      for seed in range(seeds):
-        heuristic = good[np.random.default_rng(seed).integers(len(good))]
-        replay = search.ReplayMeasure(sweep, noise=0.01, seed=seed, compile_cost_s=compile_share,
-                                      cost_s_per_config=1 - compile_share, whole_rounds=True)
-        budget = fraction * len(sweep)
-        outcome = strategy(sweep, replay, heuristic, budget, seed, replay.clock)
-        ratios.append(sweep[outcome.best] / best)
-        spent.append(replay.clock() / budget)
-      within = sum(r <= 1.02 for r in ratios)
-      parts.append(f"{within}/{seeds}, {math.exp(np.mean(np.log(ratios))):.3f}, {max(ratios):.3f},"
-                   f" {max(spent):.2f}")
+    def case(seed, fraction=fraction):
+      heuristic = good[np.random.default_rng(seed).integers(len(good))]
+      replay = search.ReplayMeasure(sweep, noise=0.01, seed=seed, compile_cost_s=compile_share,
+                                    cost_s_per_config=1 - compile_share, whole_rounds=True)
+      return sweep, heuristic, replay, fraction * len(sweep)
+
+    parts = [_cell(strategy, seeds, case) for strategy in strategies.values()]
     lines.append(f"| {fraction} | " + " | ".join(parts) + " |")
   return lines
 

@@ -277,7 +277,7 @@ def test_batch_size_check_times_one_call_per_batch_size_and_both_batch_lengths()
   assert ">= 20 ms: " in lines[4] and "; profiled " in lines[4]
   failed = gpu_check.batch_size_lines({"name": "m", "per_call_ms": {}, "error": "E: x"})
   assert failed[0].endswith(": -; n=1 from a new thread: -") and failed[1].endswith("(E: x)")
-  unseen = gpu_check.batch_size_lines({"name": "m", "per_call_ms": {}, "timeline": [{"total_us": 12.0}]})
+  unseen = gpu_check.batch_size_lines({"name": "m", "per_call_ms": {}, "timeline": [{"calls": 2, "total_us": 12.0}]})
   assert unseen[1] == "  batch of 2 calls, profiled: 12 us = lead - + busy - + gaps - + tail -"
 
 
