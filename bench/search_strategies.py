@@ -30,7 +30,10 @@ costs its share of the records' compile and benchmark time. Each seed starts fro
 another heuristic config, a random one of the space's 25% fastest, as an op's heuristic
 would usually be good and seldom the best. Such a file is not part of stellarax: e.g.
 kernel_tuner's repository kept `SampleCacheFiles/convolution_MI50.json` (a 2D convolution
-on an AMD MI50, 2,442 configs) at commit 30eb17329f09.
+on an AMD MI50, 2,442 configs) at commit 30eb17329f09, and the AutoTuningAssociation's
+benchmark_hub repository keeps whole sweeps gzipped under `cachefiles/` (a GEMM's 17,956
+configs on four NVIDIA GPUs under `currently_unused/cachefiles/KernelTuner data/gemm/`,
+convolutions and dedispersion on NVIDIA and AMD GPUs; BENCHMARKS.md names the commit).
 
     python bench/search_strategies.py --live [--against OLD_SEARCH_PY]
 

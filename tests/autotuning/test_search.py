@@ -173,6 +173,13 @@ def test_geometry_counts_steps_between_tunable_values():
                         Paths(block=128, split=True, fused=False, order="n")) == 3
   plain = search._Geometry([(1, 2), (3, 4)])  # not dataclasses: equal or one apart
   assert plain.distance((1, 2), (3, 4)) == 1 and plain.distance((1, 2), (1, 2)) == 0
+  # All distances from a config at once (what the walk asks at each step) agree with them.
+  for configs in (list(SWEEP), [(1, 2), (3, 4)],
+                  [Paths(block=b, split=s, fused=f, order=o) for b in (64, 128, 32)
+                   for s in (False, True) for f in (False, True) for o in "mn"]):
+    g = search._Geometry(configs)
+    for a in configs[::3]:
+      assert g.distances(a).tolist() == [g.distance(a, b) for b in configs]
 
 
 def test_the_walk_never_returns_worse_than_the_heuristic_on_a_rough_sweep():

@@ -589,10 +589,17 @@ class _Geometry:
   """How far apart two configs of a space are: for dataclass configs of one class, the
   sum over fields of the steps between their values in that field's sorted values in the
   space (numbers), or 1 where other values (bool, str, ...) differ; any other configs
-  are 1 apart when unequal."""
+  are 1 apart when unequal.
+
+  `distances` gives a config's distance to every config of the space at once, from a
+  table of each config's value ranks (numbers) or value codes (other fields): the walk
+  asks it at every step, and a config at a time in Python took 45 s of a search over
+  the 17,956 configs of a real GEMM sweep (BENCHMARKS.md)."""
 
   def __init__(self, configs: Sequence[Any]):
     first = configs[0] if configs else None
+    self._configs = list(configs)
+    self._index = {c: i for i, c in enumerate(self._configs)}
     self._fields: list[str] = []
     self._ranks: dict[str, dict[Any, int]] = {}
     if dataclasses.is_dataclass(first) and all(type(c) is type(first) for c in configs):
@@ -601,6 +608,14 @@ class _Geometry:
         values = {getattr(c, name) for c in configs}
         if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
           self._ranks[name] = {v: i for i, v in enumerate(sorted(values))}
+    # One column per field: the value's rank (a number field) or a code of its own (any
+    # other field, whose values are only equal or not).
+    columns = [self._ranks.get(name) or {v: i for i, v in enumerate(
+        dict.fromkeys(getattr(c, name) for c in configs))} for name in self._fields]
+    self._table = np.array([[column[getattr(c, name)] for name, column in zip(self._fields, columns)]
+                            for c in self._configs], dtype=np.int64)
+    self._table = self._table.reshape(len(self._configs), len(self._fields))
+    self._numeric = np.array([name in self._ranks for name in self._fields], dtype=bool)
 
   def distance(self, a: Any, b: Any) -> int:
     if not self._fields:
@@ -611,6 +626,19 @@ class _Geometry:
       ranks = self._ranks.get(name)
       total += abs(ranks[x] - ranks[y]) if ranks is not None else int(x != y)
     return total
+
+  def distances(self, a: Any) -> np.ndarray:
+    """The distance from `a`, a config of the space, to each config of the space, in the
+    order the geometry was given them."""
+    if not self._fields:
+      return (np.arange(len(self._configs)) != self._index[a]).astype(np.int64)
+    row = self._table[self._index[a]]
+    steps = np.where(self._numeric, np.abs(self._table - row), self._table != row)
+    return steps.sum(axis=1)
+
+  def index(self, config: Any) -> int:
+    """The position of `config` in the configs the geometry was given."""
+    return self._index[config]
 
   def changed_field(self, a: Any, b: Any) -> str | None:
     """The one field in which `b` differs from `a`, or None."""
@@ -647,6 +675,8 @@ def _walk(session: _Session[C], configs: Sequence[C], heuristic: C, first: Seque
   geometry, space = _Geometry(configs), set(configs)
   rng = random.Random(rng_seed)
   tie_order = {c: i for i, c in enumerate(rng.sample(list(configs), len(configs)))}
+  ties = np.array([tie_order[c] for c in configs])
+  unmeasured = np.array([not session.has(c) for c in configs], dtype=bool)
   screened: dict[C, float] = {}  # config -> its screening median
   incumbent, batch = heuristic, [c for c in first if c != heuristic]
 
@@ -660,25 +690,29 @@ def _walk(session: _Session[C], configs: Sequence[C], heuristic: C, first: Seque
     if not candidates:
       return None
     got = session.measure([*candidates, incumbent], effort)
+    unmeasured[[geometry.index(c) for c in got]] = False
     screened.update({c: m.median_s for c, m in got.items() if m.ok})
     return got
 
+  def in_tie_order(candidates: np.ndarray) -> list[C]:
+    chosen = candidates[np.argsort(ties[candidates], kind="stable")[:chunk_size]]
+    return [configs[i] for i in chosen]
+
   while True:
     if not batch:
-      unmeasured = [c for c in configs if not session.has(c)]
-      if not unmeasured:
+      if not unmeasured.any():
         break
-      nearest = min(geometry.distance(incumbent, c) for c in unmeasured)
+      distances = geometry.distances(incumbent)
+      nearest = distances[unmeasured].min()
       if nearest > _LOCAL_STEPS:
         # The incumbent beat every config up to _LOCAL_STEPS steps away: a local optimum.
         # Rings farther out in its basin seldom hold a better config than the rest of the
         # space does (a real sweep's best can stand alone, far from the next good ones),
         # so the walk explores at random until some config beats the incumbent and walks
         # from there.
-        batch = sorted(unmeasured, key=tie_order.__getitem__)[:chunk_size]
+        batch = in_tie_order(np.flatnonzero(unmeasured))
       else:
-        batch = sorted((c for c in unmeasured if geometry.distance(incumbent, c) == nearest),
-                       key=tie_order.__getitem__)[:chunk_size]
+        batch = in_tie_order(np.flatnonzero(unmeasured & (distances == nearest)))
     # The first step compiles one config: the heuristic's calls alone cannot tell the
     # cost of compiling from that of measuring, so a batch planned on them may overrun.
     got = step(batch[:1] if session.calls_with_new() <= 1 else batch)
