@@ -187,6 +187,31 @@ def test_from_a_local_optimum_the_walk_tries_each_tunable_alone_across_all_its_v
   assert sum(found) >= 4, found
 
 
+def test_on_a_large_space_the_walk_keeps_budget_for_a_last_round_at_full_effort():
+  # A smooth bowl of 512 configs, 3% a step, and a budget for 30% of the exhaustive time:
+  # too little to race the space, so the walk screens configs at one sample each while
+  # the budget lasts. It keeps enough for its finalists and the heuristic to be measured
+  # at full effort at the end (1.8% of the budget here), where the last round used to get
+  # what the walk left, 4-5 of the 10 samples: too few to tell 2-3% from noise.
+  sizes = (16, 32, 48, 64, 80, 96, 112, 128)
+  grid = [Tile(block_m=m, block_n=n, block_k=k, warps=4, stages=2)
+          for m in sizes for n in sizes for k in sizes]
+  best = Tile(block_m=64, block_n=64, block_k=64, warps=4, stages=2)
+  start = dataclasses.replace(best, block_k=80)
+  sweep = {c: 1e-3 * (1 + 0.03 * sum(abs(getattr(c, f) - getattr(best, f)) // 16
+                                     for f in ("block_m", "block_n", "block_k"))) for c in grid}
+  budget = 0.3 * len(sweep)
+  for seed in range(3):
+    replay = search.ReplayMeasure(sweep, noise=0.01, seed=seed, compile_cost_s=0.3,
+                                  cost_s_per_config=0.7, whole_rounds=True)
+    outcome = search.racing(sweep, replay, heuristic=start, budget_s=budget, rng_seed=seed,
+                            clock=replay.clock)
+    assert replay.clock() <= budget * (1 + 1e-9)
+    assert outcome.num_measured > 0.7 * len(sweep)  # the walk did spend the budget
+    assert sweep[outcome.best] < sweep[start]
+    assert outcome.best_measurement.num_samples == outcome.measurements[start].num_samples == 10
+
+
 def test_geometry_counts_steps_between_tunable_values():
   geometry = search._Geometry(list(SWEEP))
   assert geometry.distance(HEURISTIC, HEURISTIC) == 0

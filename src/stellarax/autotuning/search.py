@@ -79,6 +79,11 @@ _BOOST_MARGIN: Final = 0.05
 # a local optimum and explores at random. 1 did better on the real sweep of BENCHMARKS.md
 # but worse on the synthetic ones with per-config roughness; 2 kept those as they were.
 _LOCAL_STEPS: Final = 2
+# The walk keeps budget for a last round at full effort when that costs at most this
+# fraction of the budget (else at the effort given, 1/eta): with 10%, the smallest
+# synthetic budgets left a config's compile unspent; 2% left them as they were
+# (BENCHMARKS.md).
+_FINAL_SHARE: Final = 0.02
 
 
 class Measure(Protocol[C]):
@@ -678,8 +683,12 @@ def _walk(session: _Session[C], configs: Sequence[C], heuristic: C, first: Seque
   better; BENCHMARKS.md). The first step measures one new config, so that the cost model tells
   compiling from measuring before it plans a batch. The walk ends when every config was
   measured or the next step does not fit the budget less the predicted cost of
-  measuring the finalists and the heuristic at `final_effort` (the last round then takes
-  what is left, up to full effort).
+  measuring the finalists and the heuristic at `final_effort`, or at full effort where
+  that costs at most `_FINAL_SHARE` of the budget (the last round then takes what is
+  left, up to full effort). On a large space the walk used to spend the budget down to
+  a last round of a third of the samples, which could not tell a config 2-3% faster
+  than the heuristic from it beyond noise (1% a sample; BENCHMARKS.md's dedispersion
+  sweep).
   """
   geometry, space = _Geometry(configs), set(configs)
   rng = random.Random(rng_seed)
@@ -691,7 +700,11 @@ def _walk(session: _Session[C], configs: Sequence[C], heuristic: C, first: Seque
 
   def step(candidates: list[C]) -> dict[C, Measurement] | None:
     model = session.cost_model()
-    reserve = model.predict(0, model.work(finalists + 1, final_effort))
+    final_cost = lambda e: model.predict(0, model.work(finalists + 1, e))
+    cap = _FINAL_SHARE * session.budget_s
+    last = (_largest_fitting(lambda e: final_cost(e) <= cap, final_effort, 1.0)
+            if final_cost(final_effort) <= cap else final_effort)
+    reserve = final_cost(last)
     room = session.remaining() - reserve
     while candidates and model.predict(len(candidates),
                                        model.work(len(candidates) + 1, effort)) > room:
@@ -768,8 +781,9 @@ def racing(space: Iterable[C], measure: Measure[C], *, heuristic: C,
      space, or compiling a config costs more than measuring it), a random part of the
      space seldom holds the best config: a walk from the heuristic (`_walk`) screens the
      configs nearest the fastest one so far at effort 1/eta^3, keeping enough budget
-     for its eta fastest to go to a last round with the heuristic at effort 1/eta, which
-     then takes what is left, up to full effort; steps 3 and 4 are skipped.
+     for its eta fastest to go to a last round with the heuristic at effort 1/eta (full
+     effort where that is a small part of the budget, `_FINAL_SHARE`), which then takes
+     what is left, up to full effort; steps 3 and 4 are skipped.
   3. Rounds of successive halving: sizes n, ceil(n / eta), ... down to at most eta
      configs; the last round has effort 1 and each earlier one 1/eta of the next (at least
      `min_effort`). Each round keeps the fastest configs of the one before (failed ones
