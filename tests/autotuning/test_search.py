@@ -159,19 +159,26 @@ def test_from_a_local_optimum_the_walk_hops_to_a_lone_faster_config_far_away():
   assert sum(found) >= 4, found
 
 
+
+def _cube_bowl(center: Tile, per_step: float) -> dict[Tile, float]:
+  """512 tiles (block_m, block_n and block_k each 16 to 128 by 16) timed as a smooth bowl:
+  1 ms at `center`, `per_step` more for each step of 16 away from it in each block size."""
+  sizes = range(16, 129, 16)
+  steps = lambda c: sum(abs(getattr(c, f) - getattr(center, f)) // 16
+                        for f in ("block_m", "block_n", "block_k"))
+  return {c: 1e-3 * (1 + per_step * steps(c))
+          for c in (Tile(block_m=m, block_n=n, block_k=k, warps=4, stages=2)
+                    for m in sizes for n in sizes for k in sizes)}
+
 def test_from_a_local_optimum_the_walk_tries_each_tunable_alone_across_all_its_values():
   # As on real sweeps (BENCHMARKS.md: a convolution on an AMD MI250X), the best config
   # differs from the heuristic's basin in one tunable only, by a jump many values away:
   # block_m 16 -> 112 with the rest as the heuristic has them. Rings out from the local
   # optimum would come to it late, a random hop seldom; changing one tunable at a time
   # across all its values finds it.
-  sizes = (16, 32, 48, 64, 80, 96, 112, 128)
-  grid = [Tile(block_m=m, block_n=n, block_k=k, warps=4, stages=2)
-          for m in sizes for n in sizes for k in sizes]
   start = Tile(block_m=16, block_n=64, block_k=64, warps=4, stages=2)
   best = dataclasses.replace(start, block_m=112)
-  bowl = lambda c: sum(abs(getattr(c, f) - getattr(start, f)) for f in ("block_m", "block_n", "block_k"))
-  sweep = {c: 1e-3 * (1 + 0.01 * bowl(c) / 16) for c in grid}
+  sweep = _cube_bowl(start, per_step=0.01)
   sweep[best] = 0.8e-3
   found = []
   for seed in range(5):
@@ -193,13 +200,9 @@ def test_on_a_large_space_the_walk_keeps_budget_for_a_last_round_at_full_effort(
   # the budget lasts. It keeps enough for its finalists and the heuristic to be measured
   # at full effort at the end (1.8% of the budget here), where the last round used to get
   # what the walk left, 4-5 of the 10 samples: too few to tell 2-3% from noise.
-  sizes = (16, 32, 48, 64, 80, 96, 112, 128)
-  grid = [Tile(block_m=m, block_n=n, block_k=k, warps=4, stages=2)
-          for m in sizes for n in sizes for k in sizes]
   best = Tile(block_m=64, block_n=64, block_k=64, warps=4, stages=2)
   start = dataclasses.replace(best, block_k=80)
-  sweep = {c: 1e-3 * (1 + 0.03 * sum(abs(getattr(c, f) - getattr(best, f)) // 16
-                                     for f in ("block_m", "block_n", "block_k"))) for c in grid}
+  sweep = _cube_bowl(best, per_step=0.03)
   budget = 0.3 * len(sweep)
   for seed in range(3):
     replay = search.ReplayMeasure(sweep, noise=0.01, seed=seed, compile_cost_s=0.3,
