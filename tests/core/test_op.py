@@ -229,10 +229,25 @@ def test_an_eager_call_chooses_and_binds_once_per_shapes_and_static_arguments(mo
   stellarax.rms_norm(x[:5], scale)  # other shapes
   stellarax.rms_norm(x, scale, epsilon=1e-5)
   assert len(chosen) == 3
-  # An eager call with an op instance takes the plain way: chosen (untraced) every call.
+  # An op instance as the implementation: once per op (equal ops alike), as a name is.
   for _ in range(2):
     stellarax.rms_norm(x, scale, implementation=stellarax.XlaLayerNorm())
+    stellarax.rms_norm(x, scale, implementation=[stellarax.XlaLayerNorm(), "xla"])
   assert len(chosen) == 5
+
+
+def test_an_op_called_eagerly_binds_once_per_shapes_and_static_arguments(monkeypatch):
+  bound = []
+  bind = stellarax.Op._bind_values
+  monkeypatch.setattr(stellarax.Op, "_bind_values", lambda self, *a, **k: bound.append(self) or bind(self, *a, **k))
+  lhs, rhs = jax.random.normal(jax.random.key(3), (9, 5)), jax.random.normal(jax.random.key(4), (3, 5, 6))
+  gs = jnp.array([4, 0, 5], jnp.int32)
+  for _ in range(3):
+    np.testing.assert_allclose(stellarax.XlaRaggedDot()(lhs, rhs, gs), jax.lax.ragged_dot(lhs, rhs, gs),
+                               rtol=1e-5, atol=1e-5)
+  assert len(bound) == 1
+  stellarax.XlaRaggedDot()(lhs[:7], rhs, gs - jnp.array([0, 0, 2]))  # other shapes
+  assert len(bound) == 2
 
 
 def test_ops_run_under_disable_jit_as_they_do_jitted():

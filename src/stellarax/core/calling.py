@@ -24,7 +24,6 @@ than its forward) runs the family's XLA VJP op instead, with a
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,7 +34,6 @@ from stellarax.core import markers
 from stellarax.core import partitioning
 from stellarax.core import registry
 from stellarax.core import specs
-from stellarax.core import trace_keys
 from stellarax.core.bound_args import BoundArguments, as_recorded
 from stellarax.core.resolution import resolve_config
 from stellarax.core.warn import warn
@@ -117,15 +115,6 @@ def call_op(op, values: dict[str, Any]) -> Any:
     return _zeros_of_reference(op, arrays, rebuild)
   ba = BoundArguments.from_values(op, values)
   arrays = partitioning.vary_alike(arrays)  # inside a user's shard_map that checks
-  if (not trace_keys.building() and not jax.config.jax_disable_jit
-      and not any(isinstance(x, jax.core.Tracer) for x in arrays)):
-    # Called eagerly: the pieces below (custom_vjp, custom_vmap, the marker) are
-    # new functions on every call, so JAX would trace and compile them every
-    # time. One cached jit per call signature is compiled once, and its trace
-    # resolves the config like any traced call (re-traced where a result changes it).
-    # Under jax.disable_jit() that jit would run this call again eagerly, without end:
-    # the pieces below run op by op there instead.
-    return _eager_callable(ba, _types_of(ba))(*arrays)
 
   def make_impl(config):
     def impl(*arrs):
@@ -236,28 +225,6 @@ def _zeros_of_reference(op, arrays: list[Any], rebuild: Callable[[list[Any]], di
   avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays]
   shapes = jax.eval_shape(lambda *a: op._reference(**rebuild(list(a))), *avals)
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-
-def _types_of(value: Any) -> Any:
-  """The types of the plain values in bound arguments (and op fields), which equality
-  does not see: 1, 1.0 and True are equal and hash alike, and compute differently."""
-  if isinstance(value, BoundArguments):
-    return (_types_of(tuple(value.op.identity_fields().values())),
-            _types_of(tuple(value.arguments.values())))
-  if isinstance(value, tuple):
-    return tuple(_types_of(v) for v in value)
-  if isinstance(value, specs.FrozenDict):
-    return tuple((k, _types_of(v)) for k, v in value.items())
-  return type(value)
-
-
-@functools.lru_cache(maxsize=256)
-def _eager_callable(ba: BoundArguments, types: Any) -> Callable[..., Any]:
-  # Keyed by the types of its plain values too (`_types_of`).
-  del types
-  fn = ba.runner()
-  fn.__name__ = fn.__qualname__ = ba.op.name.replace(".", "_")  # the program's name in profiles
-  return jax.jit(fn)
 
 
 def _grads_for_leaves(values: dict[str, Any], grads: dict[str, Any]) -> tuple[Any, ...]:

@@ -17,17 +17,15 @@ applies, the error lists each candidate's reason.
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 
 from stellarax.core import calling
+from stellarax.core import eager as eager_calls
 from stellarax.core import registry
 from stellarax.core import resolution
-from stellarax.core import specs
-from stellarax.core import trace_keys
 from stellarax.core.bound_args import BoundArguments
 from stellarax.core.op import Op
 
@@ -100,7 +98,10 @@ def call_family(family: str, preference: Sequence[str], implementation: Any, arg
     TypeError: for an op class instead of an instance, or an implementation of
       another type.
   """
-  eager = _eager_program(family, preference, implementation, args, kwargs)
+  sequence = isinstance(implementation, (list, tuple))
+  head = (family, tuple(preference), type(implementation) if sequence else None,
+          tuple(implementation) if sequence else implementation)
+  eager = eager_calls.jitted_call(_run_family, head, args, kwargs, name=family)
   if eager is None:
     return _call_family(family, preference, implementation, args, kwargs)
   program, arrays = eager
@@ -113,54 +114,13 @@ def call_family(family: str, preference: Sequence[str], implementation: Any, arg
     raise
 
 
-def _eager_program(family: str, preference: Sequence[str], implementation: Any, args: tuple,
-                   kwargs: dict) -> tuple[Callable[..., Any], list[Any]] | None:
-  """A call made eagerly, as one cached `jax.jit` of the whole call and the arrays to call
-  it with; None for a call being traced (it takes the traced way), or one whose other
-  arguments cannot be part of a cache key.
-
-  Choosing and binding an implementation costs 100-500 us of Python a call (2026-12-06,
-  CPU), 5-17 times a small jitted call's dispatch: run eagerly every time, it made an
-  op called outside `jit` that much slower than JAX's own ops. Inside one jit it runs
-  once per array shapes and static arguments, and the trace keys (`core/trace_keys.py`)
-  trace it again where an entered result answers differently, as for any jitted function
-  of the user's."""
-  if trace_keys.building() or jax.config.jax_disable_jit:
-    return None
-  leaves, treedef = jax.tree.flatten((args, kwargs))
-  is_array = tuple(specs.is_array_value(x) for x in leaves)
-  if any(isinstance(x, jax.core.Tracer) for x in leaves):
-    return None
-  if any(array and x.ndim == 0 for x, array in zip(leaves, is_array)):
-    # A concrete scalar may be a static option given as an array (epsilon=jnp.float32(...)),
-    # which binding reads as a number: traced, it could not be read.
-    return None
-  if isinstance(implementation, (list, tuple)) and all(isinstance(i, str) for i in implementation):
-    implementation = (type(implementation), tuple(implementation))  # rebuilt as given
-  elif implementation is not None and not isinstance(implementation, str):
-    return None  # an Op instance: the call takes the plain way (its fields' types matter)
-  # Static values by type too: 1, 1.0 and True are equal and hash alike (see calling._types_of).
-  statics = tuple((type(x), x) for x, array in zip(leaves, is_array) if not array)
-  try:
-    program = _family_program(family, tuple(preference), implementation, treedef, is_array, statics)
-  except TypeError:  # an unhashable static argument
-    return None
-  return program, [x for x, array in zip(leaves, is_array) if array]
-
-
-@functools.lru_cache(maxsize=512)
-def _family_program(family: str, preference: tuple[str, ...], implementation: Any,
-                    treedef: Any, is_array: tuple[bool, ...], statics: tuple) -> Callable[..., Any]:
-  given = implementation[0](implementation[1]) if isinstance(implementation, tuple) else implementation
-
-  def program(*arrays):
-    arrays_left, statics_left = iter(arrays), iter(value for _, value in statics)
-    leaves = [next(arrays_left) if array else next(statics_left) for array in is_array]
-    args, kwargs = jax.tree.unflatten(treedef, leaves)
-    return _call_family(family, preference, given, args, kwargs)
-
-  program.__name__ = program.__qualname__ = family  # the program's name in profiles
-  return jax.jit(program)
+def _run_family(family: str, preference: tuple[str, ...], sequence_type: type | None,
+                implementation: Any, /, *args, **kwargs) -> Any:
+  """`_call_family` as `eager_calls.jitted_call` calls it: a sequence of implementations
+  comes as a tuple (hashable) and is rebuilt as given, for the errors that quote it."""
+  if sequence_type is not None:
+    implementation = sequence_type(implementation)
+  return _call_family(family, preference, implementation, args, kwargs)
 
 
 def _note_where_it_runs(e: Exception, op: Op) -> None:

@@ -42,6 +42,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from stellarax.core import eager
 from stellarax.core import registry
 from stellarax.core import specs
 from stellarax.core.config import NoConfig
@@ -310,10 +311,19 @@ class Op(abc.ABC):
   # ---- calling ----------------------------------------------------------
 
   def __call__(self, *args, **kwargs):
-    """Binds, resolves a config and runs the op (works under jit/grad/vmap)."""
-    from stellarax.core import calling
-    values = self._bind_values(*args, **kwargs)
-    return calling.call_op(self, values)
+    """Binds, resolves a config and runs the op (works under jit/grad/vmap); called
+    eagerly, as one cached jit of the call (`core/eager.py`)."""
+    eager_call = eager.jitted_call(_bind_and_call, (self,), args, kwargs,
+                                   name=(self.name or type(self).__name__).replace(".", "_"))
+    if eager_call is None:
+      return _bind_and_call(self, *args, **kwargs)
+    program, arrays = eager_call
+    return program(*arrays)
+
+
+def _bind_and_call(op: Op, /, *args, **kwargs) -> Any:
+  from stellarax.core import calling  # calling imports this module
+  return calling.call_op(op, op._bind_values(*args, **kwargs))
 
 
 def op_to_json(op: Op) -> dict[str, Any]:

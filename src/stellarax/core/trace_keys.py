@@ -26,7 +26,7 @@ the keys of the results entered since it began (JAX reports top-level traces
 as they start and end; inner jaxprs, such as a `checkpoint` being batched,
 may be traced detached from the outer trace, so the trace stack alone would
 not do). An op called eagerly runs through a cached `jit` of its call
-(`core/calling.py`), so it is a top-level trace too. The current key is never
+(`core/eager.py`), so it is a top-level trace too. The current key is never
 replaced while a top-level trace is being built; it is replaced by a fresh
 one when the trace ends and on entering a result. So each top-level
 function gets a key of its own, and a function with no op never shares a key
