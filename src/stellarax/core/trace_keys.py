@@ -49,7 +49,9 @@ takes the answers of the entries reused since the last lowering (`_on_lowering`)
 
 Equality is memoised per stack of active results until the next record: JAX
 checks it on every call of a jitted function whose cached key is not the
-current one.
+current one. That check is what a jitted function with our ops pays per call over
+one without: about 1.5 us on the 2-core CPU (2026-12-06; 2.3 us before a key already
+noted for reuse was found by a mark instead of a search of the list).
 
 Cost. Inner traces cached under a key with records (JAX's own jitted helpers,
 such as `jnp` functions, traced inside a function that uses our ops) are traced
@@ -114,13 +116,14 @@ class TraceKey:
     parent: the key current when the result that made this one was entered.
   """
 
-  __slots__ = ("stack", "parent", "_records", "_memo", "__weakref__")
+  __slots__ = ("stack", "parent", "_records", "_memo", "_noted_in", "__weakref__")
 
   def __init__(self, stack: Stack = (), parent: TraceKey | None = None):
     self.stack = stack
     self.parent = parent
     self._records: dict[tuple, _Record] = {}
     self._memo: dict[int, tuple[Stack, bool]] = {}  # id(stack) -> (stack, holds); cleared on records
+    self._noted_in: list[TraceKey] | None = None  # the reuse list it was last noted in
 
   def __hash__(self) -> int:
     return _HASH
@@ -269,11 +272,13 @@ def _note_reuse(a: TraceKey, b: TraceKey) -> None:
   """Two keys found equal outside a trace, one of them current: JAX may be reusing the
   other's cache entry. Kept until the next lowering, which decides (`_on_lowering`)."""
   key = current()
-  for source, target in ((a, b), (b, a)):
-    if target is key and source._records:
-      keys = _reuse_state().keys
-      if all(source is not k for k in keys) and len(keys) < _MEMO_LIMIT:
-        keys.append(source)
+  source = b if a is key else a if b is key else None
+  if source is None or not source._records:
+    return
+  keys = _reuse_state().keys  # a new list after each lowering, so this runs on every call:
+  if source._noted_in is not keys and len(keys) < _MEMO_LIMIT:  # no search of the list
+    keys.append(source)
+    source._noted_in = keys
 
 
 def _on_lowering() -> None:
@@ -316,7 +321,7 @@ def _on_trace_start(event: str, value: float, **kwargs: Any) -> None:
   del value, kwargs
   if event == _TRACE_EVENT:
     _top_level().append(current())
-    _reuse_state().keys.clear()
+    _reuse_state().keys = []  # a new list: `_note_reuse` tells notes by the list they are in
   elif event == _LOWERING_EVENT:
     _on_lowering()
 
