@@ -120,6 +120,36 @@ def test_eager_calls_that_differ_only_in_a_value_s_type_are_not_confused():
   assert op(x, factor=1.0).dtype == jnp.float32 and op(x, factor=1).dtype == jnp.int32
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Gain(_Tunable, stellarax.Op, name="test_user_ops.gain"):
+  """x * gain, with the gain a field of the op."""
+
+  gain: int | float | bool = 1
+
+  def _fwd(self, x, *, config):
+    return x * self.gain, None
+
+  def _reference(self, x):
+    return x * self.gain
+
+
+def test_eager_calls_of_ops_that_differ_only_in_a_field_s_type_are_not_confused():
+  # Gain(gain=1) == Gain(gain=1.0): the eager call's cache is keyed by the fields' types too.
+  x = jnp.arange(4, dtype=jnp.int32)
+  for gain in (1, 1.0, True, 1):
+    assert Gain(gain=gain)(x).dtype == jax.jit(lambda x: Gain(gain=gain)(x))(x).dtype
+  assert Gain(gain=1.0)(x).dtype == jnp.float32 and Gain(gain=1)(x).dtype == jnp.int32
+
+
+def test_types_of_sees_through_containers_and_dataclasses():
+  from stellarax.core.eager import types_of
+  assert types_of((1, [2.0], {"a": True})) == types_of((3, [4.0], {"a": False}))
+  assert types_of((1, [2.0])) != types_of((1, [2]))
+  assert types_of({"a": 1}) != types_of({"a": True})
+  assert types_of(Gain(gain=1)) != types_of(Gain(gain=1.0))
+  assert types_of(Gain(gain=2)) == types_of(Gain(gain=3))
+
+
 class PairVjpBase(stellarax.Op):
   def _fwd(self, residuals, out, dout, x, *, config):
     raise NotImplementedError
