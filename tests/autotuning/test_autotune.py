@@ -1363,6 +1363,73 @@ def test_unreadable_cache_files_moved_aside_never_overwrite_each_other(user_cach
   assert cache_lib.USER_CACHE.clear() == 2 + 2 + 2  # results, locks, the two aside
 
 
+def _two_calls_of_one_op(grad_result):
+  """The forward entry of `grad_result`, and one like it for a call of other shapes."""
+  entry = next(e for e in grad_result if e.bound_args.op.name == "ragged_dot.xla")
+  lhs, rhs, gs = _inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs[:48], rhs, jnp.array([20, 0, 14, 14], jnp.int32))
+  return entry, dataclasses.replace(entry, bound_args=ba)
+
+
+def _result_of(*entries):
+  return autotuning.AutotuningResult(cache_lib.current_device_kind(),
+                                     {e.key: e for e in entries})
+
+
+def test_an_invalid_entry_of_a_cache_file_costs_that_entry_alone(user_cache_dir, grad_result):
+  entry, other = _two_calls_of_one_op(grad_result)
+  cache_lib.USER_CACHE.write(_result_of(entry, other))
+  path = cache_lib.USER_CACHE.path_for(cache_lib.current_device_kind(), "ragged_dot.xla")
+  data = json.loads(path.read_text())
+  for raw in data["entries"]:
+    if raw["bound_args"] == entry.bound_args.with_config(None).to_json():
+      raw["best_config"]["tile_m"] = 100  # not a power of two: invalid under these versions
+  path.write_text(json.dumps(data))
+  # Read: the other entry still answers (the whole file was passed over before).
+  with pytest.warns(autotuning.CacheWarning, match=r"entry \d is invalid \(tile_m=100.*reads the rest"):
+    cached = cache_lib.USER_CACHE.result_for(cache_lib.current_device_kind(), "ragged_dot.xla")
+  assert cached.entry(other.bound_args) == other and cached.entry(entry.bound_args) is None
+  # Write: the good entries stay live (only the new ones were left before), the file as it
+  # was is kept aside, and loading it by hand still says what is wrong.
+  fresh = _with_times(entry, 0.5)
+  with pytest.warns(autotuning.CacheWarning, match=r"kept at .*json\.unreadable; its other 1 entries"):
+    cache_lib.USER_CACHE.write(_result_of(fresh))
+  assert stellarax.AutotuningResult.load(path) == _result_of(fresh, other)
+  aside = path.with_suffix(".json.unreadable")
+  assert json.loads(aside.read_text()) == data
+  with pytest.raises(file_format.FormatError, match="is invalid"):
+    stellarax.AutotuningResult.load(aside)
+
+
+def test_entries_another_stellarax_wrote_survive_this_one_s_writes_until_pruned(user_cache_dir,
+                                                                               grad_result):
+  # Two environments share a cache: a newer stellarax's entry, whose configs carry a field
+  # this one does not know, cannot be read here, and was deleted by this one's next write.
+  entry, other = _two_calls_of_one_op(grad_result)
+  cache_lib.USER_CACHE.write(_result_of(other))
+  path = cache_lib.USER_CACHE.path_for(cache_lib.current_device_kind(), "ragged_dot.xla")
+  data = json.loads(path.read_text())
+  newer = data["entries"][0] | {"versions": {**file_format.current_versions(), "stellarax": "9.0"}}
+  for config in [newer["best_config"], newer["heuristic_config"],
+                 *(m["config"] for m in newer["measurements"])]:
+    config["added_later"] = 1
+  path.write_text(json.dumps(data | {"entries": [newer]}))
+  with pytest.warns(file_format.VersionWarning, match="other versions"):
+    cache_lib.USER_CACHE.write(_result_of(entry))
+  on_disk = json.loads(path.read_text())["entries"]
+  assert len(on_disk) == 2 and newer in on_disk
+  with pytest.warns(file_format.VersionWarning, match="other versions"):
+    assert stellarax.AutotuningResult.load(path) == _result_of(entry)
+  # Stale here all the same: pruning removes it.
+  assert [(p.removed, p.kept) for p in cache_lib.USER_CACHE.prune()] == [(1, 1)]
+  assert json.loads(path.read_text())["entries"] == [file_format.entry_to_json(entry)]
+  # And a new measurement of the same call takes its place.
+  path.write_text(json.dumps(data | {"entries": [newer]}))
+  with pytest.warns(file_format.VersionWarning, match="other versions"):
+    cache_lib.USER_CACHE.write(_result_of(other))
+  assert json.loads(path.read_text())["entries"] == [file_format.entry_to_json(other)]
+
+
 def test_a_cache_file_of_another_device_kind_in_this_one_s_folder(user_cache_dir, grad_result):
   # An H200 result copied into this device's folder: not applied here, and moved aside
   # by the next write instead of failing it.

@@ -23,7 +23,11 @@ Files are read lazily, once per (device kind, op), and re-read when their
 modification time changes. A cache only saves time: a file that cannot be read is
 passed over with a `CacheWarning` (once per version of it), a corrupt file that a
 writer finds is moved aside to `<file>.json.unreadable`, and `Autotuner` turns a
-cache it cannot write into a warning, keeping its result.
+cache it cannot write into a warning, keeping its result. Nothing readable is lost
+on the way: an invalid entry in a good file is passed over alone (a writer copies the
+file as it was aside and keeps the other entries), and entries this stellarax cannot
+read because another one wrote them (other versions sharing the cache, e.g. a config
+field added later) are written back unchanged by a writer, until `prune`.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import dataclasses
 import fcntl
 import os
 import re
+import shutil
 import sys
 import threading
 import time
@@ -44,6 +49,7 @@ import jax
 from stellarax.autotuning import file_format
 from stellarax.autotuning.result import AutotuningResult
 from stellarax.core import resolution
+from stellarax.core import specs
 from stellarax.core import warn as warn_lib
 from stellarax.core.warn import warn
 
@@ -134,7 +140,8 @@ class FileCache:
     A cache only saves time, so a file that cannot be read (corrupt, not in the format,
     or a cache folder that is not one) is passed over with a `CacheWarning` naming it,
     once per version of the file, and the calls it held resolve further down the
-    order (`AutotuningResult.load` of the same file raises instead).
+    order (`AutotuningResult.load` of the same file raises instead). An invalid entry
+    in a file that is otherwise good is passed over alone, with the same warning.
     """
     path = self.path_for(device_kind, op_name)
     try:
@@ -149,10 +156,12 @@ class FileCache:
       cached = self._loaded.get(path)
       if cached is None or cached[0] != mtime:
         held_before = warn_lib.held_count()
-        problem = None
+        problem, skipped = None, []
         try:
-          result = AutotuningResult.load(path, warn_other_versions=self.warn_other_versions)
+          result = AutotuningResult.load(path, warn_other_versions=self.warn_other_versions,
+                                         skipped=skipped)
           _check_device_kind(result, device_kind, path)
+          problem = _broken_entries(path, skipped)
         except FileNotFoundError:  # removed since its stat (`clear`): absent, no problem
           return None
         except (OSError, file_format.FormatError) as exc:
@@ -163,19 +172,28 @@ class FileCache:
         if held_before is None or warn_lib.held_count() == held_before:
           self._loaded[path] = cached
     if cached[2] is not None:
-      self._warn_once(path, mtime, cached[2])
+      self._warn_once(path, mtime, cached[2], whole_file=cached[1] is None)
     return cached[1]
 
   def _warn_once(self, path: Path, mtime: int | None, problem: str,
-                 fix: str | None = None) -> None:
-    """Warns that `path` is passed over, once per version (mtime) of it; `fix` says
-    what to do (default: clear the user cache, or reinstall for the library's)."""
+                 fix: str | None = None, *, whole_file: bool = True) -> None:
+    """Warns that `path` (or, without `whole_file`, the entries `problem` names) is
+    passed over, once per version (mtime) of it; `fix` says what to do (default: clear
+    the user cache, or reinstall for the library's)."""
     if path in self._warned and self._warned[path] == mtime:
       return
-    fix = fix or ("`stellarax cache clear` empties the user cache" if self.writable
-                  else "reinstalling stellarax restores the library cache")
-    if warn(f"{problem} The {self._name} passes over it: its calls resolve as if it were "
-            f"absent ({fix}).", CacheWarning):  # held back, it is owed (`warn.held_back`)
+    if whole_file:
+      fix = fix or ("`stellarax cache clear` empties the user cache" if self.writable
+                    else "reinstalling stellarax restores the library cache")
+      what = "it: its calls resolve as if it were absent"
+    else:
+      fix = fix or ("fix or delete them; the next write to the file keeps the other entries, "
+                    "and the file as it was aside" if self.writable
+                    else "reinstalling stellarax restores the library cache")
+      what = "the rest of it: the calls of invalid entries resolve as if they were absent"
+    verb = "passes over" if whole_file else "reads"
+    if warn(f"{problem} The {self._name} {verb} {what} ({fix}).",
+            CacheWarning):  # held back, it is owed (`warn.held_back`)
       self._warned[path] = mtime
 
   def root_problem(self, *, writing: bool = False) -> str | None:
@@ -273,7 +291,10 @@ class FileCache:
         results; it is moved aside to `<file>.json.unreadable` (or
         `<file>.<n>.json.unreadable`, never over an earlier one) and the file written
         anew. When it was written by a newer stellarax (a newer schema), it is left as
-        it is and that op's entries are not written.
+        it is and that op's entries are not written. When it holds invalid entries,
+        a copy of it is kept aside so, and its other entries are kept in the file.
+      VersionWarning: for entries of other versions in an existing file; those this
+        stellarax cannot read are written back unchanged.
     """
     if not self.writable:
       raise PermissionError(f"The {self.source_name} at {self.root} is read-only.")
@@ -285,12 +306,19 @@ class FileCache:
       path = self.path_for(result.device_kind, op_name)
       _make_folder(path.parent)
       with _exclusive_lock(path.with_suffix(".json.lock"), remove=remove_locks):
-        merged = AutotuningResult(result.device_kind)
+        merged, skipped = AutotuningResult(result.device_kind), []
         if path.exists():
           try:
-            found = AutotuningResult.load(path)
+            found = AutotuningResult.load(path, skipped=skipped)
             _check_device_kind(found, result.device_kind, path)
             merged = found
+            problem = _broken_entries(path, skipped)
+            if problem is not None:
+              # Keep the file as it was for inspection; the good entries stay live.
+              aside = _aside(path)
+              shutil.copy2(path, aside)
+              warn(f"{problem} The file as it was is kept at {aside}; its other "
+                   f"{len(found)} entries are kept in {path}.", CacheWarning)
           except file_format.NewerSchemaError as exc:
             # A newer stellarax's file (two environments share the cache): leave it be.
             warn(f"{str(exc).splitlines()[0]} It is left as it is, and this "
@@ -307,7 +335,7 @@ class FileCache:
         for entry in entries:
           merged = (merged.with_entry(entry) if replace
                     else merged | AutotuningResult(result.device_kind, {entry.key: entry}))
-        merged.dump(path)
+        file_format.atomic_write(path, file_format.dumps(_with_unread_entries(merged, skipped)))
       written.append(path)
     return written
 
@@ -374,8 +402,9 @@ class FileCache:
 
   def prune(self) -> list[Pruned]:
     """Removes the stale entries (`Entry.stale_reason`: measured under other versions
-    or on other code of their op) from every file, safely under concurrent writers; a
-    file left empty is deleted, an unreadable one is left as it is and reported.
+    or on other code of their op, those this stellarax cannot read included) from every
+    file, safely under concurrent writers; a file left empty is deleted, an unreadable
+    one (or one with invalid entries) is left as it is and reported.
 
     A stale entry's config still applies until it is pruned (and `autotune` measures
     its call again); pruning is for a cache whose old measurements should no longer
@@ -392,22 +421,55 @@ class FileCache:
     pruned = []
     for path in self.files():
       with _exclusive_lock(path.with_suffix(".json.lock")):
+        unread = []
         try:
-          result = AutotuningResult.load(path, warn_other_versions=False)
+          result = AutotuningResult.load(path, warn_other_versions=False, skipped=unread)
         except FileNotFoundError:  # removed since listed (`clear`): nothing to prune
           continue
         except ValueError as exc:  # file_format.FormatError: it names the file
           pruned.append(Pruned(path, 0, 0, error=str(exc).splitlines()[0]))
           continue
+        problem = _broken_entries(path, unread)
+        if problem is not None:  # left for the user to look at, as an unreadable file
+          pruned.append(Pruned(path, 0, 0, error=problem))
+          continue
+        # Entries this stellarax cannot read (other versions or code: `write` keeps them)
+        # are stale here too.
         current = {e.key: e for e in result if e.is_current}
-        if len(current) == len(result):
+        if len(current) == len(result) and not unread:
           continue
         if current:
           AutotuningResult(result.device_kind, current, result.versions).dump(path)
         else:
           path.unlink()
-      pruned.append(Pruned(path, len(result) - len(current), len(current)))
+      pruned.append(Pruned(path, len(result) + len(unread) - len(current), len(current)))
     return pruned
+
+
+def _broken_entries(path: Path, skipped: list[file_format.SkippedEntry]) -> str | None:
+  """The invalid entries of a file that was read otherwise, in words; None if none."""
+  broken = [s for s in skipped if s.broken]
+  if not broken:
+    return None
+  which = (f"entry {broken[0].index} is" if len(broken) == 1 else
+           f"{len(broken)} entries ({', '.join(str(s.index) for s in broken)}) are")
+  return f"{path}: {which} invalid ({broken[0].reason})."
+
+
+def _with_unread_entries(result: AutotuningResult,
+                         skipped: list[file_format.SkippedEntry]) -> dict[str, Any]:
+  """`result`'s file data with the entries of the file it was merged into that this
+  stellarax could not read but another may (`SkippedEntry.broken` False: recorded by
+  other versions or on other code of their op, e.g. a config field a newer stellarax
+  added) written back unchanged, where no entry of `result` tunes the same call: two
+  environments may share a cache, and neither may delete the other's measurements.
+  `prune` removes them (they are stale here)."""
+  data = result.to_json()
+  written = {specs.canonical_json(e["bound_args"]) for e in data["entries"]}
+  for unread in skipped:
+    if not unread.broken and specs.canonical_json(unread.raw.get("bound_args")) not in written:
+      data["entries"].append(unread.raw)
+  return data
 
 
 def _clear_folder(folder: Path) -> int:

@@ -41,7 +41,8 @@ reads its own files without these warnings (`cache.FileCache.warn_other_versions
 A file that is not valid JSON, lacks a required field, or holds an invalid entry
 recorded under the running versions on the running code of its op (or on unknown
 code) raises `FormatError` naming the file and the problem, whatever the op's
-checks raised. Files are written atomically, with the permissions `open` would
+checks raised (the caches read the rest of such a file: `result_from_json`'s
+`skipped`). Files are written atomically, with the permissions `open` would
 give them (the umask's).
 
 Hand edits. Schema 1 has always written each field with one JSON type (an object,
@@ -250,7 +251,29 @@ def result_to_json(result) -> dict[str, Any]:
   }
 
 
-def result_from_json(cls, data: dict[str, Any], *, source: str, warn_other_versions: bool = True):
+@dataclasses.dataclass(frozen=True)
+class SkippedEntry:
+  """An entry of a file that was not read (`result_from_json`'s `skipped`).
+
+  Attributes:
+    index: its place in the file's entries.
+    raw: its JSON data, as in the file, with the versions it was measured under (the
+      file's where it named none), so that it can be written back unchanged elsewhere.
+    reason: why it was not read, in words.
+    broken: True for an entry invalid under the running versions on the running (or
+      unknown) code of its op (the file was broken, by hand or by a bug); False for one
+      that no longer validates because it was recorded by other versions or on other
+      code of its op (a newer stellarax may read it).
+  """
+
+  index: int
+  raw: dict[str, Any]
+  reason: str
+  broken: bool
+
+
+def result_from_json(cls, data: dict[str, Any], *, source: str, warn_other_versions: bool = True,
+                     skipped: list[SkippedEntry] | None = None):
   """Builds an AutotuningResult from parsed data (see the module policy).
 
   Args:
@@ -259,14 +282,17 @@ def result_from_json(cls, data: dict[str, Any], *, source: str, warn_other_versi
     source: what to name in errors and warnings.
     warn_other_versions: warn for data from other versions; without it, that data is
       used (or dropped) silently.
+    skipped: a list to append the entries not read to (`SkippedEntry`); given, an
+      invalid entry recorded under the running versions is skipped there too instead of
+      raising (a cache reads the rest of a file so; its caller warns).
 
   Returns:
     The result.
 
   Raises:
-    FormatError: for a field of the wrong JSON type, or an invalid entry recorded
-      under the running versions on the running (or unknown) code of its op, naming
-      `source` and the entry.
+    FormatError: for a field of the wrong JSON type, or (without `skipped`) an invalid
+      entry recorded under the running versions on the running (or unknown) code of its
+      op, naming `source` and the entry.
 
   Warns:
     VersionWarning: for entries from other versions, and for each entry dropped
@@ -289,7 +315,7 @@ def result_from_json(cls, data: dict[str, Any], *, source: str, warn_other_versi
   entries, places = {}, {}
   for i, raw in enumerate(data["entries"]):
     entry = _read_entry(raw, i, recorded[i], source=source,
-                        warn_other_versions=warn_other_versions)
+                        warn_other_versions=warn_other_versions, skipped=skipped)
     if entry is None:
       continue
     _warn_missing_fields(raw, entry, where=f"{source}: entry {i}{_op_named(raw)}")
@@ -301,13 +327,14 @@ def result_from_json(cls, data: dict[str, Any], *, source: str, warn_other_versi
 
 
 def _read_entry(raw: dict[str, Any], i: int, versions: Mapping[str, str], *, source: str,
-                warn_other_versions: bool):
+                warn_other_versions: bool, skipped: list[SkippedEntry] | None):
   """Entry `i` of a file, or None where it no longer validates under other versions or
-  on other code of its op.
+  on other code of its op (and, with `skipped`, where it is invalid), appended to
+  `skipped` then.
 
   Raises:
-    FormatError: for an invalid entry recorded under the running versions on the
-      running (or unknown) code of its op.
+    FormatError: without `skipped`, for an invalid entry recorded under the running
+      versions on the running (or unknown) code of its op.
   """
   try:
     return entry_from_json(raw, source=source, versions=versions)
@@ -317,7 +344,12 @@ def _read_entry(raw: dict[str, Any], i: int, versions: Mapping[str, str], *, sou
     # versions stay): the op or its config changed since, drop just this entry.
     why = f"{type(e).__name__}: {e}" if not isinstance(e, (KeyError, ValueError)) else str(e)
     other_code = _other_code(raw)
-    if same_versions(versions) and other_code is None:
+    broken = same_versions(versions) and other_code is None
+    if skipped is not None:
+      skipped.append(SkippedEntry(i, {**raw, "versions": dict(versions)}, why, broken))
+    if broken:
+      if skipped is not None:
+        return None
       raise FormatError(f"{source}: entry {i} is invalid: {why}") from None
     if warn_other_versions:
       made = "recorded by other versions" if not same_versions(versions) else other_code
@@ -346,7 +378,9 @@ def _one_of_two(first, i: int, second, j: int, *, source: str):
   with a warning where they differ: a file holding them both was put together by hand."""
   from stellarax.autotuning import result
   kept = result.merge_entries(first, second)
-  if first != second:
+  # Entries of other versions are one call measured by two stellarax versions sharing a
+  # cache (`cache._with_unread_entries`), not a hand edit.
+  if first != second and first.versions == second.versions:
     dropped, kept_at, dropped_at = (second, i, j) if kept is first else (first, j, i)
     warn(f"{source}: entries {i} and {j} both tune {first.bound_args.op.name} for "
          f"{result.short_args(first.bound_args)}, with different data; using entry {kept_at} "

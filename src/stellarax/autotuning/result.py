@@ -302,8 +302,8 @@ class AutotuningResult:
     return file_format.dumps(self.to_json())
 
   @classmethod
-  def loads(cls, text: str, *, source: str = "<string>",
-            warn_other_versions: bool = True) -> AutotuningResult:
+  def loads(cls, text: str, *, source: str = "<string>", warn_other_versions: bool = True,
+            skipped: list[file_format.SkippedEntry] | None = None) -> AutotuningResult:
     """Reads a result from a JSON string.
 
     Args:
@@ -312,12 +312,15 @@ class AutotuningResult:
       warn_other_versions: warn (`VersionWarning`) when the data was recorded under
         other stellarax/jax/jaxlib versions, and for each entry dropped because it no
         longer validates; without it, the same happens silently.
+      skipped: a list to collect the entries not read (`file_format.SkippedEntry`: those
+        that no longer validate, and, instead of raising, invalid ones).
 
     Raises:
-      file_format.FormatError: naming `source` and what is wrong.
+      file_format.FormatError: naming `source` and what is wrong (an invalid entry too,
+        unless `skipped` is given).
     """
     return file_format.result_from_json(cls, file_format.parse(text, source=source), source=source,
-                                        warn_other_versions=warn_other_versions)
+                                        warn_other_versions=warn_other_versions, skipped=skipped)
 
   def dump(self, path_or_file: str | os.PathLike | io.TextIOBase) -> None:
     """Writes this result to a path (atomically) or an open text file."""
@@ -328,9 +331,10 @@ class AutotuningResult:
 
   @classmethod
   def load(cls, path_or_file: str | os.PathLike | io.TextIOBase, *,
-           warn_other_versions: bool = True) -> AutotuningResult:
-    """Reads a result from a path or an open text file (`warn_other_versions`: as in
-    `loads`).
+           warn_other_versions: bool = True,
+           skipped: list[file_format.SkippedEntry] | None = None) -> AutotuningResult:
+    """Reads a result from a path or an open text file (`warn_other_versions`, `skipped`:
+    as in `loads`).
 
     Raises:
       FileNotFoundError: for a missing path.
@@ -343,7 +347,8 @@ class AutotuningResult:
       source = os.fspath(path_or_file)
       with open(path_or_file, encoding="utf-8") as f:
         text = _read_text(f.read, source)
-    return cls.loads(text, source=source, warn_other_versions=warn_other_versions)
+    return cls.loads(text, source=source, warn_other_versions=warn_other_versions,
+                     skipped=skipped)
 
 
 def _read_text(read: Any, source: str) -> str:
