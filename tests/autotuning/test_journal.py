@@ -50,9 +50,9 @@ def measured(monkeypatch):
   return calls, state
 
 
-def _journal_of(ba, root):
+def _journal_of(ba, root, options=FAST):
   (folder,) = [p for p in root.iterdir() if p.is_dir()]
-  return journal_lib.journal_path(ba, folder)
+  return journal_lib.Journal.for_call(ba, folder, seed=0, options=options, isolate=False).path
 
 
 def test_an_interrupted_tuning_resumes_from_the_configs_it_measured(user_cache_dir, measured):
@@ -105,7 +105,10 @@ def test_a_journal_of_other_settings_or_cut_short_is_not_recalled(user_cache_dir
   with pytest.raises(KeyboardInterrupt):
     _tuner(other).autotune(ba)
   assert calls[0][0] == first  # measured again
-  assert len(path.read_text().splitlines()) == 1 + len(calls[0])
+  # In a journal of its own: the first one's measurements stay for a rerun of its settings.
+  other_path = _journal_of(ba, user_cache_dir, other)
+  assert other_path != path and len(other_path.read_text().splitlines()) == 1 + len(calls[0])
+  assert len(journal_lib.Journal.for_call(ba, folder, seed=0, options=FAST, isolate=False).recalled) == 2
   # `stellarax cache clear` removes journals with the rest.
   assert cli.main(["cache", "clear"]) == 0
   assert not path.exists()
@@ -158,3 +161,40 @@ def test_without_cache_nothing_is_journaled(user_cache_dir, measured):
                         strategy=functools.partial(search.exhaustive, chunk_size=2)).autotune(_call())
   assert not user_cache_dir.exists() or not list(user_cache_dir.rglob("*.journal"))
   assert cache_lib.USER_CACHE.files() == []
+
+
+def test_journals_of_concurrent_or_cut_short_runs_keep_every_whole_line(tmp_path):
+  ba = _call()
+  a, b, c = sorted(ba.autotuning_configs, key=str)[:3]
+  journal = lambda **kw: journal_lib.Journal.for_call(ba, tmp_path, seed=0, options=FAST,
+                                                      isolate=False, **kw)
+  # Two runs of the same tuning, both started before either wrote: the second's first
+  # write truncated the first's lines (it started "its" journal over).
+  first, second = journal(), journal()
+  first.record({a: _ok(1.0)}, 1.0)
+  second.record({b: _ok(2.0)}, 1.0)
+  assert set(journal().recalled) == {a, b}
+  # A line cut short: the next run's first line was glued to it, and lost.
+  with open(first.path, "a") as f:
+    f.write('{"config": {"til')
+  resumed = journal()
+  resumed.record({c: _ok(3.0)}, 1.0)
+  assert set(journal().recalled) == {a, b, c}
+  # Measuring anew (ignore_cache) still starts it over.
+  journal(anew=True).record({c: _ok(4.0)}, 1.0)
+  assert set(journal().recalled) == {c} and journal().recall(c, 1.0) == _ok(4.0)
+  journal_lib.remove(ba, tmp_path)
+  assert not list(tmp_path.iterdir())
+
+
+def test_measure_options_without_a_tolerance_are_journaled(tmp_path):
+  # atol=inf (no output check) could not be written in the journal's first line (JSON has
+  # no inf): tuning with cache=True failed before measuring anything.
+  ba = _call()
+  options = MeasureOptions(rounds=2, leader_rounds=0, warmup_s=0.0, max_total_s=0.2,
+                           min_batch_s=2e-4, atol=float("inf"))
+  journal = lambda: journal_lib.Journal.for_call(ba, tmp_path, seed=0, options=options, isolate=False)
+  config = min(ba.autotuning_configs, key=str)
+  journal().record({config: _ok(1.0)}, 1.0)
+  assert journal().recall(config, 1.0) == _ok(1.0)
+  assert journal_lib.Journal.for_call(ba, tmp_path, seed=0, options=FAST, isolate=False).recalled == {}

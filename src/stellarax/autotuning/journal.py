@@ -6,16 +6,20 @@ of a large space can take minutes, and a run stopped inside it (Ctrl-C, a lost m
 a job's time limit) would measure all of it again. So each measurement also goes, as it
 is taken, into a journal next to the op's file in the user cache:
 
-    <cache>/<device kind>/<op name>.<16 hex digits of the call>.journal
+    <cache>/<device kind>/<op name>.<16 hex digits of the call>.<8 of the settings>.journal
 
 Its first line says what the measurements are valid for: the call (op and key), the
 stellarax, jax and jaxlib versions, the op's code fingerprint, the inputs' seed and the
-measure options. Then one JSON line per measured config: the config, its
-`Measurement` and the effort it was taken at. A rerun of the same tuning (all of the
-first line equal) takes a config's journaled measurement instead of measuring it,
-where it was taken at the effort asked or more; a journal for anything else is started
-anew. A line cut short (a process killed while writing it) is passed over. The journal
-of a call is removed once its entry is in the cache.
+measure options (the settings, whose digest is in the name). Then one JSON line per
+measured config: the config, its `Measurement` and the effort it was taken at. A rerun
+of the same tuning (all of the first line equal) takes a config's journaled measurement
+instead of measuring it, where it was taken at the effort asked or more. Tunings of one
+call with other settings (two environments sharing the cache, other measure options)
+keep journals of their own, so neither truncates the other's or appends under its first
+line; runs with the same settings append to one journal, a line per write (`O_APPEND`).
+A line cut short (a process killed while writing it) is passed over, and the next run's
+lines start on a line of their own. The journals of a call are removed once its entry
+is in the cache.
 
 Measurements recalled from a journal were taken in another run, not interleaved with
 this run's, so they do not decide a close choice alone: where the best config and the
@@ -26,8 +30,10 @@ them again, together, and chooses among those.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import hashlib
 import json
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -63,6 +69,8 @@ class Journal:
     self.path, self._header, self._config_cls = path, header, config_cls
     self.recalled: dict[Any, Recalled] = {}
     self._started = False  # whether this run's header is in the file
+    self._restart = anew  # whether the first record starts the file over
+    self._torn = False  # whether the file ends in a line cut short
     if not anew:
       self._read()
 
@@ -87,18 +95,21 @@ class Journal:
               "key": json.loads(bound_args.key_json()),
               "versions": dict(file_format.current_versions()),
               "code": code_fingerprint(type(bound_args.op)), "seed": seed,
-              "options": dataclasses.asdict(options), "isolate": isolate}
-    return cls(journal_path(bound_args, folder), json.loads(canonical_json(header)),
+              "options": _json_safe(dataclasses.asdict(options)), "isolate": isolate}
+    header = json.loads(canonical_json(header))
+    return cls(journal_path(bound_args, folder, header), header,
                type(bound_args.op).config_cls, anew=anew)
 
   def _read(self) -> None:
     try:
-      lines = self.path.read_text().splitlines()
+      text = self.path.read_text()
     except (OSError, UnicodeDecodeError):  # none yet, or unreadable: start anew
       return
+    lines = text.splitlines()
     if not lines or _parsed(lines[0]) != self._header:
-      return  # another tuning's (other versions, code or options): not this one's
-    self._started = True
+      self._restart = bool(text)  # not this tuning's (a damaged file): start it over
+      return
+    self._started, self._torn = True, not text.endswith("\n")
     for line in lines[1:]:
       item = _parsed(line)
       try:
@@ -121,19 +132,23 @@ class Journal:
     Raises:
       OSError: when the journal cannot be written (the caller decides what that costs).
     """
-    lines = [] if self._started else [canonical_json(self._header)]
-    lines += [canonical_json({"config": config_to_json(c), "effort": effort,
-                              "measurement": m.to_json()}) for c, m in measurements.items()]
+    lines = [canonical_json({"config": config_to_json(c), "effort": effort,
+                             "measurement": m.to_json()}) for c, m in measurements.items()]
     if not lines:
       return
     self.path.parent.mkdir(parents=True, exist_ok=True)
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if self._started else os.O_TRUNC)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if self._restart else 0)
     fd = os.open(self.path, flags, 0o644)
     try:
-      os.write(fd, ("\n".join(lines) + "\n").encode())  # one write: whole lines or none
+      if not self._started and os.fstat(fd).st_size == 0:
+        # (Another run with these settings may have begun the file since it was read: its
+        # first line is then this one's, and this run appends to it.)
+        lines.insert(0, canonical_json(self._header))
+      data = ("\n" if self._torn else "") + "\n".join(lines) + "\n"
+      _write_all(fd, data.encode())  # one write where it can: whole lines or none
     finally:
       os.close(fd)
-    self._started = True
+    self._started, self._restart, self._torn = True, False, False
 
   def is_recalled(self, config: Any, measurement: Measurement) -> bool:
     """Whether `measurement` of `config` is the one recalled from the journal."""
@@ -141,18 +156,48 @@ class Journal:
     return known is not None and known.measurement is measurement
 
 
-def journal_path(bound_args: BoundArguments, folder: Path) -> Path:
-  """Where the journal of tuning `bound_args` is, in a device kind's folder of the cache."""
+def journal_path(bound_args: BoundArguments, folder: Path, header: Mapping[str, Any]) -> Path:
+  """Where the journal of tuning `bound_args` with the settings of `header` (the first
+  line `Journal.for_call` makes) is, in a device kind's folder of the cache."""
+  settings = hashlib.sha256(canonical_json(header).encode()).hexdigest()[:8]
+  return folder / f"{_call_prefix(bound_args)}.{settings}{SUFFIX}"
+
+
+def _call_prefix(bound_args: BoundArguments) -> str:
   digest = hashlib.sha256(f"{bound_args.op_json()}\0{bound_args.key_json()}".encode())
-  return folder / f"{bound_args.op.name}.{digest.hexdigest()[:16]}{SUFFIX}"
+  return f"{bound_args.op.name}.{digest.hexdigest()[:16]}"
 
 
 def remove(bound_args: BoundArguments, folder: Path) -> None:
-  """Removes the journal of tuning `bound_args`, if any (its entry is in the cache)."""
-  try:
-    journal_path(bound_args, folder).unlink()
-  except FileNotFoundError:
-    pass
+  """Removes the journals of tuning `bound_args` (with any settings), if any: its entry
+  is in the cache."""
+  # `<prefix>*.journal` also takes the journals of releases that named none of the settings.
+  for path in glob.glob(glob.escape(str(folder / _call_prefix(bound_args))) + "*" + SUFFIX):
+    try:
+      os.unlink(path)
+    except FileNotFoundError:
+      pass
+
+
+def _write_all(fd: int, data: bytes) -> None:
+  """Writes all of `data` (`os.write` may write less, e.g. on a full disk's last blocks)."""
+  while data:
+    written = os.write(fd, data)
+    if written <= 0:
+      raise OSError(f"wrote nothing of the last {len(data)} bytes")
+    data = data[written:]
+
+
+def _json_safe(value: Any) -> Any:
+  """`value` with non-finite floats as strings (JSON has none; `MeasureOptions` takes
+  `atol=inf` for "no tolerance"), so that the header can be written."""
+  if isinstance(value, float) and not math.isfinite(value):
+    return repr(value)
+  if isinstance(value, dict):
+    return {k: _json_safe(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_json_safe(v) for v in value]
+  return value
 
 
 def _parsed(line: str) -> Any:
