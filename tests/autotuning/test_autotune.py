@@ -615,7 +615,8 @@ def test_an_interrupted_tuning_keeps_the_calls_it_finished(user_cache_dir, monke
   assert autotuning.explain(vjp).source == "heuristics"
 
 
-def test_an_entry_measured_on_other_code_of_its_op_is_stale(user_cache_dir, grad_result):
+def test_an_entry_measured_on_other_code_of_its_op_is_stale(user_cache_dir, grad_result,
+                                                           monkeypatch):
   # The same versions, but the kernel's source changed since (an editable install):
   # its config still applies, silently, and autotune measures the call again.
   from stellarax.core.fingerprint import code_fingerprint
@@ -624,6 +625,10 @@ def test_an_entry_measured_on_other_code_of_its_op_is_stale(user_cache_dir, grad
   edited = dataclasses.replace(entry, code="0123456789abcdef")
   assert "other code of ragged_dot.xla" in edited.stale_reason
   assert dataclasses.replace(entry, code="").is_current  # unknown code: versions judge
+  with monkeypatch.context() as m:  # the running code unknown (imported from a zip): the same
+    for module in (autotuning.result, file_format):
+      m.setattr(module, "code_fingerprint", lambda cls: "")
+    assert edited.is_current and file_format._other_code(file_format.entry_to_json(edited)) is None
   cache_lib.USER_CACHE.write(autotuning.AutotuningResult(grad_result.device_kind,
                                                          {edited.key: edited}))
   with warnings.catch_warnings():

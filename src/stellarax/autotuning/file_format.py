@@ -368,9 +368,9 @@ def _other_code(raw: dict[str, Any]) -> str | None:
     now = code_fingerprint(registry.lookup(name))
   except (KeyError, TypeError):  # no op of that name: no code to compare with
     return None
-  if recorded == now:
+  if recorded == now or not now:  # the running code unknown: never stale (fingerprint.py)
     return None
-  return f"measured on other code of {name}: fingerprint {recorded}, now {now or 'unknown'}"
+  return f"measured on other code of {name}: fingerprint {recorded}, now {now}"
 
 
 def _one_of_two(first, i: int, second, j: int, *, source: str):

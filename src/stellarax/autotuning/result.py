@@ -63,7 +63,8 @@ class Entry:
   def stale_reason(self) -> str | None:
     """Why this entry is stale, or None when it is current: measured under the running
     stellarax, jax and jaxlib versions, on the op's current code (when its fingerprint
-    is known).
+    is known, then and now: code that cannot be read now, as an op imported from a zip
+    archive, is unknown, never stale).
 
     Other versions may lower the same config to another program, and changed kernel
     code may favour other configs, so a stale entry still applies, but `autotune`
@@ -72,7 +73,7 @@ class Entry:
     if not file_format.same_versions(self.versions):
       return f"measured under {dict(self.versions)}, running {file_format.current_versions()}"
     now = code_fingerprint(type(self.bound_args.op))
-    if self.code and self.code != now:
+    if self.code and now and self.code != now:  # "" on either side: unknown code
       return (f"measured on other code of {self.bound_args.op.name} (fingerprint {self.code}, "
               f"now {now}): the kernel or code it uses changed since")
     return None
