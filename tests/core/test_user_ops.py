@@ -133,6 +133,19 @@ class Gain(_Tunable, stellarax.Op, name="test_user_ops.gain"):
     return x * self.gain
 
 
+def test_calls_that_differ_only_in_a_value_s_type_are_two_calls_to_tune():
+  # factor=3 and factor=3.0 were one call to capture and tune (equal bound arguments),
+  # stored under two keys: the other ran untuned, and under the "error" policy raised.
+  x, op = jnp.ones((4,)), Scale()
+  f = lambda x: op(x, factor=3) + op(x, factor=3.0) + op(x, factor=True)
+  calls = autotuning.get_bound_args(f, x)
+  assert len(calls) == len(set(calls)) == 3
+  result = stellarax.Autotuner(budget_s=0.5, progress=False).autotune(f, x)
+  assert len(result) == 3
+  with result, autotuning.miss_policy_scope("error"):
+    np.testing.assert_array_equal(jax.jit(f)(x), jnp.full((4,), 14.0))
+
+
 def test_eager_calls_of_ops_that_differ_only_in_a_field_s_type_are_not_confused():
   # Gain(gain=1) == Gain(gain=1.0): the eager call's cache is keyed by the fields' types too.
   x = jnp.arange(4, dtype=jnp.int32)
@@ -142,7 +155,7 @@ def test_eager_calls_of_ops_that_differ_only_in_a_field_s_type_are_not_confused(
 
 
 def test_types_of_sees_through_containers_and_dataclasses():
-  from stellarax.core.eager import types_of
+  from stellarax.core.specs import types_of
   assert types_of((1, [2.0], {"a": True})) == types_of((3, [4.0], {"a": False}))
   assert types_of((1, [2.0])) != types_of((1, [2]))
   assert types_of({"a": 1}) != types_of({"a": True})

@@ -57,38 +57,10 @@ def jitted_call(fn: Callable[..., Any], head: tuple[Hashable, ...], args: tuple,
   try:
     # The statics are leaves (jax.tree.flatten took tuples, lists and dicts apart).
     program = _program(fn, head, treedef, tuple(is_array), statics,
-                       (types_of(head), tuple(map(type, statics))), name)
+                       (specs.types_of(head), tuple(map(type, statics))), name)
   except TypeError:  # an unhashable value
     return None
   return program, arrays
-
-
-def types_of(value: Any) -> Any:
-  """The types of the plain values in `value` (tuples, mappings, dataclasses such as ops
-  and configs, down to their fields), which equality does not see: 1, 1.0 and True are
-  equal and hash alike, and compute differently.
-
-  Args:
-    value: any value.
-
-  Returns:
-    A hashable structure of types, equal for two values only where their types match
-    throughout.
-  """
-  kind = type(value)
-  if kind in _ATOMS:
-    return kind
-  if kind in (tuple, list):
-    return kind, tuple(map(types_of, value))
-  if isinstance(value, (dict, specs.FrozenDict)):
-    return kind, tuple((k, types_of(v)) for k, v in value.items())
-  fields = getattr(kind, "__dataclass_fields__", None)
-  if fields is not None:
-    return kind, tuple(types_of(getattr(value, name)) for name in fields)
-  return kind
-
-
-_ATOMS = frozenset({str, int, float, bool, complex, bytes, type(None), type})
 
 
 @functools.lru_cache(maxsize=512)

@@ -95,10 +95,43 @@ class FrozenDict(Mapping):
     return hash(self._items)
 
   def __eq__(self, other):
-    return isinstance(other, FrozenDict) and self._items == other._items
+    # By value and type: 3, 3.0 and True are equal in Python, and compute differently
+    # (two calls of an op that differ so are two calls to tune, `types_of`).
+    return (isinstance(other, FrozenDict) and self._items == other._items
+            and types_of(self._items) == types_of(other._items))
 
   def __repr__(self):
     return f"FrozenDict({dict(self._items)!r})"
+
+
+def types_of(value: Any) -> Any:
+  """The types of the plain values in `value` (tuples, mappings, dataclasses such as ops
+  and configs, down to their fields), which equality does not see: 1, 1.0 and True are
+  equal and hash alike, and compute differently.
+
+  Args:
+    value: any value.
+
+  Returns:
+    A hashable structure of types, equal for two values only where their types match
+    throughout.
+  """
+  kind = type(value)
+  if kind in _ATOMS:
+    return kind
+  if kind in (tuple, list):
+    return kind, tuple(map(types_of, value))
+  if kind is FrozenDict:
+    return kind, tuple((k, types_of(v)) for k, v in value._items)
+  if isinstance(value, dict):
+    return kind, tuple((k, types_of(v)) for k, v in value.items())
+  fields = getattr(kind, "__dataclass_fields__", None)
+  if fields is not None:
+    return kind, tuple(types_of(getattr(value, name)) for name in fields)
+  return kind
+
+
+_ATOMS = frozenset({str, int, float, bool, complex, bytes, type(None), type})
 
 
 def is_array(x: Any) -> bool:
