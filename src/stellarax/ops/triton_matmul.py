@@ -18,6 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from stellarax.core.config import check_choice, check_power_of_two
+from stellarax.ops import index_math
 from stellarax.ops import pallas_backends
 
 pltriton = pallas_backends.triton
@@ -162,11 +163,11 @@ def swizzle(pid: jax.Array, num_m_tiles: int, num_n_tiles: int) -> tuple[jax.Arr
   tutorial: L2_GROUP_M consecutive m-tiles sweep the n-tiles together, so the rows and
   columns they share stay in L2."""
   per_band = L2_GROUP_M * num_n_tiles
-  band = lax.div(pid, per_band)
+  band = index_math.div(pid, per_band)
   first_m = band * L2_GROUP_M
   band_rows = jnp.minimum(num_m_tiles - first_m, L2_GROUP_M)
-  within = lax.rem(pid, per_band)
-  return first_m + lax.rem(within, band_rows), lax.div(within, band_rows)
+  within = index_math.rem(pid, per_band)
+  return first_m + index_math.rem(within, band_rows), index_math.div(within, band_rows)
 
 
 def span(start: jax.Array | int, size: int) -> jax.Array:

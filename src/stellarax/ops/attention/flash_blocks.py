@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from stellarax.ops import index_math
+
 # jax.nn.dot_product_attention replaces masked logits by this value (not -inf), which is
 # what makes a fully masked row uniform over all keys instead of NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -140,10 +142,6 @@ def clip(x: Any, lo: Any, hi: Any) -> Any:
   return jnp.minimum(jnp.maximum(x, lo), hi)
 
 
-def _cdiv(x: Any, d: int) -> Any:
-  return lax.div(x + (d - 1), d)  # x >= 0 here, so truncation is floor.
-
-
 def key_block_range(m: BlockMasking, q0: Any, rows: int, bk: int, t_eff: Any, s_eff: Any):
   """Key blocks (of `bk` keys) that query rows [q0, q0 + rows) must visit.
 
@@ -162,16 +160,16 @@ def key_block_range(m: BlockMasking, q0: Any, rows: int, bk: int, t_eff: Any, s_
   left, right = m.left_reach, m.right_reach
   lo_key = 0 if left is None else jnp.maximum(q0 - left, 0)
   hi_key = s_eff if right is None else jnp.minimum(s_eff, q0 + rows + right)
-  lo = lax.div(jnp.int32(lo_key), bk)
-  hi = jnp.maximum(_cdiv(jnp.int32(hi_key), bk), lo)
+  lo = index_math.div(jnp.int32(lo_key), bk)
+  hi = jnp.maximum(index_math.cdiv(jnp.int32(hi_key), bk), lo)
   if m.has_q_len:
     hi = select(q0 < t_eff, hi, lo)  # Rows past the query length are written as zeros.
   if not m.positional(bk):
     return lo, lo, hi, hi
-  full_lo = lo if left is None else _cdiv(jnp.maximum(q0 + rows - 1 - left, 0), bk)
+  full_lo = lo if left is None else index_math.cdiv(jnp.maximum(q0 + rows - 1 - left, 0), bk)
   full_hi_key = s_eff if right is None else jnp.minimum(s_eff, q0 + right + 1)
   full_lo = clip(full_lo, lo, hi)
-  full_hi = clip(lax.div(jnp.int32(full_hi_key), bk), full_lo, hi)
+  full_hi = clip(index_math.div(jnp.int32(full_hi_key), bk), full_lo, hi)
   return lo, full_lo, full_hi, hi
 
 
@@ -187,13 +185,13 @@ def query_block_range(m: BlockMasking, k0: Any, bq: int, keys: int, t_eff: Any, 
   lo_row = 0 if right is None else jnp.maximum(k0 - right, 0)
   hi_row = t_eff if left is None else jnp.minimum(t_eff, k0 + keys + left)
   hi_row = select(k0 < s_eff, hi_row, 0)  # The keys lie wholly past the key length.
-  lo = lax.div(jnp.int32(lo_row), bq)
-  hi = jnp.maximum(_cdiv(jnp.int32(hi_row), bq), lo)
+  lo = index_math.div(jnp.int32(lo_row), bq)
+  hi = jnp.maximum(index_math.cdiv(jnp.int32(hi_row), bq), lo)
   if not m.positional(keys):
     return lo, lo, hi, hi
-  full_lo = lo if right is None else _cdiv(jnp.maximum(k0 + keys - 1 - right, 0), bq)
+  full_lo = lo if right is None else index_math.cdiv(jnp.maximum(k0 + keys - 1 - right, 0), bq)
   full_lo = clip(full_lo, lo, hi)
-  full_hi = hi if left is None else lax.div(jnp.int32(k0 + left + 1), bq)
+  full_hi = hi if left is None else index_math.div(jnp.int32(k0 + left + 1), bq)
   full_hi = select(k0 + keys <= s_eff, full_hi, full_lo)  # Tail keys are masked.
   full_hi = clip(full_hi, full_lo, hi)
   return lo, full_lo, full_hi, hi

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from stellarax.ops import index_math
 from stellarax.ops import pallas_backends
 from stellarax.ops import pallas_common
 from stellarax.ops.attention import flash_blocks
@@ -465,7 +466,7 @@ def _fwd(query, key, value, bias, mask, q_len, kv_len, *, spec: _Spec, block_q: 
          block_k: int, num_warps: int, num_stages: int, interpret: bool):
   b, t, n, h = query.shape
   g = spec.group
-  kv_head = lambda x: lax.div(x, g)
+  kv_head = lambda x: index_math.div(x, g)
   opt_specs, opt_args = _optional_inputs(spec, bias, mask, q_len, kv_len, heads=1)
   in_specs = [_seq_spec(t, 1, h, lambda x: x), _kv_spec(spec, kv_head),
               _kv_spec(spec, kv_head), *opt_specs]
@@ -588,7 +589,7 @@ def _dkdv_kernel(*refs, spec: _Spec, bq: int, bk: int):
     return dk, dv
 
   def masked_flat(i, carry, lo, n):
-    g = lax.div(i, n)
+    g = index_math.div(i, n)
     return step(g, lo + (i - g * n), carry, True)
 
   def run(lo, hi, carry, positional):
@@ -704,7 +705,7 @@ def _bwd(query, key, value, bias, mask, out, lse, dout, q_len, kv_len, *, spec: 
   )(*args)
 
   # dQ: grid over query heads, K/V picked per kv head in the index map.
-  kv_head = lambda x: lax.div(x, g)
+  kv_head = lambda x: index_math.div(x, g)
   opt_specs, opt_args = _optional_inputs(spec, bias, mask, q_len, kv_len, heads=1)
   seq = _seq_spec(t, 1, h, same)
   dq = pl.pallas_call(

@@ -60,6 +60,7 @@ from jax.experimental import pallas as pl
 
 from stellarax.core.config import check_power_of_two
 from stellarax.ops import common
+from stellarax.ops import index_math
 from stellarax.ops import pallas_backends
 from stellarax.ops import triton_matmul as tm
 from stellarax.ops.ragged_dot import split_k as _splits
@@ -275,7 +276,7 @@ def _share_of_blocks(split: jax.Array, num_full: Any, per_split: Any) -> tuple[A
   the partial block after them (index num_full), if any, is this share's."""
   first = jnp.minimum(split * per_split, num_full)
   last = jnp.minimum(first + per_split, num_full)
-  return first, last, split == lax.div(num_full, per_split)
+  return first, last, split == index_math.div(num_full, per_split)
 
 
 # --------------------------------------------------------------------------- forward
@@ -293,8 +294,8 @@ def _ragged_dot_kernel(items_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, bl
   num_groups, cols_out = rhs_ref.shape[0], out_ref.shape[-1]
   num_items, num_n_tiles = items_ref.shape[1], pl.cdiv(cols_out, block_n)
   per_split = num_items * num_n_tiles
-  split = lax.div(pl.program_id(0), per_split)
-  item, tile_n = tm.swizzle(lax.rem(pl.program_id(0), per_split), num_items, num_n_tiles)
+  split = index_math.div(pl.program_id(0), per_split)
+  item, tile_n = tm.swizzle(index_math.rem(pl.program_id(0), per_split), num_items, num_n_tiles)
   group, row_start, row_end = items_ref[0, item], items_ref[1, item], items_ref[2, item]
   # The tile is moved up to end at row M at most, so that its loads stay in bounds
   # without masks; rows outside [row_start, row_end) are computed but not stored. A
@@ -501,19 +502,19 @@ def _drhs_kernel(offsets_ref, lhs_ref, dout_ref, out_ref, *, block_m: int, block
   pid = pl.program_id(0)
   per_group = num_k_tiles * num_n_tiles
   num_groups = out_ref.shape[-3]
-  group = lax.rem(lax.div(pid, per_group), num_groups)
-  split = lax.div(pid, per_group * num_groups)
+  group = index_math.rem(index_math.div(pid, per_group), num_groups)
+  split = index_math.div(pid, per_group * num_groups)
   # Group-major order keeps the programs in flight on one group's rows (L2 reuse).
-  tile_k, tile_n = tm.swizzle(lax.rem(pid, per_group), num_k_tiles, num_n_tiles)
+  tile_k, tile_n = tm.swizzle(index_math.rem(pid, per_group), num_k_tiles, num_n_tiles)
   k0, n0 = tile_k * block_k, tile_n * block_n
   k_mask = (tm.span(k0, block_k) < contract_k)[None, :] if contract_k % block_k else None
   n_mask = (tm.span(n0, block_n) < cols_n)[None, :] if cols_n % block_n else None
   row_lo, row_hi = offsets_ref[group], offsets_ref[group + 1]
   size = row_hi - row_lo
-  num_full = lax.div(size, block_m)
-  per_split = jnp.maximum(lax.div(size + split_rows * block_m - 1, split_rows * block_m), 1)
+  num_full = index_math.div(size, block_m)
+  per_split = jnp.maximum(index_math.div(size + split_rows * block_m - 1, split_rows * block_m), 1)
   first, last, owns_tail = _share_of_blocks(split, num_full, per_split)
-  has_tail = (lax.rem(size, block_m) > 0) & owns_tail
+  has_tail = (index_math.rem(size, block_m) > 0) & owns_tail
 
   def step(r0, row_mask, acc):
     lhs = tm.load(lhs_ref.at[pl.ds(r0, block_m), pl.ds(k0, block_k)], tm.all_of(row_mask, k_mask))

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from stellarax.ops import index_math
 from stellarax.ops import pallas_backends
 from stellarax.ops.attention import flash_blocks
 from stellarax.ops.attention.pallas_mosaic_gpu.kernel_parts import (
@@ -214,7 +215,7 @@ class _FusedDq:
     Returns:
       The shared-memory tile holding it.
     """
-    ds_tile = self.ds_smem.at[lax.rem(step, 2), self.wg]
+    ds_tile = self.ds_smem.at[index_math.rem(step, 2), self.wg]
     if ds_t is None:
       ds_t = plgpu.layout_cast(jnp.zeros(ds_tile.shape, ds_tile.dtype), plgpu.Layout.WGMMA)
     ds_tile[...] = ds_t
@@ -227,7 +228,7 @@ class _FusedDq:
   def send(self, step: Any, head: Any, q0: Any) -> None:
     """Adds step `step`'s dS K (after `share`) to dQ rows [q0, q0 + block_q) of `head`:
     this warpgroup's chunks of columns, over the keys of every warpgroup."""
-    buffer = lax.rem(step, 2)
+    buffer = index_math.rem(step, 2)
     _, num_wgs, _, bq = self.ds_smem.shape
     head_dim = self.k_smem.shape[-1]
     slots = self.staging.shape[1]
@@ -315,7 +316,7 @@ def _dkdv_kernel(*refs, k_smem, v_smem, dv0_smem, q_ring, do_ring, lse_ring, del
 
     def step(i, carry, base, head, masked):
       dk, dv = carry
-      slot = lax.rem(i, stages)
+      slot = index_math.rem(i, stages)
       stream.acquire(slot)
       s_t = mma.product(k_tile, q_ring.at[slot].T, (bk, bq))
       s_t = _add_pair(p, s_t * (p.scale * _LOG2E), pair_ring, slot, wg * bk,
@@ -342,7 +343,7 @@ def _dkdv_kernel(*refs, k_smem, v_smem, dv0_smem, q_ring, do_ring, lse_ring, del
       return dk, dv
 
     def skip(i, _, base, head):
-      slot = lax.rem(i, stages)
+      slot = index_math.rem(i, stages)
       stream.acquire(slot)
       stream.release(slot)
       if dq is not None and num_wgs > 1:
@@ -536,8 +537,8 @@ def _dk_head_split_kernel(*refs, k_smem, v_smem, q_ring, do_ring, lse_ring, delt
                                per_head=per_head, bq=bq, keys=pl.ds(k0, bk), copies=_halves)
 
   def skip(i, _):  # Not reached: both warpgroups own the CTA's keys and blocks.
-    stream.acquire(lax.rem(i, stages))
-    stream.release(lax.rem(i, stages))
+    stream.acquire(index_math.rem(i, stages))
+    stream.release(index_math.rem(i, stages))
 
   def run(tile_ref, tile, step):
     plgpu.set_max_registers(_COMPUTE_REGISTERS[2], action="increase")
@@ -557,7 +558,7 @@ def _dk_head_split_kernel(*refs, k_smem, v_smem, q_ring, do_ring, lse_ring, delt
     _store_tiles([(tile.at[wg], (dk * p.scale).astype(p.dtype), dk_ref.at[(*keys, cols)])])
 
   def scores(i, dk, base, masked):
-    slot = lax.rem(i, stages)
+    slot = index_math.rem(i, stages)
     stream.acquire(slot)
     s_t = mma.product_sum([(k_smem.at[j], q_ring.at[j, slot].T) for j in range(2)], (bk, bq))
     s_t = _add_pair(p, s_t * (p.scale * _LOG2E), pair_ring, slot, 0, rows_are_queries=False)
@@ -573,7 +574,7 @@ def _dk_head_split_kernel(*refs, k_smem, v_smem, q_ring, do_ring, lse_ring, delt
 
   def grads(i, dk, base, masked):
     del base, masked  # dS is zero where P is.
-    slot = lax.rem(i, stages)
+    slot = index_math.rem(i, stages)
     stream.acquire(slot)
     dp_t = mma.product_sum([(v_smem.at[j], do_ring.at[j, slot].T) for j in range(2)], (bk, bq))
     delta = plgpu.load(delta_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from stellarax.ops import index_math
 from stellarax.ops import pallas_backends
 from stellarax.ops.attention import flash_blocks
 from stellarax.ops.attention.pallas_mosaic_gpu.kernel_parts import (
@@ -241,7 +242,7 @@ def _fwd_kernel(*refs, q_smem, k_ring, v_ring, pair_ring, stage, lse_smem, v_mea
     q_tile = q_smem.at[wg]
     plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_tile, q_ready.at[wg])
     if v_mean_ref is not None:
-      plgpu.copy_gmem_to_smem(v_mean_ref.at[b, lax.div(h, p.group)], v_mean_smem.at[wg],
+      plgpu.copy_gmem_to_smem(v_mean_ref.at[b, index_math.div(h, p.group)], v_mean_smem.at[wg],
                               q_ready.at[wg])
     plgpu.barrier_wait(q_ready.at[wg])
 

@@ -32,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from stellarax.core import partitioning
+from stellarax.ops import index_math
 from stellarax.ops import pallas_backends
 from stellarax.ops import pallas_common
 from stellarax.ops.attention import flash_blocks
@@ -166,7 +167,7 @@ def _tiled(dtype: Any, cols: int) -> tuple[Any, ...]:
 
 def _cdiv(x: Any, d: int) -> Any:
   """Ceiling division of a non-negative traced or static int."""
-  return lax.div(x + (d - 1), d) if isinstance(x, jax.Array) else -(-x // d)
+  return index_math.div(x + (d - 1), d) if isinstance(x, jax.Array) else -(-x // d)
 
 
 def _rows(x: jax.Array, shape: tuple[int, int]) -> jax.Array:
@@ -413,7 +414,7 @@ def _produce(streams: Sequence[_Stream], num_steps: Any, stages: int) -> None:
 
   @pl.loop(stages, num_steps)
   def _steady(step):
-    slot = lax.rem(step, stages)
+    slot = index_math.rem(step, stages)
     for stream in streams:
       plgpu.barrier_wait(stream.free.at[slot])
       stream.fill(step, slot)
@@ -423,7 +424,7 @@ def _produce(streams: Sequence[_Stream], num_steps: Any, stages: int) -> None:
   @pl.loop(maximum(num_steps - stages, 0), num_steps)
   def _drain(step):
     for stream in streams:
-      plgpu.barrier_wait(stream.free.at[lax.rem(step, stages)])
+      plgpu.barrier_wait(stream.free.at[index_math.rem(step, stages)])
 
 
 def _lengths(p: _Problem, q_len_ref: Any, kv_len_ref: Any, b: Any) -> tuple[Any, Any]:
@@ -455,7 +456,7 @@ class _Cta:
 
   def slot(self, block: Any, stages: int) -> Any:
     """The ring slot holding `block` (the memory warpgroup's step block - lo)."""
-    return lax.rem(block - self.lo, stages)
+    return index_math.rem(block - self.lo, stages)
 
 
 def _walk(ranges: tuple[Any, Any, Any, Any], cta_lo: Any, cta_hi: Any, step, skip, carry, *,
@@ -519,7 +520,7 @@ def _query_block_stream(p: _Problem, tiles: dict[str, tuple[Any, Any]], ready: A
   """
 
   def sources(step):
-    g = lax.div(step, per_head)
+    g = index_math.div(step, per_head)
     q0 = (lo + step - g * per_head) * bq
     head = kv_head * p.group + g
     rows, vec = (b, pl.ds(q0, bq), head), (b, head, pl.ds(q0, bq))
@@ -558,7 +559,7 @@ def _query_tile_cta(p: _Problem, q_ref, k_ref, v_ref, pair_ref, lengths: tuple[A
   cta_q0 = ((num_q_tiles - 1 - tile) if p.causal else tile) * rows
   lo, _, _, hi = flash_blocks.key_block_range(p, cta_q0, rows, bk, t_eff, s_eff)
   cta = _Cta(b=b, head=h, wg=wg, start=cta_q0, lo=lo, hi=hi, t_eff=t_eff, s_eff=s_eff)
-  kv_head = lax.div(h, p.group)
+  kv_head = index_math.div(h, p.group)
   kv_rows = lambda step: (b, pl.ds((lo + step) * bk, bk), kv_head)
 
   def k_sources(step):

@@ -63,6 +63,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from stellarax.ops import index_math
 from stellarax.ops import pallas_backends
 from stellarax.ops import pallas_common
 from stellarax.ops.ragged_dot.pallas_mosaic_gpu.kernel_parts import (
@@ -158,7 +159,7 @@ def _forward_kernel(items_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: _Tiles,
       linear, split = info.index[0], 0
       if tiles.split_k > 1:
         # Split-major: the shares of one tile run far apart, on different SMs.
-        split, linear = lax.div(linear, num_items * grid_n), lax.rem(linear, num_items * grid_n)
+        split, linear = index_math.div(linear, num_items * grid_n), index_math.rem(linear, num_items * grid_n)
       item_idx, n_tile = tiles.tile_order(linear, num_items, grid_n)
       n_tile = _column_tile(tiles, n_tile)
       group, row_start, row_end, tile_start = (items_gmem[i, item_idx] for i in range(4))

@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 
 from stellarax.core.config import config_dataclass
 from stellarax.core import partitioning
+from stellarax.ops import index_math
 from stellarax.ops import pallas_backends
 from stellarax.ops import pallas_common
 from stellarax.ops.ragged_dot.pallas_mosaic_gpu.tunables import (
@@ -217,7 +218,7 @@ class _StageRelease:
       self._free(num_steps - 1)
 
   def _slot(self, step: Any) -> Any:
-    return lax.rem(jnp.maximum(step, 0), self._stages)
+    return index_math.rem(jnp.maximum(step, 0), self._stages)
 
   def _await(self, mma: _StepMma, step: Any, in_flight: int) -> None:
     """Waits until at most `in_flight` wgmma groups run, so that the one of `step` (if
@@ -284,7 +285,12 @@ def _launch(body, out_shape: jax.ShapeDtypeStruct, operands, *, num_tiles: int,
       interpret=interpret or None,
       kernel_name=name,
   )
-  return partitioning.vary_like(kernel(*operands), operands)
+  # The body is traced with 64-bit types off: jax's warp-specialized pipeline divides
+  # its int32 step by Python ints with lax.rem, which fails under jax_enable_x64 (the
+  # ints become int64; jax 0.11.2). Every operand here is already 32-bit or narrower.
+  with jax.enable_x64(False):
+    out = kernel(*operands)
+  return partitioning.vary_like(out, operands)
 
 
 def _row_operand(tiles: _Tiles) -> dict[str, Any]:

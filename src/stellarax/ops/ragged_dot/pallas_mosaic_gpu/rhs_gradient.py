@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from stellarax.ops import index_math
 from stellarax.ops import pallas_backends
 from stellarax.ops import pallas_common
 from stellarax.ops.ragged_dot.pallas_mosaic_gpu.kernel_parts import (
@@ -81,8 +82,8 @@ class _GroupSteps:
 
   @classmethod
   def create(cls, lo, hi, *, num_rows: int, block_k: int) -> _GroupSteps:
-    aligned = lo - lax.rem(lo, _ROW_ALIGN)
-    num_steps = jnp.where(hi > lo, pl.cdiv(hi - aligned, block_k), 0)
+    aligned = lo - index_math.rem(lo, _ROW_ALIGN)
+    num_steps = jnp.where(hi > lo, index_math.cdiv(hi - aligned, block_k), 0)
     return cls(lo, hi, aligned, num_steps, num_rows, block_k)
 
   def first_row(self, step: jax.Array) -> jax.Array:

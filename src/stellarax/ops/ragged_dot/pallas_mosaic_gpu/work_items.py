@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from stellarax.ops import index_math
 from stellarax.ops.ragged_dot.pallas_mosaic_gpu.tunables import _DEFAULT_NUM_SMS, _ROW_ALIGN
 from stellarax.ops.ragged_dot.reference import group_bounds
 
@@ -92,7 +93,7 @@ def work_items(offsets: jax.Array, num_rows: int, block_m: int) -> jax.Array:
   num_groups = offsets.shape[0] - 1
   part_ends = jnp.concatenate([offsets[1:], jnp.full((1,), num_rows, jnp.int32)])
   part_aligned = offsets - offsets % _ROW_ALIGN
-  part_tiles = jnp.where(part_ends > offsets, pl.cdiv(part_ends - part_aligned, block_m), 0)
+  part_tiles = jnp.where(part_ends > offsets, index_math.cdiv(part_ends - part_aligned, block_m), 0)
   tiles_end = jnp.cumsum(part_tiles)
   items = jnp.arange(num_work_items(num_rows, num_groups, block_m), dtype=jnp.int32)
   # Parts whose tiles all come before an item are counted, so this is the item's
