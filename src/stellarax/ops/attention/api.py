@@ -24,7 +24,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     query: (B, T, N, H), or (T, N, H) unbatched.
     key, value: (B, S, K, H), or (S, K, H) unbatched; N a multiple of K (GQA/MQA).
     bias: optional, broadcastable to (B, N, T, S) as numpy broadcasts (e.g. (T, S) or
-      (N, T, S)), added to the scaled logits.
+      (N, T, S)), added to the scaled logits. The Pallas kernels raise biased logits
+      below about -9.1e4 to that floor, so a row a huge bias masks whole (-1e9,
+      finfo.min, -inf) averages V, as jax's rounding makes -1e9 do (jax gives NaN for
+      -inf), and its gradients are jax's (flash_blocks.BIASED_LOGIT_FLOOR).
     mask: optional bool, broadcastable to (B, N, T, S) as the bias; True keeps a position.
     scale: logit scale (default 1/sqrt(H)).
     is_causal: keep only keys s <= t.

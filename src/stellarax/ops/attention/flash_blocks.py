@@ -27,6 +27,20 @@ from stellarax.ops import index_math
 # what makes a fully masked row uniform over all keys instead of NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
+# With a bias, the flash kernels raise every kept logit (base 2: the scaled q.k plus the
+# bias, times log2 e) to at least this floor, in the forward pass and where the backward
+# computes the logits again. Without it, a row that a huge negative bias masks whole
+# went wrong: at -1e9 * log2 e float32 cannot add log2(row sum) to the row maximum, so
+# the log-sum-exp residual lost it and the backward took each probability of the row as
+# 1 instead of 1/S (dQ, dK, dV off by up to S times); finfo.min * log2 e overflowed to
+# -inf and the row gave 0 where jax gives mean(V). Floored, such a row is uniform over
+# its kept keys (as jax's rounding makes -1e9 rows), its residual keeps the row sum to
+# 2^-7 in log2 (probabilities within 0.6%), and -inf biases give mean(V) (jax: NaN).
+# A row with a logit 100 or more above the floor is unchanged to 2^-100. Rows wholly
+# below it lose the q.k ranking jax still keeps for a bias of about -9.1e4 to -1e7,
+# where the residual could not hold the row sum. float16's lowest, -65504, is above it.
+BIASED_LOGIT_FLOOR = -2.0 ** 17
+
 
 class BlockMasking:
   """Mixin: the positional masking of a static problem description.

@@ -61,6 +61,7 @@ class _Problem(flash_blocks.BlockMasking):
   has_q_len: bool = False
   has_kv_len: bool = False
   has_mask: bool = False
+  has_bias: bool = False
   # (batch, heads) of the bias/mask operand (each 1 or B, N), None without bias and mask.
   pair_shape: tuple[int, int] | None = None
   # The bias and mask are the same for every query row (e.g. a key padding mask): the
@@ -122,7 +123,8 @@ def _make_problem(query: Any, key: Any, value: Any, scale: float | None, is_caus
                   window=flash_blocks.normalize_window(local_window_size),
                   has_q_len=query_seq_lengths is not None,
                   has_kv_len=key_value_seq_lengths is not None,
-                  has_mask=mask is not None, pair_shape=pair_shape, pair_per_key=pair_per_key)
+                  has_mask=mask is not None, has_bias=bias is not None, pair_shape=pair_shape,
+                  pair_per_key=pair_per_key)
 
 
 def _pair_operand(bias: Any, mask: Any, p: _Problem, t_pad: int, s_pad: int, *,
@@ -130,10 +132,12 @@ def _pair_operand(bias: Any, mask: Any, p: _Problem, t_pad: int, s_pad: int, *,
   """Bias and mask as one operand the kernels stream with the K (or Q) tiles.
 
   Kept positions hold the bias (0 without one), masked ones -inf, which the kernels
-  treat like positions their positional masks remove. Broadcast batch and head dims
-  stay of size 1. When every query row sees the same values (`pair_per_key`) the
-  operand is a float32 vector over the keys; otherwise T and S are materialised (TMA
-  copies whole tiles), padded, and rounded to the input dtype.
+  treat like positions their positional masks remove; a bias is raised to twice
+  `flash_blocks.BIASED_LOGIT_FLOOR` (natural units, or float16's lowest), so that it is
+  finite and, where it is that low, the kernels' floor applies. Broadcast batch and
+  head dims stay of size 1. When every query row sees the same values (`pair_per_key`)
+  the operand is a float32 vector over the keys; otherwise T and S are materialised
+  (TMA copies whole tiles), padded, and rounded to the input dtype.
 
   Returns:
     None without bias and mask; (B', N', S_pad) float32 per key; else
@@ -142,7 +146,12 @@ def _pair_operand(bias: Any, mask: Any, p: _Problem, t_pad: int, s_pad: int, *,
   """
   if not p.has_pair:
     return None
-  x = jnp.zeros((1, 1, 1, 1), jnp.float32) if bias is None else bias.astype(jnp.float32)
+  if bias is None:
+    x = jnp.zeros((1, 1, 1, 1), jnp.float32)
+  else:
+    stored = jnp.float32 if p.pair_per_key else p.dtype
+    lowest = max(2 * flash_blocks.BIASED_LOGIT_FLOOR / _LOG2E, float(jnp.finfo(stored).min))
+    x = jnp.maximum(bias.astype(jnp.float32), lowest)
   if mask is not None:
     x = jnp.where(mask, x, -jnp.inf)
   if p.pair_per_key:
@@ -610,7 +619,12 @@ def _add_pair(p: _Problem, s: jax.Array, pair_ring: Any, slot: Any, offset: int 
   else:
     vector = pair_ring.at[slot, pl.ds(offset, s.shape[0])]
     pair = _rows(plgpu.load(vector, layout=plgpu.Layout.WGMMA.reduce(1)), s.shape)
-  return s + pair * _LOG2E
+  s = s + pair * _LOG2E
+  if not p.has_bias:
+    return s
+  # The floor of biased logits (flash_blocks.BIASED_LOGIT_FLOOR); masked ones stay -inf.
+  floored = jnp.maximum(s, flash_blocks.BIASED_LOGIT_FLOOR)
+  return jnp.where(pair == -jnp.inf, s, floored) if p.has_mask else floored
 
 
 def _live_rows(shape: tuple[int, int], row0: Any, t_eff: Any) -> jax.Array:
