@@ -171,6 +171,23 @@ def test_fully_masked_rows_follow_jax():
   assert not np.any(out[0, 30:]) and np.all(lse[0, 0, 30:] == pt.MASK_VALUE)
 
 
+def test_op_takes_sequence_lengths_of_any_integer_dtype():
+  """The kernels take int32 lengths; the op casts others (int16 here), as the Mosaic GPU
+  op does: the Triton op raised the kernel's ValueError, which dispatch does not pass."""
+  q = jax.random.normal(jax.random.key(4), (2, 40, 2, 64))
+  lengths = jnp.array([30, 17], jnp.int16)
+  op = pt.PallasTritonAttention(interpret=True)
+
+  def attend(implementation):
+    return lambda q: stellarax.dot_product_attention(
+        q, q, q, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+        implementation=implementation)
+
+  np.testing.assert_allclose(attend(op)(q), attend("xla")(q), atol=2e-5, rtol=2e-5)
+  loss = lambda impl: lambda q: (attend(impl)(q) ** 2).sum()
+  np.testing.assert_allclose(jax.grad(loss(op))(q), jax.grad(loss("xla"))(q), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(block_q=48), "block_q=48"),
     (dict(block_k=512), "block_k=512"),

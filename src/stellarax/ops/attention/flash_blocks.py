@@ -111,6 +111,24 @@ def require_window_the_kernels_take(window: tuple[int, int] | None) -> None:
                               f" kernels take windows of sizes >= 0.")
 
 
+def kernel_options(static: dict[str, Any]) -> dict[str, Any]:
+  """The static options of an attention call as the flash kernels take them: the
+  sequence lengths (any integer dtype in the op's signature) as int32.
+
+  Args:
+    static: the call's keyword options (`query_seq_lengths`, `key_value_seq_lengths`
+      and the others, which pass unchanged).
+
+  Returns:
+    A new dict.
+  """
+  options = dict(static)
+  for name in ("query_seq_lengths", "key_value_seq_lengths"):
+    if options.get(name) is not None:
+      options[name] = options[name].astype(jnp.int32)
+  return options
+
+
 def require_keys_the_kernels_take(arguments: Any) -> None:
   """Raises NotImplementedError (so dispatch falls back) for queries with no key (S=0).
 

@@ -1008,7 +1008,8 @@ class PallasTritonAttentionVjp(pallas_common.PallasTritonOp, _base.AttentionVjp,
   def _fwd(self, residuals, out, dout, query, key, value, bias=None, mask=None, *, config, **static):
     (lse,) = residuals
     dq, dk, dv = attention_bwd_pallas_triton(
-        query, key, value, bias, mask, out, lse, dout.astype(query.dtype), **static,
+        query, key, value, bias, mask, out, lse, dout.astype(query.dtype),
+        **flash_blocks.kernel_options(static),
         interpret=self.interpret, **pallas_common.tunables_of(config))
     primals = dict(query=query, key=key, value=value, bias=bias, mask=mask, **static)
     return {"query": dq, "key": dk, "value": dv, **_base.bias_gradient_by_xla(primals, dout)}
@@ -1032,7 +1033,9 @@ class PallasTritonAttention(pallas_common.PallasTritonOp, _base.Attention, name=
     _check_kernel_takes(arguments)
 
   def _fwd(self, query, key, value, bias=None, mask=None, *, config, **static):
-    out, lse = attention_fwd_pallas_triton(query, key, value, bias, mask, **static, interpret=self.interpret,
+    out, lse = attention_fwd_pallas_triton(query, key, value, bias, mask,
+                                           **flash_blocks.kernel_options(static),
+                                           interpret=self.interpret,
                                            **pallas_common.tunables_of(config))
     return out, (lse,)
 

@@ -65,15 +65,6 @@ def _shape_of(ba: Any) -> tuple[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct
   return structs, dict(with_pair=with_pair)
 
 
-def _static_options(static: dict[str, Any]) -> dict[str, Any]:
-  """The options as the kernels take them: sequence lengths as int32."""
-  options = dict(static)
-  for name in ("query_seq_lengths", "key_value_seq_lengths"):
-    if options[name] is not None:
-      options[name] = options[name].astype(jnp.int32)
-  return options
-
-
 class PallasMosaicGpuAttentionVjp(pallas_common.PallasMosaicGpuOp, _base.AttentionVjp,
                                   name="attention.pallas_mosaic_gpu_vjp"):
   """Flash attention backward in Pallas Mosaic GPU (dQ, dK, dV) from the forward's
@@ -90,7 +81,7 @@ class PallasMosaicGpuAttentionVjp(pallas_common.PallasMosaicGpuOp, _base.Attenti
     (lse,) = residuals
     dq, dk, dv = attention_bwd_pallas_mosaic_gpu(
         query, key, value, bias, mask, out, lse, dout.astype(query.dtype),
-        **_static_options(static), interpret=self.interpret,
+        **flash_blocks.kernel_options(static), interpret=self.interpret,
         **pallas_common.tunables_of(config))
     primals = dict(query=query, key=key, value=value, bias=bias, mask=mask, **static)
     return {"query": dq, "key": dk, "value": dv, **_base.bias_gradient_by_xla(primals, dout)}
@@ -123,7 +114,7 @@ class PallasMosaicGpuAttention(pallas_common.PallasMosaicGpuOp, _base.Attention,
 
   def _fwd(self, query, key, value, bias=None, mask=None, *, config, **static):
     out, lse = attention_fwd_pallas_mosaic_gpu(
-        query, key, value, bias, mask, **_static_options(static), interpret=self.interpret,
+        query, key, value, bias, mask, **flash_blocks.kernel_options(static), interpret=self.interpret,
         **pallas_common.tunables_of(config))
     return out, (lse,)
 
