@@ -319,6 +319,33 @@ def test_attention_takes_unbatched_queries_keys_and_values_as_jax(impl):
     np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-4)
 
 
+def test_attention_refuses_unbatched_queries_with_batched_keys_naming_the_shapes():
+  q, k, v = _attention_operands(13)
+  k, v = jnp.concatenate([k, k]), jnp.concatenate([v, v])  # A batch of 2.
+  with pytest.raises(ValueError, match=r"query has no batch dimension while key and value have "
+                                       r"a batch of 2 \(query.shape=\(16, "):
+    stellarax.dot_product_attention(q[0], k, v)
+  # A batch of one broadcasts, as in jax.
+  out = stellarax.dot_product_attention(q[0], k[:1], v[:1])
+  np.testing.assert_allclose(out, jax.nn.dot_product_attention(q[0], k[:1], v[:1]), rtol=2e-5,
+                             atol=2e-5)
+
+
+def test_attention_refuses_a_traced_is_causal_as_a_static_option():
+  q, k, v = _attention_operands(13)
+  with pytest.raises(ValueError, match=r"is_causal=.* must be a Python bool: it is a static option"):
+    jax.jit(lambda c: stellarax.dot_product_attention(q, k, v, is_causal=c))(True)
+
+
+def test_norm_axes_may_be_numpy_integers():
+  x = jax.random.normal(_keys(1)[0], (8, 32))
+  for axis in (np.int64(1), (np.int32(-1),)):
+    np.testing.assert_allclose(stellarax.rms_norm(x, None, axis=axis), stellarax.rms_norm(x, None),
+                               rtol=1e-6)
+  with pytest.raises(ValueError, match=r"axis=True must be an int"):
+    stellarax.rms_norm(x, None, axis=True)
+
+
 @_ATTENTION_IMPLS
 def test_attention_gradient_of_a_two_dimensional_bias_has_its_shape(impl):
   q, k, v = _attention_operands(15)

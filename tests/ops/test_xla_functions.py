@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import stellarax
 from stellarax.ops.attention.reference import attention_reference, attention_reference_with_lse
 from stellarax.ops.attention.xla import attention_xla
 from stellarax.ops.gated_linear_unit.reference import (
@@ -356,12 +357,37 @@ def test_normalization(dtype, shape, axis, param_shape):
       results[f"rms_norm {affine=}"] = (
           rms_norm_xla(x, s, **norm),
           {"reference": rms_norm_reference(x, s, **norm), "formula": x32 / rms * s32})
+      results[f"rms_norm with offset {affine=}"] = (
+          rms_norm_xla(x, s, offset=o, **norm),
+          {"reference": rms_norm_reference(x, s, offset=o, **norm),
+           "formula": x32 / rms * s32 + o32})
     return results
 
   for name, (actual, expected) in run(x, scale, offset).items():
     assert actual.dtype == dtype and actual.shape == shape, name
     for source, value in expected.items():
       _assert_close(actual, value, dtype, what=f"{name} vs {source}")
+
+
+def test_rms_norm_with_offset_rounds_to_the_dtype_once():
+  """The offset is added in float32: rounding the normalised x to bfloat16 first and
+  the sum again (as the op's XLA implementation and reference did) is off by a
+  bfloat16 unit on a fifth of the elements here (23%)."""
+  k = jax.random.split(jax.random.key(8), 3)
+  x = jax.random.normal(k[0], (64, 256), jnp.float32).astype(BF16)
+  scale = jax.random.normal(k[1], (256,), jnp.float32).astype(BF16)
+  offset = jax.random.normal(k[2], (256,), jnp.float32).astype(BF16)
+  x32 = np.asarray(x, np.float64)
+  exact = x32 / np.sqrt(np.mean(x32 ** 2, axis=-1, keepdims=True) + 1e-6)
+  exact = exact * np.asarray(scale, np.float64) + np.asarray(offset, np.float64)
+  want = np.asarray(jnp.asarray(exact, jnp.float32).astype(BF16), np.float32)
+  for name, impl in (("xla", "xla"), ("reference", None)):
+    if impl is None:
+      got = rms_norm_reference(x, scale, offset=offset)
+    else:
+      got = stellarax.rms_norm(x, scale, offset=offset, implementation=impl)
+    differ = np.mean(np.asarray(got, np.float32) != want)
+    assert differ < 0.005, (name, differ)  # Ties at float32 precision aside.
 
 
 def test_layer_norm_large_mean_is_stable():

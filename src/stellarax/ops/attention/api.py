@@ -45,6 +45,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     NotImplementedError: when no requested implementation supports the input.
   """
   unbatched = _rank(query) == 3
+  _check_batch_dims(query, key, value)
   query, key, value = (_batched(name, x) for name, x in
                        (("query", query), ("key", key), ("value", value)))
   if _rank(query) == 4 and _rank(key) == 4:
@@ -61,6 +62,23 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
 def _rank(x) -> int | None:
   """The rank of an array, or None for anything else (the op says what it needs)."""
   return len(x.shape) if hasattr(x, "shape") else None
+
+
+def _check_batch_dims(query, key, value) -> None:
+  """Raises ValueError when some of query, key and value have a batch dimension of
+  more than one and others none (as jax does; a batch of one broadcasts, as there).
+  The op would say the batches differ, of arrays the caller did not give."""
+  named = {"query": query, "key": key, "value": value}
+  ranks = {name: _rank(x) for name, x in named.items()}
+  unbatched = [name for name, rank in ranks.items() if rank == 3]
+  batched = {name: named[name].shape[0] for name, rank in ranks.items() if rank == 4}
+  if unbatched and any(b != 1 for b in batched.values()):
+    shapes = ", ".join(f"{name}.shape={tuple(x.shape)}" for name, x in named.items())
+    verb = lambda names: "has" if len(names) == 1 else "have"
+    raise ValueError(f"{' and '.join(unbatched)} {verb(unbatched)} no batch dimension while "
+                     f"{' and '.join(batched)} {verb(batched)} a batch of "
+                     f"{max(batched.values())} ({shapes}). Give all three a batch dimension "
+                     "(B, ., ., H), or none.")
 
 
 def _batched(name: str, x):

@@ -43,7 +43,7 @@ class Attention(Op):
                                _view(a["mask"]), _view(a["query_seq_lengths"]),
                                _view(a["key_value_seq_lengths"]))
     a["scale"] = float(ref.default_scale(a["query"].shape[-1], a["scale"]))
-    a["is_causal"] = bool(a["is_causal"])
+    a["is_causal"] = ref.static_flag("is_causal", a["is_causal"])
     window = ref.normalize_local_window(a["local_window_size"])
     a["local_window_size"] = None if window is None else tuple(window)
     return a

@@ -17,6 +17,8 @@ in the BTNH layout:
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,6 +118,22 @@ def default_scale(head_dim: int, scale: float | None) -> float:
     raise ValueError(f"scale={scale!r} must be None (1/sqrt(H) = {1 / np.sqrt(head_dim):.4g}) or "
                      "a finite Python number; it is a static option of the call.")
   return value
+
+
+def static_flag(name: str, value: Any) -> bool:
+  """Returns `value` as a bool.
+
+  Raises:
+    ValueError: for a traced value: the flag chooses what the kernels compute, so it
+      must be known when the call is traced.
+  """
+  try:
+    return bool(value)
+  except jax.errors.ConcretizationTypeError:
+    raise ValueError(f"{name}={value!r} must be a Python bool: it is a static option of the "
+                     "call, and here it is traced. Pass it as a static argument (e.g. "
+                     "jax.jit(f, static_argnames=...)) or choose between two calls with "
+                     "lax.cond.") from None
 
 
 def _keep_mask(b, n, t, s, mask, is_causal, window, q_lengths, kv_lengths) -> jax.Array:

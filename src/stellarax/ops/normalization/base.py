@@ -25,10 +25,7 @@ _DIFFERENTIABLE = ("x", "scale", "offset")
 def _normalize(x, scale, offset, *, axis, epsilon, subtract_mean, impl_layer, impl_rms):
   if subtract_mean:
     return impl_layer(x, scale, offset, axis=axis, epsilon=epsilon)
-  y = impl_rms(x, scale, axis=axis, epsilon=epsilon)
-  if offset is not None:
-    y = (y + ref.broadcast_param("offset", offset, x, ref.normalize_axes(axis, x.ndim))).astype(x.dtype)
-  return y
+  return impl_rms(x, scale, offset=offset, axis=axis, epsilon=epsilon)
 
 
 def _norm_labels(a: dict[str, Any]) -> tuple[dict[str, str], str, frozenset[str]]:

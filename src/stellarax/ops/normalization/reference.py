@@ -5,11 +5,12 @@ affine transform are computed in float32; the result has x's dtype. `scale` and
 `offset` have the shape of the normalised dimensions, in increasing axis order.
 
   layer_norm(x) = (x - mean) / sqrt(var + epsilon) * scale + offset
-  rms_norm(x)   = x / sqrt(mean(x**2) + epsilon) * scale
+  rms_norm(x)   = x / sqrt(mean(x**2) + epsilon) * scale + offset
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import jax
@@ -21,17 +22,37 @@ Axis = int | Sequence[int]
 def normalize_axes(axis: Axis, ndim: int) -> tuple[int, ...]:
   """Returns `axis` as a sorted tuple of distinct non-negative axes of an ndim-D array.
 
+  Args:
+    axis: an integer (a numpy one too) or a sequence of them; negative ones count
+      from the end.
+    ndim: the array's number of dimensions.
+
   Raises:
-    ValueError: for an axis out of range, a repeated axis or no axis at all.
+    ValueError: for an axis out of range or not an integer (bools are not), a repeated
+      axis or no axis at all.
   """
-  axes = (axis,) if isinstance(axis, int) else tuple(axis)
-  if not axes or not all(isinstance(a, int) and -ndim <= a < ndim for a in axes):
+  single = _integer(axis)
+  try:
+    axes = (single,) if single is not None else tuple(_integer(a) for a in axis)
+  except TypeError:
+    axes = (None,)  # Neither an integer nor a sequence: refused below.
+  if not axes or not all(a is not None and -ndim <= a < ndim for a in axes):
     raise ValueError(f"axis={axis!r} must be an int or a non-empty tuple of ints in "
                      f"[{-ndim}, {ndim}) for an array of {ndim} dimensions.")
   canonical = tuple(sorted(a % ndim for a in axes))
   if len(set(canonical)) != len(canonical):
     raise ValueError(f"axis={axis!r} names the same dimension twice.")
   return canonical
+
+
+def _integer(value) -> int | None:
+  """`value` as an int when it is an integer (Python or numpy, not a bool), else None."""
+  if isinstance(value, bool) or getattr(value, "dtype", None) == bool:
+    return None
+  try:
+    return operator.index(value)
+  except TypeError:
+    return None
 
 
 def param_shape(x: jax.Array, axes: tuple[int, ...]) -> tuple[int, ...]:
@@ -87,13 +108,15 @@ def layer_norm_reference(x: jax.Array, scale: jax.Array | None, offset: jax.Arra
   return y.astype(x.dtype)
 
 
-def rms_norm_reference(x: jax.Array, scale: jax.Array | None, *, axis: Axis = -1,
-                       epsilon: float = 1e-6) -> jax.Array:
+def rms_norm_reference(x: jax.Array, scale: jax.Array | None, *, offset: jax.Array | None = None,
+                       axis: Axis = -1, epsilon: float = 1e-6) -> jax.Array:
   """Root-mean-square normalisation with float32 statistics.
 
   Args:
     x: input array.
     scale: None or an array of x's sizes along `axis`; multiplies the normalised x.
+    offset: None or an array of x's sizes along `axis`; added last, before the one
+      rounding to x's dtype.
     axis: the dimension(s) to normalise over.
     epsilon: added to the mean square.
 
@@ -107,6 +130,9 @@ def rms_norm_reference(x: jax.Array, scale: jax.Array | None, *, axis: Axis = -1
   x32 = x.astype(jnp.float32)
   y = x32 / jnp.sqrt(jnp.mean(jnp.square(x32), axis=axes, keepdims=True) + epsilon)
   scale32 = broadcast_param("scale", scale, x, axes)
+  offset32 = broadcast_param("offset", offset, x, axes)
   if scale32 is not None:
     y = y * scale32
+  if offset32 is not None:
+    y = y + offset32
   return y.astype(x.dtype)

@@ -50,13 +50,15 @@ def layer_norm_xla(x: jax.Array, scale: jax.Array | None, offset: jax.Array | No
   return (x32 * mul + add).astype(x.dtype)
 
 
-def rms_norm_xla(x: jax.Array, scale: jax.Array | None, *, axis: Axis = -1,
-                 epsilon: float = 1e-6) -> jax.Array:
-  """Root-mean-square normalisation: x / sqrt(mean(x**2) + epsilon) * scale.
+def rms_norm_xla(x: jax.Array, scale: jax.Array | None, *, offset: jax.Array | None = None,
+                 axis: Axis = -1, epsilon: float = 1e-6) -> jax.Array:
+  """Root-mean-square normalisation: x / sqrt(mean(x**2) + epsilon) * scale + offset.
 
   Args:
     x: input array.
     scale: None or an array of x's sizes along `axis` (increasing axis order).
+    offset: None or an array of x's sizes along `axis`, added in float32 (x's dtype
+      is rounded to once).
     axis: an int or a tuple of ints, the dimension(s) to normalise over.
     epsilon: added to the mean square.
 
@@ -68,8 +70,12 @@ def rms_norm_xla(x: jax.Array, scale: jax.Array | None, *, axis: Axis = -1,
   """
   axes = normalize_axes(axis, x.ndim)
   scale32 = broadcast_param("scale", scale, x, axes)
+  offset32 = broadcast_param("offset", offset, x, axes)
   x32 = x.astype(jnp.float32)
   mul = lax.rsqrt(jnp.mean(jnp.square(x32), axis=axes, keepdims=True) + jnp.float32(epsilon))
   if scale32 is not None:
     mul = mul * scale32
-  return (x32 * mul).astype(x.dtype)
+  y = x32 * mul
+  if offset32 is not None:
+    y = y + offset32
+  return y.astype(x.dtype)
