@@ -889,7 +889,8 @@ _KERNEL_FIELDS = ({f.name for f in dataclasses.fields(Row)}
 
 def more_workloads() -> list[Any]:
   """Compile-only workloads besides the speed targets: attention's other head dims and
-  float16 (GQA, key lengths), ragged_dot and the norms at sizes no tile divides. Their
+  float16 (GQA, key lengths), attention with a bias and a mask, ragged_dot and the norms
+  at sizes no tile divides. Their
   configs must compile; their spills are reported, not failed on."""
   import jax
   import jax.numpy as jnp
@@ -910,6 +911,14 @@ def more_workloads() -> list[Any]:
     return gradient_workload(f"attention B={b} T={t} N={n} K={k} H={h} {jnp.dtype(dtype).name} "
                              f"{options}", "attention", call, shapes, 3)
 
+  def biased_attention(b, t, n, h, dtype):
+    """A bias and a mask of (query, key) tiles: the kernels' pair operand and its floor."""
+    call = lambda op, q, kk, v, bias, mask: stellarax.dot_product_attention(
+        q, kk, v, bias, mask, implementation=op)
+    shapes = [((b, t, n, h), dtype)] * 3 + [((b, n, t, t), dtype), ((b, 1, t, t), jnp.bool_)]
+    return gradient_workload(f"attention B={b} T={t} N={n} H={h} {jnp.dtype(dtype).name} "
+                             "bias and mask", "attention", call, shapes, 3)
+
   def ragged(m, k, n, g, dtype):
     call = lambda op, lhs, rhs, sizes: stellarax.ragged_dot(lhs, rhs, sizes, implementation=op)
     shapes = [((m, k), dtype), ((g, k, n), dtype), ((g,), jnp.int32)]
@@ -925,6 +934,7 @@ def more_workloads() -> list[Any]:
   return [
       attention(2, 2048, 16, 4, 64, jnp.float16, is_causal=True),
       attention(2, 2048, 8, 8, 256, jnp.bfloat16, local_window_size=(512, 0)),
+      biased_attention(1, 2048, 8, 128, jnp.bfloat16),
       ragged(1000, 512, 768, 5, jnp.float16),
       norm(1000, 5000, jnp.bfloat16),
   ]

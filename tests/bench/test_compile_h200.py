@@ -95,7 +95,7 @@ def test_compile_only_workloads_trace():
   import jax
   from stellarax.core import registry
   workloads = compile_h200.more_workloads()
-  assert len({w.name for w in workloads}) == len(workloads) == 4
+  assert len({w.name for w in workloads}) == len(workloads) == 5
   for w in workloads:
     xla = registry.lookup(f"{w.family}.xla")()
     grads = jax.eval_shape(lambda *a, w=w, xla=xla: w.call(xla, *a), *w.input_specs())
