@@ -122,3 +122,34 @@ def test_code_without_a_source_file_has_no_fingerprint(monkeypatch):
   exec("class Kernel:\n  pass\n", module.__dict__)
   monkeypatch.setitem(sys.modules, "fp_interactive", module)
   assert fingerprint.code_fingerprint(module.Kernel) == ""
+
+
+def _zip_package(archive, files):
+  """Writes a zip archive at `archive` holding `files` ({relative path: source})."""
+  import zipfile
+  with zipfile.ZipFile(archive, "w") as z:
+    for relative, source in files.items():
+      z.writestr(relative, source)
+
+
+def test_code_imported_from_a_zip_archive_has_a_fingerprint_its_edits_change(
+    tmp_path, monkeypatch):
+  """A zipapp or a zipped plugin: the modules' files are inside the archive, so their
+  source comes from the zipimport loader (the fingerprint was "": never stale)."""
+  files = {"fp_zipped/__init__.py": "",
+           "fp_zipped/tiles.py": "TILE = 64\n",
+           "fp_zipped/op.py": "from fp_zipped import tiles\n\nclass ZipOp:\n  pass\n"}
+  fingerprints = []
+  for version, tile in enumerate(("64", "128")):
+    archive = tmp_path / f"plugin{version}.zip"
+    _zip_package(archive, files | {"fp_zipped/tiles.py": f"TILE = {tile}\n"})
+    monkeypatch.syspath_prepend(str(archive))
+    try:
+      op = importlib.import_module("fp_zipped.op")
+      assert ".zip" in op.__file__
+      assert fingerprint.module_closure("fp_zipped.op") == ["fp_zipped.op", "fp_zipped.tiles"]
+      fingerprints.append(fingerprint.code_fingerprint(op.ZipOp))
+    finally:
+      _forget_package("fp_zipped")  # The next archive goes in front of sys.path.
+  assert all(len(f) == 16 for f in fingerprints)
+  assert fingerprints[0] != fingerprints[1]

@@ -63,8 +63,8 @@ class Entry:
   def stale_reason(self) -> str | None:
     """Why this entry is stale, or None when it is current: measured under the running
     stellarax, jax and jaxlib versions, on the op's current code (when its fingerprint
-    is known, then and now: code that cannot be read now, as an op imported from a zip
-    archive, is unknown, never stale).
+    is known, then and now: code that has no Python source now, as an op defined
+    interactively in __main__ or in a compiled extension, is unknown, never stale).
 
     Other versions may lower the same config to another program, and changed kernel
     code may favour other configs, so a stale entry still applies, but `autotune`

@@ -11,7 +11,8 @@ top-level package for an op defined elsewhere. The imports are read from the sou
 one, else `a`), not from the modules' globals: `import a.b` binds the package `a`, whose
 globals hold every submodule imported so far, so the code would change with whatever
 else the process imported. A package's `__init__` counts only when it is imported
-itself, not because one of its submodules was. Any edit to those files changes the
+itself, not because one of its submodules was. A module imported from a zip archive
+counts by the source its loader gives. Any edit to those files changes the
 fingerprint, comments included: a stale entry is measured again by the next
 `autotune`, never dropped, so erring towards stale costs a measurement, not a config.
 """
@@ -77,12 +78,35 @@ def _locate(name: str) -> tuple[str | None, str] | None:
   return (spec.origin if spec.has_location else None), spec.parent
 
 
-def _imports(path: str, package: str, scope: str) -> Iterator[str]:
-  """The modules inside `scope` that the source at `path` imports, anywhere in it (a
-  function's lazy import is code the op runs too); relative imports resolve in `package`."""
+def _source(name: str, path: str | None) -> bytes | None:
+  """The Python source of module `name`, whose file is `path`: the file's bytes, or for
+  a module inside an archive (zipimport: `path` is no file) what its loader gives; None
+  when it has none (no path, not a .py file, or gone since)."""
+  if path is None or not path.endswith(".py"):
+    return None
   try:
-    tree = ast.parse(Path(path).read_bytes(), filename=path)
-  except (OSError, SyntaxError, ValueError):
+    return Path(path).read_bytes()
+  except OSError:
+    pass
+  module = sys.modules.get(name)
+  loader = getattr(module, "__loader__", None)
+  if loader is None:
+    spec = _find_spec(name)
+    loader = spec.loader if spec is not None else None
+  try:
+    text = loader.get_source(name) if hasattr(loader, "get_source") else None
+  except (ImportError, OSError):
+    return None
+  return None if text is None else text.encode()
+
+
+def _imports(source: bytes, path: str, package: str, scope: str) -> Iterator[str]:
+  """The modules inside `scope` that `source` (read from `path`) imports, anywhere in it
+  (a function's lazy import is code the op runs too); relative imports resolve in
+  `package`."""
+  try:
+    tree = ast.parse(source, filename=path)
+  except (SyntaxError, ValueError):
     # Edited into something unreadable since it was imported: its bytes still go into
     # the fingerprint, which is all that is needed to make it change.
     return
@@ -119,8 +143,9 @@ def _closure(module_name: str) -> dict[str, str | None]:
     if path is None and package == name:  # a namespace package: no code of its own
       continue
     found[name] = path
-    if path is not None and path.endswith(".py"):
-      todo.extend(n for n in _imports(path, package, scope) if n not in found)
+    source = _source(name, path)
+    if source is not None:
+      todo.extend(n for n in _imports(source, path, package, scope) if n not in found)
   return found
 
 
@@ -156,16 +181,18 @@ def code_fingerprint(cls: type) -> str:
     cls: a class, e.g. an `Op` subclass.
 
   Returns:
-    16 hex digits; "" when some module of the closure has no source file (defined in
+    16 hex digits; "" when some module of the closure has no Python source (defined in
     `__main__` interactively, or in a compiled extension), or the module of `cls` cannot
-    be found: unknown code, never stale.
+    be found: unknown code, never stale. Modules imported from a zip archive count by
+    the source their loader gives.
   """
   closure = _closure(cls.__module__)
   if cls.__module__ not in closure:  # its module is gone (a test removed it): unknown code
     return ""
   digest = hashlib.sha256()
   for name, path in sorted(closure.items()):
-    if not path or not path.endswith(".py") or not Path(path).is_file():
+    source = _source(name, path)
+    if source is None:
       return ""
-    digest.update(name.encode() + b"\0" + Path(path).read_bytes() + b"\0")
+    digest.update(name.encode() + b"\0" + source + b"\0")
   return digest.hexdigest()[:_DIGITS]
