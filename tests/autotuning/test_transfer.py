@@ -237,6 +237,19 @@ def test_explain_reports_the_transfer():
   assert plain.source == "heuristics" and plain.confidence is None
 
 
+def test_explain_under_the_error_policy_reports_the_miss_a_traced_call_raises():
+  # Transfer answers only under the "heuristics" policy; explain said "transfer" where
+  # the call itself raised ConfigMissError.
+  with _result(_entry(_ragged(256), _tiled(32))):
+    with autotuning.miss_policy_scope("error"):
+      explanation = autotuning.explain(_ragged(512))
+    with autotuning.miss_policy_scope("heuristics"), transfer.transfer_scope(False):
+      heuristic = autotuning.explain(_ragged(512)).config
+  assert explanation.source == "miss:error" and explanation.confidence is None
+  assert explanation.config == heuristic
+  assert "lhs: float32[512, 64] != float32[256, 64]" in str(explanation)
+
+
 def test_explain_says_when_the_entry_transferred_from_is_stale():
   entry = _entry(_ragged(256), _tiled(32))
   old = dataclasses.replace(entry, versions={**entry.versions, "jax": "0.0.1"})

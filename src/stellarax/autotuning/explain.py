@@ -8,7 +8,8 @@ from typing import Any
 
 from stellarax.autotuning.autotuner import config_tuned_on_miss
 from stellarax.autotuning.cache import cached_results, other_device_kinds
-from stellarax.autotuning.transfer import TransferResolution
+from stellarax.autotuning.transfer import (TransferResolution, transfer_enabled,
+                                          transfer_scope)
 from stellarax.core import resolution
 from stellarax.core.bound_args import BoundArguments
 from stellarax.core.config import config_to_json
@@ -110,7 +111,10 @@ def explain(bound_args: BoundArguments) -> Explanation:
   if bound_args.op.fwd_cls is None and bound_args.op._is_trivial(bound_args.arguments):
     return Explanation(bound_args.op.name, None, "trivial", None)
   policy = resolution.miss_policy()
-  with resolution.miss_policy_scope("heuristics"):  # explaining neither raises nor tunes
+  # Explaining neither raises nor tunes. Transfer answers only under the "heuristics"
+  # policy (under the others a traced call raises or tunes), so it is off for them here.
+  with (resolution.miss_policy_scope("heuristics"),
+        transfer_scope(policy == "heuristics" and transfer_enabled())):
     resolved = resolution.resolve_config(bound_args)
   if resolved.source == "heuristics" and policy != "heuristics":
     tuned = config_tuned_on_miss(bound_args) if policy == "autotune" else None
