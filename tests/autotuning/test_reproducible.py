@@ -154,3 +154,21 @@ def test_the_mosaic_attention_backward_s_fused_dq_is_not_reproducible():
   assert vjp._is_reproducible(config) and not vjp._is_reproducible(
       dataclasses.replace(config, fuse_dq=True))
   assert stellarax.XlaRaggedDot()._is_reproducible(None)  # the default
+
+
+def test_transfer_in_reproducible_mode_reads_each_results_own_measurements():
+  # Two results alike in keys and best configs but not in their measurements: transfer
+  # indexed the second under the first's digest and answered the first's best
+  # reproducible config for it.
+  other = dataclasses.replace(ENTRY, measurements=((PLAIN, _ok(1.5)), (ATOMIC, _ok(1.0)),
+                                                   (PLAIN_2, _ok(2.0))))
+  other_result = AutotuningResult(RESULT.device_kind, {other.key: other})
+  assert other_result.content_digest != RESULT.content_digest
+  untuned = SumOp().bind(jnp.arange(16.0))
+  with autotuning.reproducible_scope():
+    with RESULT:
+      first = resolution.resolve_config(untuned)
+    with other_result:
+      second = resolution.resolve_config(untuned)
+  assert first.source.startswith("transfer:") and first.config == PLAIN_2
+  assert second.source.startswith("transfer:") and second.config == PLAIN

@@ -167,11 +167,17 @@ class AutotuningResult:
 
   @functools.cached_property
   def content_digest(self) -> str:
-    """A digest of the keys and best configs of this result (transfer indexes by it)."""
+    """A digest of everything this result holds (transfer indexes its entries by it).
+
+    Two results with one digest answer every question alike: the measurements are in
+    it, since reproducible mode picks from them, and the versions and code fingerprint,
+    which judge staleness.
+    """
     h = hashlib.sha256(self.device_kind.encode())
     for key in sorted(self._entries):
-      h.update(repr(key).encode())
-      h.update(repr(self._entries[key].best_config).encode())
+      e = self._entries[key]
+      h.update(repr((key, e.best_config, e.heuristic_config, e.measurements, e.measured_at,
+                     e.method, sorted(e.versions.items()), e.code)).encode())
     return h.hexdigest()[:16]
 
   # ---- reading ----------------------------------------------------------

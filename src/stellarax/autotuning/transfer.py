@@ -311,8 +311,8 @@ def _sources(active: tuple[Any, ...], op_name: str) -> Iterator[tuple[str, Autot
 
 
 # Calls are resolved while tracing, once per op call, so the entries of one op in a
-# result are indexed once. A result's trace digest covers its device kind, keys and best
-# configs: two results with the same digest have the same entries as far as transfer goes.
+# result are indexed once, under the result's content digest: two results with one digest
+# hold the same entries, measurements included.
 _INDEX: dict[tuple[str, str], tuple[Entry, ...]] = {}
 _INDEX_LIMIT = 256
 
