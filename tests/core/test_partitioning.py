@@ -288,6 +288,14 @@ def _run_cases(explicit: bool) -> dict:
       q, q, q, implementation=stellarax.PallasTritonAttention(interpret=True))
   report["captured"] = [list(ba.arguments["query"].shape)
                         for ba in stellarax.autotuning.get_bound_args(f, q)]
+  # One whole call at three sites: split over the batch, over the heads, and not at all
+  # (replicated). With Auto axes the three have one marker; each device call is captured.
+  placed = (lambda x, spec: jax.sharding.reshard(x, jax.NamedSharding(mesh, spec))) if explicit \
+      else (lambda x, spec: jax.lax.with_sharding_constraint(x, jax.NamedSharding(mesh, spec)))
+  sites = lambda q: sum(placed(f(placed(q + i, spec)), jax.P()) for i, spec in enumerate(
+      (jax.P("data"), jax.P(None, None, "data"), jax.P())))
+  report["captured at three sites"] = sorted(
+      list(ba.arguments["query"].shape) for ba in stellarax.autotuning.get_bound_args(sites, q))
   # Inside a user's shard_map over one axis of two, the kernel splits over the other.
   mesh2 = jax.make_mesh((2, 2), ("data", "model"), axis_types=(axis_type, axis_type))
   x = jax.random.normal(jax.random.key(1), (64, 32))
@@ -431,6 +439,7 @@ def test_each_device_runs_its_shard_unless_the_op_refuses_it(sharded_run):
   # Tuning sees the per-device calls: in the lowered program where the shardings are in
   # the types; from the partitioner, compiling the program, with Auto axes.
   assert report["captured"] == [[1, 64, 4, 64]]
+  assert report["captured at three sites"] == [[1, 64, 4, 64], [4, 64, 1, 64], [4, 64, 4, 64]]
   assert report["user shard_map"] == {"spec": [["data", "model"]], "error": 0.0}
   for case in ("user shard_map checked", "user shard_map checked, 2-D"):
     for name, error in report[case].items():

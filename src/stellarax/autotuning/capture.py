@@ -73,15 +73,15 @@ def bound_args_from_text(text: str, per_device: Mapping[str, BoundArguments] | N
 
   Args:
     text: the program's text.
-    per_device: marker -> the call one device runs instead, for calls split across
-      devices when the program is compiled (`partitioning.per_device_calls`).
+    per_device: marker -> the calls one device runs at its sites instead, for calls XLA
+      partitions when the program is compiled (`partitioning.per_device_calls`).
   """
-  seen: dict[str, BoundArguments] = {}
-  for marker in markers.find_markers(text):
-    if marker not in seen:
-      local = (per_device or {}).get(marker)
-      seen[marker] = local if local is not None else BoundArguments.from_json(json.loads(marker))
-  return list(dict.fromkeys(seen.values()))
+  seen: dict[BoundArguments, None] = {}
+  for marker in dict.fromkeys(markers.find_markers(text)):
+    local = (per_device or {}).get(marker)
+    for ba in local or (BoundArguments.from_json(json.loads(marker)),):
+      seen[ba] = None
+  return list(seen)
 
 
 def get_bound_args(f: Callable[..., Any] | jax.stages.Lowered, /, *args, **kwargs) -> list[BoundArguments]:

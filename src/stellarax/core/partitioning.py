@@ -529,8 +529,10 @@ def _resharded(x: Any, mesh: Any, spec: PartitionSpec) -> Any:
   return jax.sharding.reshard(x, NamedSharding(mesh, spec))
 
 
-# Whole call's marker -> one device's call, as XLA's partitioner last placed it.
-_PER_DEVICE: dict[str, BoundArguments] = {}
+# Whole call's marker -> the calls one device runs where XLA's partitioner placed it, one
+# per placement (insertion-ordered, no repeats): one whole call can sit at several sites
+# of a program, split differently at each or not at all.
+_PER_DEVICE: dict[str, dict[BoundArguments, None]] = {}
 
 PARTITIONED_CALL = "CustomSPMDPartitioning"
 """The custom call that stands for a kernel XLA partitions (Auto axes) in lowered text."""
@@ -544,8 +546,9 @@ def per_device_calls(lowered: Any) -> dict[str, BoundArguments]:
     lowered: the program, a `jax.stages.Lowered`.
 
   Returns:
-    marker JSON of a whole call -> `BoundArguments` of one device's part, for each call
-    that is split (a call every device runs whole is not in it).
+    marker JSON of a whole call -> the `BoundArguments` one device runs at its sites, in
+    the order XLA placed them: its part where a site is split, the whole call where a
+    site is not. A call XLA does not partition (a program for one device) is not in it.
   """
   # Compiled here (without the persistent cache, whose hits skip the partitioner):
   # the partition callbacks record the per-device calls.
@@ -558,7 +561,7 @@ def per_device_calls(lowered: Any) -> dict[str, BoundArguments]:
     lowered.compile()
   finally:
     jax.config.update("jax_enable_compilation_cache", enabled)
-  return {m: _PER_DEVICE.pop(m) for m in markers_in if m in _PER_DEVICE}
+  return {m: tuple(_PER_DEVICE.pop(m)) for m in markers_in if m in _PER_DEVICE}
 
 
 def _tuned_calls_of(results: tuple[Any, ...], op: Any) -> tuple[Any, ...]:
@@ -587,11 +590,12 @@ def _custom_partitioned(ba: BoundArguments, plan: _Plan, run_for) -> Callable[..
 
   def partition(mesh, arg_shapes, result_shape):
     assignment = placement(mesh, arg_shapes)
-    if assignment:  # what each device runs, for capture (`per_device_calls`)
-      if len(_PER_DEVICE) > 4096:  # a long-lived process compiling ever new calls
-        _PER_DEVICE.clear()
-      _PER_DEVICE[ba.to_marker()] = plan.local_call(ba, [s.shape for s in arg_shapes],
-                                                    assignment, dict(mesh.shape))
+    # What each device runs at this site, for capture (`per_device_calls`).
+    if len(_PER_DEVICE) > 4096:  # a long-lived process compiling ever new calls
+      _PER_DEVICE.clear()
+    local = (plan.local_call(ba, [s.shape for s in arg_shapes], assignment, dict(mesh.shape))
+             if assignment else ba)
+    _PER_DEVICE.setdefault(ba.to_marker(), {})[local] = None
     results = plan.output_shardings(lambda s: NamedSharding(mesh, s), assignment)
     args = tuple(NamedSharding(mesh, plan.spec(labels, assignment)) for labels in plan.inputs)
     # Marked as the device's call: the compiled program's instructions (what profiles
