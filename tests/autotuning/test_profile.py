@@ -310,6 +310,26 @@ def test_a_loop_with_no_events_inside_gives_its_time_to_its_body(traced, tmp_pat
   assert (calls[SCANNED].count, calls[STEPPED].count) == (TRIPS, 1)
 
 
+def test_a_branch_a_conditional_did_not_take_ran_no_times(tmp_path):
+  # Runs of a branch with no events of its own were its parent's: an untaken branch's
+  # op counted every run of the conditional.
+  drop_live_programs()
+  tanh_op = _marked(jnp.tanh, TANH)
+  program = jax.jit(lambda x, w, take: lax.cond(take, lambda x: matmul(x, w), tanh_op, x))
+  keys = jax.random.split(jax.random.key(7), 2)
+  x, w = jax.random.normal(keys[0], (32, 32)), jax.random.normal(keys[1], (32, 32))
+  for take in (True, False):
+    program(x, w, take).block_until_ready()
+  ran = {}
+  for takes in ((False,) * RUNS, (True,) + (False,) * (RUNS - 1)):
+    path = tmp_path / str(sum(takes))
+    with jax.profiler.trace(path):
+      for take in takes:
+        program(x, w, take).block_until_ready()
+    ran[sum(takes)] = {call.marker: call.count for call in read_op_calls(path)}
+  assert ran == {0: {TANH: RUNS}, 1: {MATMUL: 1, TANH: RUNS - 1}}
+
+
 def test_run_ids_count_the_executions(traced, tmp_path):
   _, file, hlo_text = traced
   matmuls = _marked_names(hlo_text, MATMUL)

@@ -95,7 +95,9 @@ How events become op calls:
    instruction that launches two kernels still runs once. A loop body runs its
    parent's runs times the loop's ``known_trip_count`` (XLA's annotation); any other
    such computation runs as often as its rarest (instruction, event name) says, or
-   else as often as its parent. So every marker in the HLO of a program that ran is
+   else, for a branch of a conditional whose other branches have events, as often as
+   its parent less their runs (an untaken branch ran 0 times), or else as often as its
+   parent. So every marker in the HLO of a program that ran is
    reported, even when no executed instruction kept it.
 5. Time: each event's duration goes to its instruction's markers, split evenly when a
    kernel holds parts of several ops (XLA fused them). An instruction that these rules
@@ -650,11 +652,13 @@ class _Sequence:
       the entry computation.
     trip_count: the loop's known trip count, for the body of a while loop.
     calls: marker -> the number of its calls in this computation.
+    other_branches: for a branch of a conditional, its other branches.
   """
 
   parent: int | None
   trip_count: int | None
   calls: Mapping[str, int]
+  other_branches: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1341,6 +1345,7 @@ def _sequences(
   # computation -> (parent, trip count, markers of the loops and calls around it)
   found: dict[int, tuple[int | None, int | None, frozenset[str]]] = {
       entry: (None, None, frozenset())}
+  branches: dict[int, tuple[int, ...]] = {}  # a conditional's branch -> the others
   pending = [entry]
   while pending:
     cid = pending.pop()
@@ -1353,6 +1358,8 @@ def _sequences(
           trips = inst.trip_count if inst.opcode == "while" and i == 0 else None
           found[called] = (cid, trips, around | markers[inst.name])
           pending.append(called)
+          if inst.opcode == "conditional":
+            branches[called] = tuple(c for c in inst.called_ids if c != called)
   sites = {cid: _marked_sites(computations.get(cid, ()), around, work)
            for cid, (_, _, around) in found.items()}
   # Work XLA hoisted out of a loop (loop-invariant code motion: a causal mask built
@@ -1365,7 +1372,8 @@ def _sequences(
       below[parent] |= {(m, s) for m, found_sites in sites[cid].items() for s in found_sites}
       parent = found[parent][0]
   return {
-      cid: _Sequence(parent, trips, _calls(sites[cid], below[cid], outputs(cid)))
+      cid: _Sequence(parent, trips, _calls(sites[cid], below[cid], outputs(cid)),
+                     branches.get(cid, ()))
       for cid, (parent, trips, around) in found.items()
   }
 
@@ -1743,7 +1751,13 @@ class _Runs:
     parent = self.of(sequence.parent)
     if sequence.trip_count is not None:
       return parent * sequence.trip_count
-    return self._fewest_events(cid) or parent
+    own = self._fewest_events(cid)
+    if own or not sequence.other_branches:
+      return own or parent
+    # A branch with no events of its own ran when its conditional ran and no other branch
+    # did; where no branch has events, that cannot be told, and it ran as its parent did.
+    others = [self._fewest_events(b) for b in sequence.other_branches]
+    return max(0, parent - sum(others)) if any(others) else parent
 
   def _fewest_events(self, cid: int) -> int:
     """The fewest events of one (instruction, event name) of computation `cid`."""
