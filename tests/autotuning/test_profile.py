@@ -330,6 +330,25 @@ def test_a_branch_a_conditional_did_not_take_ran_no_times(tmp_path):
   assert ran == {0: {TANH: RUNS}, 1: {MATMUL: 1, TANH: RUNS - 1}}
 
 
+def test_calls_of_one_line_that_xla_fuses_together_count_each(tmp_path):
+  # On small arrays XLA fuses the three calls with the user's work between and
+  # recomputes each call's result in the next one's fusion; a fusion's operands read
+  # through the user's work counted as a step of one call from the other (1 call a run).
+  drop_live_programs()
+  def normed(x):
+    for _ in range(CALLS):
+      x = stellarax.rms_norm(x, None) * 2.0 + 1.0
+    return x
+  program = jax.jit(normed)
+  x = jax.random.normal(jax.random.key(8), (4, 4))
+  program(x).block_until_ready()
+  with jax.profiler.trace(tmp_path):
+    for _ in range(RUNS):
+      program(x).block_until_ready()
+  (call,) = read_op_calls(tmp_path)
+  assert call.count == CALLS * RUNS
+
+
 def test_run_ids_count_the_executions(traced, tmp_path):
   _, file, hlo_text = traced
   matmuls = _marked_names(hlo_text, MATMUL)

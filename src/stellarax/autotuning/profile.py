@@ -1247,6 +1247,22 @@ def _outputs(
   """
   numbers = _value_numbers(computations, roots)
 
+  @functools.cache
+  def op_inputs(body: int) -> frozenset[int]:
+    """The parameters of fused computation `body` that its root reads other than
+    through the user's work (`_users`)."""
+    by_id = {inst.id: inst for inst in computations.get(body, ())}
+    reached, seen, pending = set(), set(), [roots.get(body)]
+    while pending:
+      inst = by_id.get(pending.pop())
+      if inst is None or inst.id in seen or _users(inst):
+        continue
+      seen.add(inst.id)
+      if inst.opcode == "parameter" and inst.index is not None:
+        reached.add(inst.index)
+      pending.extend(inst.operand_ids)
+    return frozenset(reached)
+
   def outputs(cid: int) -> dict[tuple[str, object], dict[tuple, set[int]]]:
     read_by = _readers_through_fusions(computations, roots, cid)
     # Results read by the user's work or leaving the computation; and those
@@ -1269,7 +1285,14 @@ def _outputs(
         call = (op, site(inst.frame)[0])
         number = numbers[current, inst.id]
         own_values[call].add(number)
-        own_edges[call] += [(number, numbers.get((current, o), o)) for o in inst.operand_ids]
+        operands = inst.operand_ids
+        if inst.opcode == "fusion" and inst.called_ids:
+          # Only what its root computes from without the user's work: a fusion can hold
+          # two calls with the user's work between (small arrays, XLA recomputing one
+          # call's result in the next's fusion), and is no step of one from the other.
+          reached = op_inputs(inst.called_ids[0])
+          operands = tuple(o for i, o in enumerate(operands) if i in reached)
+        own_edges[call] += [(number, numbers.get((current, o), o)) for o in operands]
         if inst.opcode in _NOT_VALUES and not _loop_result(inst, by_id):
           continue
         readers = read_by(current, inst)
