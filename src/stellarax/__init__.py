@@ -7,6 +7,10 @@ Everything else is internal.
 
 __version__ = "0.1.0"
 
+from stellarax._requirements import require_jax as _require_jax
+
+_require_jax()  # before the modules that use jax's newer names
+
 from stellarax import autotuning as autotuning
 from stellarax.autotuning import AutotuningResult as AutotuningResult
 from stellarax.autotuning import Autotuner as Autotuner
