@@ -278,7 +278,13 @@ def test_looped_programs_compute_the_call_and_are_compiled_once(monkeypatch):
     assert got["a"].ok and got["a"].method == "cpu-looped"
     traces.append(len(traced))
   assert traces[0] == traces[1]  # the second call compiled nothing
-  assert {k for k in cache if isinstance(k, m._Aux)} == {m._Aux("floor"), m._Aux("looped", "a")}
+  assert {k for k in cache if isinstance(k, m._Aux)} == {m._Aux("floor"), m._Aux("looped", ("a", 5))}
+  # Another loop_calls compiles its own loop: the one of 5 calls, divided by 3, made each
+  # call 5/3 as slow (an isolated worker keeps its cache from one tuning to the next).
+  got = m.measure_candidates({"a": counted}, (x, w), options=dataclasses.replace(options, loop_calls=3),
+                             effort=0.2, compile_cache=cache, reference=_matmul(x, w))
+  assert got["a"].ok and got["a"].method == "cpu-looped" and len(traced) > traces[1]
+  assert m._Aux("looped", ("a", 3)) in cache
   with pytest.raises(ValueError, match="calls=0 must be an int >= 1"):
     m.looped(counted, 0)
   never = m.measure_candidates({"a": counted}, (x, w), effort=0.2,

@@ -626,7 +626,7 @@ class _Aux:
   """A compile_cache key of a program measure_candidates adds: never equal to a caller's key.
 
   kind "floor" is the dispatch floor's program (key None), "looped" a candidate's looped
-  program (key its key).
+  program (key: (its key, the calls the loop makes)).
   """
   kind: str
   key: Any = None
@@ -1098,7 +1098,9 @@ def _loop_host_bound(cands: list[_Candidate], fns: Mapping[Any, Callable[..., An
     return
   bound = [c for c in cands if c.alive and c.call_s is not None
            and c.call_s < options.host_bound_factor * floor_s]
-  loops = [_Candidate(_Aux("looped", c.key)) for c in bound]
+  # Keyed by the calls a loop makes too: a measurer (an isolated worker's) outlives one
+  # tuning, and a loop compiled for other options divided by these is wrong by their ratio.
+  loops = [_Candidate(_Aux("looped", (c.key, options.loop_calls))) for c in bound]
   _compile_all(loops, {loop.key: looped(fns[c.key], options.loop_calls)
                        for loop, c in zip(loops, bound)}, input_sets[0], options, cache)
   for cand, loop in zip(bound, loops):
