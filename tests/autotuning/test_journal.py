@@ -68,12 +68,15 @@ def test_an_interrupted_tuning_resumes_from_the_configs_it_measured(user_cache_d
   lines = path.read_text().splitlines()
   assert len(lines) == 1 + len(done) == 5
   assert json.loads(lines[0])["code"]  # what the measurements are valid for
-  # The rerun measures the rest; the configs done before are measured again only in the
-  # last call, where the best and those within its noise are confirmed together.
+  # The rerun measures the heuristic (its first timed calls teach the search what a
+  # config costs here) and the rest; the configs done before are measured again only in
+  # the last call, where the best and those within its noise are confirmed together.
   calls.clear()
   state["stop_at"] = None
   (entry,) = _tuner().autotune(ba)
-  rest, *confirming = calls
+  heuristic = ba.heuristics_config
+  assert heuristic in done and calls[0] == [heuristic]
+  rest, *confirming = calls[1:]
   assert sorted(map(str, rest)) == sorted(str(c) for c in ba.autotuning_configs if c not in done)
   assert len(confirming) <= 1 and all(set(call) & set(done) for call in confirming)
   assert {c for c, _ in entry.measurements} == set(ba.autotuning_configs)
@@ -198,3 +201,19 @@ def test_measure_options_without_a_tolerance_are_journaled(tmp_path):
   journal().record({config: _ok(1.0)}, 1.0)
   assert journal().recall(config, 1.0) == _ok(1.0)
   assert journal_lib.Journal.for_call(ba, tmp_path, seed=0, options=FAST, isolate=False).recalled == {}
+
+
+def test_failures_of_what_a_run_met_are_measured_again(tmp_path):
+  # A timeout or runtime error (another process held the device's memory) was recalled:
+  # a call whose configs all failed so failed again on every rerun, running nothing.
+  ba = _call()
+  a, b, c, d = sorted(ba.autotuning_configs, key=str)[:4]
+  journal = lambda: journal_lib.Journal.for_call(ba, tmp_path, seed=0, options=FAST, isolate=False)
+  journal().record({
+      a: Measurement(status="runtime_error", error="RESOURCE_EXHAUSTED: out of memory"),
+      b: Measurement(status="timeout", error="no result in 60 s"),
+      c: Measurement(status="compile_error", error="out of shared memory"),
+      d: _ok(1.0)}, 1.0)
+  resumed = journal()
+  assert resumed.recall(a, 1.0) is None and resumed.recall(b, 1.0) is None
+  assert resumed.recall(c, 1.0).status == "compile_error" and resumed.recall(d, 1.0) == _ok(1.0)

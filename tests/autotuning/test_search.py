@@ -282,6 +282,37 @@ def test_racing_spends_a_budget_that_calls_cost_overhead_in():
     assert TRUE[outcome.best] <= TRUE[HEURISTIC]
 
 
+class _Resumed:
+  """A measure resuming an interrupted tuning: a journal answers some configs at no cost,
+  and says which (`recalled`); the rest the replay measures."""
+
+  def __init__(self, replay, journal):
+    self.replay, self.journal = replay, journal
+
+  def recalled(self, configs, effort):
+    return {c for c in configs if c in self.journal}
+
+  def __call__(self, configs, *, effort=1.0):
+    todo = [c for c in configs if c not in self.journal]
+    out = self.replay(todo, effort=effort) if todo else {}
+    return {c: self.journal.get(c) or out[c] for c in configs}
+
+
+@pytest.mark.parametrize("strategy", [search.racing, search.exhaustive])
+def test_configs_a_journal_answers_teach_the_cost_model_nothing(strategy):
+  # Answered at no cost, they were taken as measured: new configs looked free and a
+  # budgeted search resumed from a journal overran its budget (2 s: 8.7 s on the CPU).
+  ok = lambda t: Measurement(status="ok", median_s=t, ci_low_s=t, ci_high_s=t, num_samples=10)
+  for budget in (8.0, 16.0):
+    replay = search.ReplayMeasure(SWEEP, compile_cost_s=2.0, cost_s_per_config=0.5,
+                                  call_cost_s=0.05)
+    journal = {c: ok(t) for c, t in list(TRUE.items())[::3] if c != HEURISTIC}
+    outcome = strategy(SWEEP, _Resumed(replay, journal), heuristic=HEURISTIC, budget_s=budget,
+                       clock=replay.clock)
+    assert replay.clock() <= budget, (strategy.__name__, budget, replay.clock())
+    assert TRUE[outcome.best] <= TRUE[HEURISTIC]
+
+
 def test_racing_counts_the_round_that_every_cheap_measurement_keeps():
   # Measurements keep at least one of 10 rounds, so efforts 1/81 and 1/27 both cost a
   # tenth of a full one. Told so (effective_effort), the cost model plans within the
@@ -342,6 +373,16 @@ def test_racing_with_a_tiny_budget_keeps_the_heuristic():
   alone = search.racing([HEURISTIC], replay, heuristic=HEURISTIC, budget_s=5.0,
                         clock=replay.clock)
   assert alone.best == HEURISTIC and alone.num_configs == 1
+
+
+def test_racing_measures_the_heuristic_again_only_where_the_budget_left_pays_for_a_call():
+  # The second (least effort) measurement was predicted at the first's cost times the
+  # effort, which leaves out what any call costs: 2.5 s of budget took 4.15 s.
+  for budget in (2.5, 4.0):
+    replay = search.ReplayMeasure(SWEEP, call_cost_s=2.0, cost_s_per_config=0.15)
+    outcome = search.racing(SWEEP, replay, heuristic=HEURISTIC, budget_s=budget,
+                            clock=replay.clock)
+    assert replay.num_calls == 1 and outcome.best == HEURISTIC, budget
 
 
 @pytest.mark.parametrize("strategy", [search.exhaustive, search.random_search, search.racing])

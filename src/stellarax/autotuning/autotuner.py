@@ -443,9 +443,15 @@ class Autotuner:
     journal = self._journal(ba, device)
     seen: set[Any] = set()  # progress counts each config once, however often measured
 
+    def recalled(configs, effort):
+      # Never the heuristic: its measurements are the search's first timed calls, which
+      # teach its cost model what a config costs here (all recalled, none would).
+      return {c: m for c in configs
+              if c != heuristic and (m := journal.recall(c, effort)) is not None}
+
     def measure(configs, *, effort=1.0):
       configs = list(configs)
-      known = {c: m for c in configs if (m := journal.recall(c, effort)) is not None}
+      known = recalled(configs, effort)
       todo = [c for c in configs if c not in known]
       out = measure_here(todo, effort) if todo else {}
       journal.record(out, effort)
@@ -454,7 +460,10 @@ class Autotuner:
       seen.update(configs)
       return {c: known[c] if c in known else out[c] for c in configs}
 
-    measure.effective_effort = self.measure_options.effective_effort  # search.py: "The measure"
+    # search.py, "The measure": what an effort buys, and what the journal answers (which
+    # costs nothing, and would make the configs yet to measure look free).
+    measure.effective_effort = self.measure_options.effective_effort
+    measure.recalled = lambda configs, effort: set(recalled(configs, effort))
     strategy = _strategy(self.strategy, len(space))
     outcome = strategy(space, measure, heuristic=heuristic, budget_s=self.budget_s)
     outcome = _confirm_recalled(outcome, measure_here, journal, heuristic)

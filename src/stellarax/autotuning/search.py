@@ -22,7 +22,12 @@ what calls cost (see `racing`). Because of that one round, efforts below 1/round
 about a round: a measure may say so through an attribute `effective_effort(effort) ->
 float`, the fraction of a full measurement's timed work an effort really buys
 (`MeasureOptions.effective_effort`); the strategies' cost model then counts that instead
-of the effort asked for. Without it, effort counts as asked. Failed configs come back as
+of the effort asked for. Without it, effort counts as asked. A measure that answers some
+configs from a record instead of measuring them (a journal of an interrupted tuning) may
+say which through an attribute `recalled(configs, effort) -> set of configs`: the cost
+model learns from the others only, since a recalled config costs nothing and would make
+the configs yet to measure look free (so the heuristic, whose measurements are the
+first calls a strategy times, should not be recalled). Failed configs come back as
 data and are never chosen; when every measured config failed, the strategy raises
 `AllCandidatesFailedError` listing why each failed.
 
@@ -145,10 +150,13 @@ class _Session(Generic[C]):
     self._measure, self._clock = measure, clock
     self._start = clock()
     self._best: dict[C, tuple[float, Measurement]] = {}  # config -> (effort, measurement)
+    self._paid: set[C] = set()  # configs a timed call measured (compiled) in this session
     # (new configs, total effective effort, seconds) per call; see Measure.effective_effort.
     self.calls: list[tuple[int, float, float]] = []
     self.effective: Callable[[float], float] = (
         getattr(measure, "effective_effort", None) or (lambda effort: effort))
+    self.recalled: Callable[[Sequence[C], float], Iterable[C]] = (
+        getattr(measure, "recalled", None) or (lambda configs, effort: ()))
 
   def cost_model(self) -> _CostModel:
     """The cost model fitted to the calls so far."""
@@ -175,10 +183,15 @@ class _Session(Generic[C]):
 
   def measure(self, configs: Sequence[C], effort: float) -> dict[C, Measurement]:
     configs = list(configs)
-    new = self.num_new(configs)
+    recalled = set(self.recalled(configs, effort))
+    measured = [c for c in configs if c not in recalled]  # what the call's time pays for
     start = self._clock()
     got = self._measure(configs, effort=effort)
-    self.calls.append((new, self.effective(effort) * len(configs), self._clock() - start))
+    if measured:
+      # New: compiled by this call, recalled ones included (recalling compiled nothing).
+      new = sum(c not in self._paid for c in dict.fromkeys(measured))
+      self.calls.append((new, self.effective(effort) * len(measured), self._clock() - start))
+      self._paid.update(measured)
     missing = [c for c in configs if c not in got]
     if missing:
       raise ValueError(f"The measure returned nothing for {missing[:5]!r}: a measure must return"
@@ -490,6 +503,8 @@ def _plan(session: _Session[C], available: int, eta: int, min_effort: float
   the effort of the rounds before the last (bisection on `boost`), keeping
   _BOOST_MARGIN of the budget unplanned against prediction errors.
   """
+  if not session.calls:  # nothing timed (all recalled from a journal): no race is planned
+    return _schedule(0, eta, min_effort)  # blind; the walk learns the costs as it goes
   model, room = session.cost_model(), session.remaining()
   cost = lambda n, boost=1.0: _schedule_cost(model, _schedule(n, eta, min_effort, boost), True)
   n = next((n for n in range(available, 0, -1) if cost(n) <= room), 0)
@@ -829,7 +844,12 @@ def racing(space: Iterable[C], measure: Measure[C], *, heuristic: C,
   if budget_s is None:
     schedule = _schedule(len(pool), eta, min_effort)
   else:
-    if pool and session.remaining() > session.calls[0][2] * session.effective(min_effort):
+    # The heuristic again at the least effort, so that the cost model tells effort from
+    # compilation; made only where the budget left could pay for a call like the first
+    # (its fixed cost, a worker's round trip or a warm-up, is not known yet), or where the
+    # first was recalled from a journal and nothing was timed.
+    first = session.calls[0][2] if session.calls else None
+    if pool and (first is None or session.remaining() > first):
       session.measure([heuristic], min_effort)
     schedule = _plan(session, len(pool), eta, min_effort)
   if budget_s is not None and (not schedule or schedule[0][0] < len(pool)):
