@@ -21,6 +21,11 @@ A line cut short (a process killed while writing it) is passed over, and the nex
 lines start on a line of their own. The journals of a call are removed once its entry
 is in the cache.
 
+A config that failed for what the run met rather than what it is (a timeout, a runtime
+error: another process held the device's memory, a machine under load) is measured again
+by a rerun; one that failed to compile or gave a wrong result is not. Else a tuning whose
+every config failed once would fail again on every rerun without running anything.
+
 Measurements recalled from a journal were taken in another run, not interleaved with
 this run's, so they do not decide a close choice alone: where the best config and the
 ones within noise of it include a recalled measurement, `Autotuner.tune_one` measures
@@ -47,6 +52,9 @@ from stellarax.core.fingerprint import code_fingerprint
 from stellarax.core.specs import canonical_json
 
 SUFFIX = ".journal"
+
+# Failures of what a run met, not of what a config is: a rerun measures them again.
+_MEASURED_AGAIN = frozenset({"timeout", "runtime_error"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +124,8 @@ class Journal:
         config = config_from_json(self._config_cls, item["config"])
         recalled = Recalled(Measurement.from_json(item["measurement"]), float(item["effort"]))
       except (TypeError, KeyError, ValueError):  # a line cut short, or not ours
+        continue
+      if recalled.measurement.status in _MEASURED_AGAIN:
         continue
       known = self.recalled.get(config)
       if known is None or recalled.effort >= known.effort:
