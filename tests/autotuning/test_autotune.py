@@ -9,6 +9,7 @@ import re
 import threading
 import time
 import warnings
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -1169,6 +1170,11 @@ def test_total_budget_errors_say_what_to_pass():
     stellarax.Autotuner(budget_s=1.0, total_budget_s=10.0)
   with pytest.raises(ValueError, match="total_budget_s=0 must be a positive number"):
     stellarax.Autotuner(total_budget_s=0)
+  # Random sampling with no budget failed every call when it was tuned, naming an
+  # argument (num_samples) an Autotuner does not take.
+  with pytest.raises(ValueError, match="strategy='random' draws configs until its budget"):
+    stellarax.Autotuner(strategy="random")
+  stellarax.Autotuner(strategy="random", total_budget_s=10.0)
   for bad in (-1, float("inf"), float("nan")):
     with pytest.raises(ValueError, match=f"device_time_s={bad!r} must be a finite number"):
       autotuning.call_weights_from_json(_profile_records([(_ragged_calls(1)[0], bad)]))
@@ -1299,6 +1305,22 @@ def test_a_cached_entry_the_budget_starved_is_tuned_again(user_cache_dir):
   # A searched entry is reused as it is.
   (again,) = stellarax.Autotuner(progress=False, cache=True).autotune([call])
   assert again == entry
+
+
+def test_a_space_pruned_to_its_heuristic_is_not_taken_for_a_starved_one(user_cache_dir):
+  # It was: every run tuned the call again, and warned that the budget was too small.
+  (call,) = _ragged_calls(1)
+  tuner = lambda: stellarax.Autotuner(prune=lambda ba, configs: [], budget_s=100.0,
+                                      progress=False, cache=True)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", autotuning.SmallBudgetWarning)
+    (entry,) = tuner().autotune([call])
+    assert len(entry.measurements) == 1 and "/pruned 1/" in entry.method
+    measured = []
+    with mock.patch.object(stellarax.Autotuner, "tune_one",
+                           side_effect=lambda *a, **k: measured.append(a)):
+      (again,) = tuner().autotune([call])
+  assert again == entry and not measured
 
 
 def _with_times(entry, factor):

@@ -33,6 +33,7 @@ import datetime
 import inspect
 import os
 import queue
+import re
 import sys
 import threading
 import time
@@ -178,6 +179,11 @@ class Autotuner:
       raise ValueError(f"budget_s={self.budget_s!r} (per call) and total_budget_s="
                        f"{self.total_budget_s!r} (shared by all calls) exclude each other;"
                        " pass one of them.")
+    if self.strategy == "random" and self.budget_s is None and self.total_budget_s is None:
+      raise ValueError(
+          "strategy='random' draws configs until its budget is spent, and no budget was given: "
+          "pass budget_s (per call) or total_budget_s, or draw a number of configs with "
+          "strategy=functools.partial(stellarax.autotuning.search.random_search, num_samples=N).")
     if not self.distributed_timeout_s > 0:
       raise ValueError(f"distributed_timeout_s={self.distributed_timeout_s!r} must be a positive "
                        "number of seconds.")
@@ -379,7 +385,7 @@ class Autotuner:
         try:
           entry = self._tune_and_keep_drawing(ba, progress, pool)
           result = result.with_entry(entry)
-          if _starved(entry):
+          if _starved(entry, self._accept(ba)):
             starved.append(ba)
         except measure_lib.DeviceLostError as exc:  # nothing more can run here
           exc.partial_result = result
@@ -761,16 +767,21 @@ def _cached_entry(ba: BoundArguments, accept: Callable[[Any], bool] | None = Non
   (`_starved`), or it measured no config that `accept` takes: those are measured again."""
   for _, result in cached_results(ba.op.name):
     entry = result.entry(ba)
-    if (entry is not None and entry.is_current and not _starved(entry)
+    if (entry is not None and entry.is_current and not _starved(entry, accept)
         and entry.config_for(accept) is not None):
       return entry
   return None
 
 
-def _starved(entry: Entry) -> bool:
-  """Whether the entry measured only its heuristic config of a larger space (a budget
-  too small to search it): it chose nothing, and tuning it again can only find more."""
-  return len(entry.measurements) <= 1 < len(entry.bound_args.autotuning_configs)
+def _starved(entry: Entry, accept: Callable[[Any], bool] | None) -> bool:
+  """Whether the entry measured only its heuristic config of a larger space searched (a
+  budget too small to search it): it chose nothing, and tuning it again can only find
+  more. The space searched is what `prune` (its count is in the entry's method) and
+  `accept` (reproducible mode's) left: where they left one config, that was all."""
+  pruned = re.search(r"/pruned (\d+)/\d+", entry.method)
+  searched = (int(pruned[1]) if pruned else
+              sum(accept is None or accept(c) for c in entry.bound_args.autotuning_configs))
+  return len(entry.measurements) <= 1 < searched
 
 
 def _alternatives(ba: BoundArguments) -> list[BoundArguments]:
