@@ -224,6 +224,27 @@ def test_other_miss_policies_are_not_preempted():
         resolution.resolve_config(_ragged(512))
 
 
+def test_code_traced_with_transfer_on_is_traced_again_with_it_off():
+  # A jitted function traced with transfer on kept running the transferred config inside
+  # transfer_scope(False), while explain said heuristic.
+  traces = []
+
+  def run(lhs, rhs, group_sizes):
+    traces.append(1)
+    return stellarax.ragged_dot(lhs, rhs, group_sizes, implementation="xla")
+
+  f = jax.jit(run)
+  keys = jax.random.split(jax.random.key(5), 2)
+  args = (jax.random.normal(keys[0], (512, 64)), jax.random.normal(keys[1], (4, 64, 32)),
+          jnp.array([100, 0, 300, 50], I32))
+  with _result(_entry(_ragged(256), _tiled(32))):
+    f(*args)
+    with transfer.transfer_scope(False):
+      f(*args)
+    f(*args)
+  assert len(traces) == 2  # on, off; on again reuses the first
+
+
 def test_explain_reports_the_transfer():
   with _result(_entry(_ragged(256), _tiled(32))):
     explanation = autotuning.explain(_ragged(512))

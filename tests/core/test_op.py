@@ -393,6 +393,31 @@ def test_a_miss_policy_scope_overrides_the_environment(monkeypatch):
   assert resolution.miss_policy() == "error"
 
 
+def test_code_traced_under_one_miss_policy_is_traced_again_under_another(user_cache_dir):
+  # A trace (or an eager call) that met a miss under "heuristics" was reused inside
+  # miss_policy_scope("error"), which then raised nothing.
+  lhs, rhs, gs = _ragged_inputs()
+  f = jax.jit(lambda l: stellarax.ragged_dot(l, rhs, gs, implementation="xla"))
+  eager = lambda l: stellarax.ragged_dot(l, rhs, gs, implementation="xla")
+  for call in (f, eager):
+    call(lhs)
+    with resolution.miss_policy_scope("error"):
+      with pytest.raises(autotuning.ConfigMissError):
+        call(lhs)
+    call(lhs)  # and back: the trace of the default policy serves again
+
+
+def test_a_call_with_one_config_is_no_miss_under_any_policy():
+  # Under "error" a norm (nothing to tune) raised ConfigMissError until "tuned".
+  x = jax.random.normal(jax.random.key(3), (4, 16))
+  with resolution.miss_policy_scope("error"):
+    got = jax.grad(lambda x: stellarax.rms_norm(x, None).sum())(x)
+    explained = autotuning.explain(stellarax.XlaLayerNorm.bind(x, None, None, subtract_mean=False))
+  assert got.shape == x.shape
+  assert explained.source == resolution.ONLY_CONFIG
+  assert "nothing to tune, whatever the miss policy" in str(explained)
+
+
 def test_static_values_have_one_canonical_form():
   """Keys must be equal for equal calls: dict order does not matter, NumPy scalars are
   plain Python numbers, and non-finite floats survive strict JSON and come back."""

@@ -23,7 +23,8 @@ class Explanation:
     op: the op's registered name.
     config: the config the call resolves to.
     source: where it comes from ("explicit", "result", "user_cache",
-      "library_cache", "transfer:<distance>", "heuristics", ...); "miss:error" or
+      "library_cache", "transfer:<distance>", "heuristics", "heuristics:only config" for a
+      call whose space holds its heuristic config alone, ...); "miss:error" or
       "miss:autotune" where nothing was measured and the miss policy makes the call
       raise or tune (config: its heuristic); "autotuned" where that policy has tuned
       the call in this process (config: the one it found); or "trivial" (config None)
@@ -70,6 +71,8 @@ class Explanation:
     elif self.nearest is not None:
       where, diffs = self.nearest
       lines.append(f"  nearest tuned call ({where}) differs in: " + "; ".join(diffs))
+    elif self.source == resolution.ONLY_CONFIG:
+      lines.append("  its only config for this call: nothing to tune, whatever the miss policy")
     elif self.source.startswith(("heuristics", "miss")):
       lines.append("  no call of this op was tuned in the active results or caches")
     if self.other_device_kinds:

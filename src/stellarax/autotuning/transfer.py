@@ -47,6 +47,7 @@ from stellarax.autotuning.cache import cached_results, current_device_kind
 from stellarax.autotuning.result import AutotuningResult, Entry
 from stellarax.core import resolution
 from stellarax.core import specs
+from stellarax.core import trace_keys
 from stellarax.core.bound_args import BoundArguments
 
 _ENV = "STELLARAX_TRANSFER"
@@ -111,10 +112,12 @@ def transfer_scope(enabled: bool) -> Iterator[None]:
   if not isinstance(enabled, bool):
     raise TypeError(f"transfer_scope(enabled={enabled!r}) takes True or False.")
   token = _scoped.set(enabled)
+  trace_keys.settings_changed()
   try:
     yield
   finally:
     _scoped.reset(token)
+    trace_keys.settings_changed()
 
 
 # ---- features and distance ---------------------------------------------------------------
@@ -331,10 +334,16 @@ def _entries_of(result: AutotuningResult, op_json: str) -> tuple[Entry, ...]:
 def _fallback(ba: BoundArguments, heuristic_config: Any) -> TransferResolution | None:
   """The resolution step: transfer when on and the miss policy is "heuristics"."""
   del heuristic_config
+  # Asked through the resolution so that JAX's caches learn the trace used it, the switch
+  # and the policy included: a trace is reused only where transfer answers the same.
+  return resolution.ask_active_results(_transfer_if_on, ba)
+
+
+def _transfer_if_on(active: tuple[Any, ...], ba: BoundArguments) -> TransferResolution | None:
+  """Transfer's answer where it is on and the miss policy is "heuristics", else None."""
   if not transfer_enabled() or resolution.miss_policy() != "heuristics":
     return None
-  # Asked through the resolution so that JAX's caches learn the trace used it.
-  return resolution.ask_active_results(_transfer_from, ba)
+  return _transfer_from(active, ba)
 
 
 resolution.register_fallback(_fallback)

@@ -7,7 +7,8 @@ One function, `resolve_config`, decides, in this order:
 3. the user cache (on disk, written by `autotune(..., cache=True)`);
 4. the shipped library cache (`stellarax/data/autotuning/<device_kind>/`);
 5. registered fallbacks (e.g. transfer from the nearest tuned shapes);
-6. on a miss, the miss policy: `"heuristics"` (default) uses the op's heuristic
+6. on a miss, the miss policy (unless the call's space holds only its heuristic config,
+   which is then its config, whatever the policy): `"heuristics"` (default) uses the op's heuristic
    config, `"error"` raises `ConfigMissError`, `"autotune"` tunes the call on
    the spot (and keeps the result for the rest of the process).
 
@@ -42,6 +43,8 @@ from stellarax.core.config import config_to_json
 from stellarax.core.specs import canonical_json
 
 MISS_POLICIES = ("heuristics", "error", "autotune")
+ONLY_CONFIG = "heuristics:only config"
+"""The source of a call whose space holds its heuristic config alone: never a miss."""
 _MISS_POLICY_ENV = "STELLARAX_MISS_POLICY"
 
 
@@ -184,11 +187,13 @@ def restored(state: tuple[tuple[ConfigSource, ...], str | None]) -> Iterator[Non
   `with` block."""
   results, policy = state
   results_token, policy_token = _active_results.set(results), _miss_policy.set(policy)
+  trace_keys.settings_changed()
   try:
     yield
   finally:
     _miss_policy.reset(policy_token)
     _active_results.reset(results_token)
+    trace_keys.settings_changed()
 
 
 def _innermost_config(results: tuple[ConfigSource, ...], bound_args: Any) -> Any | None:
@@ -273,10 +278,12 @@ def miss_policy_scope(policy: str) -> Iterator[None]:
   if policy not in MISS_POLICIES:
     raise ValueError(f"policy={policy!r} must be one of {MISS_POLICIES}.")
   token = _miss_policy.set(policy)
+  trace_keys.settings_changed()
   try:
     yield
   finally:
     _miss_policy.reset(token)
+    trace_keys.settings_changed()
 
 
 def resolve_config(bound_args: Any) -> Resolution:
@@ -307,7 +314,11 @@ def resolve_config(bound_args: Any) -> Resolution:
     found = fallback(bound_args, heuristic)
     if found is not None:
       return found
-  policy = miss_policy()
+  if set(bound_args.autotuning_configs) <= {heuristic}:
+    # Nothing to choose: no policy applies (under "error", a norm would have to be tuned).
+    return Resolution(heuristic, ONLY_CONFIG)
+  # Recorded: a trace that met this miss is reused only under the same policy.
+  policy = ask_active_results(_miss_policy_now, bound_args)
   if policy == "error":
     raise ConfigMissError(
         f"No tuned config for {op.name} with key {bound_args.key_json()} in the active "
@@ -319,6 +330,12 @@ def resolve_config(bound_args: Any) -> Resolution:
       raise RuntimeError("The 'autotune' miss policy needs stellarax.autotuning imported.")
     return Resolution(_autotune_on_miss(bound_args), "autotuned")
   return Resolution(heuristic, "heuristics")
+
+
+def _miss_policy_now(results: tuple[ConfigSource, ...], bound_args: Any) -> str:
+  """The miss policy, as a question a trace records (`ask_active_results`)."""
+  del results, bound_args
+  return miss_policy()
 
 
 def reproducible_heuristic(bound_args: Any, accept: Callable[[Any], bool] | None) -> Any:

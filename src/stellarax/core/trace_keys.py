@@ -47,7 +47,11 @@ another's trace, then called on its own) is compiled into an executable cached u
 the current key, which asked nothing: when such a program is lowered, the current key
 takes the answers of the entries reused since the last lowering (`_on_lowering`).
 
-Equality is memoised per stack of active results until the next record: JAX
+Questions may read settings besides the results (the miss policy, the transfer switch:
+a trace that met a miss under the "heuristics" policy must not be reused under "error");
+their scopes call `settings_changed`.
+
+Equality is memoised per stack of active results until the next record or setting change: JAX
 checks it on every call of a jitted function whose cached key is not the
 current one. That check is what a jitted function with our ops pays per call over
 one without: about 1.5 us on the 2-core CPU (2026-12-06; 2.3 us before a key already
@@ -98,6 +102,18 @@ def _empty_stack() -> Stack:
   return ()
 
 
+# Bumped when a setting that questions read besides the active results changes (the miss
+# policy, the transfer switch): equalities memoised before no longer stand.
+_settings_epoch = 0
+
+
+def settings_changed() -> None:
+  """Says that a setting recorded questions read (not the active results) changed in
+  this context, so that keys compare their answers again instead of from memory."""
+  global _settings_epoch
+  _settings_epoch += 1
+
+
 _active_stack: Callable[[], Stack] = _empty_stack
 
 
@@ -122,7 +138,8 @@ class TraceKey:
     self.stack = stack
     self.parent = parent
     self._records: dict[tuple, _Record] = {}
-    self._memo: dict[int, tuple[Stack, bool]] = {}  # id(stack) -> (stack, holds); cleared on records
+    # id(stack) -> (stack, settings epoch, holds); cleared on records
+    self._memo: dict[int, tuple[Stack, int, bool]] = {}
     self._noted_in: list[TraceKey] | None = None  # the reuse list it was last noted in
 
   def __hash__(self) -> int:
@@ -157,8 +174,8 @@ class TraceKey:
       return True
     now = _active_stack()
     memo = self._memo.get(id(now))
-    if memo is not None and memo[0] is now:
-      return memo[1]
+    if memo is not None and memo[0] is now and memo[1] == _settings_epoch:
+      return memo[2]
     try:
       # Inside JAX's cache lookup: a warning would reach no line of the user's (and under
       # -W error be swallowed here); the trace or call it leads to warns instead.
@@ -169,7 +186,7 @@ class TraceKey:
       holds = False
     if len(self._memo) >= _MEMO_LIMIT:
       self._memo.clear()
-    self._memo[id(now)] = (now, holds)
+    self._memo[id(now)] = (now, _settings_epoch, holds)
     return holds
 
   def _merge(self, records: list[_Record], now: Stack) -> None:
