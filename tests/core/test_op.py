@@ -278,6 +278,16 @@ def test_implementation_selection_and_errors():
     stellarax.ragged_dot(lhs, rhs, gs, implementation=[])
   with pytest.raises(ValueError, match="is not a ragged_dot op"):
     stellarax.ragged_dot(lhs, rhs, gs, implementation=stellarax.XlaLayerNorm())
+  # Names get the checks instances get (they raised TypeErrors about missing or
+  # unexpected arguments of the op they named), and other types say what is taken.
+  with pytest.raises(ValueError, match=r"'layer_norm.xla' is not a ragged_dot op; choose one"):
+    stellarax.ragged_dot(lhs, rhs, gs, implementation="layer_norm.xla")
+  for vjp in ("xla_vjp", "ragged_dot.xla_vjp", ["xla_vjp", "xla"]):
+    with pytest.raises(ValueError, match="is a backward \\(VJP\\) op; pass a forward ragged_dot"):
+      stellarax.ragged_dot(lhs, rhs, gs, implementation=vjp)
+  for bad in (3, {"xla"}):
+    with pytest.raises(TypeError, match="must be None, a name, an Op or a list or tuple"):
+      stellarax.ragged_dot(lhs, rhs, gs, implementation=bad)
 
 
 def test_a_preference_list_passes_by_kernels_that_do_not_run_on_the_device():
@@ -301,12 +311,13 @@ def test_a_preference_list_passes_by_kernels_that_do_not_run_on_the_device():
 
 def test_a_kernel_named_alone_that_cannot_run_here_says_how_to_run_it():
   lhs, rhs, gs = _ragged_inputs()
-  with pytest.raises(ValueError) as raised:  # JAX's lowering refuses it on a CPU
-    stellarax.ragged_dot(lhs, rhs, gs, implementation="pallas_triton")
-  notes = "\n".join(getattr(raised.value, "__notes__", []))
-  assert ("stellarax: ragged_dot.pallas_triton does not run on the default device (cpu);"
-          " pass PallasTritonRaggedDot(interpret=True)") in notes
-  assert "['pallas_triton', 'xla']" in notes
+  for named in ("pallas_triton", stellarax.PallasTritonRaggedDot()):  # a name or an instance
+    with pytest.raises(ValueError) as raised:  # JAX's lowering refuses it on a CPU
+      stellarax.ragged_dot(lhs, rhs, gs, implementation=named)
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert ("stellarax: ragged_dot.pallas_triton does not run on the default device (cpu);"
+            " pass PallasTritonRaggedDot(interpret=True)") in notes, named
+    assert "['pallas_triton', 'xla']" in notes
 
 
 def test_an_op_class_or_a_backward_op_as_implementation_is_refused_with_the_fix():
@@ -316,7 +327,7 @@ def test_an_op_class_or_a_backward_op_as_implementation_is_refused_with_the_fix(
     stellarax.ragged_dot(lhs, rhs, gs, implementation=stellarax.XlaRaggedDot)
   with pytest.raises(TypeError, match="op class"):
     stellarax.ragged_dot(lhs, rhs, gs, implementation=[stellarax.XlaRaggedDot])
-  with pytest.raises(ValueError, match=r"XlaRaggedDotVjp\(\.\.\.\) is a backward \(VJP\) op;"
+  with pytest.raises(ValueError, match=r"XlaRaggedDotVjp\(config=None\) is a backward \(VJP\) op;"
                      r" pass a forward ragged_dot op"):
     stellarax.ragged_dot(lhs, rhs, gs, implementation=stellarax.XlaRaggedDotVjp())
 

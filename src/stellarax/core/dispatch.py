@@ -5,7 +5,7 @@
   in the family's stated preference order;
 - a name ("xla", "pallas_triton", or the full "ragged_dot.xla") or an `Op`
   instance: that one;
-- a sequence: tried in order, passing by those that do not run on the default device
+- a list or tuple of those: tried in order, passing by those that do not run on the default device
   (a Pallas kernel not in interpret mode on a CPU); a single name or instance is
   always tried (e.g. to lower for a GPU from a CPU host).
 
@@ -34,24 +34,33 @@ def _as_op(family: str, implementation: str | Op) -> Op:
   if isinstance(implementation, type) and issubclass(implementation, Op):
     raise TypeError(f"implementation={implementation.__name__} is an op class; pass an"
                     f" instance, e.g. implementation={implementation.__name__}().")
-  if isinstance(implementation, Op):
-    if implementation.name is None or not implementation.name.startswith(family + "."):
-      raise ValueError(f"implementation={implementation!r} is not a {family} op.")
-    if implementation.name.endswith("_vjp"):
-      raise ValueError(
-          f"implementation={type(implementation).__name__}(...) is a backward (VJP) op;"
-          f" pass a forward {family} op. A forward op differentiates with its own backward"
-          " op (op.vjp_op()), which the autotuner tunes with it.")
-    return implementation
-  if not isinstance(implementation, str):
-    raise TypeError(f"implementation={implementation!r} must be None, a name, an Op or a sequence of those.")
-  name = implementation if "." in implementation else f"{family}.{implementation}"
+  op = _named(family, implementation) if isinstance(implementation, str) else implementation
+  if not isinstance(op, Op):
+    raise TypeError(f"implementation={implementation!r} must be None, a name, an Op or a list "
+                    "or tuple of those.")
+  if op.name is None or not op.name.startswith(family + "."):
+    raise ValueError(f"implementation={implementation!r} is not a {family} op; choose one of "
+                     f"{_forward_names(family)} (or None for the best available).")
+  if op.name.endswith("_vjp"):
+    raise ValueError(
+        f"implementation={implementation!r} is a backward (VJP) op; pass a forward {family}"
+        " op. A forward op differentiates with its own backward op (op.vjp_op()), which the"
+        " autotuner tunes with it.")
+  return op
+
+
+def _named(family: str, name: str) -> Op:
+  """The op registered as `name` ("xla", or in full "ragged_dot.xla")."""
+  full = name if "." in name else f"{family}.{name}"
   try:
-    return registry.lookup(name)()
+    return registry.lookup(full)()
   except KeyError:
-    known = [n.partition(".")[2] for n in registry.names(family) if not n.endswith("_vjp")]
-    raise ValueError(f"implementation={implementation!r}: {family} has no such implementation; "
-                     f"choose one of {known} (or None for the best available).") from None
+    raise ValueError(f"implementation={name!r}: {family} has no such implementation; choose "
+                     f"one of {_forward_names(family)} (or None for the best available).") from None
+
+
+def _forward_names(family: str) -> list[str]:
+  return [n.partition(".")[2] for n in registry.names(family) if not n.endswith("_vjp")]
 
 
 def _runs_on(op: Op, device: Any) -> bool:
@@ -108,7 +117,7 @@ def call_family(family: str, preference: Sequence[str], implementation: Any, arg
   try:
     return program(*arrays)
   except ValueError as e:  # also raised while compiling, after the traced call returned
-    if isinstance(implementation, str):
+    if isinstance(implementation, (str, Op)):
       with contextlib.suppress(ValueError):  # an unknown name: its error says so already
         _note_where_it_runs(e, _as_op(family, implementation))
     raise
@@ -145,14 +154,14 @@ def _call_family(family: str, preference: Sequence[str], implementation: Any, ar
     registered = set(registry.names(family))
     ops = [_as_op(family, name) for name in preference if f"{family}.{name}" in registered]
     explicit = False
-  elif isinstance(implementation, (str, Op)):
-    ops, explicit = [_as_op(family, implementation)], True
-  else:
+  elif isinstance(implementation, (list, tuple)):
     ops, explicit = [_as_op(family, i) for i in implementation], True
     if not ops:
       raise ValueError(f"implementation={implementation!r} names no {family} implementation; "
                        "give a name, an Op or a non-empty sequence of those, or None for the "
                        "best available.")
+  else:  # a name or an Op; anything else is refused by _as_op
+    ops, explicit = [_as_op(family, implementation)], True
 
   reasons = []
   if not explicit or len(ops) > 1:  # one named alone is always tried
