@@ -645,3 +645,18 @@ def test_the_input_digest_sees_any_element_and_every_dtype():
   assert not np.array_equal(m.input_digest(nan), m.input_digest(other_nan))
   # Two elements swapped: the position-weighted sum sees it.
   assert not np.array_equal(m.input_digest(jnp.array([1.0, 2.0])), m.input_digest(jnp.array([2.0, 1.0])))
+
+
+def test_a_prng_key_argument_is_measured_and_restored_as_a_key():
+  # Its host copy for restoring failed: NumPy holds no key type (TypeError).
+  key, x = jax.random.key(3), _x((16,))
+  f = lambda k, x: jax.random.normal(k, x.shape) + x
+  got = m.measure_candidates({"a": f}, (key, x), reference=f(key, x),
+                             options=dataclasses.replace(FAST, loop_calls=0), effort=0.2)
+  assert got["a"].ok
+  guard = m._InputGuard((key, x))
+  guard.restore()
+  restored, _ = guard.args
+  assert jax.dtypes.issubdtype(restored.dtype, jax.dtypes.prng_key)
+  np.testing.assert_array_equal(jax.random.key_data(restored), jax.random.key_data(key))
+  assert guard.intact()

@@ -875,17 +875,29 @@ class _InputGuard:
   def __init__(self, args: tuple):
     self.args = args
     # To restore from, should a candidate write there: a copy, since on a CPU the
-    # host's view of an array may be its buffer itself.
-    self._host = jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(args))
+    # host's view of an array may be its buffer itself. A PRNG key array keeps its key
+    # data (NumPy holds no key type) and is wrapped again on the way back.
+    self._host = jax.tree.map(lambda x: np.array(_key_data(x), copy=True), args)
     self._digest = input_digest(args)
 
   def intact(self) -> bool:
     return np.array_equal(input_digest(self.args), self._digest)
 
   def restore(self) -> None:
-    put = lambda host, now: (jax.device_put(host, now.sharding) if isinstance(now, jax.Array)
-                             else host)
+    def put(host, now):
+      if not isinstance(now, jax.Array):
+        return host
+      if jnp.issubdtype(now.dtype, jax.dtypes.prng_key):
+        host = jax.random.wrap_key_data(host, impl=jax.random.key_impl(now))
+      return jax.device_put(host, now.sharding)
     self.args = jax.block_until_ready(jax.tree.map(put, self._host, self.args))
+
+
+def _key_data(x: Any) -> Any:
+  """`x`, or its key data where it is a PRNG key array."""
+  if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+    return jax.random.key_data(x)
+  return x
 
 
 def _wrote_its_inputs(cand: _Candidate) -> None:
