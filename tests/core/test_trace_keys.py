@@ -280,6 +280,67 @@ def test_async_tasks_see_their_own_results(traced):
   assert configs == {"tuned": TUNED, "plain": ba.heuristics_config}
 
 
+def test_async_tasks_whose_results_overlap_without_nesting(traced):
+  # Task A enters a result, task B enters another, A leaves, B leaves. B then traced under
+  # the thread's key of before A's result, took its own result for one entered inside the
+  # traced function, and the trace was reused after B left it (and after asyncio.run).
+  lhs, rhs, gs = _inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  f = jax.jit(lambda l: stellarax.ragged_dot(l, rhs, gs))
+  other, tuned = _result(), _result((ba, TUNED))
+  configs = []
+
+  async def task_a(a_in, b_in, a_out):
+    with other:
+      a_in.set()
+      await b_in.wait()
+    a_out.set()
+
+  async def task_b(a_in, b_in, a_out):
+    await a_in.wait()
+    with tuned:
+      b_in.set()
+      await a_out.wait()
+      f(lhs)
+      configs.append(traced[-1])
+    f(lhs)
+    configs.append(traced[-1])
+
+  async def main():
+    events = [asyncio.Event() for _ in range(3)]
+    await asyncio.gather(task_a(*events), task_b(*events))
+
+  asyncio.run(main())
+  f(lhs)
+  configs.append(traced[-1])
+  assert configs == [TUNED, ba.heuristics_config, ba.heuristics_config]
+
+
+def test_a_context_copied_into_a_thread_keys_its_traces(traced):
+  # asyncio.to_thread copies the context, results included, into a thread with no key of
+  # its own: its trace was cached under the process's default key, which another fresh
+  # thread's lookup found by identity, with no result active (and the reverse).
+  lhs, rhs, gs = _inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  f = jax.jit(lambda l: stellarax.ragged_dot(l, rhs, gs))
+  result = _result((ba, TUNED))
+  configs = []
+
+  def fresh_thread():
+    f(lhs)
+    configs.append(traced[-1])
+
+  async def copied():
+    with result:
+      await asyncio.to_thread(fresh_thread)
+
+  for run in (lambda: asyncio.run(copied()), fresh_thread, lambda: asyncio.run(copied())):
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(timeout=120)
+  assert configs == [TUNED, ba.heuristics_config, TUNED]
+
+
 def test_trace_key_equality_follows_recorded_answers():
   def question(stack, subject):
     return stack[-1] if stack else None

@@ -42,6 +42,15 @@ active results it was created under, and a record made deeper in the stack
 keeps the extra results, so the question is asked again with the same inner
 results on top of whatever is active then.
 
+Threads and async tasks. The active results follow the context (contextvars), the
+current key the thread (JAX's thread-local state). Where they part (asyncio tasks
+whose `with result:` blocks interleave, a context copied into a thread by
+`asyncio.to_thread`), a top-level trace starts under a key not made for the results
+active: that key is poisoned, never equal to another, and the key made when the trace
+ends is made for them. A thread with no key of its own uses the process's default key,
+which JAX's caches compare by identity before equality: after each trace under it the
+default is replaced, so another thread's lookup compares by the records.
+
 A trace reused without a top-level trace of its own (a function first traced inside
 another's trace, then called on its own) is compiled into an executable cached under
 the current key, which asked nothing: when such a program is lowered, the current key
@@ -189,6 +198,12 @@ class TraceKey:
     self._memo[id(now)] = (now, _settings_epoch, holds)
     return holds
 
+  def _poison(self) -> None:
+    """Makes this key equal no other: its records were made in a context it was not
+    made for (see `_on_trace_start`)."""
+    self._records[(_CONFLICT,)] = (_never_asked, None, (), _CONFLICT)
+    self._memo.clear()
+
   def _merge(self, records: list[_Record], now: Stack) -> None:
     """Adds `records` (their `above` relative to the stack `now`)."""
     depth = len(self.stack)
@@ -204,6 +219,12 @@ class TraceKey:
         answer = _CONFLICT
       self._records[index] = (question, subject, above, answer)
     self._memo.clear()
+
+
+def _never_asked(stack: Stack, subject: Any) -> Any:
+  """The question of a poisoned key's record, whose answer (`_CONFLICT`) stops `holds`
+  before any question is asked."""
+  raise AssertionError("a conflicting record is never asked again")
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -227,9 +248,16 @@ def current() -> TraceKey:
   return _state.value
 
 
+def _in_sync(key: TraceKey) -> bool:
+  """Whether `key` was made for the results active now."""
+  now = _active_stack()
+  return len(key.stack) == len(now) and all(a is b for a, b in zip(key.stack, now))
+
+
 def _renew() -> None:
   key = current()
-  _state.set_local(TraceKey(key.stack, key.parent))
+  renewed = TraceKey(key.stack, key.parent) if _in_sync(key) else TraceKey(_active_stack())
+  _state.set_local(renewed)
 
 
 def enter(stack: Stack) -> Any:
@@ -337,7 +365,15 @@ def record(question: Question, subject: Hashable, answer: Any) -> None:
 def _on_trace_start(event: str, value: float, **kwargs: Any) -> None:
   del value, kwargs
   if event == _TRACE_EVENT:
-    _top_level().append(current())
+    key = current()
+    if not _in_sync(key):
+      # The results active here were not entered through this thread's keys: asyncio
+      # tasks whose `with result:` blocks interleave (the thread's key is another task's),
+      # or a context copied into a thread (asyncio.to_thread). Records would be asked
+      # again with the wrong results under them: this trace is never reused, and the key
+      # made when it ends is this context's own (`_renew`).
+      key._poison()
+    _top_level().append(key)
     _reuse_state().keys = []  # a new list: `_note_reuse` tells notes by the list they are in
   elif event == _LOWERING_EVENT:
     _on_lowering()
@@ -348,7 +384,12 @@ def _on_trace_end(event: str, duration: float, **kwargs: Any) -> None:
   if event == _TRACE_EVENT:
     top_level = _top_level()
     if top_level:
-      _reuse_state().unlowered_trace = top_level.pop()
+      key = _reuse_state().unlowered_trace = top_level.pop()
+      if key is _state.get_global():
+        # Made in a thread with no key of its own. Another such thread would find this
+        # trace by identity, which JAX's caches compare before equality, whatever its
+        # results: the next gets a fresh default key, which compares by its records.
+        _state.set_global(TraceKey())
     _renew()
 
 
