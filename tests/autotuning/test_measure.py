@@ -660,3 +660,13 @@ def test_a_prng_key_argument_is_measured_and_restored_as_a_key():
   assert jax.dtypes.issubdtype(restored.dtype, jax.dtypes.prng_key)
   np.testing.assert_array_equal(jax.random.key_data(restored), jax.random.key_data(key))
   assert guard.intact()
+
+
+def test_rivals_of_a_host_bound_candidate_are_looped_with_it():
+  # Twins whose warm-up times fell either side of the host-bound line were timed one in
+  # a loop, one in batches (which on XLA:CPU time the dispatch too): 2.7x apart.
+  floor = 5e-6  # the dispatch floor; 8x it is 40 us
+  assert m._to_loop({"a": 39e-6, "twin": 41e-6, "slower": 90e-6}, floor, 8.0) == {"a", "twin"}
+  assert m._to_loop({"a": 10e-6, "b": 35e-6, "c": 60e-6}, floor, 8.0) == {"a", "b"}
+  assert m._to_loop({"a": 50e-6, "b": 60e-6}, floor, 8.0) == set()  # none host-bound
+  assert m._to_loop({"a": 30e-6, "b": 1.5e-3}, floor, 8.0) == {"a"}

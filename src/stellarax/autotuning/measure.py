@@ -38,8 +38,10 @@ Method, in the order `measure_candidates` runs it:
    inputs and outputs pass through an optimization barrier, so XLA can neither hoist the
    call out of the loop nor merge iterations), warmed up again, and timed in batches of
    that program, each call counting `loop_calls` times. Its method is "<platform>-looped"
-   (cold_cache does not apply inside the loop). A looped program that fails to compile
-   leaves the candidate timed in batches.
+   (cold_cache does not apply inside the loop). So are the candidates within twice a
+   host-bound one's time per call, so that close rivals are timed the same way (where a
+   dispatch does not overlap the work, XLA:CPU's, a batch times it too). A looped program
+   that fails to compile leaves the candidate timed in batches.
 5. Rounds. In each of `rounds` rounds the surviving candidates are visited in an order
    shuffled by `random.Random(seed)`, and each takes one sample: n back-to-back calls, one
    `jax.block_until_ready` on all n outputs, wall time divided by n. Interleaving spreads
@@ -1098,6 +1100,23 @@ def _dispatch_floor_s(input_sets: list[tuple], options: MeasureOptions,
   return float(np.median(samples)) / probe.batch_calls
 
 
+# A candidate whose warm-up time per call is within this factor of a host-bound one's is
+# looped with it, host-bound or not: batches time the host's dispatch too where it does
+# not overlap the work (XLA:CPU), so two near-equal candidates timed one looped and one
+# in batches would be compared on different clocks (2.7x apart for twins on the CPU).
+_RIVAL_FACTOR: Final = 2.0
+
+
+def _to_loop(call_s: Mapping[Any, float], floor_s: float, factor: float) -> set[Any]:
+  """The candidates to time in loops, from their warm-up time per call: the host-bound
+  ones (under `factor` times the dispatch floor) and their rivals (`_RIVAL_FACTOR`)."""
+  bound = [t for t in call_s.values() if t < factor * floor_s]
+  if not bound:
+    return set()
+  limit = max(factor * floor_s, _RIVAL_FACTOR * min(bound))
+  return {key for key, t in call_s.items() if t < min(limit, _SURELY_DEVICE_BOUND_S)}
+
+
 def _loop_host_bound(cands: list[_Candidate], fns: Mapping[Any, Callable[..., Any]],
                      input_sets: list[tuple], options: MeasureOptions,
                      cache: MutableMapping[Any, Any] | None):
@@ -1108,8 +1127,9 @@ def _loop_host_bound(cands: list[_Candidate], fns: Mapping[Any, Callable[..., An
   floor_s = _dispatch_floor_s(input_sets, options, cache)
   if floor_s is None:
     return
-  bound = [c for c in cands if c.alive and c.call_s is not None
-           and c.call_s < options.host_bound_factor * floor_s]
+  looping = _to_loop({c.key: c.call_s for c in cands if c.alive and c.call_s is not None},
+                     floor_s, options.host_bound_factor)
+  bound = [c for c in cands if c.key in looping]
   # Keyed by the calls a loop makes too: a measurer (an isolated worker's) outlives one
   # tuning, and a loop compiled for other options divided by these is wrong by their ratio.
   loops = [_Candidate(_Aux("looped", (c.key, options.loop_calls))) for c in bound]
