@@ -95,6 +95,7 @@ class FaultyOp(Op, name="test_isolation.faulty"):
   crash: bool = False
   poison: bool = False
   scribble: bool = False
+  crash_in_reference: bool = False  # its reference kills the process (in a worker only)
 
   def _fwd(self, x, *, config):
     b = config.behaviour
@@ -124,6 +125,8 @@ class FaultyOp(Op, name="test_isolation.faulty"):
     return y, None
 
   def _reference(self, x):
+    if self.crash_in_reference:
+      return _on_host(_crash, 2 * x)
     return 2 * x
 
   def _get_heuristics_config(self, ba):
@@ -224,6 +227,8 @@ def test_workers_start_with_this_process_jax_options():
   env = isolation._worker_environment()
   assert env["JAX_NUMPY_RANK_PROMOTION"] == jax.config.jax_numpy_rank_promotion == "raise"  # conftest
   assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+  # Devices set with jax.config reach the worker, which indexes them as this process does.
+  assert env["JAX_NUM_CPU_DEVICES"] == str(jax.config.jax_num_cpu_devices)
   assert all(p in env["PYTHONPATH"].split(os.pathsep) for p in sys.path if p)
 
 
@@ -287,3 +292,73 @@ def test_a_config_that_writes_into_its_inputs_is_never_chosen_nor_spoils_the_res
   scribble = dict((c.behaviour, m) for c, m in entry.measurements)["scribble"]
   assert scribble.error.startswith("it changed its inputs")
   assert entry.best_config in (FaultyConfig(behaviour="fast"), FaultyConfig(behaviour="unrolled"))
+
+
+def _configs(*behaviours):
+  return [FaultyConfig(behaviour=b) for b in behaviours]
+
+
+def test_a_request_interrupted_while_waiting_leaves_no_reply_for_the_next(fresh_workers,
+                                                                          monkeypatch):
+  # Interrupted (Ctrl-C reaching the tuning process alone), the worker stayed in the pool
+  # measuring, and its reply was read as the next request's: by position, so the wrong
+  # config came back ok and the right one wrong.
+  wait = isolation._Worker._wait_for
+
+  def interrupted(self, number, deadline):
+    monkeypatch.setattr(isolation._Worker, "_wait_for", wait)
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(isolation._Worker, "_wait_for", interrupted)
+  x = jax.random.normal(jax.random.key(2), (64, 32))
+  with pytest.raises(KeyboardInterrupt):
+    isolation.measure_isolated(FaultyOp().bind(x), _configs("wrong", "fast"), seed=0,
+                               options=OPTIONS)
+  got = isolation.measure_isolated(FaultyOp().bind(x[:32]), _configs("fast", "wrong"), seed=0,
+                                   options=OPTIONS)
+  assert [m.status for m in got.values()] == ["ok", "wrong_result"]
+
+
+def test_a_worker_lost_setting_up_the_call_fails_its_configs_once(fresh_workers):
+  # Lost before it measured anything, no config is to blame: the configs were split in
+  # halves down to one each, 2n - 1 workers, every config blamed.
+  x = jax.random.normal(jax.random.key(2), (64, 32))
+  configs = _configs("fast", "slow", "wrong", "nan")
+  started = []
+  real = isolation._Worker.__init__
+
+  def counted(self):
+    started.append(1)
+    real(self)
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(isolation._Worker, "__init__", counted)
+    got = isolation.measure_isolated(FaultyOp(crash_in_reference=True).bind(x), configs, seed=0,
+                                     options=OPTIONS)
+  assert len(started) == 1
+  for m in got.values():
+    assert m.status == "runtime_error" and "exited with code 3" in m.error
+    assert "before it measured any config" in m.error
+
+
+def test_a_shut_or_dead_worker_is_never_asked_again(fresh_workers):
+  # Another thread's shut worker was written to ('write to closed file'), or its end read
+  # as the next request's; a worker dead between requests was replaced with its pipes open.
+  worker = isolation._worker_for(None)
+  worker.retire()
+  request = isolation._Request(None, 0, None, (), OPTIONS, 1.0)
+  assert worker.ask(request, 1.0) == ("retired", None)
+  fresh = isolation._worker_for(None)
+  assert fresh is not worker
+  fresh.process.kill()
+  fresh.process.wait()
+  again = isolation._worker_for(None)
+  assert again is not fresh and fresh.closed and fresh.process.stdin.closed
+
+
+def test_a_worker_asked_for_a_device_it_does_not_see_says_how_to_fix_it(fresh_workers):
+  x = jax.random.normal(jax.random.key(2), (64, 32))
+  (m,) = isolation.measure_isolated(FaultyOp().bind(x), _configs("fast"), seed=0,
+                                    options=OPTIONS, device_index=len(jax.devices())).values()
+  assert m.status == "runtime_error"
+  assert f"device {len(jax.devices())} was asked for" in m.error and "JAX_NUM_CPU_DEVICES" in m.error

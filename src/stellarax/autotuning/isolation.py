@@ -18,7 +18,11 @@ per device and reused across calls; on a GPU they do not preallocate memory
 
 A worker lost while measuring several configs does not say which one killed it: the
 configs are split in halves and measured again until the culprit is alone, so one bad
-config costs about log2(#configs) extra workers. A config that loses the device (an
+config costs about log2(#configs) extra workers. A worker says when it has set up the call
+(its inputs, the op's reference output): one lost before that (the reference crashed it,
+it could not start) fails the configs asked once, with its cause, and blames none. A
+reply carries its request's number, so a reply left over from a request its asker gave
+up on (an interrupt) is never read as another's; such a worker is shut. A config that loses the device (an
 illegal address, a trap: `Measurement.lost_the_device`) leaves the worker alive but
 unable to run anything more: the worker reports the configs decided so far, that one
 among them, and stops, and a fresh worker measures the rest.
@@ -39,6 +43,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, BinaryIO
 
@@ -79,7 +84,10 @@ class _Request:
 # JAX options that change what a traced call computes or where: a worker starts
 # with this process's values (set in the environment, which JAX reads at import).
 _INHERITED_JAX_OPTIONS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_platforms",
-                          "jax_numpy_rank_promotion", "jax_compilation_cache_dir")
+                          "jax_numpy_rank_promotion", "jax_compilation_cache_dir",
+                          # which devices there are: a worker indexes them as this process does
+                          "jax_num_cpu_devices", "jax_cuda_visible_devices",
+                          "jax_rocm_visible_devices")
 
 
 def _worker_environment() -> dict[str, str]:
@@ -95,7 +103,14 @@ def _worker_environment() -> dict[str, str]:
 
 
 class _Worker:
-  """One worker process and a thread that reads its replies into a queue."""
+  """One worker process and a thread that reads its replies into a queue.
+
+  One request is in flight at a time (`_asking`), and a reply carries its request's
+  number, so a reply left over from a request whose asker gave up is never read as
+  another's. A worker whose request ran past its deadline, whose process is gone, or that
+  stops after its reply (a stalled measurement) is shut while the asker still holds it:
+  another thread never sends it a request (it is told "retired" and takes a fresh one).
+  """
 
   def __init__(self):
     env = _worker_environment()
@@ -103,7 +118,9 @@ class _Worker:
         [sys.executable, "-m", "stellarax.autotuning.isolation_worker"], stdin=subprocess.PIPE,
         stdout=subprocess.PIPE, env=env)
     self.replies: queue.Queue = queue.Queue()
-    self._asking = threading.Lock()  # one request in flight: replies come in order
+    self._asking = threading.Lock()
+    self._requests = 0
+    self.closed = False
     threading.Thread(target=self._read, daemon=True).start()
 
   def _read(self) -> None:
@@ -114,22 +131,57 @@ class _Worker:
       self.replies.put(("gone", e))
 
   def alive(self) -> bool:
-    return self.process.poll() is None
+    return not self.closed and self.process.poll() is None
 
   def ask(self, request: _Request, deadline_s: float) -> tuple[str, Any]:
-    """Sends a request; returns ("reply", measurements), ("gone", reason) or ("silent", None)."""
+    """Sends a request; returns ("reply", measurements), ("gone", reason) for a worker
+    lost while measuring, ("lost in set-up", reason) for one lost before it measured
+    anything (making the call's inputs and reference), ("silent", None) past the
+    deadline, or ("retired", None) for a worker another thread shut meanwhile."""
     with self._asking:
+      if self.closed:
+        return "retired", None
+      self._requests += 1
+      number = self._requests
       try:
-        _send(self.process.stdin, request)
-      except (BrokenPipeError, OSError) as e:
-        return "gone", e
+        _send(self.process.stdin, (number, pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)))
+      except (BrokenPipeError, OSError, ValueError) as e:
+        self._shut()
+        return "lost in set-up", e
       try:
-        return self.replies.get(timeout=deadline_s)
+        kind, value = self._wait_for(number, time.monotonic() + deadline_s)
+      except BaseException:  # interrupted (Ctrl-C): its reply must never reach another request
+        self._shut()
+        raise
+      if kind != "reply" or value.get("stalled"):
+        self._shut()
+      return kind, value
+
+  def _wait_for(self, number: int, deadline: float) -> tuple[str, Any]:
+    set_up = False
+    while True:
+      try:
+        kind, value = self.replies.get(timeout=max(0.0, deadline - time.monotonic()))
       except queue.Empty:
         return "silent", None
+      if kind == "gone":
+        return ("gone" if set_up else "lost in set-up"), value
+      replied_to, message = value
+      if replied_to != number:
+        continue  # the reply to a request its asker gave up on
+      if message.get("set_up"):
+        set_up = True
+        continue
+      return "reply", message
 
-  def close(self) -> None:
-    """Asks the worker to exit (closing its stdin), kills it if it does not."""
+  def retire(self) -> None:
+    """Shuts the worker once the request in flight, if any, is answered."""
+    with self._asking:
+      self._shut()
+
+  def _shut(self) -> None:
+    """Closes the worker's stdin (it exits) and kills it if it does not exit."""
+    self.closed = True
     try:
       self.process.stdin.close()
       self.process.wait(timeout=10)
@@ -147,6 +199,8 @@ def _worker_for(device_index: int | None) -> _Worker:
   with _workers_lock:
     worker = _workers.get(device_index)
     if worker is None or not worker.alive():
+      if worker is not None and not worker.closed:
+        worker._shut()  # died between requests: its pipes are closed, not leaked
       worker = _workers[device_index] = _Worker()
     return worker
 
@@ -155,7 +209,7 @@ def _retire(device_index: int | None, worker: _Worker) -> None:
   with _workers_lock:
     if _workers.get(device_index) is worker:
       del _workers[device_index]
-  worker.close()
+  worker.retire()
 
 
 @atexit.register
@@ -165,7 +219,8 @@ def close_workers() -> None:
     workers = list(_workers.items())
     _workers.clear()
   for _, worker in workers:
-    worker.close()
+    if not worker.closed:
+      worker._shut()
 
 
 def _deadline_s(count: int, options: measure_lib.MeasureOptions) -> float:
@@ -179,6 +234,9 @@ def _what_happened(kind: str, value: Any, worker: _Worker) -> str:
     return "sent nothing within the deadline and was killed"
   if kind == "gone":
     return f"exited with code {worker.process.returncode} ({value})"
+  if kind == "lost in set-up":
+    return (f"exited with code {worker.process.returncode} ({value}) while it set up the call "
+            "(its inputs and the op's reference output), before it measured any config")
   return value.get("error", "returned no measurement")
 
 
@@ -193,6 +251,8 @@ def _measure_in_workers(bound_args: Any, pending: list[Any], seed: int,
     worker = _worker_for(device_index)
     request = _Request(bound_args, seed, device_index, tuple(pending), options, effort)
     kind, value = worker.ask(request, _deadline_s(len(pending), options))
+    if kind == "retired":
+      continue  # another thread shut it meanwhile: ask a fresh one
     got = {}
     if kind == "reply":
       got = {pending[i]: m for i, m in value.get("measurements", {}).items()}
@@ -202,15 +262,18 @@ def _measure_in_workers(bound_args: Any, pending: list[Any], seed: int,
     if got:
       pending = [c for c in pending if c not in results]
       continue
-    if len(pending) > 1 and kind != "reply":
+    # A worker lost measuring several configs: one of them may have killed it. Lost in
+    # its set-up, before any config ran, or answering with an error: none did.
+    if len(pending) > 1 and kind in ("gone", "silent"):
       half = len(pending) // 2
       for part in (pending[:half], pending[half:]):
         results.update(_measure_in_workers(bound_args, part, seed, options, effort, device_index))
       return results
     failure = measure_lib.Measurement(
         status="runtime_error", method="isolated",
-        error=f"the measuring worker process {_what_happened(kind, value, worker)} while"
-              f" measuring {', '.join(map(str, pending))}"[:600])
+        error=(f"the measuring worker process {_what_happened(kind, value, worker)}"
+               + ("; it was asked for " if kind == "lost in set-up" else " while measuring ")
+               + ", ".join(map(str, pending)))[:600])
     results.update({c: failure for c in pending})
     return results
   return results
@@ -313,12 +376,23 @@ def _other_output_types(output: Any, expected: Any) -> str | None:
   return None
 
 
-def _serve(request: _Request, measurer: CallMeasurer | None) -> tuple[dict[str, Any], CallMeasurer]:
+def _serve(request: _Request, measurer: CallMeasurer | None, set_up: Any
+           ) -> tuple[dict[str, Any], CallMeasurer]:
   import jax
-  device = None if request.device_index is None else jax.devices()[request.device_index]
+  device = None
+  if request.device_index is not None:
+    devices = jax.devices()
+    if not 0 <= request.device_index < len(devices):
+      raise ValueError(
+          f"device {request.device_index} was asked for, and this worker process sees "
+          f"{len(devices)} ({devices[0].platform}); set what selects devices in the environment "
+          "before the tuning process starts (e.g. XLA_FLAGS or JAX_NUM_CPU_DEVICES), or use "
+          "isolate=False")
+    device = devices[request.device_index]
   if measurer is None or (measurer.bound_args, measurer.seed, measurer.device) != (
       request.bound_args, request.seed, device):
     measurer = CallMeasurer(request.bound_args, request.seed, device)
+  set_up()  # from here on a lost worker was lost measuring a config
   configs = list(request.configs)
   out = measurer(configs, request.effort, request.options)
   index = {c: i for i, c in enumerate(configs)}
@@ -338,19 +412,23 @@ def serve_requests() -> None:
   measurer = None
   while True:
     try:
-      request = _receive(requests)
+      number, pickled = _receive(requests)  # the number is readable whatever the request
     except EOFError:
       return
+    try:
+      request = pickle.loads(pickled)
     except Exception as e:  # e.g. an op class this process cannot import
-      _send(replies, {"measurements": {}, "error": (
+      _send(replies, (number, {"measurements": {}, "error": (
           f"could not read the request ({type(e).__name__}: {str(e)[:200]}); ops measured in a"
-          " worker must be importable (not defined in __main__), or use isolate=False")})
+          " worker must be importable (not defined in __main__), or use isolate=False")}))
       continue
     try:
-      reply, measurer = _serve(request, measurer)
+      reply, measurer = _serve(request, measurer,
+                               lambda: _send(replies, (number, {"set_up": True})))
     except Exception as e:  # the call itself cannot be set up: report, do not hang
       reply = {"measurements": {}, "error": f"failed: {type(e).__name__}: {str(e)[:300]}"}
+    reply = (number, reply)
     _send(replies, reply)
-    if reply.get("stalled"):
+    if reply[1].get("stalled"):
       os._exit(0)  # abandoned threads may still hold the device: leave without joining them
 
