@@ -1323,6 +1323,21 @@ def test_a_space_pruned_to_its_heuristic_is_not_taken_for_a_starved_one(user_cac
   assert again == entry and not measured
 
 
+def test_progress_reaches_its_total_when_prune_leaves_configs_out():
+  # It counted every config of the space but advanced only for those prune kept.
+  (call,) = _ragged_calls(1)
+  ends = []
+  real = autotuning.progress.Progress.close
+
+  def close(self):
+    ends.append((self.done, self.total))
+    real(self)
+
+  with mock.patch.object(autotuning.progress.Progress, "close", close):
+    stellarax.Autotuner(prune=lambda ba, configs: configs[:2], progress=True).autotune([call])
+  assert ends == [(len(call.autotuning_configs),) * 2]
+
+
 def _with_times(entry, factor):
   """`entry` with every ok measurement's times multiplied by `factor`."""
   measurements = tuple(

@@ -305,6 +305,8 @@ class Autotuner:
     if cached is not None:
       if pool is not None:
         pool.take(ba)  # unspent: its share stays in the pool for the calls after it
+      if progress is not None:  # done: its configs count as measured
+        progress.advance(len(ba.autotuning_configs), ba.op.name)
       return cached
     return self._tune_and_keep_drawing(ba, progress, pool, device)
 
@@ -447,7 +449,10 @@ class Autotuner:
     label = ba.op.name
     measure_here = self._isolated_measure(ba, device) if self.isolate else self._local_measure(ba, device)
     journal = self._journal(ba, device)
-    seen: set[Any] = set()  # progress counts each config once, however often measured
+    # Progress counts each config of the call's space once (its total counts them all),
+    # however often measured: what prune or reproducible mode left out counts at the end.
+    counted = set(ba.autotuning_configs)
+    seen: set[Any] = set()
 
     def recalled(configs, effort):
       # Never the heuristic: its measurements are the search's first timed calls, which
@@ -462,7 +467,7 @@ class Autotuner:
       out = measure_here(todo, effort) if todo else {}
       journal.record(out, effort)
       if progress is not None:
-        progress.advance(len(set(configs) - seen), label)
+        progress.advance(len((set(configs) - seen) & counted), label)
       seen.update(configs)
       return {c: known[c] if c in known else out[c] for c in configs}
 
@@ -473,8 +478,8 @@ class Autotuner:
     strategy = _strategy(self.strategy, len(space))
     outcome = strategy(space, measure, heuristic=heuristic, budget_s=self.budget_s)
     outcome = _confirm_recalled(outcome, measure_here, journal, heuristic)
-    if progress is not None:  # configs a budgeted strategy skipped count as done
-      progress.advance(len(set(space) - seen), label)
+    if progress is not None:  # configs a budgeted strategy skipped or left out count as done
+      progress.advance(len(counted - seen), label)
     measurements = tuple(outcome.measurements.items())
     return Entry(
         bound_args=ba, best_config=outcome.best, heuristic_config=heuristic,
