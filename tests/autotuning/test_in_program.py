@@ -271,3 +271,39 @@ def test_a_slower_implementation_in_the_result_changes_nothing(monkeypatch):
       name: _ok(1.0) for name in programs})
   check = autotuning.check_in_program(result, attention_program, q, kv)
   assert check.calls == ()
+
+
+def two_calls(lhs, rhs, gs):
+  a = stellarax.ragged_dot(lhs, rhs, gs, implementation="xla")
+  b = stellarax.ragged_dot(lhs[:48], rhs, jnp.array([20, 0, 28], jnp.int32), implementation="xla")
+  return jnp.sum(a) + jnp.sum(b)
+
+
+def test_a_call_whose_config_fails_in_the_program_is_not_held_against_the_others(monkeypatch):
+  # One call's tuned config gives wrong results in the program: the tuned program and
+  # every other call's left-out program (which still holds it) fail, and every other
+  # call was said to be "not faster beyond noise", its tuned config thrown away by kept().
+  entries = []
+  for ba in autotuning.get_bound_args(two_calls, *_inputs()):
+    ba = ba.with_config(None)
+    heuristic = ba.heuristics_config
+    other = next(c for c in sorted(ba.autotuning_configs, key=repr) if c != heuristic)
+    entries.append(autotuning.Entry(bound_args=ba, best_config=other, heuristic_config=heuristic,
+                                    measurements=((heuristic, _ok(2.0)), (other, _ok(1.0)))))
+  result = autotuning.AutotuningResult(jax.devices()[0].device_kind, {e.key: e for e in entries})
+  wrong = Measurement(status="wrong_result", error="max abs error 9")
+  passes = iter([
+      {"heuristics": _ok(2.0), "tuned": wrong, 0: _ok(1.5), 1: wrong},  # call 0 is the culprit
+      {"heuristics": _ok(2.0), "tuned": _ok(1.0), 0: _ok(2.0)},  # call 1 alone, culprit out
+  ])
+  monkeypatch.setattr(in_program.measure_lib, "measure_candidates",
+                      lambda programs, *a, **k: next(passes))
+  check = autotuning.check_in_program(result, two_calls, *_inputs())
+  culprit, other = check.calls
+  assert (culprit.helps, culprit.culprits_out, other.helps, other.culprits_out) == (
+      False, False, True, True)
+  assert "its config is the culprit" in check.lines()[1]
+  assert "helps (judged with the culprits at their heuristic configs)" in check.lines()[2]
+  kept = {e.key: e.best_config for e in check.kept()}
+  assert kept == {entries[0].key: entries[0].heuristic_config,
+                  entries[1].key: entries[1].best_config}

@@ -71,6 +71,9 @@ class CallCheck:
     heuristic_config: the call's heuristic config today, which `without` ran (the
       entry records the heuristic of when it was measured, which a newer stellarax may
       have changed); None means the entry's.
+    culprits_out: where the tuned program fails for other calls' configs (the culprits:
+      the program runs without them), this call was judged in the programs with those
+      calls at their heuristic configs: `without` and `helps` are from those.
   """
 
   entry: Entry
@@ -78,6 +81,7 @@ class CallCheck:
   helps: bool
   alternatives: tuple[Entry, ...] = ()
   heuristic_config: Any = None
+  culprits_out: bool = False
 
   def at_heuristic(self) -> Entry:
     """The entry pinned to the heuristic config that `without` ran."""
@@ -189,7 +193,10 @@ class ProgramCheck:
       if call.without.ok and self.tuned.ok:
         gain = call.without.median_s - self.tuned.median_s
         gain = f", its gain {'-' if gain < 0 else '+'}{format_time(abs(gain))}"
-      if call.helps:
+      if call.culprits_out:
+        verdict = ("helps" if call.helps else "not faster beyond noise: kept() keeps the "
+                   "heuristic") + " (judged with the culprits at their heuristic configs)"
+      elif call.helps:
         verdict = "helps"
       elif not self.tuned.ok and call.without.ok:
         verdict = "the tuned program fails and without it it does not: its config is the culprit"
@@ -360,6 +367,21 @@ def check_in_program(result: AutotuningResult, f: Callable[..., Any], /, *args,
     helps = with_it.ok and (not without.ok or measure_lib.pick_best(
         {i: without, _TUNED: with_it}, prefer=i, order=[i, _TUNED]) == _TUNED)
     calls.append(CallCheck(e, without, bool(helps), others, heuristic[e.key].best_config))
+  culprits = [c for c in calls if not got[_TUNED].ok and c.without.ok]
+  if culprits and len(culprits) < len(calls):
+    # Every other call's program still holds a culprit and fails as the tuned one does:
+    # they are judged again with the culprits at their heuristic configs.
+    cleared = result
+    for c in culprits:
+      cleared = cleared.with_entry(c.at_heuristic())
+      for other in c.alternatives:
+        cleared = AutotuningResult(cleared.device_kind,
+                                   {e.key: e for e in cleared if e.key != other.key},
+                                   cleared.versions)
+    again = {c.entry.key: c for c in check_in_program(cleared, f, *args, options=options,
+                                                      **kwargs).calls}
+    calls = [c if c in culprits or c.entry.key not in again
+             else dataclasses.replace(again[c.entry.key], culprits_out=True) for c in calls]
   times = (_call_times(found, result, programs, (arrays,), {e.key for e, _ in changed})
            if profile else ())
   return ProgramCheck(result, got[_HEURISTICS], got[_TUNED], tuple(calls), len(found), times)
