@@ -291,9 +291,21 @@ def test_cache_clear_removes_the_cache_s_files_only(tmp_path, user_cache_dir, ca
   notes.write_text("the user's own")
   # A file the cache set aside as unreadable is the cache's too.
   (next(p for p in user_cache_dir.iterdir() if p.is_dir()) / "x.json.unreadable").write_text("{")
+  # JSON files of the user's one folder down (a cache root set to a project's folder)
+  # were listed as an unknown op's entries, and removed by clear with their folders.
+  own = {user_cache_dir / "config" / "train.json": '{"lr": 0.001, "steps": 1000}',
+         user_cache_dir / "config" / "ragged_dot_sizes.json": '{"sizes": [1, 2]}',
+         next(p for p in user_cache_dir.iterdir() if p.is_dir()) / "package.json": '{"v": 1}'}
+  for path, text in own.items():
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(text)
+  assert cli.main(["cache", "list"]) == 0
+  assert "json" not in capsys.readouterr().out.replace("ragged_dot.xla.json", "")
   assert cli.main(["cache", "clear"]) == 0
   assert "files removed" in capsys.readouterr().out
-  assert sorted(p.name for p in user_cache_dir.rglob("*")) == ["notes.txt"]
+  assert sorted(p.name for p in user_cache_dir.rglob("*") if p.is_file()) == sorted(
+      ["notes.txt"] + [p.name for p in own])
+  assert all(path.read_text() == text for path, text in own.items())
   assert autotuning.explain(ba).source != "user_cache"
 
 

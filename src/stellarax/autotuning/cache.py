@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -48,6 +49,7 @@ import jax
 
 from stellarax.autotuning import file_format
 from stellarax.autotuning.result import AutotuningResult
+from stellarax.core import registry
 from stellarax.core import resolution
 from stellarax.core import specs
 from stellarax.core import warn as warn_lib
@@ -372,10 +374,11 @@ class FileCache:
 
   def files(self) -> list[Path]:
     """Every result file of the cache, of every device kind, sorted (not the temporary
-    files of atomic writes)."""
+    files of atomic writes, nor other JSON files: `is_cache_file`)."""
     if not self.root.is_dir():
       return []
-    return sorted(p for p in self.root.glob("*/*.json") if not _is_temporary(p))
+    return sorted(p for p in self.root.glob("*/*.json")
+                  if not _is_temporary(p) and is_cache_file(p))
 
   def temporaries(self, *, min_age_s: float = 0.0) -> list[Path]:
     """The temporary files of atomic writes in the cache's folders, sorted.
@@ -472,6 +475,39 @@ def _with_unread_entries(result: AutotuningResult,
   return data
 
 
+# How a results file begins (file_format.dumps sorts the keys): enough to tell one cut
+# short by a killed writer from a JSON file of the user's.
+_RESULTS_FILE_START = re.compile(rb'\A\s*\{\s*"device_kind"\s*:')
+_ENVELOPE = {"schema", "device_kind", "entries"}
+
+
+def is_cache_file(path: Path) -> bool:
+  """Whether `path` is a stellarax results file (or one cut short), not another JSON
+  file that shares a folder with the cache (a cache root set to a user's folder).
+
+  Args:
+    path: a `.json` file.
+
+  Returns:
+    True where it begins as `file_format.dumps` writes one, or parses as an object with
+    the results file's envelope (`schema`, `device_kind`, `entries`), or cannot be parsed
+    and is named for an op family (`<family>.<...>.json`: a broken cache file); False
+    otherwise, and for a file that cannot be read.
+  """
+  try:
+    with open(path, "rb") as f:
+      if _RESULTS_FILE_START.match(f.read(256)):
+        return True
+      f.seek(0)
+      data = json.loads(f.read())
+  except ValueError:
+    family, dot, _ = path.stem.partition(".")
+    return bool(dot) and family in {n.partition(".")[0] for n in registry.names()}
+  except OSError:
+    return False
+  return isinstance(data, dict) and _ENVELOPE <= data.keys()
+
+
 def _clear_folder(folder: Path) -> int:
   """Removes the cache's files from one device kind's folder (not the temporary files
   of atomic writes: `FileCache.clear` sees to those); returns how many it removed."""
@@ -485,8 +521,11 @@ def _clear_folder(folder: Path) -> int:
   # starts again on a new one (`_locked_file`), so its entries land after the clear.
   # Removing the lock file while holding it (as `write(remove_locks=True)` does)
   # never leaves a writer holding a lock file that another writer cannot find.
-  results = {n for n in names if n.endswith(".json") and not _is_temporary(Path(n))}
-  results |= {n.removesuffix(".lock") for n in names if n.endswith(".json.lock")}
+  # Only the cache's own files: a JSON file of the user's stays (`is_cache_file`).
+  results = {n for n in names if n.endswith(".json") and not _is_temporary(Path(n))
+             and is_cache_file(folder / n)}
+  results |= {n.removesuffix(".lock") for n in names if n.endswith(".json.lock")
+              and (n.removesuffix(".lock") not in names or n.removesuffix(".lock") in results)}
   for name in sorted(results):
     with _exclusive_lock(folder / f"{name}.lock", remove=True):
       removed += _unlink(folder / name)

@@ -273,10 +273,10 @@ def _of_an_op_not_imported(path: Path) -> bool:
   if path.stem in registry.names():
     return False
   try:
-    json.loads(path.read_text())
+    data = json.loads(path.read_text())
   except (OSError, ValueError):
     return False
-  return True
+  return isinstance(data, dict) and isinstance(data.get("entries"), list)
 
 
 def _report(args) -> int:
