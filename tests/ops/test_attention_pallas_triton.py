@@ -206,6 +206,23 @@ def test_invalid_arguments_raise_clear_errors(kwargs, match):
     pt.attention_fwd_pallas_triton(q, k, k, **args)
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(block_q=512), "block_q=512 must be one of"),
+    (dict(num_warps=32), "num_warps=32 must be one of"),
+    (dict(num_stages=9), "num_stages=9 must be an int in"),
+])
+def test_a_config_the_kernels_refuse_is_refused_when_made(kwargs, match):
+  # The configs took any power of two (block 512, 32 warps), which the kernels refused
+  # only when called; and their own check replaced the kernels' by name.
+  with pytest.raises(ValueError, match=match):
+    stellarax.PallasTritonAttention.config_cls(**(dict(_FWD_TUNABLES) | kwargs))
+  vjp = dict(block_q=32, block_k=32, block_q_dq=32, block_k_dq=32, num_warps=4, num_stages=2)
+  with pytest.raises(ValueError, match=match):
+    stellarax.PallasTritonAttentionVjp.config_cls(**(vjp | kwargs))
+  with pytest.raises(ValueError, match=match):
+    pt.check_fwd_tunables(**(dict(_FWD_TUNABLES) | kwargs))
+
+
 def test_unsupported_shapes_raise():
   with pytest.raises(ValueError, match="head dim H=96"):
     x = jnp.ones((1, 8, 1, 96))

@@ -937,14 +937,8 @@ def tunable_space(query: Any, key: Any, *,
 # ---------------------------------------------------------------------------
 # Op classes: attention.pallas_triton and its VJP.
 
-from stellarax.core.config import check_power_of_two, config_dataclass  # noqa: E402
+from stellarax.core.config import config_dataclass  # noqa: E402
 from stellarax.ops.attention import base as _base  # noqa: E402
-
-
-def _check_warps_stages(num_warps, num_stages):
-  check_power_of_two("num_warps", num_warps, maximum=32)
-  if not isinstance(num_stages, int) or not 1 <= num_stages <= 8:
-    raise ValueError(f"num_stages={num_stages!r} must be an int in [1, 8].")
 
 
 @config_dataclass
@@ -957,9 +951,9 @@ class PallasTritonAttentionConfig:
   num_stages: int
 
   def __post_init__(self):
-    check_power_of_two("block_q", self.block_q, minimum=16)
-    check_power_of_two("block_k", self.block_k, minimum=16)
-    _check_warps_stages(self.num_warps, self.num_stages)
+    # The kernel's own checks: a config it would refuse is refused when it is made.
+    check_fwd_tunables(block_q=self.block_q, block_k=self.block_k, num_warps=self.num_warps,
+                       num_stages=self.num_stages)
 
 
 @config_dataclass
@@ -975,9 +969,9 @@ class PallasTritonAttentionVjpConfig:
   num_stages: int
 
   def __post_init__(self):
-    for name in ("block_q", "block_k", "block_q_dq", "block_k_dq"):
-      check_power_of_two(name, getattr(self, name), minimum=16)
-    _check_warps_stages(self.num_warps, self.num_stages)
+    check_bwd_tunables(block_q=self.block_q, block_k=self.block_k, block_q_dq=self.block_q_dq,
+                       block_k_dq=self.block_k_dq, num_warps=self.num_warps,
+                       num_stages=self.num_stages)
 
 
 def _check_kernel_takes(arguments):
