@@ -133,8 +133,9 @@ def report(out_dir: Path, op_names: Sequence[str]) -> str:
   rules = []
   for name in op_names:
     fit = autotuning.fit_heuristics(autotuning.AutotuningResult.load(out_dir / f"{name}.json"), name)
-    cells = [f"{r.geomean:.3f}x / {r.worst:.2f}x" for r in
-             (fit.heuristic_regret, fit.transfer_regret, fit.rule_regret)]
+    cells = [f"failed at {r.failed} of {r.num_keys} keys" if r.failed
+             else f"{r.geomean:.3f}x / {r.worst:.2f}x"
+             for r in (fit.heuristic_regret, fit.transfer_regret, fit.rule_regret)]
     lines.append(f"| {name} | {fit.num_keys} | " + " | ".join(cells) + " |")
     rules.append(f"\n`{name}` rule fitted on all keys:\n\n```\n{fit.rule.text()}\n```")
   return "\n".join(lines + rules)

@@ -339,20 +339,35 @@ def test_fit_heuristics_splits_off_the_fewest_keys_a_leaf_may_hold():
   assert fit.rule.predict(_ragged(4096, g=8)) == _tiled(128)
 
 
-def test_fit_heuristics_counts_a_failed_config_as_the_slowest():
-  """Where the fixed heuristic config failed, it costs what the slowest config cost
-  (not nothing): its regret shows the failure."""
+def _failing(entry, config):
+  failed = Measurement(status="runtime_error", error="RuntimeError: out of memory")
+  return dataclasses.replace(entry, measurements=tuple(
+      (c, failed if c == config else m_) for c, m_ in entry.measurements))
+
+
+def test_fit_heuristics_counts_a_failed_config_as_no_answer():
+  """Where the fixed heuristic config failed, its regret says so: it counted as the
+  slowest config, which where one config ran was the best (1.000x)."""
   def failing_heuristic(m):
     entry = _entry(_ragged(m, g=8), _tiled(16), slower=1.5)
-    heuristic = entry.heuristic_config
-    assert heuristic != _tiled(16)
-    failed = Measurement(status="runtime_error", error="RuntimeError: out of memory")
-    return dataclasses.replace(entry, measurements=tuple(
-        (c, failed if c == heuristic else m_) for c, m_ in entry.measurements))
+    assert entry.heuristic_config != _tiled(16)
+    return _failing(entry, entry.heuristic_config)
   fit = autotuning.fit_heuristics(_result(*map(failing_heuristic, (64, 256, 1024, 4096))),
                                   "ragged_dot.xla")
-  assert fit.heuristic_regret.geomean == pytest.approx(1.5)
+  assert fit.heuristic_regret.failed == 4 and fit.heuristic_regret.geomean == math.inf
+  assert "chose a config that failed at 4 of 4 keys" in str(fit.heuristic_regret)
+  assert fit.rule_regret.failed == 0
   assert fit.rule.predict(_ragged(512, g=8)) == _tiled(16)
+
+
+def test_a_fitted_rule_never_answers_a_key_it_was_fitted_on_with_a_config_that_failed_there():
+  # The config fastest at most keys failed at one: the leaf ranked it first, covered the
+  # key by any config of its space, and answered that key with it.
+  entries = [_entry(_ragged(m, g=8), _tiled(16), slower=1.5) for m in (64, 256, 1024, 4096)]
+  entries[2] = _failing(entries[2], _tiled(16))
+  fit = autotuning.fit_heuristics(_result(*entries), "ragged_dot.xla", max_depth=0)
+  assert fit.rule.predict(entries[2].bound_args) != _tiled(16)
+  assert all(dict(e.measurements)[fit.rule.predict(e.bound_args)].ok for e in entries)
 
 
 def test_fit_heuristics_rejects_too_little_data():

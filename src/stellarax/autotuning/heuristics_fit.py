@@ -7,7 +7,10 @@ levels), which the features do not see, so a bfloat16 and a float32 sweep of one
 would look like two measurements of one call. `like=` picks the structure where the
 entries hold several. Each such
 key gives, for every config, its slowdown against the fastest measured there; a config
-that failed there counts as the slowest one measured there.
+that failed there (or was not measured ok) is never a good answer there: in the fit it
+costs more than any slowdown of the configs that ran, so a leaf ranks first a config
+that ran at every one of its keys where one did, and in the regret it counts as an
+infinite slowdown (`Regret.failed` counts those picks).
 
 The rule is a decision tree over the shape features of `transfer.features_of` (log2 of the
 array dimensions unless the op defines `_transfer_features`), grown greedily to
@@ -48,6 +51,9 @@ from stellarax.core.specs import canonical_json
 
 # Fewer full sweeps than this leave nothing to hold out and learn from.
 MIN_KEYS = 3
+# The log slowdown a config costs at a key where it failed: more than any sum of real
+# ones over the keys of a fit (a slowdown of 2 at a million keys is 6.9e5).
+_FAILED_COST = 1e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,13 +64,19 @@ class Regret:
     geomean: geometric mean of t(chosen config) / t(fastest config); 1.0 is always the best.
     worst: the largest such ratio.
     num_keys: the keys it was measured on.
+    failed: of those, the keys where it chose a config that failed there (its slowdown is
+      infinite: geomean and worst are then inf).
   """
 
   geomean: float
   worst: float
   num_keys: int
+  failed: int = 0
 
   def __str__(self) -> str:
+    if self.failed:
+      return (f"chose a config that failed at {self.failed} of {self.num_keys} keys (no "
+              "working kernel there)")
     return f"{self.geomean:.3f}x geometric mean, {self.worst:.2f}x worst ({self.num_keys} keys)"
 
 
@@ -320,8 +332,8 @@ class _Sweep:
                min(times.values()), max(times.values()))
 
   def slowdown(self, config: Any) -> float:
-    """t(config) / t(best); a failed or unmeasured config counts as the slowest."""
-    return self.times.get(config, self.worst) / self.best
+    """t(config) / t(best); inf for a config that failed or was not measured ok."""
+    return self.times[config] / self.best if config in self.times else math.inf
 
 
 class _Fitter:
@@ -333,8 +345,12 @@ class _Fitter:
     all_configs = {c for s in sweeps for c in s.space}
     self.configs = sorted(all_configs, key=lambda c: canonical_json(config_to_json(c)))
     self.x = np.array([[s.features[n] for n in self.names] for s in sweeps], dtype=np.float64)
-    self.cost = np.log([[s.slowdown(c) for c in self.configs] for s in sweeps])
-    self.valid = np.array([[c in s.space for c in self.configs] for s in sweeps])
+    # Log slowdowns; a config that did not run ok at a key costs more there than any
+    # sum of real slowdowns (finite, so that costs still add and subtract).
+    slowdowns = np.array([[s.slowdown(c) for c in self.configs] for s in sweeps])
+    self.cost = np.where(np.isfinite(slowdowns), np.log(np.where(np.isfinite(slowdowns),
+                                                                 slowdowns, 1.0)), _FAILED_COST)
+    self.valid = np.isfinite(slowdowns)  # ran ok there: covers the key
     self.max_depth, self.min_leaf = max_depth, min_leaf
     self.min_gain = math.log1p(min_gain)
 
@@ -387,7 +403,8 @@ class _Fitter:
 
 def _regret(slowdowns: Sequence[float]) -> Regret:
   logs = np.log(np.asarray(slowdowns, dtype=np.float64))
-  return Regret(float(np.exp(logs.mean())), float(max(slowdowns)), len(slowdowns))
+  return Regret(float(np.exp(logs.mean())), float(max(slowdowns)), len(slowdowns),
+                failed=sum(not math.isfinite(x) for x in slowdowns))
 
 
 def _config_text(config: Any) -> str:
