@@ -397,6 +397,42 @@ def test_cache_add_merges_a_result_file_into_the_user_cache(tmp_path, user_cache
   assert "stellarax cache: error:" in capsys.readouterr().err
 
 
+def test_cache_commands_say_what_they_could_not_do_and_advise_no_clear(tmp_path, user_cache_dir,
+                                                                       capsys):
+  lhs, rhs = jnp.ones((32, 16)), jax.random.normal(jax.random.key(0), (2, 16, 8))
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, jnp.array([10, 22], jnp.int32))
+  result = stellarax.Autotuner(progress=False, budget_s=2).autotune(ba)
+  out = tmp_path / "tuned_elsewhere.json"
+  result.dump(out)
+  # A newer stellarax's file: add said "added 1 entries" (exit 0) having written none, and
+  # list and prune advised `cache clear`, which deletes that stellarax's data.
+  newer = user_cache_dir / cache.device_kind_slug(result.device_kind) / "ragged_dot.xla.json"
+  newer.parent.mkdir(parents=True)
+  newer.write_text(result.dumps().replace('"schema": 1', '"schema": 2'))
+  with pytest.warns(autotuning.CacheWarning, match="newer than this stellarax"):
+    assert cli.main(["cache", "add", str(out)]) == 1
+  captured = capsys.readouterr()
+  assert "added 0 entries" in captured.out and "ragged_dot.xla were not added" in captured.err
+  for action in ("list", "prune"):
+    assert cli.main(["cache", action]) == 0
+    said = capsys.readouterr().out
+    assert "a newer stellarax wrote it" in said and "cache clear" not in said, said
+  # One broken entry: the rest is read, so the advice is about that file, not the cache.
+  data = result.to_json()
+  data["entries"].append(dict(data["entries"][0], best_config={"strategy": "nope"}))
+  newer.write_text(cache.file_format.dumps(data))
+  assert cli.main(["cache", "list"]) == 0
+  said = capsys.readouterr().out
+  assert "2 entries, 1 invalid" in said and "fix or delete that file" in said, said
+  # Moved to another device kind's folder: the cache passes it over, and list says so.
+  moved = user_cache_dir / "other_kind" / newer.name
+  moved.parent.mkdir()
+  result.dump(moved)
+  newer.unlink()
+  assert cli.main(["cache", "list"]) == 0
+  assert "so the cache passes it over: move it to the folder" in capsys.readouterr().out
+
+
 def test_ctrl_c_saves_what_autotune_had_tuned(tmp_path, user_cache_dir, capsys, monkeypatch):
   from stellarax.autotuning import autotuner as autotuner_lib
   lhs, rhs = jnp.ones((32, 16)), jax.random.normal(jax.random.key(0), (2, 16, 8))

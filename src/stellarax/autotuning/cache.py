@@ -430,7 +430,8 @@ class FileCache:
         except FileNotFoundError:  # removed since listed (`clear`): nothing to prune
           continue
         except ValueError as exc:  # file_format.FormatError: it names the file
-          pruned.append(Pruned(path, 0, 0, error=str(exc).splitlines()[0]))
+          pruned.append(Pruned(path, 0, 0, error=str(exc).splitlines()[0],
+                               newer=isinstance(exc, file_format.NewerSchemaError)))
           continue
         problem = _broken_entries(path, unread)
         if problem is not None:  # left for the user to look at, as an unreadable file
@@ -572,6 +573,21 @@ def _check_device_kind(result: AutotuningResult, device_kind: str, path: Path) -
         "`with stellarax.AutotuningResult.load(path):`.")
 
 
+def misplaced(path: Path, result: AutotuningResult) -> str | None:
+  """Why a cache file is passed over for lying in another device kind's folder, and what
+  to do; None where its folder is its results' device kind's.
+
+  Args:
+    path: the file, in a device kind's folder of a cache.
+    result: what it holds.
+  """
+  folder, own = path.parent.name, device_kind_slug(result.device_kind)
+  if folder == own:
+    return None
+  return (f"it holds results of {result.device_kind!r} in the folder {folder!r}, so the cache "
+          f"passes it over: move it to the folder {own!r}")
+
+
 def _aside(path: Path) -> Path:
   """A free name to move an unreadable cache file to: `<file>.json.unreadable`, else
   `<file>.<n>.json.unreadable`, so that an earlier one is never overwritten."""
@@ -590,12 +606,15 @@ class Pruned:
     removed: stale entries removed.
     kept: current entries kept (0: the file was deleted).
     error: why the file could not be read (nothing was removed), else None.
+    newer: whether that is because a newer stellarax wrote it (its data, which this one
+      must leave alone).
   """
 
   path: Path
   removed: int
   kept: int
   error: str | None = None
+  newer: bool = False
 
 
 @contextlib.contextmanager

@@ -198,8 +198,10 @@ def _cache(args) -> int:
       name = p.path.relative_to(root)
       if p.error and _of_an_op_not_imported(p.path):
         print(f"{name}: left as it is: {_NOT_IMPORTED.format(op=p.path.stem)}")
+      elif p.newer:
+        print(f"{name}: left as it is: {p.error} {_NEWER}")
       elif p.error:
-        print(f"{name}: unreadable, left as it is: {p.error} (`stellarax cache clear` removes it)")
+        print(f"{name}: unreadable, left as it is: {p.error} {_FIX_OR_DELETE}")
       else:
         print(f"{name}: removed {p.removed} stale entries, kept {p.kept}"
               + ("" if p.kept else " (file deleted)"))
@@ -210,9 +212,18 @@ def _cache(args) -> int:
     # per call, the current entry wins over a stale one, else the faster.
     from stellarax.autotuning.result import AutotuningResult
     result = AutotuningResult.load(args.result)
-    for path in cache.USER_CACHE.write(result):
+    written = set(cache.USER_CACHE.write(result))
+    for path in sorted(written):
       print(f"wrote {path}")
-    print(f"added {len(result)} entries for {result.device_kind!r} to the user cache at {root}")
+    ops = sorted({e.bound_args.op.name for e in result})
+    left = [op for op in ops if cache.USER_CACHE.path_for(result.device_kind, op) not in written]
+    added = sum(e.bound_args.op.name not in left for e in result)
+    print(f"added {added} entries for {result.device_kind!r} to the user cache at {root}")
+    if left:  # the warning above says why (a cache file of a newer stellarax)
+      print(f"stellarax cache add: error: the entries of {', '.join(left)} were not added: "
+            "their cache files are left as they are; give this stellarax a cache of its own "
+            "(STELLARAX_CACHE_DIR) to keep them.", file=sys.stderr)
+      return 1
   elif args.action == "ship":
     # For developers: merge a measured result into the shipped library cache
     # (src/stellarax/data/autotuning/<device kind>/<op>.json, one file per op), or with
@@ -231,30 +242,50 @@ def _cache(args) -> int:
   return 0
 
 
+# What to do with a file that cannot be read: `cache clear` would remove the whole cache.
+_FIX_OR_DELETE = "(fix or delete that file; the cache reads the rest)"
+_NEWER = ("(a newer stellarax wrote it: its data, left alone; give each stellarax a cache "
+          "of its own with STELLARAX_CACHE_DIR)")
+
+
 def _list(user_cache) -> None:
-  """Prints each file of the user cache with its entry count and how many are stale; an
-  unreadable file is listed with its error, and a temporary file left by a killed
-  writer as such (`cache clear` removes both)."""
+  """Prints each file of the user cache with its entry count and how many are stale (the
+  entries this stellarax cannot read, recorded by other versions, among them) or
+  invalid; an unreadable file is listed with its error, and a temporary file left by a
+  killed writer as such."""
   from stellarax.autotuning import cache
+  from stellarax.autotuning import file_format
   from stellarax.autotuning.result import AutotuningResult
   files = user_cache.files()
   if not files:
     print(f"user cache at {user_cache.root} is empty")
   for path in files:
     name = path.relative_to(user_cache.root)
+    skipped = []
     try:
-      result = AutotuningResult.load(path, warn_other_versions=False)
+      result = AutotuningResult.load(path, warn_other_versions=False, skipped=skipped)
     except FileNotFoundError:  # removed since listed (a `cache clear` meanwhile)
+      continue
+    except file_format.NewerSchemaError as exc:
+      print(f"{name}: {str(exc).splitlines()[0]} {_NEWER}")
       continue
     except ValueError as exc:
       if _of_an_op_not_imported(path):
         print(f"{name}: {_NOT_IMPORTED.format(op=path.stem)}")
       else:
-        print(f"{name}: unreadable: {str(exc).splitlines()[0]} (`stellarax cache clear` removes it)")
+        print(f"{name}: unreadable: {str(exc).splitlines()[0]} {_FIX_OR_DELETE}")
       continue
-    stale = sum(not e.is_current for e in result)
-    print(f"{name}: {len(result)} entries" + (f", {stale} stale (`stellarax cache prune`"
-                                               " removes them)" if stale else ""))
+    if skipped and not len(result) and _of_an_op_not_imported(path):
+      print(f"{name}: {_NOT_IMPORTED.format(op=path.stem)}")
+      continue
+    broken = sum(s.broken for s in skipped)
+    stale = sum(not e.is_current for e in result) + len(skipped) - broken
+    problem = cache.misplaced(path, result)
+    print(f"{name}: {len(result) + len(skipped)} entries"
+          + (f", {stale} stale (`stellarax cache prune` removes them)" if stale else "")
+          + (f", {broken} invalid: {skipped[0].reason if broken == len(skipped) else ''}"
+             .rstrip(": ") + f" {_FIX_OR_DELETE}" if broken else "")
+          + (f"; {problem}" if problem else ""))
   # Only old temporaries: a younger one is most likely a write under way.
   for path in user_cache.temporaries(min_age_s=cache.LEFTOVER_AGE_S):
     print(f"{path.relative_to(user_cache.root)}: left by a cache write that did not finish, "
