@@ -205,6 +205,22 @@ def test_demo_command_takes_the_demos_options(capsys):
   assert "--total-budget-s" in out and "--budget-s" in out and "--no-progress" in out
 
 
+def test_the_demo_refuses_two_budgets_and_an_output_that_is_a_file_before_tuning(tmp_path,
+                                                                                 capsys,
+                                                                                 monkeypatch):
+  # --budget-s was dropped without a word beside --total-budget-s; an --output naming a
+  # file failed with a traceback after the tuning (71 s).
+  monkeypatch.setattr(stellarax, "Autotuner", lambda **kw: pytest.fail(f"tuned with {kw}"))
+  with pytest.raises(SystemExit) as exit_:
+    cli.main(["demo", "--budget-s", "5", "--total-budget-s", "60"])
+  assert exit_.value.code == 2
+  assert "not allowed with argument" in capsys.readouterr().err
+  a_file = tmp_path / "out"
+  a_file.write_text("")
+  assert cli.main(["demo", "--output", str(a_file)]) == 2
+  assert f"--output {a_file} is a file; name a folder" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [["demo", "--budget-s", "0"], ["demo", "--total-budget-s", "-1"],
                                   ["autotune", "calls.json", "--budget-s", "nan"],
                                   ["autotune", "calls.json", "--total-budget-s", "ten"]])

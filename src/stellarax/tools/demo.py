@@ -11,6 +11,7 @@ the program, not only in each op on its own.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -61,14 +62,30 @@ def loss(params, x):
   return jnp.mean(block(params, x) ** 2)
 
 
+DEFAULT_BUDGET_S = 20.0  # tuning budget per op call, unless a total one is given
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   """The demo's options, on its own parser or on `stellarax demo`'s."""
   parser.add_argument("--output", default="demo_out", help="folder for the result JSON")
-  parser.add_argument("--budget-s", type=positive_seconds, default=20.0, help="tuning budget per op call")
-  parser.add_argument("--total-budget-s", type=positive_seconds, default=None,
-                      help="one budget for all calls instead, shared by their device time in a"
-                           " profile of the step (Autotuner.total_budget_s)")
+  budgets = parser.add_mutually_exclusive_group()
+  budgets.add_argument("--budget-s", type=positive_seconds, default=None,
+                       help=f"tuning budget per op call (default {DEFAULT_BUDGET_S:g})")
+  budgets.add_argument("--total-budget-s", type=positive_seconds, default=None,
+                       help="one budget for all calls instead, shared by their device time in"
+                            " a profile of the step (Autotuner.total_budget_s)")
   parser.add_argument("--no-progress", action="store_true")
+
+
+def _output_problem(folder: str) -> str | None:
+  """What keeps `folder` from holding the result, in words, or None."""
+  path = Path(folder)
+  if path.exists() and not path.is_dir():
+    return f"--output {folder} is a file; name a folder (it is created if missing)"
+  existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+  if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+    return f"--output {folder}: {existing} is not a writable folder; name one in a writable place"
+  return None
 
 
 def main(argv=None) -> int:
@@ -86,7 +103,12 @@ def main(argv=None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-  """Runs the demo with parsed options (see `add_arguments`); returns 0."""
+  """Runs the demo with parsed options (see `add_arguments`); returns 0, or 2 (with a
+  message) for an --output that cannot hold the result, before anything is tuned."""
+  problem = _output_problem(args.output)
+  if problem:
+    print(f"stellarax demo: error: {problem}", file=sys.stderr)
+    return 2
   params = init_params(jax.random.key(0), **CONFIG)
   x = jax.random.normal(jax.random.key(1), (CONFIG["batch"], CONFIG["seq"], CONFIG["heads"] * CONFIG["head_dim"]))
   step = jax.value_and_grad(loss)
@@ -99,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
 
   start = time.monotonic()
   budgets = (dict(total_budget_s=args.total_budget_s) if args.total_budget_s is not None
-             else dict(budget_s=args.budget_s))
+             else dict(budget_s=args.budget_s or DEFAULT_BUDGET_S))
   tuner = stellarax.Autotuner(**budgets, progress=not args.no_progress)
   result = tuner.autotune(step, params, x)
   tuning_s = time.monotonic() - start
