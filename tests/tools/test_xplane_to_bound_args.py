@@ -123,3 +123,20 @@ def test_says_which_trace_it_read_when_a_folder_holds_several(profile_dir, tmp_p
                                     f"--output_file={out}"]) == 0
   printed = capsys.readouterr().out
   assert f"read {newer} (the newest trace; 1 file of older traces" in printed, printed
+
+
+def test_one_call_run_under_two_pinned_configs_is_one_record(tmp_path):
+  # It came out as two records with the same bound arguments, each with half the time
+  # (which --total-budget-s shares the budget by).
+  from stellarax.ops.ragged_dot.base import XlaRaggedDotConfig
+  drop_live_programs()
+  lhs, rhs, gs, _ = _args()
+  pinned = [stellarax.XlaRaggedDot(config=XlaRaggedDotConfig(strategy=s, tile_m=64))
+            for s in ("tiled", "lax")]
+  f = jax.jit(lambda l, r, g: sum(stellarax.ragged_dot(l, r, g, implementation=op) for op in pinned))
+  jax.block_until_ready(f(lhs, rhs, gs))
+  with jax.profiler.trace(str(tmp_path)):
+    for _ in range(2):
+      jax.block_until_ready(f(lhs, rhs, gs))
+  (record,) = xplane_to_bound_args.extract(tmp_path)
+  assert record["count"] == 4 and record["device_time_s"] > 0

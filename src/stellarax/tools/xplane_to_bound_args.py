@@ -47,7 +47,7 @@ def extract(xplane_file: str | os.PathLike) -> list[dict[str, Any]]:
       another version with other ops or configs).
   """
   from stellarax.core.bound_args import BoundArguments
-  records = []
+  merged: dict[Any, list] = {}  # call -> [count, device time]
   for call in read_op_calls(xplane_file):
     try:
       ba = BoundArguments.from_json(json.loads(call.marker))
@@ -55,9 +55,13 @@ def extract(xplane_file: str | os.PathLike) -> list[dict[str, Any]]:
       raise ExtractError(
           f"{xplane_file}: an op call in the profile cannot be read by this stellarax "
           f"(was the profile made with another version?): {e}") from None
-    records.append({"bound_args": ba.with_config(None).to_json(), "count": call.count,
-                    "device_time_s": call.device_time_s})
-  return records
+    # One call run under several pinned configs has a marker for each: it is one call.
+    totals = merged.setdefault(ba.with_config(None), [0, 0.0])
+    totals[0] += call.count
+    totals[1] += call.device_time_s
+  records = [{"bound_args": ba.to_json(), "count": count, "device_time_s": time_s}
+             for ba, (count, time_s) in merged.items()]
+  return sorted(records, key=lambda r: -r["device_time_s"])
 
 
 _PROG = "stellarax xplane_to_bound_args"
