@@ -68,6 +68,10 @@ def test_autotune_command_keeps_the_tuned_calls_when_one_fails(tmp_path, user_ca
   captured = capsys.readouterr()
   assert "tuned 1 of 2 calls" in captured.err and "boom" in captured.err
   assert "result saved to" in captured.out
+  # Where the tuned call went, in the command line's words (it said exc.partial_result).
+  assert "exc." not in captured.err and "Autotuner(" not in captured.err
+  assert (f"The 1 tuned calls are saved to {out} and in the user cache; a rerun with --cache "
+          "tunes only what is missing.") in captured.err
   assert autotuning.explain(good).source == "user_cache"
 
 

@@ -57,7 +57,7 @@ def _autotune(args) -> int:
     try:
       result = tuner.autotune(args.bound_args)
     except stellarax.autotuning.IncompleteTuningError as exc:
-      result, failure = exc.partial_result, exc
+      result, failure = exc.partial_result, _incomplete_text(exc, args)
     except KeyboardInterrupt as exc:  # Ctrl-C: keep what was tuned, then stop
       result = getattr(exc, "partial_result", None)
       if result is None:
@@ -87,6 +87,20 @@ def _autotune(args) -> int:
   if interrupted:
     return 130  # what a shell reports for a program stopped by SIGINT
   return 1 if failure is not None or not_cached else 0
+
+
+def _incomplete_text(exc, args) -> str:
+  """An IncompleteTuningError's message for the command line: its calls and why, then
+  where the tuned ones went (its own words speak of Python: exc.partial_result)."""
+  lines = [line.replace(" (exc.errors has them all)", "") for line in str(exc).splitlines()
+           if "exc.partial_result" not in line]
+  tuned = len(exc.partial_result)
+  kept = [where for where, given in ((f"saved to {args.output}", args.output),
+                                     ("in the user cache", args.cache)) if given]
+  if tuned and kept:
+    lines.append(f"The {tuned} tuned calls are {' and '.join(kept)}"
+                 + ("; a rerun with --cache tunes only what is missing." if args.cache else "."))
+  return "\n".join(lines)
 
 
 def _destination_problem(args) -> str | None:
