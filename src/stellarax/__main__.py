@@ -1,8 +1,6 @@
 """`python -m stellarax ...`: the `stellarax` command line (`stellarax.tools.cli`)."""
 
-import sys
-
-from stellarax.tools.cli import main
+from stellarax.tools.cli import command
 
 if __name__ == "__main__":
-  sys.exit(main())
+  command()

@@ -237,6 +237,7 @@ def test_a_budget_that_is_no_positive_number_is_refused_before_any_work(argv, ca
 
 
 _PLUGIN = '''
+import contextlib
 import dataclasses
 import stellarax
 
@@ -481,3 +482,16 @@ def test_ctrl_c_saves_what_autotune_had_tuned(tmp_path, user_cache_dir, capsys, 
   with pytest.raises(KeyboardInterrupt) as info:
     stellarax.Autotuner(progress=False, budget_s=2).autotune(calls)
   assert [e.bound_args for e in info.value.partial_result] == tuned
+
+
+def test_the_command_exits_at_once_after_an_interrupt(monkeypatch):
+  # Interrupted, the interpreter's shutdown met compile threads inside XLA and aborted
+  # (SIGABRT, SIGSEGV) where 130 was due: the command leaves with os._exit.
+  exits = []
+  monkeypatch.setattr(cli.os, "_exit", lambda code: exits.append(code))
+  for code in (130, 0, 1):
+    monkeypatch.setattr(cli, "main", lambda argv=None, code=code: code)
+    exits.clear()
+    with pytest.raises(SystemExit):  # reached here only as os._exit is mocked
+      cli.command([])
+    assert exits == ([130] if code == 130 else [])

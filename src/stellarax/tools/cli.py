@@ -430,5 +430,21 @@ def _xplane(args) -> int:
   return xplane_to_bound_args.main([f"--xplane_file={args.xplane_file}", f"--output_file={args.output_file}"])
 
 
+def command(argv: list[str] | None = None) -> None:
+  """The `stellarax` command: `main`, then exits with its status.
+
+  After an interrupt (status 130) it exits at once, once its output is flushed: the
+  tuning it stopped may leave compilations running on daemon threads inside XLA, which
+  the interpreter's shutdown aborted (SIGABRT or SIGSEGV where 130 was due, 5 times in
+  8); what it saved is on disk already.
+  """
+  code = main(argv)
+  if code == 130:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
+  sys.exit(code)
+
+
 if __name__ == "__main__":
-  sys.exit(main())
+  command()
