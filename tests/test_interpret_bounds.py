@@ -120,6 +120,7 @@ def test_a_leftover_violation_fails_the_test():
   interpret_bounds.fail_on_violations()  # the record was cleared
 
 
+@pytest.mark.slow  # every Triton kernel interpreted with bounds checks: CI's slow stage
 def test_every_access_of_the_triton_kernels_is_checked():
   # The ops' kernels (forward and gradient) index with windows, integers and pointer-
   # style gathers: all of them must be understood, none skipped as `unchecked`.

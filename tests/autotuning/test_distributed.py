@@ -211,7 +211,7 @@ def _check_measured_where_tuned(outputs):
     assert all(len(devices) == 1 for devices in out["inputs_on"])
 
 
-@pytest.mark.parametrize("num_processes", [2, 4])
+@pytest.mark.parametrize("num_processes", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_processes_split_the_calls_and_agree(num_processes, calls, calls_file, tmp_path):
   outputs = _run_workers(tmp_path, calls_file, num_processes, check_consistent=num_processes == 2)
   result, tuned = _check_tuned_once_everywhere(outputs, calls)
@@ -230,6 +230,7 @@ def test_processes_split_the_calls_and_agree(num_processes, calls, calls_file, t
       assert "different configs" in out["inconsistent"]
 
 
+@pytest.mark.slow  # CI's slow stage (`make test` within 10 minutes on two cores)
 def test_local_devices_split_the_calls_in_one_process(calls, calls_file, tmp_path):
   outputs = _run_workers(tmp_path, calls_file, 1, devices=2)
   assert outputs[0]["process_count"] == 1 and outputs[0]["local_devices"] == 2

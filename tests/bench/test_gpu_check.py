@@ -67,6 +67,7 @@ def _rows(out):
   return json.loads((out / "results.json").read_text())["rows"]
 
 
+@pytest.mark.slow  # tunes on the CPU for its workloads: CI's slow stage
 def test_deadline_stops_tuning_then_skips_workloads(tmp_path):
   gpu_check = _gpu_check()
   args = ["--smoke", "--no-profile", "--only", "rms_norm", "--tune-budget-s", "2"]
@@ -216,6 +217,7 @@ def test_faster_code_paths_need_disjoint_confidence_intervals():
   assert gpu_check.faster_code_paths([entry(wrong)]) == []
 
 
+@pytest.mark.slow  # tunes on the CPU for its workloads: CI's slow stage
 def test_a_tuned_row_keeps_the_calls_that_were_tuned_when_another_fails(tmp_path, monkeypatch):
   # Every config of the backward fails: the fwd+bwd row still runs with the tuned
   # forward (and the backward's heuristic), says so in its note, and tuned.json keeps

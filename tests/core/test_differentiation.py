@@ -124,7 +124,8 @@ def _rms_norm(x, scale):
   return x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-6) * scale
 
 
-@pytest.mark.parametrize("family", ["layer_norm", "rms_norm", "ragged_dot", "attention",
+@pytest.mark.parametrize("family", ["layer_norm", "rms_norm", "ragged_dot",
+                                    pytest.param("attention", marks=pytest.mark.slow),  # CI's
                                     "gated_linear_unit"])
 def test_second_derivatives_of_xla_implementations_match_jax(family):
   x, w = _normal((12, 16), 3), _normal((16,), 4)

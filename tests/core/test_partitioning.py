@@ -386,6 +386,7 @@ _EXPECTED_SPECS = {
 }
 
 
+@pytest.mark.slow  # a four-device run in a subprocess: CI's slow stage
 def test_sharded_calls_compute_what_xla_does_on_each_shard(sharded_run):
   mode, report = sharded_run
   for name, expected in _EXPECTED_SPECS.items():
@@ -396,6 +397,7 @@ def test_sharded_calls_compute_what_xla_does_on_each_shard(sharded_run):
     assert expected is None or row["specs"] == expected, (mode, name, row["specs"])
 
 
+@pytest.mark.slow  # a four-device run in a subprocess: CI's slow stage
 def test_split_factors_are_not_gathered_and_partial_sums_are_added(sharded_run):
   mode, report = sharded_run
   for name in ("attention batch", "attention heads", "attention grad batch", "glu vmap",
@@ -408,6 +410,7 @@ def test_split_factors_are_not_gathered_and_partial_sums_are_added(sharded_run):
     assert report[name]["sums"], (mode, name)
 
 
+@pytest.mark.slow  # a four-device run in a subprocess: CI's slow stage
 def test_xla_implementations_move_no_more_than_plain_jax(sharded_run):
   mode, report = sharded_run
   # The GLU's weights split on N are never gathered: the output stays split, and the
@@ -426,6 +429,7 @@ def test_xla_implementations_move_no_more_than_plain_jax(sharded_run):
     only_sums_of("xla ragged_dot grad rows", "f32[3,32,64]")
 
 
+@pytest.mark.slow  # a four-device run in a subprocess: CI's slow stage
 def test_each_device_runs_its_shard_unless_the_op_refuses_it(sharded_run):
   mode, report = sharded_run
   # (custom_partitioning traces the whole call too, for one device; it runs the shards.)

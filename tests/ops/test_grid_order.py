@@ -45,7 +45,8 @@ def test_an_independent_kernel_passes():
   np.testing.assert_array_equal(out, 2 * np.arange(12.0))
 
 
-@pytest.mark.parametrize("group_sizes", [(37, 0, 50, 40), (5, 0, 9, 3, 0, 20, 60, 1)])
+@pytest.mark.parametrize("group_sizes", [
+    (37, 0, 50, 40), pytest.param((5, 0, 9, 3, 0, 20, 60, 1), marks=pytest.mark.slow)])
 def test_ragged_dot_kernels(group_sizes):
   # Groups not multiples of the tile, empty ones, rows past the last group: tiles that
   # share rows (the forward moves a tile up to end at row M) and split sums.

@@ -222,6 +222,7 @@ def _check_three_products(w: Workload, config: dict, seed: int):
   return lhs, rhs, sizes
 
 
+@pytest.mark.slow  # CI's slow stage (`make test` within 10 minutes on two cores)
 @pytest.mark.mosaic_interpret
 def test_epilogue_slabs_match_reference():
   """Output tiles stored one 64-column slab at a time (ragged rows: each slab's own
@@ -409,6 +410,7 @@ def test_op_forward_and_gradients_match_lax_ragged_dot():
   _assert_close(drhs, expected_drhs, jnp.bfloat16)
 
 
+@pytest.mark.slow  # CI's slow stage (`make test` within 10 minutes on two cores)
 def test_a_backward_the_kernel_does_not_take_comes_from_xla_with_a_warning():
   # K=64: the forward kernel takes it, the backward's (K a multiple of 128) does not.
   keys = jax.random.split(jax.random.key(3), 3)

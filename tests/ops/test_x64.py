@@ -54,6 +54,7 @@ def test_index_math_takes_python_ints_as_int32_under_x64(x64):
   assert index_math.cdiv(7, jnp.int64(2)).dtype == jnp.int32
 
 
+@pytest.mark.slow  # CI's slow stage (`make test` within 10 minutes on two cores)
 def test_triton_ragged_dot_and_gated_linear_unit_run_under_x64(x64):
   k = jax.random.split(jax.random.key(0), 4)
   lhs = jax.random.normal(k[0], (70, 32), jnp.float32)
