@@ -639,3 +639,29 @@ if __name__ == "__main__":
   mode, path = sys.argv[1], sys.argv[2]
   with open(path, "w") as f:
     json.dump(_run_cases(explicit=mode == "explicit"), f)
+
+
+_VMAPPED_RAGGED_DOT = """
+import jax, jax.numpy as jnp, stellarax
+sizes = jnp.array([20, 0, 30], jnp.int32)
+l = jax.random.normal(jax.random.key(0), (4, 50, 32))
+r = jax.random.normal(jax.random.key(1), (4, 3, 32, 64))
+loss = lambda l, r: jnp.sum(jnp.sin(jax.vmap(
+    lambda l, r: stellarax.ragged_dot(l, r, sizes, implementation="xla"))(l, r)))
+g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+want = g(l, r)
+mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+got = g(*(jax.device_put(a, jax.NamedSharding(mesh, jax.P("data"))) for a in (l, r)))
+print(max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))))
+"""
+
+
+def test_xla_ragged_dot_under_vmap_on_an_explicit_mesh():
+  # The per-example call keeps the mesh in its types and nothing splits it: JAX's
+  # ragged_dot infers no output sharding there and raised NotImplementedError.
+  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags.strip()}
+  proc = subprocess.run([sys.executable, "-c", _VMAPPED_RAGGED_DOT], env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert float(proc.stdout.split()[-1]) < 1e-4

@@ -171,10 +171,23 @@ def ragged_dot_xla(
   out_dtype = preferred_element_type or lhs.dtype
   if strategy == "lax":
     return lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), precision=precision,
-                          preferred_element_type=out_dtype)
+                          preferred_element_type=out_dtype, out_sharding=_out_sharding(lhs, rhs))
   if strategy == "masked":
     return _ragged_dot_masked(lhs, rhs, group_sizes, precision, out_dtype)
   return _ragged_dot_tiled(lhs, rhs, group_sizes, tile_m, precision, out_dtype)
+
+
+def _out_sharding(lhs, rhs):
+  """The (M, N) output's split where the operands' types carry an Explicit mesh (JAX does
+  not infer one for ragged_dot there: a call on such arrays that the partitioning left
+  whole, as under vmap, raised), else None. Rows as lhs's, columns as rhs's."""
+  lhs_type, rhs_type = jax.typeof(lhs), jax.typeof(rhs)
+  mesh = getattr(lhs_type.sharding, "mesh", None)
+  if mesh is None or mesh.empty or jax.sharding.AxisType.Explicit not in mesh.axis_types:
+    return None
+  rows = lhs_type.sharding.spec[0] if len(lhs_type.sharding.spec) > 0 else None
+  columns = rhs_type.sharding.spec[2] if len(rhs_type.sharding.spec) > 2 else None
+  return jax.sharding.PartitionSpec(rows, columns)
 
 
 def _rhs_grad_masked(lhs, dout, group_sizes, precision, out_dtype):
