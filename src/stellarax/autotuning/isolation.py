@@ -427,8 +427,7 @@ def serve_requests() -> None:
                                lambda: _send(replies, (number, {"set_up": True})))
     except Exception as e:  # the call itself cannot be set up: report, do not hang
       reply = {"measurements": {}, "error": f"failed: {type(e).__name__}: {str(e)[:300]}"}
-    reply = (number, reply)
-    _send(replies, reply)
-    if reply[1].get("stalled"):
+    _send(replies, (number, reply))
+    if reply.get("stalled"):
       os._exit(0)  # abandoned threads may still hold the device: leave without joining them
 

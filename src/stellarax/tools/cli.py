@@ -292,13 +292,12 @@ def _list(user_cache) -> None:
     if skipped and not len(result) and _of_an_op_not_imported(path):
       print(f"{name}: {_NOT_IMPORTED.format(op=path.stem)}")
       continue
-    broken = sum(s.broken for s in skipped)
-    stale = sum(not e.is_current for e in result) + len(skipped) - broken
+    invalid = [s for s in skipped if s.broken]
+    stale = sum(not e.is_current for e in result) + len(skipped) - len(invalid)
     problem = cache.misplaced(path, result)
     print(f"{name}: {len(result) + len(skipped)} entries"
           + (f", {stale} stale (`stellarax cache prune` removes them)" if stale else "")
-          + (f", {broken} invalid: {skipped[0].reason if broken == len(skipped) else ''}"
-             .rstrip(": ") + f" {_FIX_OR_DELETE}" if broken else "")
+          + (f", {len(invalid)} invalid ({invalid[0].reason}) {_FIX_OR_DELETE}" if invalid else "")
           + (f"; {problem}" if problem else ""))
   # Only old temporaries: a younger one is most likely a write under way.
   for path in user_cache.temporaries(min_age_s=cache.LEFTOVER_AGE_S):
