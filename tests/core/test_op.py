@@ -250,6 +250,41 @@ def test_an_op_called_eagerly_binds_once_per_shapes_and_static_arguments(monkeyp
   assert len(bound) == 2
 
 
+def test_an_eager_call_reads_an_array_given_as_a_static_option(monkeypatch):
+  # `axis=np.array([1, 2])` works inside jit (the array is a constant there); eagerly it
+  # was traced with the data and the call failed ("axis=JitTracer(int32[2]) must be an
+  # int...") until 2026-12-06.
+  x = jax.random.normal(jax.random.key(5), (3, 4, 5))
+  scale = jnp.linspace(0.5, 1.5, 20).reshape(4, 5)
+  want = stellarax.rms_norm(x, scale, axis=(1, 2))
+  for axis in (np.array([1, 2]), jnp.array([1, 2]), [np.int32(1), jnp.array(2)]):
+    np.testing.assert_array_equal(stellarax.rms_norm(x, scale, axis=axis), want)
+    np.testing.assert_array_equal(stellarax.XlaLayerNorm()(x, scale, axis=axis, subtract_mean=False), want)
+  # Arrays under the options that take them (sequence lengths) are still the jit's
+  # arguments: other lengths of the same shapes reuse the traced call.
+  from stellarax.core import dispatch
+  chosen = []
+  choose = dispatch._call_family
+  monkeypatch.setattr(dispatch, "_call_family", lambda *a: chosen.append(a[0]) or choose(*a))
+  q = jax.random.normal(jax.random.key(6), (2, 11, 2, 8))  # shapes no other test calls with
+  for lengths in ([3, 11], [7, 1]):
+    lengths = np.array(lengths, np.int32)
+    np.testing.assert_allclose(
+        stellarax.dot_product_attention(q, q, q, query_seq_lengths=lengths, key_value_seq_lengths=lengths),
+        jax.nn.dot_product_attention(q, q, q, query_seq_lengths=lengths, key_value_seq_lengths=lengths),
+        rtol=1e-5, atol=1e-5)
+  assert len(chosen) == 1
+
+
+def test_array_options_must_be_keyword_only_parameters():
+  class Odd(stellarax.XlaLayerNorm):
+    array_options = frozenset({"scale"})  # positional: always the jit's argument anyway
+  with pytest.raises(TypeError, match=r"Odd.array_options names \['scale'\]"):
+    Odd._static_options()
+  assert stellarax.XlaLayerNorm._static_options() == {"axis", "epsilon", "subtract_mean"}
+  assert "query_seq_lengths" not in stellarax.XlaAttention._static_options()
+
+
 def test_ops_run_under_disable_jit_as_they_do_jitted():
   # The eager ways go through a jit of the call; with jit disabled that jit would run the
   # call eagerly again, without end (a RecursionError until 2026-12-06).

@@ -17,6 +17,7 @@ applies, the error lists each candidate's reason.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -110,7 +111,8 @@ def call_family(family: str, preference: Sequence[str], implementation: Any, arg
   sequence = isinstance(implementation, (list, tuple))
   head = (family, tuple(preference), type(implementation) if sequence else None,
           tuple(implementation) if sequence else implementation)
-  eager = eager_calls.jitted_call(_run_family, head, args, kwargs, name=family)
+  eager = eager_calls.jitted_call(_run_family, head, args, kwargs, name=family,
+                                  static_options=_static_options(family))
   if eager is None:
     return _call_family(family, preference, implementation, args, kwargs)
   program, arrays = eager
@@ -121,6 +123,14 @@ def call_family(family: str, preference: Sequence[str], implementation: Any, arg
       with contextlib.suppress(ValueError):  # an unknown name: its error says so already
         _note_where_it_runs(e, _as_op(family, implementation))
     raise
+
+
+@functools.cache
+def _static_options(family: str) -> frozenset[str]:
+  """The static options of a family's forward ops (`Op._static_options`): they share
+  their family base's signature."""
+  classes = [registry.lookup(name) for name in registry.names(family)]
+  return frozenset().union(*(c._static_options() for c in classes if c.fwd_cls is None))
 
 
 def _run_family(family: str, preference: tuple[str, ...], sequence_type: type | None,

@@ -25,7 +25,8 @@ from stellarax.core import trace_keys
 
 
 def jitted_call(fn: Callable[..., Any], head: tuple[Hashable, ...], args: tuple, kwargs: dict,
-                *, name: str) -> tuple[Callable[..., Any], list[Any]] | None:
+                *, name: str, static_options: frozenset[str] = frozenset()
+                ) -> tuple[Callable[..., Any], list[Any]] | None:
   """`fn(*head, *args, **kwargs)` as a cached jit over the array leaves of args and kwargs.
 
   Args:
@@ -35,16 +36,23 @@ def jitted_call(fn: Callable[..., Any], head: tuple[Hashable, ...], args: tuple,
     args, kwargs: the user's arguments; array leaves become the jit's arguments, every
       other leaf is static and keyed by its value and type.
     name: the program's name in profiles.
+    static_options: names in kwargs that are never traced (`Op._static_options`): an
+      array given there is a value the call reads (`axis=np.array([0, 1])`).
 
   Returns:
     (program, arrays): call `program(*arrays)`. None where the call must run as it is: while
     a jit is being traced or under `jax.disable_jit()` (the jit would run the call eagerly
     again, without end), with a tracer among the arguments, with a concrete 0-d array (a
     static option may be given as one, e.g. `epsilon=jnp.float32(1e-6)`, and binding reads
-    it as a number, which a traced one cannot give), or with an unhashable static value.
+    it as a number, which a traced one cannot give) or an array given as a static option
+    (the same, for several numbers), or with an unhashable static value.
   """
   if trace_keys.building() or jax.config.jax_disable_jit:
     return None
+  for option in static_options.intersection(kwargs):
+    if not isinstance(kwargs[option], _PLAIN) and any(
+        map(specs.is_array_value, jax.tree.leaves(kwargs[option]))):
+      return None
   leaves, treedef = jax.tree.flatten((args, kwargs))
   arrays, statics, is_array = [], [], []
   for x in leaves:  # one pass: this runs on every eager call
@@ -61,6 +69,10 @@ def jitted_call(fn: Callable[..., Any], head: tuple[Hashable, ...], args: tuple,
   except TypeError:  # an unhashable value
     return None
   return program, arrays
+
+
+# Values of static options that hold no array, checked without flattening them.
+_PLAIN = (type(None), bool, int, float, str)
 
 
 @functools.lru_cache(maxsize=512)

@@ -77,6 +77,9 @@ class Op(abc.ABC):
   Attributes:
     config: pins a config for every call of this op; None resolves one per
       call (tuned results, caches, heuristics).
+    array_options: (class) the keyword-only parameters of `_fwd` that take arrays;
+      every other keyword-only parameter is a static option, which a call never
+      traces (an op called eagerly reads an array given there as a value).
   """
 
   config: Any = None
@@ -87,6 +90,9 @@ class Op(abc.ABC):
   # Set on a VJP op class: the forward op whose residuals it consumes (the
   # first forward class naming it as `vjp_cls`).
   fwd_cls: ClassVar[type[Op] | None] = None
+  # The keyword-only parameters of `_fwd` that take arrays (sequence lengths); the
+  # others are static options (`_static_options`).
+  array_options: ClassVar[frozenset[str]] = frozenset()
 
   def __init_subclass__(cls, name: str | None = None, **kwargs):
     super().__init_subclass__(**kwargs)
@@ -256,6 +262,19 @@ class Op(abc.ABC):
         return sig.replace(parameters=params)
     raise TypeError(f"{cls.__name__} has no _fwd with explicit parameters.")
 
+  @classmethod
+  @functools.cache
+  def _static_options(cls) -> frozenset[str]:
+    """The keyword-only parameters that are static options (an axis, a flag, a
+    precision): values binding reads, never traced, even when given as an array
+    (`axis=np.array([0, 1])`). All keyword-only parameters but `array_options`."""
+    keyword_only = {n for n, p in cls._signature().parameters.items() if p.kind is p.KEYWORD_ONLY}
+    unknown = cls.array_options - keyword_only
+    if unknown:
+      raise TypeError(f"{cls.__name__}.array_options names {sorted(unknown)}, which are not "
+                      f"keyword-only parameters of its _fwd {cls._signature()}.")
+    return frozenset(keyword_only - cls.array_options)
+
   def _bind_values(self, *args, **kwargs) -> dict[str, Any]:
     """Binds call arguments by name, applies defaults and canonicalises."""
     try:
@@ -314,7 +333,8 @@ class Op(abc.ABC):
     """Binds, resolves a config and runs the op (works under jit/grad/vmap); called
     eagerly, as one cached jit of the call (`core/eager.py`)."""
     eager_call = eager.jitted_call(_bind_and_call, (self,), args, kwargs,
-                                   name=(self.name or type(self).__name__).replace(".", "_"))
+                                   name=(self.name or type(self).__name__).replace(".", "_"),
+                                   static_options=self._static_options())
     if eager_call is None:
       return _bind_and_call(self, *args, **kwargs)
     program, arrays = eager_call

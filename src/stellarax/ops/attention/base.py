@@ -24,9 +24,14 @@ from stellarax.ops.attention import xla
 _STATIC = ("scale", "is_causal", "local_window_size")
 _DIFFERENTIABLE = ("query", "key", "value", "bias")
 
+# Keyword-only parameters of the attention ops that take arrays.
+_SEQ_LENGTHS = frozenset({"query_seq_lengths", "key_value_seq_lengths"})
+
 
 class Attention(Op):
   """Base of the attention implementations (forward)."""
+
+  array_options = _SEQ_LENGTHS
 
   def _fwd(self, query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
            query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None, config):
@@ -101,6 +106,8 @@ def _view(x):
 
 class AttentionVjp(Op):
   """Base of the attention backward implementations."""
+
+  array_options = _SEQ_LENGTHS
 
   def _fwd(self, residuals, out, dout, query, key, value, bias=None, mask=None, *, scale=None,
            is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
