@@ -313,6 +313,51 @@ def test_configs_a_journal_answers_teach_the_cost_model_nothing(strategy):
     assert TRUE[outcome.best] <= TRUE[HEURISTIC]
 
 
+class _Journaled:
+  """A measure that journals what it measured, as the autotuner's journal does: the
+  highest effort each config was measured at (never the heuristic's)."""
+
+  def __init__(self, measure):
+    self.measure, self.journal = measure, {}
+
+  def __call__(self, configs, *, effort=1.0):
+    out = self.measure(configs, effort=effort)
+    for c, m in out.items():
+      if c != HEURISTIC and effort >= self.journal.get(c, (0.0,))[0]:
+        self.journal[c] = (effort, m)
+    return out
+
+
+class _ResumedByEffort(_Resumed):
+  """A journal answers a config at most at the effort it was measured at."""
+
+  def recalled(self, configs, effort):
+    return {c for c in configs if c in self.journal and self.journal[c][0] >= effort}
+
+  def __call__(self, configs, *, effort=1.0):
+    known = self.recalled(configs, effort)
+    todo = [c for c in configs if c not in known]
+    out = self.replay(todo, effort=effort) if todo else {}
+    return {c: self.journal[c][1] if c in known else out[c] for c in configs}
+
+
+def test_a_resumed_race_counts_a_compile_for_configs_the_journal_knew_at_a_lower_effort():
+  # The journal answered screening-effort measurements; racing them at a higher effort
+  # compiles them in this run, which planning took as already paid: racing overran a 6 s
+  # budget by 67% (10 s) until 2026-12-06.
+  for first_budget, budget in ((30.0, 6.0), (60.0, 10.0), (60.0, 16.0)):
+    costs = dict(compile_cost_s=2.0, cost_s_per_config=0.5, call_cost_s=0.05, noise=0.03)
+    first = search.ReplayMeasure(SWEEP, **costs)
+    journaled = _Journaled(first)
+    search.racing(SWEEP, journaled, heuristic=HEURISTIC, budget_s=first_budget, clock=first.clock)
+    assert {e for e, _ in journaled.journal.values()} != {1.0}  # some at a lower effort
+    replay = search.ReplayMeasure(SWEEP, seed=1, **costs)
+    outcome = search.racing(SWEEP, _ResumedByEffort(replay, journaled.journal),
+                            heuristic=HEURISTIC, budget_s=budget, clock=replay.clock)
+    assert replay.clock() <= budget * (1 + 1e-9), (first_budget, budget, replay.clock())
+    assert TRUE[outcome.best] <= TRUE[HEURISTIC]
+
+
 def test_racing_counts_the_round_that_every_cheap_measurement_keeps():
   # Measurements keep at least one of 10 rounds, so efforts 1/81 and 1/27 both cost a
   # tenth of a full one. Told so (effective_effort), the cost model plans within the

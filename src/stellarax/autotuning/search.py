@@ -178,18 +178,23 @@ class _Session(Generic[C]):
     """Whether `config` was measured (ok or not) at any effort."""
     return config in self._best
 
-  def num_new(self, configs: Iterable[C]) -> int:
-    return sum(c not in self._best for c in configs)
+  def to_pay(self, configs: Sequence[C], effort: float) -> tuple[list[C], int]:
+    """What a measure call of `configs` at `effort` pays for, as the cost log counts it:
+    (the configs it measures, those of them new), where a journal's answers cost nothing
+    and new means not measured (so not compiled) by this session yet. A config the
+    journal answered at a low effort is new when measured at a higher one: planning
+    took it as measured and under-predicted such calls by a compile each (a resumed
+    racing run overran a 6 s budget by 67% on a replayed sweep, 2026-12-06)."""
+    recalled = set(self.recalled(configs, effort))
+    measured = [c for c in configs if c not in recalled]
+    return measured, sum(c not in self._paid for c in dict.fromkeys(measured))
 
   def measure(self, configs: Sequence[C], effort: float) -> dict[C, Measurement]:
     configs = list(configs)
-    recalled = set(self.recalled(configs, effort))
-    measured = [c for c in configs if c not in recalled]  # what the call's time pays for
+    measured, new = self.to_pay(configs, effort)
     start = self._clock()
     got = self._measure(configs, effort=effort)
     if measured:
-      # New: compiled by this call, recalled ones included (recalling compiled nothing).
-      new = sum(c not in self._paid for c in dict.fromkeys(measured))
       self.calls.append((new, self.effective(effort) * len(measured), self._clock() - start))
       self._paid.update(measured)
     missing = [c for c in configs if c not in got]
@@ -534,8 +539,10 @@ def _affordable_effort(session: _Session[C], batch: Sequence[C], effort: float,
   """
   model = session.cost_model()
   room = session.remaining() - _schedule_cost(model, later, False)
-  new = session.num_new(batch)
-  fits = lambda e: model.predict(new, model.work(len(batch), e)) <= room
+  # What recalling at the planned effort leaves; at a lower one the journal may answer
+  # more, which this over-predicts (on the safe side).
+  measured, new = session.to_pay(batch, effort)
+  fits = lambda e: model.predict(new, model.work(len(measured), e)) <= room
   if fits(effort):
     return effort
   if model.per_effort_s <= 0 or not fits(min_effort):
