@@ -68,6 +68,10 @@ import numpy as np
 import stellarax
 from stellarax.autotuning import measure, profile
 
+# The deadlines count from here (the profile and jax's start-up included): the device
+# tool's limit counts the whole call.
+_STARTED = time.monotonic()
+
 
 @dataclasses.dataclass
 class Row:
@@ -357,20 +361,29 @@ def run(args) -> list[Row]:
   # (isolate=True) outside smoke runs.
   opts = measure.MeasureOptions(rounds=3 if args.smoke else 10, max_total_s=1.0 if args.smoke else 5.0,
                                 timeout_s=20.0)
-  start = time.monotonic()
+  start = _STARTED
   # Commas inside parentheses are part of a name: "=rms_norm (8192, 8192) fwd".
   only = [s.strip() for s in re.split(r",(?![^()]*\))", args.only or "") if s.strip()]
   skip_after_s = args.deadline_s + 60 if args.skip_after_s is None else args.skip_after_s
+  lost = ""  # why the device cannot run anything more, once a kernel lost it
   for w in _workloads(args.smoke):
     # "=name" asks for that workload alone; a plain part, for every name holding it.
     if only and not any(w.name == s[1:] if s.startswith("=") else s in w.name for s in only):
       continue
     elapsed = time.monotonic() - start
-    if elapsed > skip_after_s:
-      rows.append(Row(w.name, "-", status=f"skipped: past {skip_after_s:.0f} s"))
+    if elapsed > skip_after_s or lost:
+      why = lost or f"past {skip_after_s:.0f} s"
+      rows.append(Row(w.name, "-", status=f"skipped: {why}"))
       continue
     tune = args.tune_budget_s if elapsed < args.deadline_s else 0.0
-    new_rows, tuned = _run_workload(w, args.smoke, tune, opts, isolate=not args.smoke)
+    try:
+      new_rows, tuned = _run_workload(w, args.smoke, tune, opts, isolate=not args.smoke)
+    except Exception as e:  # its inputs or reference, or a kernel that lost the device
+      print(f"{w.name} failed: {type(e).__name__}: {e}", flush=True)
+      new_rows, tuned = [Row(w.name, "-", status=f"error: {' '.join(str(e).split())[:300]}")], None
+      if isinstance(e, measure.DeviceLostError):
+        # This process's GPU context runs nothing more: the rest would fail too.
+        lost = f"{w.name} lost the device ({e.key})"
     rows += new_rows
     if tuned is not None:
       tuned_all = tuned if tuned_all is None else tuned_all | tuned
@@ -378,7 +391,9 @@ def run(args) -> list[Row]:
     print_table(new_rows)
     print(f"-- {w.name}: done at {time.monotonic() - start:.0f} s", flush=True)
   _write(Path(args.out), rows, tuned_all)  # the skipped rows too
-  if args.no_dispatch:
+  if args.no_dispatch or lost or time.monotonic() - start > skip_after_s:
+    if not args.no_dispatch:
+      print(f"\n== dispatch and batch size: skipped ({lost or f'past {skip_after_s:.0f} s'}) ==")
     return rows
   # Seconds on the device; after the workloads so that the deadline never cuts them.
   dispatch = dispatch_calibration(args.smoke)
@@ -417,6 +432,16 @@ def _tuning_errors(failure: Exception) -> str:
   return "\n".join(f"{ba.op.name}: {text[:3000]}" for ba, text in errors.items())
 
 
+def _has_choices(call: Callable, inputs) -> bool:
+  """Whether some op call of `call` has more than one config to choose from (XLA
+  attention and the XLA norms have one: tuning them would time the heuristic twice)."""
+  try:
+    calls = stellarax.autotuning.get_bound_args(call, *inputs)
+  except Exception:  # noqa: BLE001 (tuning then says what fails)
+    return True
+  return any(len(ba.autotuning_configs) > 1 for ba in calls)
+
+
 def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
                   isolate: bool) -> tuple[list[Row], Any]:
   """Checks, tunes (within the budget) and times every candidate of one workload."""
@@ -431,7 +456,9 @@ def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
   for impl_name, op in _impls(w.family, smoke):
     call = functools.partial(w.call, op)
     candidates[f"{impl_name} heuristic"] = call
-    if tune_budget_s > 0:
+    if tune_budget_s > 0 and not _has_choices(call, inputs):
+      print(f"{impl_name} on {w.name}: one config a call, nothing to tune", flush=True)
+    elif tune_budget_s > 0:
       tuner = stellarax.Autotuner(budget_s=tune_budget_s, progress=False, measure_options=opts,
                                   isolate=isolate)
       result, failure = None, None

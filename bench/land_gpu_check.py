@@ -17,9 +17,12 @@ In order, it
    "Not measured yet" paragraph;
 4. keeps the profile as test data, `tests/data/profiles/<device slug>/`
    (`profile.xplane.pb.gz` and `calls.json`, what `read_op_calls` found in it), which
-   tests/autotuning/test_profile_fixtures.py reads back;
+   tests/autotuning/test_profile_fixtures.py reads back; where an earlier run's profile
+   is kept there, in `<device slug>_<date>/` beside it (tests read old ones for what
+   they showed);
 5. keeps the card's XLA target config as bench/h200_target_config.txtpb (what
-   `make compile-h200` compiles for), if the run wrote one.
+   `make compile-h200` compiles for), under a header saying where it came from, if the
+   run wrote one.
 
 It prints each file it wrote, then what is left for a person to decide. With
 `--dry-run` it prints what it would write and writes nothing.
@@ -111,12 +114,18 @@ def _unconfirmed_configs(rows) -> list[str]:
   return bad
 
 
+def _measured_only_heuristic(entry) -> bool:
+  """Whether no config but the entry's heuristic has a successful measurement."""
+  return all(config == entry.heuristic_config for config, m in entry.measurements if m.ok)
+
+
 def confirmed_entries(run: Run) -> tuple[Any, list[str]]:
   """The tuned entries worth shipping, and why each other one is left out.
 
-  An entry ships when its best config has a successful measurement and no tuned row
-  of the run that used it ("op: config" in the row's config) failed its reference
-  check or its timing.
+  An entry ships when its best config has a successful measurement, some other config
+  was measured too (a tuning that measured only the heuristic, under too small a budget
+  or in a space of one config, found nothing), and no tuned row of the run that used it
+  ("op: config" in the row's config) failed its reference check or its timing.
 
   Returns:
     (an `AutotuningResult` of the entries to ship, or None if there are none;
@@ -132,6 +141,11 @@ def confirmed_entries(run: Run) -> tuple[Any, list[str]]:
     shapes = " ".join(str(tuple(a.shape)) for a in entry.bound_args.array_specs())
     if entry.time_of(entry.best_config) is None:
       left_out.append(f"{name} {shapes}: its best config has no successful measurement")
+    elif _measured_only_heuristic(entry):
+      # Starved (a budget spent before a second config) or a space of one config: the
+      # heuristic answers the call already, and an entry would make calls of other
+      # shapes take this shape's heuristic by transfer, with nothing measured for them.
+      left_out.append(f"{name} {shapes}: its tuning measured no config but the heuristic")
     elif gpu_check.config_label(entry) in unconfirmed:
       left_out.append(f"{name} {shapes}: a tuned row with its best config failed the run's check")
     else:
@@ -263,13 +277,38 @@ def land(run: Run, *, command: str, root: Path = ROOT, dry_run: bool = False) ->
   write(benchmarks, add_section(benchmarks.read_text(), device, benchmarks_section(run, command)))
   fixture = profile_fixture(run)
   if fixture is not None:
-    folder = root / "tests" / "data" / "profiles" / cache.device_kind_slug(device)
+    folder = _new_fixture_folder(root / "tests" / "data" / "profiles",
+                                 cache.device_kind_slug(device), _run_date(run))
     write(folder / "profile.xplane.pb.gz", fixture[0])
     write(folder / "calls.json", fixture[1])
   target = run.folder / "h200_target_config.pbtxt"
   if target.is_file():
-    write(root / "bench" / "h200_target_config.txtpb", target.read_text())
+    write(root / "bench" / "h200_target_config.txtpb", _target_header(run) + target.read_text())
   return sorted(set(written))
+
+
+def _run_date(run: Run) -> str:
+  return str(run.env.get("date", "")).split(" ")[0] or "undated"
+
+
+def _new_fixture_folder(profiles: Path, slug: str, date: str) -> Path:
+  """`profiles/<slug>`, or where that holds an earlier run's profile (which tests read
+  for what it showed, e.g. command buffers), `<slug>_<date>` (then `_2`, `_3`...): a new
+  run adds a fixture and replaces none."""
+  folder, n = profiles / slug, 1
+  while folder.exists():
+    n += 1
+    folder = profiles / (f"{slug}_{date}" if n == 2 else f"{slug}_{date}_{n - 1}")
+  return folder
+
+
+def _target_header(run: Run) -> str:
+  return (f"# An {run.env.get('device')} as XLA's GPU compiler sees it (stream_executor."
+          "GpuTargetConfigProto, text\n"
+          f"# format), written by XLA on the card itself (bench/gpu_check.sh, {_run_date(run)}, "
+          f"jax {run.env.get('jax')}):\n"
+          "# what bench/compile_h200.py hands XLA to compile for an H200 with no GPU attached\n"
+          "# (landed by bench/land_gpu_check.py).\n")
 
 
 _LEFT_FOR_A_PERSON = """\

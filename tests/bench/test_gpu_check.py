@@ -1,6 +1,7 @@
 """The GPU benchmark script runs end to end on the CPU (tiny shapes)."""
 
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -52,6 +53,19 @@ def test_gpu_check_smoke_run(tmp_path):
   # Interpret mode: no copy baseline row.
   assert lines[-2:] == ["rms_norm forward bandwidth: not measured",
                         "rms_norm fwd+bwd bandwidth: not measured"]
+
+
+def test_the_shell_script_runs_and_leaves_its_results_under_out(tmp_path):
+  # What the GPU machine runs (no nvidia-smi and no GPU target config here: it goes on).
+  env = {**os.environ, "OUT": str(tmp_path), "SMOKE": "1", "TUNE_BUDGET_S": "0", "NO_DISPATCH": "1",
+         "NO_PROFILE": "1", "ONLY": "=rms_norm (64, 256) fwd", "PYTHON": sys.executable}
+  proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], env=env, cwd=tmp_path,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = _rows(tmp_path / "gpu_check")
+  assert {r["workload"] for r in rows} == {"rms_norm (64, 256) fwd"}
+  assert all(r["status"] == "ok" for r in rows), rows
+  assert (tmp_path / "gpu_check.log").read_text().rstrip().endswith("rms_norm fwd+bwd bandwidth: not measured")
 
 
 def _gpu_check():
@@ -241,7 +255,40 @@ def test_a_tuned_row_keeps_the_calls_that_were_tuned_when_another_fails(tmp_path
   assert row["config"].startswith("layer_norm.pallas_triton: ")
   assert rows[("rms_norm (64, 256) fwd", "layer_norm.pallas_triton tuned")]["note"] == ""
   tuned = stellarax.AutotuningResult.load(tmp_path / "tuned.json")
-  assert {e.bound_args.op.name for e in tuned} == {"layer_norm.pallas_triton", "layer_norm.xla"}
+  # The XLA norm has one config a call: not tuned (its tuned row would time the
+  # heuristic twice, and land would ship an entry that measured nothing else).
+  assert {e.bound_args.op.name for e in tuned} == {"layer_norm.pallas_triton"}
+  assert ("rms_norm (64, 256) fwd", "layer_norm.xla tuned") not in rows
+  assert rows[("rms_norm (64, 256) fwd", "layer_norm.xla heuristic")]["status"] == "ok"
+
+
+def test_a_workload_that_fails_is_a_row_and_a_lost_device_skips_the_rest(tmp_path, monkeypatch, capsys):
+  # Its inputs or reference failing stopped the whole run (and its table) before; after
+  # a kernel lost the device, every later workload would fail in this process too.
+  gpu_check = _gpu_check()
+  from stellarax.autotuning import measure
+  seen = []
+
+  def run_workload(w, *args, **kwargs):
+    seen.append(w.name)
+    if len(seen) == 1:
+      raise MemoryError("RESOURCE_EXHAUSTED: out of memory making the inputs")
+    if len(seen) == 2:
+      key = "layer_norm.pallas_triton heuristic"
+      lost = measure.Measurement(status="runtime_error", error="an illegal memory access")
+      raise measure.DeviceLostError(key, {key: lost})
+    raise AssertionError("not reached: the device was lost")
+
+  monkeypatch.setattr(gpu_check, "_run_workload", run_workload)
+  gpu_check.main(["--smoke", "--no-profile", "--tune-budget-s", "0", "--only", "rms_norm,layer_norm",
+                  "--out", str(tmp_path)])
+  rows = _rows(tmp_path)
+  assert rows[0]["workload"] == seen[0] and rows[0]["status"].startswith("error: RESOURCE_EXHAUSTED")
+  assert rows[1]["workload"] == seen[1] and "an illegal memory access" in rows[1]["status"]
+  assert len(rows) > 2 and all(r["status"] == f"skipped: {seen[1]} lost the device "
+                               "(layer_norm.pallas_triton heuristic)" for r in rows[2:])
+  out = capsys.readouterr().out
+  assert "== dispatch and batch size: skipped (" in out and "== targets ==" in out
 
 
 def test_dispatch_calibration_times_small_calls_both_ways():

@@ -40,10 +40,13 @@ def _ok(ms):
                      num_samples=5, compile_time_s=0.1, method="test")
 
 
-def _entry(m, best_status="ok"):
+def _entry(m, best_status="ok", only_heuristic=False):
   ba = stellarax.PallasTritonRaggedDot.bind(jnp.ones((m, 32), jnp.bfloat16), jnp.ones((4, 32, 48), jnp.bfloat16),
                                             jnp.full((4,), m // 4, jnp.int32))
   heuristic = ba.heuristics_config
+  if only_heuristic:  # a tuning whose budget ran out after its first measurement
+    return autotuning.Entry(bound_args=ba.with_config(None), best_config=heuristic,
+                            heuristic_config=heuristic, measurements=((heuristic, _ok(2.0)),))
   best = dataclasses.replace(heuristic, num_warps=8)
   best_m = _ok(1.0) if best_status == "ok" else Measurement(status=best_status, error="stale")
   return autotuning.Entry(bound_args=ba.with_config(None), best_config=best, heuristic_config=heuristic,
@@ -51,12 +54,14 @@ def _entry(m, best_status="ok"):
 
 
 def _results_folder(tmp_path, device="NVIDIA H200"):
-  """A results folder as gpu_check.sh writes it: three tuned ragged_dot calls, of which
-  the second's tuned row was WRONG and the third's best config has no good time."""
+  """A results folder as gpu_check.sh writes it: four tuned ragged_dot calls, of which
+  the second's tuned row was WRONG, the third's best config has no good time and the
+  fourth measured only its heuristic."""
   folder = tmp_path / "files" / "gpu_check"
   (folder / "profile" / "plugins" / "profile" / "t").mkdir(parents=True)
   good, wrong, unmeasured = _entry(64), _entry(128), _entry(256, best_status="timeout")
-  result = autotuning.AutotuningResult(device, {e.key: e for e in (good, wrong, unmeasured)})
+  starved = _entry(512, only_heuristic=True)
+  result = autotuning.AutotuningResult(device, {e.key: e for e in (good, wrong, unmeasured, starved)})
   result.dump(folder / "tuned.json")
   config_of = lambda e: f"ragged_dot.pallas_triton: {e.best_config}"
   rows = [dict(workload="ragged_dot G=8 M=8192 K=4096 N=14336 fwd", impl="ragged_dot.pallas_triton tuned",
@@ -98,6 +103,7 @@ def test_land_ships_confirmed_configs_and_records_the_run(tmp_path, capsys):
   assert not list(shipped.parent.glob("*.lock"))
   assert "(128, 32)" in out and "failed the run's check" in out
   assert "(256, 32)" in out and "no successful measurement" in out
+  assert "(512, 32)" in out and "measured no config but the heuristic" in out
   # BENCHMARKS.md: the section first under the device's heading, the old paragraph gone.
   text = (root / "BENCHMARKS.md").read_text()
   assert "Not measured yet" not in text
@@ -123,7 +129,9 @@ def test_land_ships_confirmed_configs_and_records_the_run(tmp_path, capsys):
   unzipped = tmp_path / "again.xplane.pb"
   unzipped.write_bytes(gzip.decompress((fixture / "profile.xplane.pb.gz").read_bytes()))
   assert [c.marker for c in read_op_calls(unzipped)] == [c["marker"] for c in recorded["calls"]]
-  assert (root / "bench" / "h200_target_config.txtpb").read_text().startswith("gpu_device_info")
+  target = (root / "bench" / "h200_target_config.txtpb").read_text()
+  assert target.startswith("# An NVIDIA H200 as XLA's") and "(bench/gpu_check.sh, 2026-12-01, jax 0.11.2)" in target
+  assert "\ngpu_device_info {\n  threads_per_block_limit: 1024\n}\n" in target
 
 
 def test_land_twice_adds_a_second_section_and_keeps_the_faster_configs(tmp_path, capsys):
@@ -135,6 +143,12 @@ def test_land_twice_adds_a_second_section_and_keeps_the_faster_configs(tmp_path,
   assert text.count("### bench/gpu_check.sh, 2026-12-01") == 2
   shipped = root / "src" / "stellarax" / "data" / "autotuning" / "NVIDIA_H200" / "ragged_dot.pallas_triton.json"
   assert [e.key for e in autotuning.AutotuningResult.load(shipped)] == [good.key]
+  # The first run's profile stays; the second's is kept beside it (tests read old ones
+  # for what they showed: an H200 profile of command buffers was overwritten before).
+  profiles = root / "tests" / "data" / "profiles"
+  assert sorted(p.name for p in profiles.iterdir()) == ["NVIDIA_H200", "NVIDIA_H200_2026-12-01"]
+  assert (profiles / "NVIDIA_H200" / "calls.json").read_bytes() == (
+      profiles / "NVIDIA_H200_2026-12-01" / "calls.json").read_bytes()
 
 
 def test_dry_run_writes_nothing(tmp_path, capsys):
