@@ -653,15 +653,27 @@ want = g(l, r)
 mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
 got = g(*(jax.device_put(a, jax.NamedSharding(mesh, jax.P("data"))) for a in (l, r)))
 print(max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))))
+# A kernel's call per shard, inside a vmap whose batch the mesh splits.
+from stellarax.ops.normalization.pallas_triton import PallasTritonLayerNorm
+s = jnp.linspace(0.5, 1.5, 32)
+norm = lambda x: jnp.sum(jax.vmap(lambda x: stellarax.rms_norm(
+    x, s, implementation=PallasTritonLayerNorm(interpret=True)))(x) ** 2)
+g = jax.jit(jax.value_and_grad(norm))
+want = g(l)
+got = g(jax.device_put(l, jax.NamedSharding(mesh, jax.P("data"))))
+print(max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(got, want)))
 """
 
 
-def test_xla_ragged_dot_under_vmap_on_an_explicit_mesh():
+def test_ops_under_vmap_on_an_explicit_mesh():
   # The per-example call keeps the mesh in its types and nothing splits it: JAX's
-  # ragged_dot infers no output sharding there and raised NotImplementedError.
+  # ragged_dot infers no output sharding there and raised NotImplementedError. From jax
+  # 0.12.1 on, a vmap over an Explicit axis makes shard_map leave that axis alone, and
+  # the per-shard call of any op raised "all mesh axes are already manual".
   flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags.strip()}
   proc = subprocess.run([sys.executable, "-c", _VMAPPED_RAGGED_DOT], env=env,
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
-  assert float(proc.stdout.split()[-1]) < 1e-4
+  ragged_dot_error, norm_error = map(float, proc.stdout.split()[-2:])
+  assert ragged_dot_error < 1e-4 and norm_error < 1e-5

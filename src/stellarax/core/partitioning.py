@@ -62,6 +62,7 @@ from typing import Any
 
 import jax
 from jax._src import config as _jax_config
+from jax._src import core as _jax_core
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -485,15 +486,25 @@ def _supported(ba: BoundArguments, plan: _Plan, assignment: dict[str, tuple[str,
 
 def _explicit_mesh(arrays: Sequence[Any]) -> Any:
   """The mesh of the first array whose type carries a sharding over Explicit axes (of
-  more than one device)."""
+  more than one device) that a `shard_map` here may go manual over."""
   for x in arrays:
     sharding = getattr(jax.typeof(x), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or mesh.empty or mesh.size == 1:
       continue
-    if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+    if _explicit_axes(mesh):
       return mesh
   return None
+
+
+def _explicit_axes(mesh: Any) -> set[str]:
+  """The mesh's Explicit axes but those a `vmap` around this call splits its batch over:
+  jax's shard_map does not go manual over those (since jax 0.12.1 it raises "all mesh
+  axes are already manual" where none is left), and the vmap has split the work over
+  them already."""
+  vmapped = _jax_core.get_axis_env().explicit_mesh_axis_names
+  return {n for n, t in zip(mesh.axis_names, mesh.axis_types)
+          if t == jax.sharding.AxisType.Explicit and n not in vmapped}
 
 
 def _shard_mapped(ba: BoundArguments, plan: _Plan, run_for, mesh, arrays) -> Any:
@@ -505,8 +516,7 @@ def _shard_mapped(ba: BoundArguments, plan: _Plan, run_for, mesh, arrays) -> Any
   # Dimensions of factors that are not split are gathered first.
   arrays = [_resharded(x, mesh, s) for x, s in zip(arrays, in_specs)]
   # Manual over the Explicit axes only (a user's shard_map may have made others manual).
-  explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types)
-              if t == jax.sharding.AxisType.Explicit}
+  explicit = _explicit_axes(mesh)
   some_axes = {} if explicit == set(mesh.axis_names) else {"axis_names": explicit}
   # Checked as the code around it is: inside a user's checked shard_map over other axes,
   # an unchecked map would type its values as varying over none of those (and JAX's

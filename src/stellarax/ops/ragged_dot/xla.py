@@ -187,7 +187,7 @@ def _out_sharding(lhs, rhs):
     return None
   rows = lhs_type.sharding.spec[0] if len(lhs_type.sharding.spec) > 0 else None
   columns = rhs_type.sharding.spec[2] if len(rhs_type.sharding.spec) > 2 else None
-  return jax.sharding.PartitionSpec(rows, columns)
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(rows, columns))
 
 
 def _rhs_grad_masked(lhs, dout, group_sizes, precision, out_dtype):
