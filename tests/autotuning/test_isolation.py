@@ -96,6 +96,7 @@ class FaultyOp(Op, name="test_isolation.faulty"):
   poison: bool = False
   scribble: bool = False
   crash_in_reference: bool = False  # its reference kills the process (in a worker only)
+  reference_s: float = 0.0  # seconds its reference takes (then a space of correct configs)
 
   def _fwd(self, x, *, config):
     b = config.behaviour
@@ -127,6 +128,8 @@ class FaultyOp(Op, name="test_isolation.faulty"):
   def _reference(self, x):
     if self.crash_in_reference:
       return _on_host(_crash, 2 * x)
+    if self.reference_s:
+      return _on_host(lambda v: time.sleep(self.reference_s) or v, 2 * x)
     return 2 * x
 
   def _get_heuristics_config(self, ba):
@@ -137,6 +140,8 @@ class FaultyOp(Op, name="test_isolation.faulty"):
       return {FaultyConfig(behaviour=b) for b in POISON_SPACE}
     if self.scribble:
       return {FaultyConfig(behaviour=b) for b in SCRIBBLE_SPACE}
+    if self.reference_s:
+      return {FaultyConfig(behaviour=b) for b in ("slow", "fast", "unrolled")}
     return {FaultyConfig(behaviour=b) for b in BEHAVIOURS
             if b not in ("poison", "scribble", "unrolled") and (self.crash or b != "crash")}
 
@@ -317,6 +322,18 @@ def test_a_request_interrupted_while_waiting_leaves_no_reply_for_the_next(fresh_
   got = isolation.measure_isolated(FaultyOp().bind(x[:32]), _configs("fast", "wrong"), seed=0,
                                    options=OPTIONS)
   assert [m.status for m in got.values()] == ["ok", "wrong_result"]
+
+
+def test_an_isolated_search_spends_its_budget_measuring(fresh_workers):
+  # The worker's start and the call's set-up (here a reference of 2.5 s) counted in the
+  # budget: a 2 s search measured its heuristic alone, where one in this process sets
+  # the call up first and measures the rest.
+  x = jax.random.normal(jax.random.key(3), (256, 64))
+  tuner = stellarax.Autotuner(progress=False, measure_options=OPTIONS, budget_s=2.0, isolate=True,
+                              strategy="exhaustive")
+  (entry,) = tuner.autotune(FaultyOp(reference_s=2.5).bind(x))
+  assert _statuses(entry) == {"slow": "ok", "fast": "ok", "unrolled": "ok"}
+  assert entry.best_config != FaultyConfig(behaviour="slow")
 
 
 def test_a_worker_lost_setting_up_the_call_fails_its_configs_once(fresh_workers):

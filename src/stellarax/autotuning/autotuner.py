@@ -527,6 +527,7 @@ class Autotuner:
     # A worker is a JAX process of its own, not part of any distributed run: it
     # sees this host's devices, so the device is named by its local index.
     index = None if device is None else jax.local_devices().index(device)
+    isolation.prepare(ba, seed=self.seed, options=self.measure_options, device_index=index)
 
     def measure(configs, effort):
       return isolation.measure_isolated(ba, configs, seed=self.seed, options=self.measure_options,

@@ -279,6 +279,27 @@ def _measure_in_workers(bound_args: Any, pending: list[Any], seed: int,
   return results
 
 
+def prepare(bound_args: Any, *, seed: int, options: measure_lib.MeasureOptions,
+            device_index: int | None = None) -> None:
+  """Starts the device's worker, if none runs, and has it set up the call: its random
+  inputs and the op's reference output, which later measurements of the call reuse.
+  The autotuner calls it before its search's clock starts, so that an isolated search
+  spends its budget measuring, as one in this process does (there `CallMeasurer` sets
+  up the call first): a worker's start (JAX's import, the device's) and a reference
+  took the whole of a budget of a few seconds, and the search measured nothing but
+  its heuristic. A failure here is left to the first measurement, which meets it
+  again and says what happened.
+
+  Args:
+    bound_args, seed, options, device_index: as `measure_isolated`'s.
+  """
+  worker = _worker_for(device_index)
+  request = _Request(bound_args, seed, device_index, (), options, 1.0)
+  kind, value = worker.ask(request, _deadline_s(0, options))
+  if kind != "reply" or value.get("error"):
+    _retire(device_index, worker)
+
+
 def measure_isolated(bound_args: Any, configs: Sequence[Any], *, seed: int,
                      options: measure_lib.MeasureOptions, effort: float = 1.0,
                      device_index: int | None = None) -> dict[Any, measure_lib.Measurement]:
@@ -394,6 +415,8 @@ def _serve(request: _Request, measurer: CallMeasurer | None, set_up: Any
     measurer = CallMeasurer(request.bound_args, request.seed, device)
   set_up()  # from here on a lost worker was lost measuring a config
   configs = list(request.configs)
+  if not configs:  # `prepare`: the call is set up, nothing to measure
+    return {"measurements": {}, "stalled": False}, measurer
   out = measurer(configs, request.effort, request.options)
   index = {c: i for i, c in enumerate(configs)}
   # Any timeout leaves work behind (a hung run on the device, or a compilation on an
