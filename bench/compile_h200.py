@@ -588,6 +588,10 @@ static int refuse(void) { fprintf(stderr, "[compile_h200] no GPU: module not loa
 int cuModuleLoadData(void** m, const void* image) { return refuse(); }
 int cuModuleLoadDataEx(void** m, const void* image, unsigned n, void* o, void** v) { return refuse(); }
 int cuLibraryLoadData(void** l, const void* image, void* a, void* b, unsigned n, void* c, void* d, unsigned e) { return refuse(); }
+// What the refusals mean, for the plugin's error messages (from jax 0.12.1 on Mosaic GPU's
+// compile formats one after the refused load, and read a string from a pointer never set).
+int cuGetErrorString(int e, const char** s) { *s = "no GPU here (compile_h200's stand-in driver)"; return 0; }
+int cuGetErrorName(int e, const char** s) { *s = "CUDA_ERROR_NO_DEVICE"; return 0; }
 int cuGetProcAddress(const char* s, void** p, int v, unsigned long long f, int* st) { *p = 0; if (st) *st = 1; return 500; }
 int cuGetProcAddress_v2(const char* s, void** p, int v, unsigned long long f, int* st) { *p = 0; if (st) *st = 1; return 500; }
 """

@@ -148,7 +148,9 @@ class Autotuner:
       tuning of one call.
     isolate: measure in worker processes, so that a config that hangs on the
       device is recorded as a timeout and tuning goes on in a fresh process
-      (see `isolation.py`); costs a few seconds to start each worker.
+      (see `isolation.py`); costs a few seconds to start each worker, which
+      `budget_s` does not count (nor the call's inputs and reference, as in
+      this process).
   """
 
   strategy: str | Callable[..., Any] = "auto"
