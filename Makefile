@@ -65,7 +65,8 @@ compile-h200: $(H200_STAMP)
 	$(H200_VENV)/bin/python bench/compile_h200.py --out results/compile-h200
 
 # The same compile with the newest jax's Mosaic GPU, Triton and XLA (a kernel that
-# compiles on the pinned jax can fail layout inference on the next one).
+# compiles on the pinned jax can fail layout inference on the next one). Its spills at a
+# speed target are printed, not failed on: the targets hold on the GPU machine's jax.
 H200_NEXT_VENV := .venv-h200-jax-next
 H200_NEXT_STAMP := $(H200_NEXT_VENV)/.installed
 
@@ -76,7 +77,7 @@ $(H200_NEXT_STAMP): pyproject.toml requirements/jax-next.txt requirements/h200-c
 	touch $(H200_NEXT_STAMP)
 
 compile-h200-jax-next: $(H200_NEXT_STAMP)
-	$(H200_NEXT_VENV)/bin/python bench/compile_h200.py --out results/compile-h200-jax-next
+	$(H200_NEXT_VENV)/bin/python bench/compile_h200.py --out results/compile-h200-jax-next --spills-advisory
 
 clean:
 	rm -rf $(VENV) $(H200_VENV) $(NEXT_VENV) $(H200_NEXT_VENV) demo_out

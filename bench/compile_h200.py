@@ -1093,15 +1093,25 @@ class Verdict:
   blocking: tuple[Row, ...]
 
   @classmethod
-  def of(cls, rows: list[Row]) -> "Verdict":
-    """Sorts `rows` (from `run`) into the verdict's groups."""
+  def of(cls, rows: list[Row], *, spills_block: bool = True) -> "Verdict":
+    """Sorts `rows` (from `run`) into the verdict's groups.
+
+    Args:
+      rows: the compiled rows.
+      spills_block: whether a heuristic config's spills at a speed target fail the
+        check; False for a jax newer than the pin (`--spills-advisory`): its compiler
+        allocates registers a little differently (the rms_norm backward, at the
+        128-register cap of 16 warps, spills 16 B on jax 0.12.1 and none on 0.11.2),
+        and the targets are held on the jax the GPU machine runs.
+    """
     failed = tuple(r for r in rows if r.status.startswith("compile error"))
     unfenced = tuple(r for r in rows if r.status.startswith(_UNFENCED))
     slow = tuple(r for r in rows if r.pallas and r.status != "ok"
                  and not r.status.startswith(("compile error", "not supported", _UNFENCED)))
     slow_defaults = tuple(r for r in slow if r.heuristic)
-    blocking = tuple(r for r in slow_defaults
-                     if r.target or "WGMMA SERIALIZED" in r.status)
+    only_spills = lambda r: r.status == "SPILLS"
+    blocking = tuple(r for r in slow_defaults if "WGMMA SERIALIZED" in r.status
+                     or (r.target and (spills_block or not only_spills(r))))
     return cls(tuple(rows), failed, unfenced, slow, slow_defaults, blocking)
 
   @property
@@ -1191,6 +1201,9 @@ def main(argv=None) -> int:
   parser.add_argument("--jobs", type=int, default=None,
                       help="processes compiling side by side (default: one a core, at most 4); "
                            "each worker's output goes to <out>/worker-<i>.log")
+  parser.add_argument("--spills-advisory", action="store_true",
+                      help="print a heuristic config's spills at a speed target, do not fail on "
+                           "them (for a jax newer than the pin: see Verdict.of)")
   parser.add_argument("--worker", type=_worker_spec, default=None,
                       help="(internal) compile only share i of n and write its rows, no verdict")
   args = parser.parse_args(argv)
@@ -1214,12 +1227,12 @@ def main(argv=None) -> int:
   (out / "kernels.json").write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
   if args.worker is not None:
     return 0
-  return report(rows)
+  return report(rows, spills_block=not args.spills_advisory)
 
 
-def report(rows: list[Row]) -> int:
-  """Prints the Pallas kernels' rows by workload and the verdict; returns the exit code
-  (0 when the verdict passes, else 1)."""
+def report(rows: list[Row], *, spills_block: bool = True) -> int:
+  """Prints the Pallas kernels' rows by workload and the verdict (`Verdict.of`'s
+  `spills_block`); returns the exit code (0 when the verdict passes, else 1)."""
   print("\n== kernels (H = heuristic config; spills = bytes stored/loaded, Ln = n spill"
         " instructions inside the SASS's step loops, +mo: m in outer (per-tile) loops;"
         " loads = async copy kind / widest global load in bits) ==")
@@ -1229,7 +1242,7 @@ def report(rows: list[Row]) -> int:
     print(f"-- {workload}")
     _print_rows([r for r in rows if r.workload == workload])
   print(f"(and {sum(not r.pallas for r in rows)} kernels of XLA's own, in kernels.json)")
-  verdict = Verdict.of(rows)
+  verdict = Verdict.of(rows, spills_block=spills_block)
   print(f"\n{verdict.summary()}")
   for r in verdict.slow_defaults:
     failing = " (fails the check)" if r in verdict.blocking else ""

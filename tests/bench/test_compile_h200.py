@@ -427,6 +427,13 @@ def test_verdict_blocks_slow_defaults_at_targets_and_serialized_wgmma_anywhere()
     assert "1 failing the check" in verdict.summary()
   for status in ("compile error: boom", "UNFENCED SMEM (2 async reads)"):
     assert not compile_h200.Verdict.of(fine + [row(status=status)]).passed
+  # On a jax newer than the pin, spills at a target are reported; the rest still fails.
+  for status, fails in (("SPILLS", False), ("SPILLS, NARROW LOADS", True), ("NARROW LOADS", True),
+                        ("WGMMA SERIALIZED", True)):
+    verdict = compile_h200.Verdict.of(fine + [row(heuristic=True, target=True, status=status)],
+                                      spills_block=False)
+    assert verdict.passed is not fails and len(verdict.slow_defaults) == 1, status
+  assert not compile_h200.Verdict.of(fine + [row(status="compile error: boom")], spills_block=False).passed
 
 
 # A stand-in worker: writes the rows of its share (items i, i + n, ...) of six configs,
