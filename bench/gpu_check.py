@@ -486,8 +486,10 @@ def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
       for kind, which in (("heuristic", "heuristic_config"), ("tuned", "best_config")):
         failure = _failed_in_isolation(result, which)
         if failure:
+          # The tuned row names its configs, so that land ships none of them.
           del candidates[f"{impl_name} {kind}"]
-          rows.append(Row(w.name, f"{impl_name} {kind}", status=f"not run here: {failure}"))
+          rows.append(Row(w.name, f"{impl_name} {kind}", status=f"not run here: {failure}",
+                          config=configs.get(f"{impl_name} {kind}", "")))
   candidates.update(w.baselines)
   checked = []
   for key, fn in candidates.items():

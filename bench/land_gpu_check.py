@@ -62,6 +62,8 @@ class Run:
     tuned: tuned.json as an `AutotuningResult`, or None if nothing was tuned.
     dispatch: results.json's dispatch calibration (`gpu_check.dispatch_calibration`;
       empty for runs older than it).
+    batching: results.json's batch-size check (`gpu_check.batch_size_check`; empty
+      where the run left it out).
   """
 
   folder: Path
@@ -69,6 +71,7 @@ class Run:
   rows: list[Any]
   tuned: Any
   dispatch: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  batching: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def load_run(folder: str | Path, *, any_device: bool = False) -> Run:
@@ -102,7 +105,7 @@ def load_run(folder: str | Path, *, any_device: bool = False) -> Run:
                     "Read gpu_check.log beside it for why.")
   tuned_path = folder / "tuned.json"
   tuned = AutotuningResult.load(tuned_path) if tuned_path.is_file() else None
-  return Run(folder, env, rows, tuned, data.get("dispatch", []))
+  return Run(folder, env, rows, tuned, data.get("dispatch", []), data.get("batching") or {})
 
 
 def _unconfirmed_configs(rows) -> list[str]:
@@ -179,6 +182,10 @@ def benchmarks_section(run: Run, command: str) -> str:
     lines += ["", "Dispatch (small calls timed in batches and in a loop; what sets "
               "`MeasureOptions.host_bound_factor`):", ""]
     lines += ["    " + line for line in gpu_check.dispatch_lines(run.dispatch)]
+  if run.batching:
+    lines += ["", "Batch size (a long call timed per batch of 1 to 16 calls, and where a "
+              "profiled batch's time goes):", ""]
+    lines += ["    " + line for line in gpu_check.batch_size_lines(run.batching)]
   lines += ["", "Targets:", ""]
   lines += ["    " + line for line in gpu_check.target_lines(run.rows)]
   return "\n".join(lines) + "\n"

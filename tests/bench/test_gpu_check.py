@@ -291,6 +291,20 @@ def test_a_workload_that_fails_is_a_row_and_a_lost_device_skips_the_rest(tmp_pat
   assert "== dispatch and batch size: skipped (" in out and "== targets ==" in out
 
 
+@pytest.mark.slow  # tunes on the CPU: CI's slow stage
+def test_a_tuned_config_that_failed_in_tuning_names_its_configs(tmp_path, monkeypatch):
+  # Not run in this process (it hung or failed in a worker), its row said so without the
+  # configs, and land shipped them.
+  gpu_check = _gpu_check()
+  monkeypatch.setattr(gpu_check, "_failed_in_isolation",
+                      lambda result, which: "timeout in tuning" if which == "best_config" else "")
+  gpu_check.main(["--smoke", "--no-profile", "--no-dispatch", "--only", "=rms_norm (64, 256) fwd",
+                  "--tune-budget-s", "1", "--out", str(tmp_path)])
+  row = {r["impl"]: r for r in _rows(tmp_path)}["layer_norm.pallas_triton tuned"]
+  assert row["status"] == "not run here: timeout in tuning" and not row["median_ms"]
+  assert row["config"].startswith("layer_norm.pallas_triton: PallasTritonLayerNormConfig(")
+
+
 def test_dispatch_calibration_times_small_calls_both_ways():
   gpu_check = _gpu_check()
   calibration = gpu_check.dispatch_calibration(smoke=True)

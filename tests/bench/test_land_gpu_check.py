@@ -76,7 +76,12 @@ def _results_folder(tmp_path, device="NVIDIA H200"):
          "argv": ["bench/gpu_check.py", "--out", "/out/gpu_check", "--tune-budget-s", "6"]}
   dispatch = [{"name": "matmul 256^3 (cuBLAS on a GPU)", "floor_us": 9.5, "batched_us": 11.25,
                "looped_us": 3.5, "profiled_us": 3.25}]
-  (folder / "results.json").write_text(json.dumps({"env": env, "rows": rows, "dispatch": dispatch}))
+  batching = {"name": "ragged_dot G=8 fwd", "per_call_ms": {"1": 1.6, "16": 1.45}, "new_thread_ms": 2.5,
+              "timeline": [{"calls": 4, "total_us": 6200, "lead_us": 40, "busy_us": 5900, "gap_us": 60,
+                            "tail_us": 200}],
+              "min_batch_1ms_ms": 1.52, "min_batch_20ms_ms": 1.47, "profiled_ms": 1.45}
+  (folder / "results.json").write_text(json.dumps({"env": env, "rows": rows, "dispatch": dispatch,
+                                                   "batching": batching}))
   (folder / "profile" / "plugins" / "profile" / "t" / "host.xplane.pb").write_bytes(
       gzip.decompress(CPU_PROFILE.read_bytes()))
   (folder / "h200_target_config.pbtxt").write_text("gpu_device_info {\n  threads_per_block_limit: 1024\n}\n")
@@ -119,6 +124,10 @@ def test_land_ships_confirmed_configs_and_records_the_run(tmp_path, capsys):
   assert "Faster than the heuristic beyond both confidence intervals:\n\n    none\n" in text
   assert ("    matmul 256^3 (cuBLAS on a GPU): floor 9.50 us, batched 11.25 us, looped 3.50 us,"
           " profiled 3.25 us\n" in text)
+  # The batch-size check reached only results.json before.
+  assert ("    ragged_dot G=8 fwd: per call with n calls a sync: n=1: 1.600 ms, n=16: 1.450 ms;"
+          " n=1 from a new thread: 2.500 ms\n" in text)
+  assert "    batch of 4 calls, profiled: 6200 us = lead 40 + busy 5900 + gaps 60 + tail 200\n" in text
   # Rows from a run before profiled times (the second row) load; the profiled one counts.
   assert ("    1 of 1 profiled rows within 1.2x of their profiled device time; 2 timed rows"
           " without one\n" in text)
@@ -132,6 +141,15 @@ def test_land_ships_confirmed_configs_and_records_the_run(tmp_path, capsys):
   target = (root / "bench" / "h200_target_config.txtpb").read_text()
   assert target.startswith("# An NVIDIA H200 as XLA's") and "(bench/gpu_check.sh, 2026-12-01, jax 0.11.2)" in target
   assert "\ngpu_device_info {\n  threads_per_block_limit: 1024\n}\n" in target
+
+
+def test_a_tuned_config_not_run_after_failing_in_tuning_is_not_confirmed():
+  # gpu_check does not run a tuned config that hung or failed in a tuning worker; its
+  # row had no config text, so land shipped the config if it had any good time.
+  row = land.gpu_check.Row("w", "ragged_dot.pallas_triton tuned", status="not run here: timeout in tuning",
+                           config="ragged_dot.pallas_triton: C(a=1); ragged_dot.pallas_triton_vjp: C(b=2)")
+  assert land._unconfirmed_configs([row]) == ["ragged_dot.pallas_triton: C(a=1)",
+                                              "ragged_dot.pallas_triton_vjp: C(b=2)"]
 
 
 def test_land_twice_adds_a_second_section_and_keeps_the_faster_configs(tmp_path, capsys):
