@@ -55,6 +55,7 @@ def test_gpu_check_smoke_run(tmp_path):
                         "rms_norm fwd+bwd bandwidth: not measured"]
 
 
+@pytest.mark.slow  # 8 s of a worker: CI's slow stage (make test within 10 minutes)
 def test_the_shell_script_runs_and_leaves_its_results_under_out(tmp_path):
   # What the GPU machine runs (no nvidia-smi and no GPU target config here: it goes on).
   env = {**os.environ, "OUT": str(tmp_path), "SMOKE": "1", "TUNE_BUDGET_S": "0", "NO_DISPATCH": "1",
