@@ -15,12 +15,14 @@
 # Afterwards, on the development machine: python bench/land_gpu_check.py <files_at>/gpu_check
 # ships the confirmed configs and records the run (its docstring says what else).
 #
-# With 15 minutes of device time (a start of 1-2 minutes included), two calls:
-#   1. TUNE_BUDGET_S=0 bash bench/gpu_check.sh     (every workload checked and timed
-#      with the heuristic configs, the dispatch and batch checks; untuned)
-#   2. TUNE_BUDGET_S=15 NO_DISPATCH=1 NO_PROFILE=1 ONLY="=ragged_dot G=8 M=8192 K=4096 N=14336 fwd+bwd,=attention B=2 T=8192 H=16 D=128 causal fwd+bwd,=rms_norm (8192, 8192) fwd+bwd" bash bench/gpu_check.sh
+# With 15 minutes of device time (a start of 1-2 minutes included), two calls of at
+# most about 400 and 300 seconds:
+#   1. TUNE_BUDGET_S=0 SKIP_AFTER_S=330 bash bench/gpu_check.sh    (every workload it
+#      reaches checked and timed with the heuristic configs, then the dispatch and batch
+#      checks; untuned)
+#   2. TUNE_BUDGET_S=10 DEADLINE_S=200 SKIP_AFTER_S=260 NO_DISPATCH=1 NO_PROFILE=1 ONLY="=ragged_dot G=8 M=8192 K=4096 N=14336 fwd+bwd,=attention B=2 T=8192 H=16 D=128 causal fwd+bwd,=rms_norm (8192, 8192) fwd+bwd" bash bench/gpu_check.sh
 #      (tunes the speed targets: a fwd+bwd workload tunes its forward calls too)
-# and land each. A budget of a few seconds buys nothing: the first measurement (a
+# and land each (a second call's results folder first copied aside: both write $OUT). A budget of a few seconds buys nothing: the first measurement (a
 # worker's start, the inputs, the reference, a compile) takes it all, so only the
 # heuristic is measured, and land ships no such entry.
 set -euo pipefail
