@@ -22,9 +22,10 @@
 #      checks; untuned)
 #   2. TUNE_BUDGET_S=10 DEADLINE_S=200 SKIP_AFTER_S=260 NO_DISPATCH=1 NO_PROFILE=1 ONLY="=ragged_dot G=8 M=8192 K=4096 N=14336 fwd+bwd,=attention B=2 T=8192 H=16 D=128 causal fwd+bwd,=rms_norm (8192, 8192) fwd+bwd" bash bench/gpu_check.sh
 #      (tunes the speed targets: a fwd+bwd workload tunes its forward calls too)
-# and land each call's results (each call gets its own $OUT). A budget of a few seconds buys nothing: the first measurement (a
-# worker's start, the inputs, the reference, a compile) takes it all, so only the
-# heuristic is measured, and land ships no such entry.
+# and land each call's results (each call gets its own $OUT). The budget pays for
+# compiles and timings only (a worker's start and the call's inputs and reference come
+# before it), but a Mosaic GPU compile takes seconds: a budget of a few seconds may
+# measure the heuristic alone, and land ships no such entry.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-results}/gpu_check"
