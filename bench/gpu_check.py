@@ -21,7 +21,9 @@ cuBLAS dense matmuls of the same FLOPs, and an elementwise copy for bandwidth.
 First, it profiles a small model (forward and gradient, every op family) into
 `<out>/profile/` and reads it back with `read_op_calls`, printing the calls it
 found: a real device profile for the profile tests, and a check of the device
-event path of the profile reader.
+event path of the profile reader. Then (unless --no-dispatch) it times small calls
+against the dispatch floor and a long call's batches, before any workload: no
+deadline cuts them, and no kernel that loses the device spoils them.
 
 Writes `<out>/results.json` (every row, environment) and `<out>/tuned.json`
 (an AutotuningResult for the library cache) after every workload, so a run cut
@@ -365,6 +367,14 @@ def run(args) -> list[Row]:
   # Commas inside parentheses are part of a name: "=rms_norm (8192, 8192) fwd".
   only = [s.strip() for s in re.split(r",(?![^()]*\))", args.only or "") if s.strip()]
   skip_after_s = args.deadline_s + 60 if args.skip_after_s is None else args.skip_after_s
+  # Seconds on the device, first: what no deadline may cut, and no kernel that loses the
+  # device can spoil (printed after the workloads, as before).
+  dispatch = batching = None
+  if not args.no_dispatch:
+    dispatch = dispatch_calibration(args.smoke)
+    batching = batch_size_check(args.smoke)
+  save = lambda: _write(Path(args.out), rows, tuned_all, dispatch, batching)
+  save()
   lost = ""  # why the device cannot run anything more, once a kernel lost it
   for w in _workloads(args.smoke):
     # "=name" asks for that workload alone; a plain part, for every name holding it.
@@ -387,18 +397,12 @@ def run(args) -> list[Row]:
     rows += new_rows
     if tuned is not None:
       tuned_all = tuned if tuned_all is None else tuned_all | tuned
-    _write(Path(args.out), rows, tuned_all)
+    save()
     print_table(new_rows)
     print(f"-- {w.name}: done at {time.monotonic() - start:.0f} s", flush=True)
-  _write(Path(args.out), rows, tuned_all)  # the skipped rows too
-  if args.no_dispatch or lost or time.monotonic() - start > skip_after_s:
-    if not args.no_dispatch:
-      print(f"\n== dispatch and batch size: skipped ({lost or f'past {skip_after_s:.0f} s'}) ==")
+  save()  # the skipped rows too
+  if args.no_dispatch:
     return rows
-  # Seconds on the device; after the workloads so that the deadline never cuts them.
-  dispatch = dispatch_calibration(args.smoke)
-  batching = batch_size_check(args.smoke)
-  _write(Path(args.out), rows, tuned_all, dispatch, batching)
   print("\n== dispatch (small calls: batched, looped, and the dispatch floor) ==")
   print("\n".join(dispatch_lines(dispatch)))
   print("\n== batch size (a long call: per batch or per call costs) ==")
