@@ -17,9 +17,9 @@
 #
 # With 15 minutes of device time (a start of 1-2 minutes included), two calls of at
 # most about 400 and 300 seconds:
-#   1. TUNE_BUDGET_S=0 SKIP_AFTER_S=330 bash bench/gpu_check.sh    (every workload it
-#      reaches checked and timed with the heuristic configs, then the dispatch and batch
-#      checks; untuned)
+#   1. TUNE_BUDGET_S=0 SKIP_AFTER_S=330 bash bench/gpu_check.sh    (the dispatch and
+#      batch checks, then every workload it reaches checked and timed with its heuristic
+#      configs; untuned)
 #   2. TUNE_BUDGET_S=10 DEADLINE_S=200 SKIP_AFTER_S=260 NO_DISPATCH=1 NO_PROFILE=1 ONLY="=ragged_dot G=8 M=8192 K=4096 N=14336 fwd+bwd,=attention B=2 T=8192 H=16 D=128 causal fwd+bwd,=rms_norm (8192, 8192) fwd+bwd" bash bench/gpu_check.sh
 #      (tunes the speed targets: a fwd+bwd workload tunes its forward calls too)
 # and land each call's results (each call gets its own $OUT). The budget pays for
