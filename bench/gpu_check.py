@@ -54,6 +54,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import re
 import sys
 import tempfile
@@ -944,6 +945,23 @@ def _call_name(entry) -> str:
   return f"{entry.bound_args.op.name} {shapes}"
 
 
+def _stop_after(limit_s: float) -> None:
+  """Ends the process `limit_s` seconds after it started, whatever runs then: a kernel
+  that never ran on a GPU may hang in its check run (only tuning measures in workers
+  with timeouts), and the device's whole call would wait for it. results.json holds
+  every workload finished by then; the tuning workers are shut first."""
+  def stop():
+    print(f"\ngpu_check: past --hard-limit-s {limit_s:.0f} s (a kernel may hang): stopping; "
+          "results.json holds the workloads that finished", flush=True)
+    from stellarax.autotuning import isolation
+    isolation.close_workers()
+    os._exit(124)
+
+  timer = threading.Timer(max(0.0, limit_s - (time.monotonic() - _STARTED)), stop)
+  timer.daemon = True
+  timer.start()
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True, help="results folder")
@@ -958,7 +976,11 @@ def main(argv=None) -> int:
   parser.add_argument("--no-profile", action="store_true", help="skip profiling the small model first")
   parser.add_argument("--only", default="",
                       help="comma-separated parts of workload names to run, or =name for one (default: all)")
+  parser.add_argument("--hard-limit-s", type=float, default=None,
+                      help="exit (status 124) after this many seconds whatever runs, e.g. a hung kernel")
   args = parser.parse_args(argv)
+  if args.hard_limit_s is not None:
+    _stop_after(args.hard_limit_s)
   print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
   if not args.no_profile:
     try:

@@ -11,16 +11,18 @@
 # skips workloads started after that many seconds (default DEADLINE_S + 60), and
 # NO_DISPATCH=1 leaves out the timing of small calls against the dispatch floor,
 # NO_PROFILE=1 the small model's profile; SMOKE=1 runs tiny shapes in interpret mode
-# (on a CPU: how the tests run this script).
+# (on a CPU: how the tests run this script). HARD_LIMIT_S (default 570) ends the run
+# then whatever runs (a kernel that never ran on a GPU may hang in its check run), so
+# a hang costs no more device time than the plan allows.
 # Afterwards, on the development machine: python bench/land_gpu_check.py <files_at>/gpu_check
 # ships the confirmed configs and records the run (its docstring says what else).
 #
 # With 15 minutes of device time (a start of 1-2 minutes included), two calls of at
 # most about 400 and 300 seconds:
-#   1. TUNE_BUDGET_S=0 SKIP_AFTER_S=330 bash bench/gpu_check.sh    (the dispatch and
+#   1. TUNE_BUDGET_S=0 SKIP_AFTER_S=330 HARD_LIMIT_S=420 bash bench/gpu_check.sh    (the dispatch and
 #      batch checks, then every workload it reaches checked and timed with its heuristic
 #      configs; untuned)
-#   2. TUNE_BUDGET_S=10 DEADLINE_S=200 SKIP_AFTER_S=260 NO_DISPATCH=1 NO_PROFILE=1 ONLY="=ragged_dot G=8 M=8192 K=4096 N=14336 fwd+bwd,=attention B=2 T=8192 H=16 D=128 causal fwd+bwd,=rms_norm (8192, 8192) fwd+bwd" bash bench/gpu_check.sh
+#   2. TUNE_BUDGET_S=10 DEADLINE_S=200 SKIP_AFTER_S=260 HARD_LIMIT_S=320 NO_DISPATCH=1 NO_PROFILE=1 ONLY="=ragged_dot G=8 M=8192 K=4096 N=14336 fwd+bwd,=attention B=2 T=8192 H=16 D=128 causal fwd+bwd,=rms_norm (8192, 8192) fwd+bwd" bash bench/gpu_check.sh
 #      (tunes the speed targets: a fwd+bwd workload tunes its forward calls too)
 # and land each call's results (each call gets its own $OUT). The budget pays for
 # compiles and timings only (a worker's start and the call's inputs and reference come
@@ -47,4 +49,5 @@ jax.jit(target_probe)(jnp.ones(8)).block_until_ready()" \
   && cp /tmp/xla_target/*target_probe*gpu_target_config.pbtxt "$out/h200_target_config.pbtxt" || true
 "$python" bench/gpu_check.py --out "$out" --tune-budget-s "${TUNE_BUDGET_S:-6}" \
   --deadline-s "${DEADLINE_S:-400}" ${SKIP_AFTER_S:+--skip-after-s "$SKIP_AFTER_S"} \
-  ${NO_DISPATCH:+--no-dispatch} ${NO_PROFILE:+--no-profile} ${SMOKE:+--smoke} --only "${ONLY:-}" 2>&1 | tee "$out.log"
+  --hard-limit-s "${HARD_LIMIT_S:-570}" ${NO_DISPATCH:+--no-dispatch} ${NO_PROFILE:+--no-profile} \
+  ${SMOKE:+--smoke} --only "${ONLY:-}" 2>&1 | tee "$out.log"

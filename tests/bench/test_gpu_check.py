@@ -69,6 +69,18 @@ def test_the_shell_script_runs_and_leaves_its_results_under_out(tmp_path):
   assert (tmp_path / "gpu_check.log").read_text().rstrip().endswith("rms_norm fwd+bwd bandwidth: not measured")
 
 
+@pytest.mark.slow  # a process of its own: CI's slow stage
+def test_a_hard_limit_ends_the_run_whatever_runs(tmp_path):
+  # A kernel that never ran on a GPU may hang in its check run: the device call would
+  # wait for it to its own end, spending the session's device time.
+  proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--smoke", "--out", str(tmp_path),
+                         "--no-profile", "--no-dispatch", "--tune-budget-s", "0", "--hard-limit-s", "4"],
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 124, proc.stderr[-2000:]
+  assert "gpu_check: past --hard-limit-s 4 s (a kernel may hang): stopping" in proc.stdout
+  assert "== targets ==" not in proc.stdout  # cut short: the whole run takes longer
+
+
 def _gpu_check():
   import importlib.util
   spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
