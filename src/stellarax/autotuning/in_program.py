@@ -38,7 +38,7 @@ twice more to profile).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -165,16 +165,8 @@ class ProgramCheck:
     """The result with each call that did not help put back to its heuristic config
     (its measurements kept, its method saying why); calls that helped, and entries of
     calls not in the program, as they were."""
-    entries = {e.key: e for e in self.result}
-    for call in self.calls:
-      if not call.helps:
-        e = call.entry
-        for other in call.alternatives:  # so that dispatch keeps the call's own implementation
-          entries.pop(other.key, None)
-        if e.key in entries:
-          entries[e.key] = dataclasses.replace(
-              call.at_heuristic(), method=f"{e.method}; heuristic kept: not faster in the program checked")
-    return AutotuningResult(self.result.device_kind, entries, self.result.versions)
+    return _put_back(self.result, [call for call in self.calls if not call.helps],
+                     "heuristic kept: not faster in the program checked")
 
   def lines(self) -> list[str]:
     """A short report: the program both ways, then each tuned call left out."""
@@ -219,6 +211,22 @@ class ProgramCheck:
       out.append(f"  {t.op}: {at(t.heuristic_s)} with heuristics -> {at(t.tuned_s)} tuned"
                  f" ({'; '.join(ratios)})")
     return out
+
+
+def _put_back(result: AutotuningResult, calls: Sequence[CallCheck],
+              method: str | None = None) -> AutotuningResult:
+  """`result` with each of `calls` at its heuristic config (where the result has an
+  entry for it; its measurements kept, `method` added to its method) and the entries of
+  its other implementations left out, so that dispatch keeps the call's own."""
+  entries = {e.key: e for e in result}
+  for call in calls:
+    for other in call.alternatives:
+      entries.pop(other.key, None)
+    if call.entry.key in entries:
+      back = call.at_heuristic()
+      entries[call.entry.key] = (back if method is None else
+                                 dataclasses.replace(back, method=f"{call.entry.method}; {method}"))
+  return AutotuningResult(result.device_kind, entries, result.versions)
 
 
 def _alternatives_in(result: AutotuningResult, ba: BoundArguments) -> tuple[Entry, ...]:
@@ -371,15 +379,8 @@ def check_in_program(result: AutotuningResult, f: Callable[..., Any], /, *args,
   if culprits and len(culprits) < len(calls):
     # Every other call's program still holds a culprit and fails as the tuned one does:
     # they are judged again with the culprits at their heuristic configs.
-    cleared = result
-    for c in culprits:
-      cleared = cleared.with_entry(c.at_heuristic())
-      for other in c.alternatives:
-        cleared = AutotuningResult(cleared.device_kind,
-                                   {e.key: e for e in cleared if e.key != other.key},
-                                   cleared.versions)
-    again = {c.entry.key: c for c in check_in_program(cleared, f, *args, options=options,
-                                                      **kwargs).calls}
+    again = {c.entry.key: c for c in check_in_program(_put_back(result, culprits), f, *args,
+                                                      options=options, **kwargs).calls}
     calls = [c if c in culprits or c.entry.key not in again
              else dataclasses.replace(again[c.entry.key], culprits_out=True) for c in calls]
   times = (_call_times(found, result, programs, (arrays,), {e.key for e, _ in changed})
