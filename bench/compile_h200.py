@@ -1109,9 +1109,8 @@ class Verdict:
     slow = tuple(r for r in rows if r.pallas and r.status != "ok"
                  and not r.status.startswith(("compile error", "not supported", _UNFENCED)))
     slow_defaults = tuple(r for r in slow if r.heuristic)
-    only_spills = lambda r: r.status == "SPILLS"
     blocking = tuple(r for r in slow_defaults if "WGMMA SERIALIZED" in r.status
-                     or (r.target and (spills_block or not only_spills(r))))
+                     or (r.target and (spills_block or r.status != "SPILLS")))
     return cls(tuple(rows), failed, unfenced, slow, slow_defaults, blocking)
 
   @property

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gzip
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -161,9 +162,8 @@ def confirmed_entries(run: Run) -> tuple[Any, list[str]]:
 def benchmarks_section(run: Run, command: str) -> str:
   """The BENCHMARKS.md section of a run: header lines, table, code paths, targets."""
   env = run.env
-  date = str(env.get("date", "")).split(" ")[0]
   argv = " ".join(str(a) for a in env.get("argv", [])[1:])
-  lines = [f"### bench/gpu_check.sh, {date}", "",
+  lines = [f"### bench/gpu_check.sh, {_run_date(run)}", "",
            f"    command: {command}   (gpu_check.py {argv})",
            f"    device: {env.get('device')}; jax {env.get('jax')}; stellarax {env.get('stellarax')};"
            f" finished {env.get('date')}", ""]
@@ -285,7 +285,7 @@ def land(run: Run, *, command: str, root: Path = ROOT, dry_run: bool = False) ->
   fixture = profile_fixture(run)
   if fixture is not None:
     folder = _new_fixture_folder(root / "tests" / "data" / "profiles",
-                                 cache.device_kind_slug(device), _run_date(run))
+                                 cache.device_kind_slug(device), _run_date(run) or "undated")
     write(folder / "profile.xplane.pb.gz", fixture[0])
     write(folder / "calls.json", fixture[1])
   target = run.folder / "h200_target_config.pbtxt"
@@ -295,24 +295,24 @@ def land(run: Run, *, command: str, root: Path = ROOT, dry_run: bool = False) ->
 
 
 def _run_date(run: Run) -> str:
-  return str(run.env.get("date", "")).split(" ")[0] or "undated"
+  """The day the run finished (YYYY-MM-DD), or "" where it did not say."""
+  return str(run.env.get("date", "")).split(" ")[0]
 
 
 def _new_fixture_folder(profiles: Path, slug: str, date: str) -> Path:
   """`profiles/<slug>`, or where that holds an earlier run's profile (which tests read
   for what it showed, e.g. command buffers), `<slug>_<date>` (then `_2`, `_3`...): a new
   run adds a fixture and replaces none."""
-  folder, n = profiles / slug, 1
-  while folder.exists():
-    n += 1
-    folder = profiles / (f"{slug}_{date}" if n == 2 else f"{slug}_{date}_{n - 1}")
-  return folder
+  names = itertools.chain([slug, f"{slug}_{date}"],
+                          (f"{slug}_{date}_{n}" for n in itertools.count(2)))
+  return next(profiles / name for name in names if not (profiles / name).exists())
 
 
 def _target_header(run: Run) -> str:
   return (f"# An {run.env.get('device')} as XLA's GPU compiler sees it (stream_executor."
           "GpuTargetConfigProto, text\n"
-          f"# format), written by XLA on the card itself (bench/gpu_check.sh, {_run_date(run)}, "
+          f"# format), written by XLA on the card itself (bench/gpu_check.sh, "
+          f"{_run_date(run) or 'undated'}, "
           f"jax {run.env.get('jax')}):\n"
           "# what bench/compile_h200.py hands XLA to compile for an H200 with no GPU attached\n"
           "# (landed by bench/land_gpu_check.py).\n")
