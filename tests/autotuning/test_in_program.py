@@ -279,18 +279,29 @@ def two_calls(lhs, rhs, gs):
   return jnp.sum(a) + jnp.sum(b)
 
 
-def test_a_call_whose_config_fails_in_the_program_is_not_held_against_the_others(monkeypatch):
-  # One call's tuned config gives wrong results in the program: the tuned program and
-  # every other call's left-out program (which still holds it) fail, and every other
-  # call was said to be "not faster beyond noise", its tuned config thrown away by kept().
+def three_calls(lhs, rhs, gs):
+  c = stellarax.ragged_dot(lhs[:72], rhs, jnp.array([30, 2, 40], jnp.int32), implementation="xla")
+  return two_calls(lhs, rhs, gs) + jnp.sum(c)
+
+
+def _every_call_tuned(f):
+  """A result that pins every op call of f(*_inputs()) to a config other than its
+  heuristic, and its entries in program order."""
   entries = []
-  for ba in autotuning.get_bound_args(two_calls, *_inputs()):
+  for ba in autotuning.get_bound_args(f, *_inputs()):
     ba = ba.with_config(None)
     heuristic = ba.heuristics_config
     other = next(c for c in sorted(ba.autotuning_configs, key=repr) if c != heuristic)
     entries.append(autotuning.Entry(bound_args=ba, best_config=other, heuristic_config=heuristic,
                                     measurements=((heuristic, _ok(2.0)), (other, _ok(1.0)))))
-  result = autotuning.AutotuningResult(jax.devices()[0].device_kind, {e.key: e for e in entries})
+  return autotuning.AutotuningResult(jax.devices()[0].device_kind, {e.key: e for e in entries}), entries
+
+
+def test_a_call_whose_config_fails_in_the_program_is_not_held_against_the_others(monkeypatch):
+  # One call's tuned config gives wrong results in the program: the tuned program and
+  # every other call's left-out program (which still holds it) fail, and every other
+  # call was said to be "not faster beyond noise", its tuned config thrown away by kept().
+  result, entries = _every_call_tuned(two_calls)
   wrong = Measurement(status="wrong_result", error="max abs error 9")
   passes = iter([
       {"heuristics": _ok(2.0), "tuned": wrong, 0: _ok(1.5), 1: wrong},  # call 0 is the culprit
@@ -307,3 +318,56 @@ def test_a_call_whose_config_fails_in_the_program_is_not_held_against_the_others
   kept = {e.key: e.best_config for e in check.kept()}
   assert kept == {entries[0].key: entries[0].heuristic_config,
                   entries[1].key: entries[1].best_config}
+
+
+@pytest.mark.parametrize("heuristics_ms, together", [(2.0, True), (1.005, False)])
+def test_calls_within_noise_alone_are_kept_where_they_help_together(monkeypatch, heuristics_ms,
+                                                                    together):
+  # Each call gains 0.5% of the program (within TIE_RELATIVE), both together 50%: left
+  # out one at a time neither "helps", and kept() threw away the program's whole gain.
+  # With every changed call weak, the program without them all is the heuristic one.
+  result, entries = _every_call_tuned(two_calls)
+  monkeypatch.setattr(in_program.measure_lib, "measure_candidates", lambda programs, *a, **k: {
+      "heuristics": _ok(heuristics_ms), "tuned": _ok(1.0), 0: _ok(1.005), 1: _ok(1.005)})
+  check = autotuning.check_in_program(result, two_calls, *_inputs())
+  assert [(c.helps, c.together, c.others_together) for c in check.calls] == [
+      (together, _ok(heuristics_ms), 1)] * 2
+  says = "they help together" if together else "kept() keeps the heuristic"
+  assert all(line.endswith(f"not faster beyond noise alone; without it and the 1 other such call"
+                           f" {in_program.format_time(heuristics_ms * 1e-3)}: {says}")
+             for line in check.lines()[1:]), check.lines()
+  kept = {e.key: e.best_config for e in check.kept()}
+  assert kept == {e.key: e.best_config if together else e.heuristic_config for e in entries}
+
+
+@pytest.mark.parametrize("together_ms", [1.5, 1.004])
+def test_the_weak_calls_are_timed_together_beside_one_that_helps(monkeypatch, together_ms):
+  # Call 0 helps alone; calls 1 and 2 do not: the program with both of them at their
+  # heuristics (call 0 tuned) is timed against the tuned one, in rounds of its own that
+  # reuse the tuned program's executable.
+  result, entries = _every_call_tuned(three_calls)
+  measured, caches = [], []
+
+  def fake_measure(programs, margs, **kwargs):
+    measured.append({name: str(jax.make_jaxpr(fn)(*margs)) for name, fn in programs.items()})
+    caches.append(kwargs["compile_cache"])
+    if "together" in programs:
+      return {"together": _ok(together_ms), "tuned": _ok(1.0)}
+    return {"heuristics": _ok(2.0), "tuned": _ok(1.0), 0: _ok(1.5), 1: _ok(1.005), 2: _ok(1.005)}
+
+  monkeypatch.setattr(in_program.measure_lib, "measure_candidates", fake_measure)
+  check = autotuning.check_in_program(result, three_calls, *_inputs())
+  first, second = measured
+  assert sorted(second) == ["together", "tuned"] and caches[0] is caches[1]
+  assert second["tuned"] == first["tuned"]
+  weak_at_heuristics = [entries[0]] + [dataclasses.replace(e, best_config=e.heuristic_config)
+                                       for e in entries[1:]]
+  with autotuning.AutotuningResult(result.device_kind, {e.key: e for e in weak_at_heuristics}):
+    assert second["together"] == str(jax.make_jaxpr(lambda a: three_calls(*a))(list(_inputs())))
+  helps = together_ms == 1.5
+  assert [(c.helps, c.together) for c in check.calls] == [
+      (True, None), (helps, _ok(together_ms)), (helps, _ok(together_ms))]
+  assert check.lines()[1].endswith("; helps")
+  kept = {e.key: e.best_config for e in check.kept()}
+  assert kept == {e.key: e.best_config if i == 0 or helps else e.heuristic_config
+                  for i, e in enumerate(entries)}

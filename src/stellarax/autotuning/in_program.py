@@ -13,7 +13,14 @@ interleaved rounds (`measure_candidates`): every op call at its heuristic config
 call at the result's config, and, for each call whose tuned config is not its
 heuristic, the result with that one call put back to its heuristic (leave one out). A
 call helps when the tuned program is faster than the one without it beyond noise
-(`measure.pick_best` with the leave-one-out program preferred). Every program's output
+(`measure.pick_best` with the leave-one-out program preferred). Leaving one out misses a
+gain spread over several calls: two calls that each gain a few percent of the program
+can each stay within noise while together they are beyond it (the demo's attention
+forward and backward on a CPU: each "not faster", the program 1.08x). So where two or
+more calls do not help alone, the program with all of them at their heuristics is timed
+against the tuned one too (in more rounds of its own, or read from the heuristic
+program where they are every changed call): where the tuned program is faster beyond
+noise, they help together and are kept. Every program's output
 is checked against the heuristic program's, so a config that is wrong only in context
 shows too. `ProgramCheck.kept()` is the result with the calls that did not help put
 back to their heuristics: a result for this program, not a better measurement of the
@@ -31,13 +38,15 @@ of many small thunks looks slower than it runs (2026-12-02, a 96-row XLA ragged_
 0.070 ms profiled in a program that takes 0.017 ms): there the numbers show what the
 profile holds, not what the calls cost.
 
-It compiles the program 2 + (changed calls) times, plus once for the reference (and
-twice more to profile).
+It compiles the program 2 + (changed calls) times, plus once for the reference, once
+more for the calls that do not help alone (where some others do), and twice more to
+profile.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,6 +60,8 @@ from stellarax.core.bound_args import BoundArguments
 
 _HEURISTICS = "heuristics"
 _TUNED = "tuned"
+_WITHOUT = "without"
+_TOGETHER = "together"  # the calls that do not help alone, all left out
 # Runs of each program in its profile: per-run times are averages over them.
 _PROFILED_RUNS = 3
 
@@ -64,8 +75,9 @@ class CallCheck:
       tuned only other implementations of it).
     without: the program with this call at its heuristic config and in its own
       implementation, the others tuned.
-    helps: whether the tuned program is faster than `without` beyond noise (or ran
-      where `without` failed).
+    helps: whether kept() keeps the call's tuned config: the tuned program is faster
+      than `without` beyond noise (or ran where `without` failed), or, where it is not,
+      faster than `together` beyond noise.
     alternatives: the result's entries for the same call in other implementations of
       its family (`Autotuner(implementations=...)`), which dispatch may run instead.
     heuristic_config: the call's heuristic config today, which `without` ran (the
@@ -74,6 +86,10 @@ class CallCheck:
     culprits_out: where the tuned program fails for other calls' configs (the culprits:
       the program runs without them), this call was judged in the programs with those
       calls at their heuristic configs: `without` and `helps` are from those.
+    together: where two or more calls do not help alone, the program with all of them
+      at their heuristic configs (the heuristic program where they are all the changed
+      calls), timed against the tuned one; else None.
+    others_together: how many other calls `together` put back with this one.
   """
 
   entry: Entry
@@ -82,6 +98,8 @@ class CallCheck:
   alternatives: tuple[Entry, ...] = ()
   heuristic_config: Any = None
   culprits_out: bool = False
+  together: measure_lib.Measurement | None = None
+  others_together: int = 0
 
   def at_heuristic(self) -> Entry:
     """The entry pinned to the heuristic config that `without` ran."""
@@ -188,6 +206,11 @@ class ProgramCheck:
       if call.culprits_out:
         verdict = ("helps" if call.helps else "not faster beyond noise: kept() keeps the "
                    "heuristic") + " (judged with the culprits at their heuristic configs)"
+      elif call.together is not None:
+        verdict = (f"not faster beyond noise alone; without it and the {call.others_together}"
+                   f" other such call{'s' if call.others_together > 1 else ''}"
+                   f" {ms(call.together)}: "
+                   + ("they help together" if call.helps else "kept() keeps the heuristic"))
       elif call.helps:
         verdict = "helps"
       elif not self.tuned.ok and call.without.ok:
@@ -227,6 +250,25 @@ def _put_back(result: AutotuningResult, calls: Sequence[CallCheck],
       entries[call.entry.key] = (back if method is None else
                                  dataclasses.replace(back, method=f"{call.entry.method}; {method}"))
   return AutotuningResult(result.device_kind, entries, result.versions)
+
+
+def _left_out(calls: Sequence[tuple[Entry, tuple[Entry, ...]]], heuristic: dict, tuned: dict
+              ) -> dict:
+  """The entries that pin a program with `calls` (each an entry and the other
+  implementations dispatch would run instead) at today's heuristic configs in their own
+  implementations, and every other call as tuned."""
+  dropped = {o.key for _, others in calls for o in others}
+  entries = {k: v for k, v in (heuristic | tuned).items() if k not in dropped}
+  for e, _ in calls:
+    entries[e.key] = dataclasses.replace(e, best_config=heuristic[e.key].best_config)
+  return entries
+
+
+def _helps(with_it: measure_lib.Measurement, without: measure_lib.Measurement) -> bool:
+  """Whether the program `with_it` (some calls tuned) beats `without` (those calls at
+  their heuristics): it runs, and is faster beyond noise or runs where `without` fails."""
+  return with_it.ok and (not without.ok or measure_lib.pick_best(
+      {_WITHOUT: without, _TUNED: with_it}, prefer=_WITHOUT, order=[_WITHOUT, _TUNED]) == _TUNED)
 
 
 def _alternatives_in(result: AutotuningResult, ba: BoundArguments) -> tuple[Entry, ...]:
@@ -360,21 +402,28 @@ def check_in_program(result: AutotuningResult, f: Callable[..., Any], /, *args,
   program, arrays = capture.program_of_arrays(f, args, kwargs)
   programs = {_HEURISTICS: _under(pinned(heuristic), program),
               _TUNED: _under(pinned(heuristic | tuned), program)}
-  for i, (e, others) in enumerate(changed):
-    dropped = {o.key for o in others}
-    left_out = {k: v for k, v in (heuristic | tuned).items() if k not in dropped}
-    today = heuristic[e.key].best_config
-    programs[i] = _under(pinned(left_out | {e.key: dataclasses.replace(e, best_config=today)}),
-                         program)
-  reference = lambda: _reference_run(programs[_HEURISTICS], arrays)
-  got = measure_lib.measure_candidates(programs, (arrays,), reference=reference,
-                                       options=options or measure_lib.MeasureOptions())
-  calls = []
-  for i, (e, others) in enumerate(changed):
-    without, with_it = got[i], got[_TUNED]
-    helps = with_it.ok and (not without.ok or measure_lib.pick_best(
-        {i: without, _TUNED: with_it}, prefer=i, order=[i, _TUNED]) == _TUNED)
-    calls.append(CallCheck(e, without, bool(helps), others, heuristic[e.key].best_config))
+  without = lambda some: _under(pinned(_left_out(some, heuristic, tuned)), program)
+  for i, call in enumerate(changed):
+    programs[i] = without([call])
+  options = options or measure_lib.MeasureOptions()
+  reference = functools.cache(lambda: _reference_run(programs[_HEURISTICS], arrays))
+  compiled: dict[Any, Any] = {}  # the tuned program is timed again with the weak calls
+  measure = lambda variants: measure_lib.measure_candidates(
+      variants, (arrays,), reference=reference, options=options, compile_cache=compiled)
+  got = measure(programs)
+  calls = [CallCheck(e, got[i], _helps(got[_TUNED], got[i]), others, heuristic[e.key].best_config)
+           for i, (e, others) in enumerate(changed)]
+  weak = [i for i, c in enumerate(calls) if not c.helps]
+  if got[_TUNED].ok and len(weak) >= 2:  # (a failing tuned program helps nowhere)
+    if len(weak) == len(calls):  # all of them left out: the heuristic program
+      together, with_them = got[_HEURISTICS], got[_TUNED]
+    else:
+      rerun = measure({_TOGETHER: without([changed[i] for i in weak]), _TUNED: programs[_TUNED]})
+      together, with_them = rerun[_TOGETHER], rerun[_TUNED]
+    helps = _helps(with_them, together)
+    for i in weak:
+      calls[i] = dataclasses.replace(calls[i], helps=helps, together=together,
+                                     others_together=len(weak) - 1)
   culprits = [c for c in calls if not got[_TUNED].ok and c.without.ok]
   if culprits and len(culprits) < len(calls):
     # Every other call's program still holds a culprit and fails as the tuned one does:
