@@ -3,6 +3,7 @@
     python bench/gpu_check.py --out results/2026-11-29-h200 [--tune-budget-s 20]
         [--deadline-s 540] [--only "ragged_dot,attention"]
     python bench/gpu_check.py --smoke --out /tmp/smoke     # tiny shapes, CPU, interpret mode
+    python bench/gpu_check.py ... --leave-out attention.pallas_mosaic_gpu  # after it hung
 
 For each workload (the speed targets of DESIGN.md: ragged_dot, attention,
 rms_norm/layer_norm, forward and forward+backward; then, for information, a
@@ -44,7 +45,11 @@ this process (a hung kernel or a poisoned CUDA context would cost every later
 workload): its row says why. When some op call of a workload could not be tuned
 (e.g. every config of the backward failed), its tuned row runs the calls that
 were tuned with their configs and the others with their heuristics, and its
-note says which.
+note says which. In this process a candidate that hangs (a check run past
+CHECK_TIMEOUT_S, a timed run past its timeout) or loses the device ends the
+workloads: its row says so, the ones left are skipped (they would queue behind
+it), the tables are printed and the process leaves without waiting for the
+kernel, well before --hard-limit-s.
 """
 
 from __future__ import annotations
@@ -74,6 +79,8 @@ from stellarax.autotuning import measure, profile
 # The deadlines count from here (the profile and jax's start-up included): the device
 # tool's limit counts the whole call.
 _STARTED = time.monotonic()
+# Why the run stopped with a kernel still running on the device (see __main__), if it did.
+HUNG: list[str] = []
 
 
 @dataclasses.dataclass
@@ -128,13 +135,15 @@ def _attention_inputs(b, t, h, d, dtype, kv_heads=None):
                for kk, n in zip(keys, heads))
 
 
-def _impls(family: str, smoke: bool) -> list[tuple[str, Any]]:
-  """Our implementations of a family that run here (interpret mode in smoke runs)."""
+def _impls(family: str, smoke: bool, leave_out: frozenset[str] = frozenset()
+           ) -> list[tuple[str, Any]]:
+  """Our implementations of a family that run here (interpret mode in smoke runs),
+  but those named in `leave_out`."""
   from stellarax.core import registry
   device = jax.devices()[0]
   out = []
   for name in registry.names(family):
-    if name.endswith("_vjp"):
+    if name.endswith("_vjp") or name in leave_out:
       continue
     cls = registry.lookup(name)
     fields = {f.name for f in dataclasses.fields(cls)}
@@ -367,6 +376,7 @@ def run(args) -> list[Row]:
   start = _STARTED
   # Commas inside parentheses are part of a name: "=rms_norm (8192, 8192) fwd".
   only = [s.strip() for s in re.split(r",(?![^()]*\))", args.only or "") if s.strip()]
+
   skip_after_s = args.deadline_s + 60 if args.skip_after_s is None else args.skip_after_s
   # Seconds on the device, first: what no deadline may cut, and no kernel that loses the
   # device can spoil (printed after the workloads, as before).
@@ -388,7 +398,12 @@ def run(args) -> list[Row]:
       continue
     tune = args.tune_budget_s if elapsed < args.deadline_s else 0.0
     try:
-      new_rows, tuned = _run_workload(w, args.smoke, tune, opts, isolate=not args.smoke)
+      new_rows, tuned = _run_workload(w, args.smoke, tune, opts, isolate=not args.smoke,
+                                      leave_out=args.leave_out)
+    except WorkloadStopped as e:  # the device runs nothing more here: the rest are skipped
+      print(f"{e.why}: the workloads left are skipped", flush=True)
+      new_rows, tuned, lost = e.rows, e.tuned, e.why
+      HUNG.extend([e.why] if e.hung else [])
     except Exception as e:  # its inputs or reference, or a kernel that lost the device
       print(f"{w.name} failed: {type(e).__name__}: {e}", flush=True)
       new_rows, tuned = [Row(w.name, "-", status=f"error: {' '.join(str(e).split())[:300]}")], None
@@ -447,9 +462,54 @@ def _has_choices(call: Callable, inputs) -> bool:
   return any(len(ba.autotuning_configs) > 1 for ba in calls)
 
 
+# Seconds a candidate's check run (its compilation, one call and the copy of its output)
+# may take before it is presumed hung; interpret mode on a CPU is slow, not hung.
+CHECK_TIMEOUT_S = {False: 120.0, True: 900.0}  # by smoke
+
+
+class WorkloadStopped(Exception):
+  """A candidate hung (a check run or a timed run past its timeout) or lost the device:
+  the workload's rows so far, its tuning result, and why nothing more can run here."""
+
+  def __init__(self, rows: list[Row], tuned: Any, why: str, hung: bool):
+    super().__init__(why)
+    self.rows, self.tuned, self.why, self.hung = rows, tuned, why, hung
+
+
+class _CheckHung(Exception):
+  pass
+
+
+def _check_run(fn: Callable, inputs: tuple, timeout_s: float) -> Any:
+  """fn's output for `inputs`, on the host; raises _CheckHung past `timeout_s` (the run
+  goes on in a daemon thread: a kernel that never ran on a GPU may never finish, and
+  in-process it cannot be stopped), or fn's own error."""
+  box: dict[str, Any] = {}
+
+  def run():
+    try:
+      box["out"] = jax.device_get(jax.jit(fn)(*inputs))
+    except BaseException as e:  # noqa: BLE001 (raised again in the caller's thread)
+      box["error"] = e
+
+  thread = threading.Thread(target=run, daemon=True, name="gpu_check check run")
+  thread.start()
+  thread.join(timeout_s)
+  if thread.is_alive():
+    raise _CheckHung()
+  if "error" in box:
+    raise box["error"]
+  return box["out"]
+
+
 def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
-                  isolate: bool) -> tuple[list[Row], Any]:
-  """Checks, tunes (within the budget) and times every candidate of one workload."""
+                  isolate: bool, leave_out: frozenset[str] = frozenset()
+                  ) -> tuple[list[Row], Any]:
+  """Checks, tunes (within the budget) and times every candidate of one workload.
+
+  Raises:
+    WorkloadStopped: when a candidate hung or lost the device; it holds the rows so far.
+  """
   rows: list[Row] = []
   tuned_all = None
   inputs = w.make_inputs()
@@ -458,7 +518,7 @@ def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
   candidates: dict[str, Callable] = {}
   configs: dict[str, str] = {}
   notes: dict[str, str] = {}
-  for impl_name, op in _impls(w.family, smoke):
+  for impl_name, op in _impls(w.family, smoke, leave_out):
     call = functools.partial(w.call, op)
     candidates[f"{impl_name} heuristic"] = call
     if tune_budget_s > 0 and not _has_choices(call, inputs):
@@ -497,10 +557,16 @@ def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
                           config=configs.get(f"{impl_name} {kind}", "")))
   candidates.update(w.baselines)
   checked = []
+  timeout_s = CHECK_TIMEOUT_S[smoke]
   for key, fn in candidates.items():
     try:
-      out = jax.jit(fn)(*inputs)
+      out = _check_run(fn, inputs, timeout_s)
       err = None if key in w.unchecked else _rel_err(out, expected)
+    except _CheckHung:
+      rows.append(Row(w.name, key, status=f"timeout: its check run did not end in {timeout_s:.0f} s",
+                      config=configs.get(key, "")))
+      raise WorkloadStopped(rows, tuned_all, f"{w.name}: {key} hung in its check run",
+                            hung=True) from None
     except Exception as e:
       # All of it on one line: dispatch's first line says only that no implementation
       # took the call, the next ones say why (a backend this JAX lacks, a dtype).
@@ -513,9 +579,15 @@ def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
     checked.append(key)
   # Profiled too (not while tuning: a trace costs time): each row also gets the
   # profiler's device time, a check of the timing method.
-  timed = measure.measure_candidates({k: candidates[k] for k in checked}, tuple(inputs),
-                                     options=dataclasses.replace(opts, profile=True))
+  # After a run that hangs or loses the device, nothing more can run in this process:
+  # the measurement stops there (its other candidates untimed) and so does the run.
+  timed = measure.measure_candidates(
+      {k: candidates[k] for k in checked}, tuple(inputs),
+      options=dataclasses.replace(opts, profile=True, stop_after_run_timeout=True))
+  stop = next((k for k, m in timed.items() if m.status == "timeout" or m.lost_the_device), None)
   for r in rows:
+    if stop is not None and r.impl in checked and r.impl not in timed:
+      r.status = "; ".join(filter(None, (r.status, f"not timed: {stop} stopped the timing")))
     if r.impl in timed:
       m = timed[r.impl]
       note = r.status
@@ -529,6 +601,10 @@ def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
         r.rate = _rate(m.median_s, w.flops, w.nbytes)
         if m.method.endswith("-looped"):
           r.note = "; ".join(filter(None, (r.note, "timed in a loop: host-bound")))
+  if stop is not None:
+    hung = timed[stop].status == "timeout"
+    raise WorkloadStopped(rows, tuned_all, f"{w.name}: {stop} "
+                          + ("hung in its timed runs" if hung else "lost the device"), hung=hung)
   return rows, tuned_all
 
 
@@ -962,6 +1038,19 @@ def _stop_after(limit_s: float) -> None:
   timer.start()
 
 
+def _implementations(text: str) -> frozenset[str]:
+  """The registered implementations a comma-separated `text` names; exits (status 2)
+  naming those that are not, before anything runs on the device."""
+  from stellarax.core import registry
+  names = frozenset(s.strip() for s in text.split(",") if s.strip())
+  unknown = sorted(n for n in names if n not in registry.names(n.partition(".")[0]))
+  if unknown:
+    print(f"gpu_check: error: --leave-out names no implementation: {', '.join(unknown)}; name "
+          "registered ones, e.g. attention.pallas_mosaic_gpu", file=sys.stderr)
+    raise SystemExit(2)
+  return names
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True, help="results folder")
@@ -976,9 +1065,13 @@ def main(argv=None) -> int:
   parser.add_argument("--no-profile", action="store_true", help="skip profiling the small model first")
   parser.add_argument("--only", default="",
                       help="comma-separated parts of workload names to run, or =name for one (default: all)")
+  parser.add_argument("--leave-out", default="",
+                      help="comma-separated implementations not to run, e.g. "
+                           "attention.pallas_mosaic_gpu (one that hung in an earlier call)")
   parser.add_argument("--hard-limit-s", type=float, default=None,
                       help="exit (status 124) after this many seconds whatever runs, e.g. a hung kernel")
   args = parser.parse_args(argv)
+  args.leave_out = _implementations(args.leave_out)
   if args.hard_limit_s is not None:
     _stop_after(args.hard_limit_s)
   print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
@@ -1007,4 +1100,13 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  status = main()
+  if HUNG:
+    # A kernel still runs on the device, and a normal exit (JAX's teardown) would wait
+    # for it until the device call's own limit: leave now, the results written.
+    print(f"gpu_check: leaving with a kernel still running ({HUNG[0]})", flush=True)
+    from stellarax.autotuning import isolation
+    isolation.close_workers()
+    sys.stderr.flush()
+    os._exit(status)
+  sys.exit(status)

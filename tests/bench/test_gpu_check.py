@@ -307,6 +307,129 @@ def test_a_workload_that_fails_is_a_row_and_a_lost_device_skips_the_rest(tmp_pat
   assert "== dispatch (small calls" in out and "== targets ==" in out
 
 
+def test_a_check_run_that_does_not_end_is_given_up():
+  # A kernel that never ran on a GPU may never finish: in this process it cannot be
+  # stopped, and its check run waited until the device call's own limit.
+  import threading
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  gpu_check = _gpu_check()
+  release = threading.Event()
+
+  def blocked(x):
+    release.wait(60)
+    return x
+
+  x = jnp.arange(4.0)
+  hangs = lambda x: jax.pure_callback(blocked, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+  try:
+    with pytest.raises(gpu_check._CheckHung):
+      gpu_check._check_run(hangs, (x,), 0.5)
+  finally:
+    release.set()
+  out = gpu_check._check_run(lambda x: x * 2, (x,), 60)
+  assert isinstance(out, np.ndarray) and np.array_equal(out, np.arange(4.0) * 2)
+  with pytest.raises(ZeroDivisionError):
+    gpu_check._check_run(lambda x: x + 1 // 0, (x,), 60)
+
+
+def _smoke_workload(gpu_check, name="rms_norm (64, 256) fwd"):
+  from stellarax.autotuning import measure
+  w = next(w for w in gpu_check._workloads(True) if w.name == name)
+  return w, measure.MeasureOptions(rounds=2, leader_rounds=0, max_total_s=0.2, warmup_s=0.0)
+
+
+def test_a_hung_check_run_stops_the_workload_with_its_rows(monkeypatch):
+  gpu_check = _gpu_check()
+  w, opts = _smoke_workload(gpu_check)
+  real, seen = gpu_check._check_run, []
+
+  def check_run(fn, inputs, timeout_s):
+    seen.append(timeout_s)
+    if len(seen) == 2:
+      raise gpu_check._CheckHung()
+    return real(fn, inputs, timeout_s)
+
+  monkeypatch.setattr(gpu_check, "_check_run", check_run)
+  with pytest.raises(gpu_check.WorkloadStopped) as stopped:
+    gpu_check._run_workload(w, True, 0.0, opts, isolate=False)
+  first, hung = stopped.value.rows
+  assert first.status == "" and first.max_rel_err is not None and first.median_ms is None
+  assert hung.status == f"timeout: its check run did not end in {seen[1]:.0f} s"
+  assert stopped.value.hung and stopped.value.why == f"{w.name}: {hung.impl} hung in its check run"
+
+
+@pytest.mark.parametrize("failure, why", [
+    (Measurement(status="timeout", error="no result within timeout_s=20"), "hung in its timed runs"),
+    (Measurement(status="runtime_error", error="CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory "
+                 "access was encountered"), "lost the device"),
+])
+def test_a_timed_run_that_hangs_or_loses_the_device_stops_the_workload(monkeypatch, failure, why):
+  # The timing stops after it (stop_after_run_timeout): later candidates would queue
+  # behind the hung kernel, or fail in a lost context.
+  gpu_check = _gpu_check()
+  w, opts = _smoke_workload(gpu_check)
+  asked = []
+
+  def measure_candidates(candidates, args, options):
+    asked.append(options)
+    first, second = list(candidates)[:2]
+    return {first: Measurement(status="ok", median_s=1e-3, ci_low_s=1e-3, ci_high_s=1e-3,
+                               num_samples=2, method="batched"), second: failure}
+
+  monkeypatch.setattr(gpu_check.measure, "measure_candidates", measure_candidates)
+  with pytest.raises(gpu_check.WorkloadStopped) as stopped:
+    gpu_check._run_workload(w, True, 0.0, opts, isolate=False)
+  rows = stopped.value.rows
+  assert asked[0].stop_after_run_timeout and len(rows) > 2
+  assert rows[0].median_ms == 1.0 and rows[1].status.startswith(failure.status)
+  assert all(r.status == f"not timed: {rows[1].impl} stopped the timing" for r in rows[2:])
+  assert stopped.value.why == f"{w.name}: {rows[1].impl} {why}"
+  assert stopped.value.hung is (failure.status == "timeout")
+
+
+def test_a_stopped_workload_keeps_its_rows_and_skips_the_rest(tmp_path, monkeypatch, capsys):
+  gpu_check = _gpu_check()
+  seen = []
+
+  def run_workload(w, *args, **kwargs):
+    seen.append(w.name)
+    if len(seen) > 1:
+      raise AssertionError("not reached: a kernel still holds the device")
+    row = gpu_check.Row(w.name, "layer_norm.pallas_triton heuristic", status="timeout: ...")
+    raise gpu_check.WorkloadStopped([row], None, f"{w.name}: it hung", hung=True)
+
+  monkeypatch.setattr(gpu_check, "_run_workload", run_workload)
+  monkeypatch.setattr(gpu_check, "HUNG", [])
+  gpu_check.main(["--smoke", "--no-profile", "--no-dispatch", "--tune-budget-s", "0",
+                  "--only", "rms_norm", "--out", str(tmp_path)])
+  rows = _rows(tmp_path)
+  assert rows[0]["impl"] == "layer_norm.pallas_triton heuristic" and rows[0]["status"] == "timeout: ..."
+  assert len(rows) > 1 and all(r["status"] == f"skipped: {seen[0]}: it hung" for r in rows[1:])
+  assert gpu_check.HUNG == [f"{seen[0]}: it hung"]  # __main__ then leaves without waiting
+  assert "== targets ==" in capsys.readouterr().out
+
+
+def test_leave_out_drops_implementations_and_refuses_unknown_names(tmp_path, monkeypatch, capsys):
+  # After a kernel hung, the next call runs the rest without that implementation.
+  gpu_check = _gpu_check()
+  names = lambda leave_out: [n for n, _ in gpu_check._impls("layer_norm", True, leave_out)]
+  assert "layer_norm.pallas_triton" in names(frozenset())
+  assert names(frozenset({"layer_norm.pallas_triton"})) == ["layer_norm.xla"]
+  passed = []
+  monkeypatch.setattr(gpu_check, "_run_workload",
+                      lambda w, *a, **k: passed.append(k["leave_out"]) or ([], None))
+  common = ["--smoke", "--no-profile", "--no-dispatch", "--tune-budget-s", "0", "--only",
+            "=rms_norm (64, 256) fwd", "--out", str(tmp_path)]
+  gpu_check.main(common + ["--leave-out", "layer_norm.pallas_triton, attention.pallas_mosaic_gpu"])
+  assert passed == [frozenset({"layer_norm.pallas_triton", "attention.pallas_mosaic_gpu"})]
+  with pytest.raises(SystemExit) as exit_:
+    gpu_check.main(common + ["--leave-out", "attention.pallas_mosaic,layer_norm.xla"])
+  assert exit_.value.code == 2 and len(passed) == 1
+  assert "--leave-out names no implementation: attention.pallas_mosaic;" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # tunes on the CPU: CI's slow stage
 def test_a_tuned_config_that_failed_in_tuning_names_its_configs(tmp_path, monkeypatch):
   # Not run in this process (it hung or failed in a worker), its row said so without the
