@@ -145,7 +145,8 @@ def test_a_recalled_config_in_a_close_choice_is_measured_again_with_its_rivals()
 
   journal = _FakeJournal({"a": ms["a"]})
   confirmed = autotuner_lib._confirm_recalled(outcome, measure_here, journal, heuristic="c")
-  assert asked == [(["a", "b"], 1.0)] and confirmed.best == "b"
+  # The heuristic is measured beside them (here it stays slower).
+  assert asked == [(["a", "b", "c"], 1.0)] and confirmed.best == "b"
   assert confirmed.measurements["a"].median_s == pytest.approx(1.2e-3)
   assert journal.records == [({"a": _ok(1.2), "b": _ok(0.9)}, 1.0)]
   # Nothing recalled among the close ones, or no close rival: the outcome stands.
@@ -154,6 +155,20 @@ def test_a_recalled_config_in_a_close_choice_is_measured_again_with_its_rivals()
                                 num_configs=3)
     assert autotuner_lib._confirm_recalled(same, measure_here, _FakeJournal(recalled), "c") is same
   assert len(asked) == 1
+
+
+def test_confirming_recalled_configs_never_picks_one_slower_than_the_heuristic():
+  # "a" and "b" were recalled from another run at 1.0 ms, beside this run's heuristic at
+  # 1.5; measured again here they take 2.0 and 2.1 (a slower machine now). Chosen among
+  # those two alone, "a" won, slower than the heuristic by its own measurements.
+  ms = {"h": _ok(1.5), "a": _ok(1.0), "b": _ok(1.01)}
+  outcome = search.SearchOutcome(strategy="exhaustive", best="a", measurements=ms, wall_time_s=1.0,
+                                 num_configs=3)
+  now = {"h": _ok(1.9), "a": _ok(2.0), "b": _ok(2.1)}
+  confirmed = autotuner_lib._confirm_recalled(
+      outcome, lambda configs, effort: {c: now[c] for c in configs},
+      _FakeJournal({"a": ms["a"], "b": ms["b"]}), heuristic="h")
+  assert confirmed.best == "h" and confirmed.measurements == now
 
 
 def test_without_cache_nothing_is_journaled(user_cache_dir, measured):

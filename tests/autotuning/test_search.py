@@ -267,6 +267,52 @@ def test_the_cost_model_learns_a_cost_per_call_only_where_calls_need_one():
   plain = search._CostModel.fit([(1, 1.0, 1.5)])
   assert plain.call_s == 0.0 and plain.per_config(1.0) == pytest.approx(1.5)
   assert search._CostModel.fit([(2, 1.0, 2.5), (0, 0.5, 0.25)]).call_s == 0.0
+  # Failed new configs (the 4th count) have a cost of their own; a new config is
+  # planned at the dearer of the two.
+  failing = search._CostModel.fit([(1, 1.0, 2.0, 0), (0, 0.0, 0.2, 2)])
+  assert failing.failed_s == pytest.approx(0.1) and failing.per_config(1.0) == pytest.approx(2.0)
+  dear = search._CostModel.fit([(1, 1.0, 2.0, 0), (0, 0.0, 6.0, 2)])
+  assert dear.per_config(1.0) >= 3.0 and dear.predict(2, 0.0) >= 6.0
+
+
+class _FailingFake:
+  """1 s to compile a config and 1 s * effort to time it; the configs in `failing` fail
+  to compile after `fail_s` (a smem overflow found at once, or after a whole compile)."""
+
+  def __init__(self, failing, fail_s):
+    self.now, self.failing, self.fail_s, self.seen = 0.0, failing, fail_s, set()
+
+  def clock(self):
+    return self.now
+
+  def __call__(self, configs, *, effort=1.0):
+    out = {}
+    for c in configs:
+      if c in self.failing:
+        self.now += self.fail_s
+        out[c] = Measurement(status="compile_error", error="out of shared memory")
+      else:
+        self.now += (0.0 if c in self.seen else 1.0) + effort
+        t = 1e-3 * (1 + c / 1000)
+        out[c] = Measurement(status="ok", median_s=t, ci_low_s=t, ci_high_s=t, num_samples=10)
+      self.seen.add(c)
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["exhaustive", "random_search", "racing"])
+@pytest.mark.parametrize("fail_s", [0.1, 1.0])
+@pytest.mark.parametrize("failing", [{1, 2}, set(range(1, 100, 3))])
+def test_configs_that_fail_do_not_make_the_others_look_free(strategy, fail_s, failing):
+  # A failed config was logged as a measured one: cheap failures taught the cost model
+  # that configs cost nothing (per_config 0), and the next chunk of 16 overran a 6 s
+  # budget to 34 s. Now failures are a column of their own and plans charge a new
+  # config the dearer of the two.
+  for budget in (4.0, 6.0, 10.0, 25.0):
+    fake = _FailingFake(failing, fail_s)
+    kwargs = {} if strategy == "exhaustive" else {"rng_seed": 3}
+    getattr(search, strategy)(list(range(100)), fake, heuristic=0, budget_s=budget,
+                              clock=fake.clock, **kwargs)
+    assert fake.now <= budget + 2.0, (budget, fake.now)  # at most one measurement over
 
 
 def test_racing_spends_a_budget_that_calls_cost_overhead_in():

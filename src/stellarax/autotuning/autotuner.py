@@ -932,14 +932,19 @@ _MAX_CONFIRMED = 8
 
 def _confirm_recalled(outcome: search.SearchOutcome, measure_here: Callable[..., Any],
                       journal: Any, heuristic: Any) -> search.SearchOutcome:
-  """The outcome, with the best config and those within its noise measured again together
-  when one of them was recalled from a journal (another run's time: see journal.py)."""
+  """The outcome, with the best config and those within its noise measured again together,
+  beside the heuristic, when one of them was recalled from a journal (another run's
+  time: see journal.py)."""
   ms = dict(outcome.measurements)
   best = ms[outcome.best]
   close = [c for c, m in ms.items() if m.ok and c != outcome.best and m.ci_low_s <= best.ci_high_s]
   contenders = [outcome.best] + sorted(close, key=lambda c: ms[c].median_s)[:_MAX_CONFIRMED - 1]
   if len(contenders) < 2 or not any(journal.is_recalled(c, ms[c]) for c in contenders):
     return outcome
+  # The heuristic is measured again beside them: chosen among the fresh times alone, the
+  # best could be one that this very measurement shows slower than the heuristic.
+  if heuristic in ms and ms[heuristic].ok and heuristic not in contenders:
+    contenders.append(heuristic)
   fresh = measure_here(contenders, 1.0)
   journal.record(fresh, 1.0)
   ms.update(fresh)

@@ -151,8 +151,9 @@ class _Session(Generic[C]):
     self._start = clock()
     self._best: dict[C, tuple[float, Measurement]] = {}  # config -> (effort, measurement)
     self._paid: set[C] = set()  # configs a timed call measured (compiled) in this session
-    # (new configs, total effective effort, seconds) per call; see Measure.effective_effort.
-    self.calls: list[tuple[int, float, float]] = []
+    # (new configs that ran ok, their and the others' total effective effort, seconds,
+    # new configs that failed) per call; see Measure.effective_effort.
+    self.calls: list[tuple[int, float, float, int]] = []
     self.effective: Callable[[float], float] = (
         getattr(measure, "effective_effort", None) or (lambda effort: effort))
     self.recalled: Callable[[Sequence[C], float], Iterable[C]] = (
@@ -172,7 +173,7 @@ class _Session(Generic[C]):
 
   def calls_with_new(self) -> int:
     """How many measure calls measured some config for the first time."""
-    return sum(new > 0 for new, _, _ in self.calls)
+    return sum(call[0] + call[3] > 0 for call in self.calls)
 
   def has(self, config: C) -> bool:
     """Whether `config` was measured (ok or not) at any effort."""
@@ -195,7 +196,15 @@ class _Session(Generic[C]):
     start = self._clock()
     got = self._measure(configs, effort=effort)
     if measured:
-      self.calls.append((new, self.effective(effort) * len(measured), self._clock() - start))
+      # New configs that failed (a compile error, a wrong result) are counted apart:
+      # they cost anything from nothing to a whole compile, never a timing, and counted
+      # with the others cheap ones taught the model that configs cost little, so the
+      # next chunks overran the budget (up to 13x on fuzzed sweeps, 2026-12-07).
+      ok = [c for c in measured if isinstance(got.get(c), Measurement) and got[c].ok]
+      fresh = [c for c in dict.fromkeys(measured) if c not in self._paid]
+      new_ok = sum(c in got and isinstance(got[c], Measurement) and got[c].ok for c in fresh)
+      self.calls.append((new_ok, self.effective(effort) * len(ok), self._clock() - start,
+                         len(fresh) - new_ok))
       self._paid.update(measured)
     missing = [c for c in configs if c not in got]
     if missing:
@@ -224,8 +233,10 @@ class _Session(Generic[C]):
 class _CostModel:
   """Seconds per measure call: call_s for the call itself (a measure's own set-up: its
   warm-up runs, a worker's round trip), fixed_s per config never measured before
-  (compilation), and per_effort_s per unit of effort summed over the call's configs,
-  all times `scale`.
+  (compilation), per_effort_s per unit of effort summed over the call's configs that
+  ran, and failed_s per new config that failed (from nothing to a whole compile), all
+  times `scale`. A planned config may fail or not, so predictions charge each new one
+  the dearer of fixed_s and failed_s.
 
   The coefficients are fitted by least squares to the calls so far, all kept >= 0 (the
   best fit over the subsets of them that are non-negative). When the calls cannot
@@ -240,6 +251,7 @@ class _CostModel:
   per_effort_s: float
   scale: float = 1.0
   call_s: float = 0.0
+  failed_s: float = 0.0
   # The measure's effective effort (`Measure.effective_effort`); the calls' efforts are
   # already effective ones, and `work` maps a planned effort to one.
   effective: Callable[[float], float] = dataclasses.field(default=lambda e: e, compare=False)
@@ -247,14 +259,15 @@ class _CostModel:
   @classmethod
   def fit(cls, calls: Sequence[tuple[int, float, float]],
           effective: Callable[[float], float] | None = None) -> _CostModel:
-    """The model of `calls`: (new configs, total effective effort, seconds) each."""
+    """The model of `calls`: (new configs that ran ok, total effective effort, seconds,
+    new configs that failed (optional, default 0)) each."""
     if not calls:
       base = cls(0.0, 0.0)
     else:
-      x = np.array([[new, effort, 1.0] for new, effort, _ in calls], dtype=np.float64)
-      y = np.array([seconds for *_, seconds in calls], dtype=np.float64)
+      x = np.array([_columns(call) for call in calls], dtype=np.float64)
+      y = np.array([call[2] for call in calls], dtype=np.float64)
       base = cls._least_squares(x, y)
-      fitted_last = base.predict(*calls[-1][:2])
+      fitted_last = float(_columns(calls[-1]) @ base._coefficients())
       scale = max(1.0, calls[-1][2] / fitted_last) if fitted_last > 0 else 1.0
       base = dataclasses.replace(base, scale=scale)
     return base if effective is None else dataclasses.replace(base, effective=effective)
@@ -271,26 +284,33 @@ class _CostModel:
         solution, *_ = np.linalg.lstsq(x[:, columns], y, rcond=None)
         if np.any(solution < 0):
           continue
-        coefficients = np.zeros(3)
+        coefficients = np.zeros(4)
         coefficients[list(columns)] = solution
         residual = float(np.sum((x @ coefficients - y) ** 2))
         if residual < best_residual:
           best, best_residual = coefficients, residual
       return best, best_residual
 
-    plain, plain_residual = best_of([(0, 1), (0,), (1,)])
+    subsets = [(0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,)]
+    plain, plain_residual = best_of(subsets)
     if plain is None or plain_residual > _UNEXPLAINED ** 2 * float(y @ y):
-      with_call, residual = best_of([(0, 1, 2), (0, 2), (1, 2), (2,)])
+      with_call, residual = best_of([(*s, 3) for s in subsets] + [(3,)])
       if with_call is not None and (plain is None or residual < plain_residual):
         plain = with_call
     if plain is None:
       return cls(0.0, 0.0)
-    return cls(float(plain[0]), float(plain[1]), call_s=float(plain[2]))
+    return cls(float(plain[0]), float(plain[1]), failed_s=float(plain[2]),
+               call_s=float(plain[3]))
+
+  def _coefficients(self) -> np.ndarray:
+    """The fitted coefficients, in `_columns`' order (without scale)."""
+    return np.array([self.fixed_s, self.per_effort_s, self.failed_s, self.call_s])
 
   def predict(self, new: int, effort_total: float) -> float:
     """Seconds of one call that measures `new` configs for the first time and
     `effort_total` effective effort summed over its configs (see `work`)."""
-    return self.scale * (self.call_s + self.fixed_s * new + self.per_effort_s * effort_total)
+    return self.scale * (self.call_s + max(self.fixed_s, self.failed_s) * new
+                         + self.per_effort_s * effort_total)
 
   def work(self, count: int, effort: float) -> float:
     """The effective effort of measuring `count` configs at `effort`, for `predict`."""
@@ -298,7 +318,12 @@ class _CostModel:
 
   def per_config(self, effort: float) -> float:
     """What one more new config at `effort` adds to a call."""
-    return self.scale * (self.fixed_s + self.per_effort_s * self.effective(effort))
+    return self.scale * (max(self.fixed_s, self.failed_s) + self.per_effort_s * self.effective(effort))
+
+
+def _columns(call: Sequence[float]) -> np.ndarray:
+  """A logged call's regressors: new ok configs, effort, new failed configs, 1 (the call)."""
+  return np.array([call[0], call[1], call[3] if len(call) > 3 else 0, 1.0], dtype=np.float64)
 
 
 def code_path_variants(heuristic: Any, space: Iterable[Any]) -> list[Any]:
