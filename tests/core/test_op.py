@@ -1,5 +1,6 @@
 """The Op framework: bind, BoundArguments, resolution, markers, capture."""
 
+import dataclasses
 import functools
 import json
 from unittest import mock
@@ -12,6 +13,7 @@ import pytest
 import stellarax
 from stellarax import autotuning
 from stellarax.core import resolution
+from stellarax.core.config import NoConfig
 from stellarax.core.bound_args import BoundArguments
 from stellarax.core.specs import ArraySpec
 from stellarax.ops.ragged_dot.base import XlaRaggedDotConfig
@@ -274,6 +276,37 @@ def test_an_eager_call_reads_an_array_given_as_a_static_option(monkeypatch):
         jax.nn.dot_product_attention(q, q, q, query_seq_lengths=lengths, key_value_seq_lengths=lengths),
         rtol=1e-5, atol=1e-5)
   assert len(chosen) == 1
+
+
+def test_an_op_reads_a_static_option_given_as_an_array_as_its_values():
+  # Binding read a static option's array as an array: the op's _fwd got it traced
+  # (reading its value raised TracerArrayConversionError, eagerly and under jit alike),
+  # and calls that differed only in it bound equal, sharing a tuning key. Ops of the
+  # library read theirs in _canonicalize; one of a user's need not.
+  @dataclasses.dataclass(frozen=True, kw_only=True)
+  class Times(stellarax.Op, name="test_op.times_static.xla"):
+    def _fwd(self, x, *, factors=1, config):
+      return x * float(np.sum(factors)), None
+
+    def _get_heuristics_config(self, ba):
+      return NoConfig()
+
+  x = jax.random.normal(jax.random.key(8), (2, 3))
+  for factors in (np.array(2.0), np.array([1.0, 1.0]), jnp.array([2.0]), [np.float32(1), 1.0]):
+    np.testing.assert_allclose(Times()(x, factors=factors), 2 * x, rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(lambda x: Times()(x, factors=factors))(x), 2 * x, rtol=1e-6)
+  assert Times.bind(x, factors=np.array([2.0, 3.0])).arguments["factors"] == (2.0, 3.0)
+  assert Times.bind(x, factors=np.array([2.0])) != Times.bind(x, factors=np.array([3.0]))
+
+
+def test_an_eager_call_with_bad_arguments_gets_no_note_on_where_kernels_run():
+  # Eager calls jit the whole call, binding too: a plain argument error was given the
+  # note for a kernel that cannot lower here, whose advice (interpret=True) fails alike.
+  lhs, rhs, gs = _ragged_inputs()
+  for named in ("pallas_triton", "xla"):
+    with pytest.raises(ValueError, match="must agree on K") as raised:
+      stellarax.ragged_dot(lhs[:, :5], rhs, gs, implementation=named)
+    assert not [n for n in getattr(raised.value, "__notes__", []) if n.startswith("stellarax")]
 
 
 def test_array_options_must_be_keyword_only_parameters():

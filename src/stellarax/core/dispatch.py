@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -119,10 +119,21 @@ def call_family(family: str, preference: Sequence[str], implementation: Any, arg
   try:
     return program(*arrays)
   except ValueError as e:  # also raised while compiling, after the traced call returned
-    if isinstance(implementation, (str, Op)):
+    # Only a kernel that fails to lower gets the note: bad arguments fail the trace too.
+    if isinstance(implementation, (str, Op)) and _traces(program, arrays):
       with contextlib.suppress(ValueError):  # an unknown name: its error says so already
         _note_where_it_runs(e, _as_op(family, implementation))
     raise
+
+
+def _traces(program: Callable[..., Any], arrays: list[Any]) -> bool:
+  """Whether `program(*arrays)` traces (binding checked its arguments), so that what
+  failed came after: lowering or compiling."""
+  try:
+    jax.eval_shape(program, *arrays)
+  except Exception:  # noqa: BLE001 (the caller raises the call's own error)
+    return False
+  return True
 
 
 @functools.cache

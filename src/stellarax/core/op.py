@@ -41,11 +41,28 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from stellarax.core import eager
 from stellarax.core import registry
 from stellarax.core import specs
 from stellarax.core.config import NoConfig
+
+
+def _static_value(value: Any) -> Any:
+  """A static option's value with each concrete array in it read as Python numbers
+  (nested tuples for more than one: hashable, so calls that differ in it are told apart);
+  a traced one is left for the op to refuse."""
+  def read(x):
+    if specs.is_array_value(x) and not isinstance(x, jax.core.Tracer):
+      listed = np.asarray(x).tolist()
+      return _tuples(listed) if isinstance(listed, list) else listed
+    return x
+  return jax.tree.map(read, value)
+
+
+def _tuples(listed: list) -> tuple:
+  return tuple(_tuples(x) if isinstance(x, list) else x for x in listed)
 
 
 class ImplementationUnavailableError(NotImplementedError):
@@ -282,7 +299,10 @@ class Op(abc.ABC):
     except TypeError as e:
       raise TypeError(f"{type(self).__name__}{self._signature()}: {e}") from None
     bound.apply_defaults()
-    values = self._canonicalize(dict(bound.arguments))
+    values = dict(bound.arguments)
+    for name in self._static_options().intersection(values):
+      values[name] = _static_value(values[name])
+    values = self._canonicalize(values)
     if self.fwd_cls is not None or not self._is_trivial(values):
       self._check_supported(values)
     return values
