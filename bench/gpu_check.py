@@ -12,8 +12,9 @@ attention, last so that the deadline cuts them first) every implementation that
 runs here is first checked against the op's float32 reference on fresh random
 inputs, then all of them are timed together by `measure_candidates`
 (interleaved shuffled rounds of batched asynchronous calls, one sync per
-batch: device time, not dispatch; a call faster than its dispatch is timed in
-a loop inside one program, and its row says so). Ours run with the heuristic
+batch, each sample on a GPU the difference of batches of 2n and n calls, so that
+what a batch pays once does not count: device time, not dispatch; a call faster
+than its dispatch is timed in a loop inside one program, and its row says so). Ours run with the heuristic
 config and, unless --tune-budget-s 0, with the config `stellarax.Autotuner`
 finds within that budget per op call. Baselines: XLA (`jax.lax.ragged_dot`,
 `jax.nn.dot_product_attention(implementation="xla")`), cuDNN attention,

@@ -670,3 +670,101 @@ def test_rivals_of_a_host_bound_candidate_are_looped_with_it():
   assert m._to_loop({"a": 10e-6, "b": 35e-6, "c": 60e-6}, floor, 8.0) == {"a", "b"}
   assert m._to_loop({"a": 50e-6, "b": 60e-6}, floor, 8.0) == set()  # none host-bound
   assert m._to_loop({"a": 30e-6, "b": 1.5e-3}, floor, 8.0) == {"a"}
+
+
+class _StreamDevice:
+  """A device that runs calls in the order they are queued, on a virtual clock: a call
+  costs the host `dispatch_s`, the device `call_s`, and the host notices an end
+  `notice_s` after it (a sync's cost), unless it had ended already."""
+
+  def __init__(self, dispatch_s, call_s, notice_s):
+    self.now, self.free_at = 0.0, 0.0
+    self.dispatch_s, self.call_s, self.notice_s = dispatch_s, call_s, notice_s
+
+  def clock(self):
+    return self.now
+
+  def __call__(self, *args):
+    self.now += self.dispatch_s
+    self.free_at = max(self.free_at, self.now) + self.call_s
+    return _Pending(self, self.free_at)
+
+
+class _Pending:
+  def __init__(self, device, end):
+    self.device, self.end = device, end
+
+  def is_ready(self):
+    return self.end <= self.device.now
+
+  def block_until_ready(self):
+    if not self.is_ready():
+      self.device.now = self.end + self.device.notice_s
+    return self
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_a_paired_sample_times_the_device_without_what_a_batch_pays_once(monkeypatch, paired):
+  # Off the CPU a batch paid once for the device starting on an empty queue and once for
+  # the host noticing its end: on a TPU v5e a 0.36 ms call timed 0.63 ms in batches of
+  # 1 ms. Paired, a sample is a batch of 2n calls less one of n.
+  device = _StreamDevice(dispatch_s=0.1, call_s=1.0, notice_s=0.5)
+  monkeypatch.setattr(m.time, "perf_counter", device.clock)
+  cand = m._Candidate("k", executable=device)
+  batch_s = m._run_batch(cand, [()], 2, m.MeasureOptions(paired_batches=paired))
+  assert batch_s == pytest.approx(2.0 if paired else 2.6)  # n calls of 1 s: 2 s
+  assert device.now == pytest.approx(7.2 if paired else 2.6)  # paired: 3n calls
+  # Rotating inputs (cold_cache): each of the 3n calls takes the next set.
+  sets = [(i,) for i in range(5)]
+  rotating = m._Candidate("k", executable=lambda i: device())
+  m._run_batch(rotating, sets, 2, m.MeasureOptions(paired_batches=paired))
+  assert rotating.next_input == (6 if paired else 2) % 5
+
+
+def test_a_paired_sample_of_a_host_bound_call_times_the_host(monkeypatch):
+  # The device outruns the host: each batch times the host's dispatches, and so does
+  # their difference, as a single batch's time per call did (never less).
+  device = _StreamDevice(dispatch_s=1.0, call_s=0.1, notice_s=0.5)
+  monkeypatch.setattr(m.time, "perf_counter", device.clock)
+  cand = m._Candidate("k", executable=device)
+  assert m._run_batch(cand, [()], 2, m.MeasureOptions(paired_batches=True)) == pytest.approx(2.0)
+
+
+def test_a_paired_sample_that_noise_makes_negative_falls_back_to_half_the_long_batch(monkeypatch):
+  clock = [0.0]
+  costs = iter([0.75] * 4 + [1.75] * 2)  # the long batch takes 3 s, the short one 3.5 s
+
+  def call():
+    clock[0] += next(costs)
+
+  monkeypatch.setattr(m.time, "perf_counter", lambda: clock[0])
+  cand = m._Candidate("k", executable=call)
+  assert m._run_batch(cand, [()], 2, m.MeasureOptions(paired_batches=True)) == pytest.approx(1.5)
+
+
+def test_paired_samples_are_the_default_off_the_cpu_and_say_so_in_the_method():
+  x, w = _x(), _x((160, 160), seed=1)
+  assert m._paired(m.MeasureOptions(), (x,)).paired_batches is False  # the CPU
+  assert m._paired(m.MeasureOptions(paired_batches=True), (x,)).paired_batches is True
+  options = dataclasses.replace(FAST, rounds=2, leader_rounds=0)
+  plain = m.measure_candidates({"a": _matmul}, (x, w), options=options)["a"]
+  paired = m.measure_candidates({"a": _matmul}, (x, w),
+                                options=dataclasses.replace(options, paired_batches=True))["a"]
+  assert (plain.method, paired.method) == ("cpu-batched", "cpu-paired")
+  assert paired.ok and paired.median_s > 0
+  with pytest.raises(ValueError, match="paired_batches='yes' must be None"):
+    m.MeasureOptions(paired_batches="yes")
+
+
+def test_a_profiled_batch_is_a_single_batch(monkeypatch):
+  # The profiler's busy time is divided by the batch's calls: a pair would triple them.
+  calls = []
+  real = m._run_batch
+  monkeypatch.setattr(m, "_run_batch", lambda cand, sets, n, options: calls.append(
+      options.paired_batches) or real(cand, sets, n, options))
+  monkeypatch.setattr(m.profile, "busy_time_by_program",
+                      lambda folder, **_: _AnyProgramBusyOneSecond())
+  options = dataclasses.replace(FAST, rounds=1, leader_rounds=0, profile=True, max_batch_calls=1,
+                                loop_calls=0, paired_batches=True)
+  got = m.measure_candidates({"a": _matmul}, (_x(), _x((160, 160), seed=1)), options=options)["a"]
+  assert got.profiled_s == 1.0 and calls[-1] is False and set(calls[:-1]) == {True}

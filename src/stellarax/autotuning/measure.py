@@ -44,7 +44,8 @@ Method, in the order `measure_candidates` runs it:
    that fails to compile leaves the candidate timed in batches.
 5. Rounds. In each of `rounds` rounds the surviving candidates are visited in an order
    shuffled by `random.Random(seed)`, and each takes one sample: n back-to-back calls, one
-   `jax.block_until_ready` on all n outputs, wall time divided by n. Interleaving spreads
+   `jax.block_until_ready` on all n outputs, wall time divided by n (off the CPU, the
+   difference of a pair of batches: see "Why batches"). Interleaving spreads
    slow drifts (clock boost, temperature, other load) over all candidates instead of
    charging them to whichever candidate ran at the time.
 6. Statistic. The median of a candidate's samples, with a distribution-free 95%
@@ -79,10 +80,24 @@ each call with its own sync adds the launch and synchronisation latency to every
 on an H200 a 4096^3 bf16 matmul timed that way looked about twice as slow as the device
 runs it. A batch of n back-to-back calls with one sync keeps the device queue full, so the
 batch time divided by n tends to the device time per call once the batch is long compared
-with one sync. The method is the same on every backend; on CPU the "device" is the host's
-compute threads, so samples there include dispatch. It is not a profiler: gaps between
-the kernels inside one call count. A batch keeps its n outputs alive until its sync, so
-that the sync waits for all n calls on every backend; its memory is n outputs.
+with one sync. A batch still pays once for the device starting on an empty queue and once
+for the host noticing its end: on a TPU v5e about 0.6 ms a batch, and calls of 0.36 to
+5.9 ms were timed 1.14 to 1.85 times their device time in batches of 1 ms (2026-12-07,
+BENCHMARKS.md); the H200's batched medians of 2026-12-04 carried 0.35 to 0.8 ms. So off
+the CPU each sample is a pair (`MeasureOptions.paired_batches`): a batch of 2n calls,
+then one of n, each with its sync, and the sample is their difference, what n calls add,
+where what a batch pays once cancels. On the TPU those samples came within 2% of the
+profiler's device time, with batches of 1 ms as of 20 ms. It also holds where the host
+cannot keep the device busy (a host-bound call: the difference is then the host's time
+per call), and where the runtime slows the host as calls pile up in its queue. A primer
+(n calls queued before the batch, the batch timed from the primer's end) did as well
+with few calls, but not with many: on the TPU queueing 64 calls of a 0.72 ms product
+took 24 ms, 0.37 ms a call against 0.13 for 4, so the primer ended before the batch was
+queued, and its samples came out up to twice the device time. The CPU is not paired:
+there a batch's overhead is small beside its dispatch, which samples include. It is not
+a profiler: gaps between the kernels inside one call count. A batch keeps its n outputs
+alive until its sync, so that the sync waits for all n calls on every backend; its
+memory is n outputs (2n paired).
 
 Timeouts. Compilation runs on daemon worker threads; the check runs and timed batches of
 one measurement run in turn on one daemon thread of its own (a thread's first JAX call
@@ -298,6 +313,10 @@ class MeasureOptions:
       of the dispatch floor is host-bound (>= 1).
     profile: after the rounds, run each candidate once more under the profiler and
       record the device's busy time per call as `Measurement.profiled_s` (step 8).
+    paired_batches: take each sample as the difference of two batches, of 2n and n
+      calls ("Why batches" in the module docstring), so that what a batch pays once
+      (its start on an empty queue, its sync) does not count; None: on every platform
+      but the CPU. Its samples' method is "<platform>-paired".
   """
 
   warmup_s: float = 0.05
@@ -319,6 +338,7 @@ class MeasureOptions:
   loop_calls: int = 256
   host_bound_factor: float = 8.0
   profile: bool = False
+  paired_batches: bool | None = None
 
   def __post_init__(self):
     for name in ("warmup_s", "min_batch_s", "max_total_s", "timeout_s"):
@@ -339,6 +359,9 @@ class MeasureOptions:
     if not (math.isfinite(self.host_bound_factor) and self.host_bound_factor >= 1):
       raise ValueError(f"host_bound_factor={self.host_bound_factor} must be a finite number"
                        " >= 1: a multiple of the dispatch floor.")
+    if self.paired_batches not in (None, True, False):
+      raise ValueError(f"paired_batches={self.paired_batches!r} must be None (on every "
+                       "platform but the CPU), True or False.")
     if self.compile_threads is not None and self.compile_threads < 1:
       raise ValueError(f"{self.compile_threads=} must be None (one per core) or >= 1.")
 
@@ -968,17 +991,30 @@ def _input_sets(args: tuple, options: MeasureOptions) -> list[tuple]:
 
 def _run_batch(cand: _Candidate, input_sets: list[tuple], n: int,
                options: MeasureOptions) -> float | None:
-  """Times n back-to-back calls and one sync; returns the batch seconds, None on failure."""
+  """Times n back-to-back calls and one sync; returns the batch seconds, None on failure.
+
+  With `options.paired_batches` it times a batch of 2n calls, then one of n, each with
+  its own sync, and returns the difference, what n calls add (see "Why batches" in the
+  module docstring); where noise makes it zero or less, half the long batch's time. The
+  long one comes first, so that whatever the first calls after another candidate's pay
+  is in the sample (erring slow), not taken off it.
+  """
+  paired = bool(options.paired_batches)
   start_input = cand.next_input
-  cand.next_input = (start_input + n) % len(input_sets)
+  cand.next_input = (start_input + (3 * n if paired else n)) % len(input_sets)
+
+  def timed(first: int, count: int) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready([cand.executable(*input_sets[(start_input + first + i) % len(input_sets)])
+                           for i in range(count)])
+    return time.perf_counter() - start
 
   def batch():
-    outputs = []
-    start = time.perf_counter()
-    for i in range(n):
-      outputs.append(cand.executable(*input_sets[(start_input + i) % len(input_sets)]))
-    jax.block_until_ready(outputs)
-    return time.perf_counter() - start
+    if not paired:
+      return timed(0, n)
+    long = timed(0, 2 * n)
+    short = timed(2 * n, n)
+    return long - short if long > short else long / 2
 
   started = time.perf_counter()
   kind, value = _run_with_timeout(batch, options.timeout_s)
@@ -991,6 +1027,13 @@ def _run_batch(cand: _Candidate, input_sets: list[tuple], n: int,
     _run_failed(cand, value)
     return None
   return value
+
+
+def _paired(options: MeasureOptions, args: tuple) -> MeasureOptions:
+  """`options` with `paired_batches` decided: where None, on every platform but the CPU."""
+  if options.paired_batches is not None:
+    return options
+  return dataclasses.replace(options, paired_batches=_platform(args) != "cpu")
 
 
 def _warm_up(cand: _Candidate, input_sets: list[tuple], options: MeasureOptions):
@@ -1180,8 +1223,11 @@ def _profile_batches(cands: list[_Candidate], input_sets: list[tuple], options: 
       warn(f"MeasureOptions.profile: no profile taken, the trace did not start"
            f" ({_short_error(exc)}); profiled_s stays None.", RuntimeWarning)
       return
+    # One batch, not a pair: the profiler's busy time has no sync in it, and it is
+    # divided by the batch's calls.
+    single = dataclasses.replace(options, paired_batches=False)
     try:
-      ran = [c for c in live if _run_batch(c, input_sets, c.batch_calls, options) is not None]
+      ran = [c for c in live if _run_batch(c, input_sets, c.batch_calls, single) is not None]
     finally:
       jax.profiler.stop_trace()
     try:
@@ -1210,7 +1256,8 @@ def _to_measurement(cand: _Candidate, platform: str, options: MeasureOptions) ->
   if cand.calls_per_run > 1:
     method = f"{platform}-looped"
   else:
-    method = f"{platform}-batched" + ("-cold" if options.cold_cache else "")
+    method = (f"{platform}-{'paired' if options.paired_batches else 'batched'}"
+              + ("-cold" if options.cold_cache else ""))
   if not cand.alive:
     return Measurement(status=cand.status, error=cand.error,
                        compile_time_s=cand.compile_time_s, method=method)
@@ -1274,6 +1321,7 @@ def measure_candidates(
     if not callable(candidates[key]):
       raise TypeError(f"Candidate {key!r} is {candidates[key]!r}; expected a function fn(*args).")
   args = _on_device(tuple(args))
+  options = _paired(options, args)
   cands = [_Candidate(key) for key in keys]
   _compile_all(cands, candidates, args, options, compile_cache)
   platform = _platform(args)
@@ -1317,9 +1365,11 @@ def dispatch_floor_s(args: tuple, options: MeasureOptions = MeasureOptions()) ->
     RuntimeError: if the floor's program failed to compile or run within options.timeout_s;
       DeviceLostError (a RuntimeError) if running it lost the device.
   """
+  args = _on_device(tuple(args))
+  options = _paired(options, args)
   try:
     with _one_runner():
-      floor_s = _dispatch_floor_s(_input_sets(_on_device(tuple(args)), options), options, None)
+      floor_s = _dispatch_floor_s(_input_sets(args, options), options, None)
   except _DeviceLost as lost:
     raise DeviceLostError(lost.key, {}) from None
   if floor_s is None:
