@@ -17,10 +17,12 @@ $(STAMP): pyproject.toml requirements/ci.txt
 	touch $(STAMP)
 
 # The fast tests run on TEST_WORKERS processes (pytest-xdist; a serial run leaves a core
-# of a 2-core machine idle most of the time), then the ones marked `timing` alone: they
-# assert on measured times, which a test running beside them would skew.
+# of a 2-core machine idle most of the time; worksteal: a worker that runs out takes
+# tests queued for the other, so the run does not end on one worker's long tail), then
+# the ones marked `timing` alone: they assert on measured times, which a test running
+# beside them would skew.
 TEST_WORKERS ?= 2
-FAST_TESTS = -m pytest -q -m "not slow and not timing" -n $(TEST_WORKERS)
+FAST_TESTS = -m pytest -q -m "not slow and not timing" -n $(TEST_WORKERS) --dist worksteal
 FAST_TIMING_TESTS = -m pytest -q -m "timing and not slow"
 
 test: $(STAMP)

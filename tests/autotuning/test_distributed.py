@@ -239,6 +239,7 @@ def test_local_devices_split_the_calls_in_one_process(calls, calls_file, tmp_pat
   _check_measured_where_tuned(outputs)
 
 
+@pytest.mark.slow  # ~9 s of worker processes
 def test_a_total_budget_is_shared_by_the_devices_by_weight(calls, tmp_path):
   # Device times as a profile would give them (xplane_to_bound_args output).
   weights = dict(zip(sorted(calls, key=lambda ba: (ba.op_json(), ba.key_json())), (4.0, 2.0, 1.0, 1.0)))

@@ -195,6 +195,7 @@ def test_isolated_workers_survive_hangs_and_crashes(fresh_workers):
   assert seconds < HANG_S
 
 
+@pytest.mark.slow  # ~7 s, serial (timing); every status is also met in test_every_failure_is_recorded_and_a_valid_config_wins
 def test_isolated_measurement_matches_in_process_statuses(fresh_workers):
   x = jax.random.normal(jax.random.key(1), (128, 32))
   ba = FaultyOp().bind(x)

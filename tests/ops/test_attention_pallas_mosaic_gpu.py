@@ -330,7 +330,8 @@ def _check_lse(lse, ref_lse, with_bias: bool) -> np.ndarray:
 # options by test_overlapped_softmax_forward_matches_reference (the backward's query
 # lengths are in the slow set only).
 _SLOW_MASK_CASES = ("causal_window_empty_batch_split", "bias_window_lengths_head_split",
-                    "window_lengths_gqa", "kv_lengths_only")
+                    "window_lengths_gqa", "kv_lengths_only",
+                    "per_key_bias_and_mask_causal_fused_dq")  # (~14 s)
 
 
 @pytest.mark.parametrize("mc", [
@@ -509,6 +510,7 @@ def test_race_detector_finds_no_races_under_masking(monkeypatch):
   _close("dq of the head-split dQ kernel", dq, ref_grads[0], _BWD_TOL[case.dtype])
 
 
+@pytest.mark.slow  # ~10 s on 2 cores; the public API path runs fast in test_gradients_through_dot_product_attention
 @pytest.mark.mosaic_interpret
 def test_masking_through_dot_product_attention():
   """The op takes a window, sequence lengths (int64 cast), a bias (its gradient from XLA)
@@ -788,6 +790,7 @@ def test_backward_configs_saved_before_fuse_dq_still_load():
   assert config_to_json(config) == _BWD_64
 
 
+@pytest.mark.slow  # ~7 s; the fused dQ runs fast in test_forward_and_backward_match_reference
 @pytest.mark.mosaic_interpret
 def test_fused_dq_backward_under_vmap():
   """The fused dQ's buffer lives in run_state, which jax cannot batch: under jax.vmap

@@ -59,6 +59,7 @@ def test_norm_pallas_over_several_axes_and_rms_with_offset(axis, subtract_mean):
   assert names == ["layer_norm.pallas_triton", "layer_norm.pallas_triton_vjp"]
 
 
+@pytest.mark.slow  # ~10 s; a bias's gradient runs fast in test_public_ops
 def test_attention_pallas_matches_jax_with_bias_gradient():
   k = jax.random.split(jax.random.key(1), 3)
   q = jax.random.normal(k[0], (1, 80, 4, 64))

@@ -14,6 +14,7 @@ from stellarax.autotuning import cache
 from stellarax.tools import cli
 
 
+@pytest.mark.slow  # ~8 s (it tunes); the other commands run fast below
 def test_autotune_report_and_cache_commands(tmp_path, user_cache_dir, capsys):
   lhs, rhs = jnp.ones((32, 16)), jax.random.normal(jax.random.key(0), (2, 16, 8))
   ba = stellarax.XlaRaggedDot.bind(lhs, rhs, jnp.array([10, 22], jnp.int32))
@@ -275,6 +276,7 @@ def _cli(tmp_path, *args):
                         capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # ~14 s of command processes
 def test_import_makes_a_package_s_own_ops_known_to_every_command(tmp_path):
   (tmp_path / "cli_plugin_ops.py").write_text(_PLUGIN)
   calls = tmp_path / "calls.json"
