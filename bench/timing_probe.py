@@ -190,6 +190,26 @@ def probe(smoke: bool) -> list[dict]:
   return rows
 
 
+def defaults_row(smoke: bool) -> dict:
+  """`measure_candidates` with its default options (and a profile) over products of
+  three sizes sliced from one pair of inputs: a small one that dispatch outruns (timed
+  in a loop), two that keep the device busy; each beside the profiler's time."""
+  import jax
+  import jax.numpy as jnp
+  measure = load_measure()
+  size, dtype = (256, jnp.float32) if smoke else (4096, jnp.bfloat16)
+  ka, kb = jax.random.split(jax.random.key(9))
+  a = jax.random.normal(ka, (size, size), jnp.float32).astype(dtype)
+  b = jax.random.normal(kb, (size, size), jnp.float32).astype(dtype)
+  cuts = {"small": size // 8, "half": size // 2, "whole": size}
+  candidates = {name: (lambda a, b, c=c: a[:c] @ b[:, :c]) for name, c in cuts.items()}
+  got = measure.measure_candidates(candidates, (a, b),
+                                   options=measure.MeasureOptions(profile=True))
+  return {name: {"method": m.method, "median_ms": m.median_s * 1e3 if m.ok else None,
+                 "profiled_ms": None if m.profiled_s is None else m.profiled_s * 1e3,
+                 "status": m.status} for name, m in got.items()}
+
+
 def table(rows: list[dict]) -> str:
   fmt = lambda x: f"{x:.3f}" if isinstance(x, float) else str(x)
   head = ["shape", "n=1", "n=2", "n=4", "n=16", "primed 1", "primed 2", "primed 4", "idle 5ms",
@@ -223,18 +243,27 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=None, help="folder for probe.json")
   parser.add_argument("--smoke", action="store_true", help="tiny float32 products (a CPU)")
+  parser.add_argument("--defaults-only", action="store_true",
+                      help="only measure_candidates with its default options")
   args = parser.parse_args(argv)
   import jax
   device = jax.devices()[0]
   print(f"device {device.device_kind} ({device.platform}), jax {jax.__version__}", flush=True)
-  rows = probe(args.smoke)
+  rows = [] if args.defaults_only else probe(args.smoke)
+  defaults = defaults_row(args.smoke)
   if args.out:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "probe.json").write_text(json.dumps(
-        {"device": device.device_kind, "jax": jax.__version__, "rows": rows}, indent=1))
-  print("\nms per call (medians)")
-  print(table(rows))
+        {"device": device.device_kind, "jax": jax.__version__, "rows": rows,
+         "defaults": defaults}, indent=1))
+  if rows:
+    print("\nms per call (medians)")
+    print(table(rows))
+  print("\nmeasure_candidates with its defaults (a[:c] @ b[:, :c]):")
+  for name, d in defaults.items():
+    print(f"  {name}: {d['method']} {d['median_ms']} ms, profiled {d['profiled_ms']} ms"
+          + ("" if d["status"] == "ok" else f" ({d['status']})"))
   return 0
 
 

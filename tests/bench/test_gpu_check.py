@@ -464,6 +464,7 @@ def test_batch_size_check_times_one_call_per_batch_size_and_both_batch_lengths()
   assert list(check["per_call_ms"]) == [1, 2, 4, 8, 16]
   assert all(v > 0 for v in check["per_call_ms"].values()) and check["new_thread_ms"] > 0
   assert check["min_batch_1ms_ms"] > 0 and check["min_batch_20ms_ms"] > 0 and check["profiled_ms"] > 0
+  assert check["single_1ms_ms"] > 0  # single batches beside the paired ones (the same on a CPU)
   # Each profiled batch splits into lead + busy + gaps + tail, its two calls' kernels seen.
   assert len(check["timeline"]) == 3
   for batch in check["timeline"]:
