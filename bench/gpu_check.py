@@ -383,7 +383,7 @@ def run(args) -> list[Row]:
   # device can spoil (printed after the workloads, as before).
   dispatch = batching = None
   if not args.no_dispatch:
-    dispatch = dispatch_calibration(args.smoke)
+    dispatch = dispatch_calibration(args.smoke, args.leave_out)
     batching = batch_size_check(args.smoke)
   save = lambda: _write(Path(args.out), rows, tuned_all, dispatch, batching)
   save()
@@ -564,10 +564,18 @@ def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
       out = _check_run(fn, inputs, timeout_s)
       err = None if key in w.unchecked else _rel_err(out, expected)
     except _CheckHung:
+      why = f"{key} hung in its check run"
       rows.append(Row(w.name, key, status=f"timeout: its check run did not end in {timeout_s:.0f} s",
                       config=configs.get(key, "")))
-      raise WorkloadStopped(rows, tuned_all, f"{w.name}: {key} hung in its check run",
-                            hung=True) from None
+      # Every other candidate gets a row that says why it was not timed (a tuned one
+      # names its configs, so that land ships none of them unchecked).
+      for r in rows:
+        if r.impl in checked:
+          r.status = "; ".join(filter(None, (r.status, f"not timed: {why}")))
+      later = list(candidates)[list(candidates).index(key) + 1:]
+      rows += [Row(w.name, k, status=f"not checked: {why}", config=configs.get(k, ""))
+               for k in later]
+      raise WorkloadStopped(rows, tuned_all, f"{w.name}: {why}", hung=True) from None
     except Exception as e:
       # All of it on one line: dispatch's first line says only that no implementation
       # took the call, the next ones say why (a backend this JAX lacks, a dtype).
@@ -585,7 +593,8 @@ def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
   timed = measure.measure_candidates(
       {k: candidates[k] for k in checked}, tuple(inputs),
       options=dataclasses.replace(opts, profile=True, stop_after_run_timeout=True))
-  stop = next((k for k, m in timed.items() if m.status == "timeout" or m.lost_the_device), None)
+  # (A compilation past its timeout holds no device: the workloads go on.)
+  stop = next((k for k, m in timed.items() if m.run_timed_out or m.lost_the_device), None)
   for r in rows:
     if stop is not None and r.impl in checked and r.impl not in timed:
       r.status = "; ".join(filter(None, (r.status, f"not timed: {stop} stopped the timing")))
@@ -603,13 +612,14 @@ def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
         if m.method.endswith("-looped"):
           r.note = "; ".join(filter(None, (r.note, "timed in a loop: host-bound")))
   if stop is not None:
-    hung = timed[stop].status == "timeout"
+    hung = timed[stop].run_timed_out
     raise WorkloadStopped(rows, tuned_all, f"{w.name}: {stop} "
                           + ("hung in its timed runs" if hung else "lost the device"), hung=hung)
   return rows, tuned_all
 
 
-def dispatch_calibration(smoke: bool) -> list[dict[str, Any]]:
+def dispatch_calibration(smoke: bool, leave_out: frozenset[str] = frozenset()
+                         ) -> list[dict[str, Any]]:
   """Small calls timed in batches and in a loop, beside the dispatch floor.
 
   The numbers that set `MeasureOptions.host_bound_factor` for this device: a call whose
@@ -618,6 +628,7 @@ def dispatch_calibration(smoke: bool) -> list[dict[str, Any]]:
 
   Args:
     smoke: use interpret mode for the Pallas kernel (CPU).
+    leave_out: implementations not to run (`--leave-out`).
 
   Returns:
     One dict per call: name, floor_us, batched_us, looped_us, and profiled_us (the
@@ -629,7 +640,8 @@ def dispatch_calibration(smoke: bool) -> list[dict[str, Any]]:
   x = jax.random.normal(jax.random.key(4), (64, 1024), jnp.float32).astype(dtype)
   a = jax.random.normal(jax.random.key(5), (256, 256), jnp.float32).astype(dtype)
   # Not in interpret mode: a loop of interpreted grid steps takes seconds a call.
-  norm = [] if smoke else [(n, op) for n, op in _impls("layer_norm", smoke) if "triton" in n][:1]
+  norm = [] if smoke else [(n, op) for n, op in _impls("layer_norm", smoke, leave_out)
+                           if "triton" in n][:1]
   calls = {"rms_norm (64, 1024) xla": (lambda x: stellarax.rms_norm(x, None, implementation="xla"), (x,)),
            "matmul 256^3 (cuBLAS on a GPU)": (lambda a: a @ a, (a,))}
   for name, op in norm:
@@ -1056,6 +1068,11 @@ def _implementations(text: str) -> frozenset[str]:
     print(f"gpu_check: error: --leave-out names no implementation: {', '.join(unknown)}; name "
           "registered ones, e.g. attention.pallas_mosaic_gpu", file=sys.stderr)
     raise SystemExit(2)
+  backward = sorted(n for n in names if n.endswith("_vjp"))
+  if backward:
+    print(f"gpu_check: error: --leave-out names backward ops: {', '.join(backward)}; name the "
+          "forward implementation (its backward is left out with it)", file=sys.stderr)
+    raise SystemExit(2)
   return names
 
 
@@ -1083,7 +1100,11 @@ def main(argv=None) -> int:
   if args.hard_limit_s is not None:
     _stop_after(args.hard_limit_s)
   print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
-  if not args.no_profile:
+  if not args.no_profile and args.leave_out:
+    # The small model runs each op's default implementation, whatever is left out.
+    print("profile: skipped: --leave-out is given, and the small model's profile runs the "
+          "default implementations", flush=True)
+  elif not args.no_profile:
     try:
       record_profile(Path(args.out) / "profile", args.smoke)
     except Exception as e:  # the timings below matter more than the profile

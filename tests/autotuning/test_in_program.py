@@ -368,6 +368,10 @@ def test_the_weak_calls_are_timed_together_beside_one_that_helps(monkeypatch, to
   assert [(c.helps, c.together) for c in check.calls] == [
       (True, None), (helps, _ok(together_ms)), (helps, _ok(together_ms))]
   assert check.lines()[1].endswith("; helps")
+  # The verdict's two times are shown: the tuned program's from the same rounds.
+  assert all(c.tuned_together == _ok(1.0) for c in check.calls[1:])
+  says = "they help together" if helps else "kept() keeps the heuristic"
+  assert check.lines()[2].endswith(f"(tuned 1.000 ms in the same rounds): {says}"), check.lines()
   kept = {e.key: e.best_config for e in check.kept()}
   assert kept == {e.key: e.best_config if i == 0 or helps else e.heuristic_config
                   for i, e in enumerate(entries)}

@@ -118,6 +118,23 @@ def test_hung_candidates_time_out_and_the_call_returns():
   assert got["hangs_compiling"].status == "timeout"
   assert "compilation" in got["hangs_compiling"].error
   assert got["good"].ok
+  # A hung run may still hold the device; a hung compilation does not.
+  assert [got[k].run_timed_out for k in ("hangs", "hangs_compiling", "good")] == [True, False, False]
+
+
+@pytest.mark.timing
+def test_each_batch_of_a_pair_has_its_own_timeout():
+  # One timeout around the pair's 3n calls timed out a call of a third of timeout_s or
+  # more, which a single batch had timed.
+  def slow(x):
+    return _callback(x, lambda v: time.sleep(0.15) or v)
+
+  x = _x((8, 8))
+  options = m.MeasureOptions(rounds=1, leader_rounds=0, warmup_s=0.0, timeout_s=0.4,
+                             paired_batches=True, loop_calls=0)
+  got = m.measure_candidates({"slow": slow}, (x,), options=options)["slow"]
+  assert got.ok and got.method == "cpu-paired", got
+  assert got.median_s == pytest.approx(0.15, rel=0.5)
 
 
 def test_a_measurement_runs_its_checks_and_batches_on_one_thread(monkeypatch):

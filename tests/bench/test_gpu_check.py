@@ -354,10 +354,33 @@ def test_a_hung_check_run_stops_the_workload_with_its_rows(monkeypatch):
   monkeypatch.setattr(gpu_check, "_check_run", check_run)
   with pytest.raises(gpu_check.WorkloadStopped) as stopped:
     gpu_check._run_workload(w, True, 0.0, opts, isolate=False)
-  first, hung = stopped.value.rows
-  assert first.status == "" and first.max_rel_err is not None and first.median_ms is None
+  first, hung, *later = stopped.value.rows
+  why = f"{hung.impl} hung in its check run"
+  assert first.max_rel_err is not None and first.median_ms is None
+  assert first.status == f"not timed: {why}"
   assert hung.status == f"timeout: its check run did not end in {seen[1]:.0f} s"
-  assert stopped.value.hung and stopped.value.why == f"{w.name}: {hung.impl} hung in its check run"
+  # The candidates after it are rows too (a tuned one with its configs, which land then
+  # refuses to ship unchecked).
+  assert later and all(r.status == f"not checked: {why}" for r in later)
+  assert stopped.value.hung and stopped.value.why == f"{w.name}: {why}"
+
+
+def test_a_compilation_past_its_timeout_does_not_stop_the_run(monkeypatch):
+  # A compilation holds no device: the workload's other candidates are timed, and the
+  # workloads after it run.
+  gpu_check = _gpu_check()
+  w, opts = _smoke_workload(gpu_check)
+
+  def measure_candidates(candidates, args, options):
+    first, *rest = list(candidates)
+    ok = Measurement(status="ok", median_s=1e-3, ci_low_s=1e-3, ci_high_s=1e-3, num_samples=2,
+                     method="batched")
+    slow = Measurement(status="timeout", error="compilation did not finish within timeout_s=20 s")
+    return {first: slow} | {k: ok for k in rest}
+
+  monkeypatch.setattr(gpu_check.measure, "measure_candidates", measure_candidates)
+  rows, _ = gpu_check._run_workload(w, True, 0.0, opts, isolate=False)
+  assert rows[0].status.startswith("timeout: compilation") and all(r.median_ms == 1.0 for r in rows[1:])
 
 
 @pytest.mark.parametrize("failure, why", [
@@ -428,6 +451,12 @@ def test_leave_out_drops_implementations_and_refuses_unknown_names(tmp_path, mon
     gpu_check.main(common + ["--leave-out", "attention.pallas_mosaic,layer_norm.xla"])
   assert exit_.value.code == 2 and len(passed) == 1
   assert "--leave-out names no implementation: attention.pallas_mosaic;" in capsys.readouterr().err
+  with pytest.raises(SystemExit):  # a backward op goes with its forward implementation
+    gpu_check.main(common + ["--leave-out", "attention.pallas_mosaic_gpu_vjp"])
+  assert "names backward ops: attention.pallas_mosaic_gpu_vjp;" in capsys.readouterr().err
+  # The small model's profile runs the default implementations: skipped.
+  gpu_check.main([a for a in common if a != "--no-profile"] + ["--leave-out", "layer_norm.xla"])
+  assert "profile: skipped: --leave-out is given" in capsys.readouterr().out
 
 
 @pytest.mark.slow  # tunes on the CPU: CI's slow stage

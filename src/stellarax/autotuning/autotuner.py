@@ -926,7 +926,7 @@ class _WarnOnce:
 
 
 # At most this many configs, the best and those within its noise, are measured again
-# together when one of them was recalled from a journal.
+# together when one of them was recalled from a journal (and the heuristic beside them).
 _MAX_CONFIRMED = 8
 
 

@@ -89,6 +89,8 @@ class CallCheck:
     together: where two or more calls do not help alone, the program with all of them
       at their heuristic configs (the heuristic program where they are all the changed
       calls), timed against the tuned one; else None.
+    tuned_together: the tuned program as timed beside `together` (in rounds of their
+      own, or the first ones where `together` is the heuristic program).
     others_together: how many other calls `together` put back with this one.
   """
 
@@ -99,6 +101,7 @@ class CallCheck:
   heuristic_config: Any = None
   culprits_out: bool = False
   together: measure_lib.Measurement | None = None
+  tuned_together: measure_lib.Measurement | None = None
   others_together: int = 0
 
   def at_heuristic(self) -> Entry:
@@ -207,9 +210,11 @@ class ProgramCheck:
         verdict = ("helps" if call.helps else "not faster beyond noise: kept() keeps the "
                    "heuristic") + " (judged with the culprits at their heuristic configs)"
       elif call.together is not None:
+        beside = ("" if call.tuned_together is self.tuned
+                  else f" (tuned {ms(call.tuned_together)} in the same rounds)")
         verdict = (f"not faster beyond noise alone; without it and the {call.others_together}"
                    f" other such call{'s' if call.others_together > 1 else ''}"
-                   f" {ms(call.together)}: "
+                   f" {ms(call.together)}{beside}: "
                    + ("they help together" if call.helps else "kept() keeps the heuristic"))
       elif call.helps:
         verdict = "helps"
@@ -423,7 +428,7 @@ def check_in_program(result: AutotuningResult, f: Callable[..., Any], /, *args,
     helps = _helps(with_them, together)
     for i in weak:
       calls[i] = dataclasses.replace(calls[i], helps=helps, together=together,
-                                     others_together=len(weak) - 1)
+                                     tuned_together=with_them, others_together=len(weak) - 1)
   culprits = [c for c in calls if not got[_TUNED].ok and c.without.ok]
   if culprits and len(culprits) < len(calls):
     # Every other call's program still holds a culprit and fails as the tuned one does:

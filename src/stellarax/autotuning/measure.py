@@ -139,6 +139,8 @@ K = TypeVar("K", bound=Hashable)
 STATUSES: Final = ("ok", "compile_error", "runtime_error", "wrong_result", "timeout")
 # Two candidates whose medians differ by at most this fraction are tied (see pick_best).
 TIE_RELATIVE: Final = 0.01
+# How a compilation's timeout starts its error (`Measurement.run_timed_out` tells it apart).
+_COMPILE_TIMEOUT: Final = "compilation did not finish"
 # Longest `error` text kept from an exception; the first and last lines are what matter.
 _MAX_ERROR_CHARS: Final = 300
 # Cap on how fast the batch size grows between two warm-up batches, so that one fluky
@@ -198,6 +200,13 @@ class Measurement:
     if self.profiled_s is not None and not (self.ok and 0 <= self.profiled_s < math.inf):
       raise ValueError(f"{self.profiled_s=} must be None, or a finite time >= 0 of an ok"
                        f" measurement (status is {self.status!r}).")
+
+  @property
+  def run_timed_out(self) -> bool:
+    """Whether a run of the candidate (its check run or a timed batch), not its
+    compilation, went past `timeout_s`: nothing can stop it, so the device may still be
+    busy with it, and calls queued after it in the process wait for it."""
+    return self.status == "timeout" and not (self.error or "").startswith(_COMPILE_TIMEOUT)
 
   @property
   def lost_the_device(self) -> bool:
@@ -838,7 +847,7 @@ def _expire_compilations(running: dict[_Candidate, float], timeout_s: float,
     if now - start >= timeout_s:
       del running[cand]
       entry = _Compiled(None, None, "timeout",
-                        f"compilation did not finish within timeout_s={timeout_s:g} s")
+                        f"{_COMPILE_TIMEOUT} within timeout_s={timeout_s:g} s")
       _apply_compiled(cand, entry)
       if cache is not None:
         cache[cand.key] = entry
@@ -994,33 +1003,41 @@ def _run_batch(cand: _Candidate, input_sets: list[tuple], n: int,
   """Times n back-to-back calls and one sync; returns the batch seconds, None on failure.
 
   With `options.paired_batches` it times a batch of 2n calls, then one of n, each with
-  its own sync, and returns the difference, what n calls add (see "Why batches" in the
-  module docstring); where noise makes it zero or less, half the long batch's time. The
-  long one comes first, so that whatever the first calls after another candidate's pay
-  is in the sample (erring slow), not taken off it.
+  its own sync and its own `timeout_s`, and returns the difference, what n calls add
+  (see "Why batches" in the module docstring); where noise makes it zero or less, half
+  the long batch's time. The long one comes first, so that whatever the first calls
+  after another candidate's pay is in the sample (erring slow), not taken off it.
   """
   paired = bool(options.paired_batches)
   start_input = cand.next_input
   cand.next_input = (start_input + (3 * n if paired else n)) % len(input_sets)
+  times = []
+  for first, count in ((0, 2 * n), (2 * n, n)) if paired else ((0, n),):
+    seconds = _timed_batch(cand, input_sets, start_input + first, count, options)
+    if seconds is None:
+      return None
+    times.append(seconds)
+  if not paired:
+    return times[0]
+  long, short = times
+  return long - short if long > short else long / 2
 
-  def timed(first: int, count: int) -> float:
+
+def _timed_batch(cand: _Candidate, input_sets: list[tuple], first_input: int, count: int,
+                 options: MeasureOptions) -> float | None:
+  """The seconds of `count` back-to-back calls and one sync, within `timeout_s`; None
+  (the candidate failed or timed out) otherwise."""
+  def batch():
     start = time.perf_counter()
-    jax.block_until_ready([cand.executable(*input_sets[(start_input + first + i) % len(input_sets)])
+    jax.block_until_ready([cand.executable(*input_sets[(first_input + i) % len(input_sets)])
                            for i in range(count)])
     return time.perf_counter() - start
-
-  def batch():
-    if not paired:
-      return timed(0, n)
-    long = timed(0, 2 * n)
-    short = timed(2 * n, n)
-    return long - short if long > short else long / 2
 
   started = time.perf_counter()
   kind, value = _run_with_timeout(batch, options.timeout_s)
   cand.spent_s += time.perf_counter() - started
   if kind == "timeout":
-    _timed_out(cand, f"a batch of {n} calls did not finish within timeout_s={options.timeout_s:g} s",
+    _timed_out(cand, f"a batch of {count} calls did not finish within timeout_s={options.timeout_s:g} s",
                options)
     return None
   if kind == "error":
@@ -1043,7 +1060,7 @@ def _warm_up(cand: _Candidate, input_sets: list[tuple], options: MeasureOptions)
     batch_s = _run_batch(cand, input_sets, n, options)
     if batch_s is None:
       return
-    runs += n
+    runs += 3 * n if options.paired_batches else n
     long_enough = batch_s >= options.min_batch_s or n >= options.max_batch_calls
     warm = runs >= options.warmup_runs and time.perf_counter() - started >= options.warmup_s
     if (long_enough and warm) or cand.spent_s >= options.max_total_s:

@@ -234,9 +234,10 @@ class _CostModel:
   """Seconds per measure call: call_s for the call itself (a measure's own set-up: its
   warm-up runs, a worker's round trip), fixed_s per config never measured before
   (compilation), per_effort_s per unit of effort summed over the call's configs that
-  ran, and failed_s per new config that failed (from nothing to a whole compile), all
-  times `scale`. A planned config may fail or not, so predictions charge each new one
-  the dearer of fixed_s and failed_s.
+  ran, and failed_s per new config that failed (from nothing to a whole compile, or a
+  timeout), all times `scale`. A planned config may fail or not: predictions charge a
+  new one fixed_s, and where failures cost more, the excess at the rate they happened
+  (`failure_rate`), so that one timeout does not price every later config as one.
 
   The coefficients are fitted by least squares to the calls so far, all kept >= 0 (the
   best fit over the subsets of them that are non-negative). When the calls cannot
@@ -252,6 +253,7 @@ class _CostModel:
   scale: float = 1.0
   call_s: float = 0.0
   failed_s: float = 0.0
+  failure_rate: float = 0.0
   # The measure's effective effort (`Measure.effective_effort`); the calls' efforts are
   # already effective ones, and `work` maps a planned effort to one.
   effective: Callable[[float], float] = dataclasses.field(default=lambda e: e, compare=False)
@@ -267,6 +269,8 @@ class _CostModel:
       x = np.array([_columns(call) for call in calls], dtype=np.float64)
       y = np.array([call[2] for call in calls], dtype=np.float64)
       base = cls._least_squares(x, y)
+      new = float(np.sum(x[:, 0] + x[:, 2]))
+      base = dataclasses.replace(base, failure_rate=float(np.sum(x[:, 2])) / new if new else 0.0)
       fitted_last = float(_columns(calls[-1]) @ base._coefficients())
       scale = max(1.0, calls[-1][2] / fitted_last) if fitted_last > 0 else 1.0
       base = dataclasses.replace(base, scale=scale)
@@ -309,7 +313,7 @@ class _CostModel:
   def predict(self, new: int, effort_total: float) -> float:
     """Seconds of one call that measures `new` configs for the first time and
     `effort_total` effective effort summed over its configs (see `work`)."""
-    return self.scale * (self.call_s + max(self.fixed_s, self.failed_s) * new
+    return self.scale * (self.call_s + self._new_config_s() * new
                          + self.per_effort_s * effort_total)
 
   def work(self, count: int, effort: float) -> float:
@@ -318,7 +322,12 @@ class _CostModel:
 
   def per_config(self, effort: float) -> float:
     """What one more new config at `effort` adds to a call."""
-    return self.scale * (max(self.fixed_s, self.failed_s) + self.per_effort_s * self.effective(effort))
+    return self.scale * (self._new_config_s() + self.per_effort_s * self.effective(effort))
+
+  def _new_config_s(self) -> float:
+    """What a new config costs beside its effort: its compile, and the excess of a
+    failure's cost over it at the rate failures happened."""
+    return self.fixed_s + self.failure_rate * max(0.0, self.failed_s - self.fixed_s)
 
 
 def _columns(call: Sequence[float]) -> np.ndarray:
