@@ -65,6 +65,7 @@ def test_sequence_of_bound_arguments():
   assert len(autotune_result) == 2
 
 
+@pytest.mark.slow  # ~11 s; a profile's calls are read and tuned fast in tests/tools/test_xplane_to_bound_args.py
 def test_serialised_bound_arguments_from_a_profile(tmp_path):
   drop_live_programs()
   args = _args()

@@ -1156,6 +1156,7 @@ def test_a_callables_calls_are_weighed_by_a_profile_of_one_run(monkeypatch):
   assert seen == pytest.approx([2.0, 2.0])
 
 
+@pytest.mark.slow  # ~6 s
 def test_a_failed_profile_leaves_equal_shares_with_a_warning(tmp_path, monkeypatch):
   lhs, rhs, gs = _inputs()
   spy, seen = _budget_spy(monkeypatch, spends=1.0)  # each call spends its share

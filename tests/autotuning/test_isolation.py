@@ -184,6 +184,7 @@ def fresh_workers():
   isolation.close_workers()
 
 
+@pytest.mark.slow  # ~14 s, serial (timing): its hangs and crash cost timeouts and fresh workers
 def test_isolated_workers_survive_hangs_and_crashes(fresh_workers):
   entry, seconds = _tune(FaultyOp(crash=True), isolate=True)
   statuses = _statuses(entry)

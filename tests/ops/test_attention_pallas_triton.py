@@ -171,6 +171,7 @@ def test_fully_masked_rows_follow_jax():
   assert not np.any(out[0, 30:]) and np.all(lse[0, 0, 30:] == pt.MASK_VALUE)
 
 
+@pytest.mark.slow  # ~7 s of interpreted kernels; int32 lengths run fast in the other tests
 def test_op_takes_sequence_lengths_of_any_integer_dtype():
   """The kernels take int32 lengths; the op casts others (int16 here), as the Mosaic GPU
   op does: the Triton op raised the kernel's ValueError, which dispatch does not pass."""

@@ -160,6 +160,7 @@ def test_search_space_is_valid_for_the_shape(m, k, n, dtype):
       assert t[name] <= max(16, 1 << (size - 1).bit_length()), (name, t)
 
 
+@pytest.mark.slow  # ~6 s of interpreted kernels; the heuristic configs run fast above
 def test_extreme_configs_of_the_space_run():
   """The smallest and the largest tiles the space offers for a small problem give
   the reference's result."""
