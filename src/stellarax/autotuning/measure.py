@@ -139,6 +139,8 @@ K = TypeVar("K", bound=Hashable)
 STATUSES: Final = ("ok", "compile_error", "runtime_error", "wrong_result", "timeout")
 # Two candidates whose medians differ by at most this fraction are tied (see pick_best).
 TIE_RELATIVE: Final = 0.01
+# Seconds to wait for a measuring or compiling thread that is done to end.
+_JOIN_S: Final = 10.0
 # How a compilation's timeout starts its error (`Measurement.run_timed_out` tells it apart).
 _COMPILE_TIMEOUT: Final = "compilation did not finish"
 # Longest `error` text kept from an exception; the first and last lines are what matter.
@@ -701,26 +703,35 @@ class _Runner:
 
   def __init__(self):
     self._jobs: queue.SimpleQueue | None = None
+    self._thread: threading.Thread | None = None
 
   def run(self, fn: Callable[[], Any], timeout_s: float) -> tuple[str, Any]:
     """("ok", fn()), ("error", the exception) or ("timeout", None) after timeout_s."""
     if self._jobs is None:
       self._jobs = queue.SimpleQueue()
-      threading.Thread(target=self._serve, args=(self._jobs,), name="stellarax-measure",
-                       daemon=True).start()
+      self._thread = threading.Thread(target=self._serve, args=(self._jobs,),
+                                      name="stellarax-measure", daemon=True)
+      self._thread.start()
     box: list[tuple[str, Any]] = []
     done = threading.Event()
     self._jobs.put((fn, box, done))
     if done.wait(timeout_s):
       return box[0]
-    self.close()  # The thread is stuck in fn: it stops if fn ever returns.
+    self.close(wait=False)  # The thread is stuck in fn: it stops if fn ever returns.
     return "timeout", None
 
-  def close(self):
-    """Ends the thread once it is idle (it is a daemon, so it never blocks an exit)."""
+  def close(self, wait: bool = True):
+    """Ends the thread once it is idle; with `wait`, waits (a few seconds at most) for
+    it to end. An idle one ends at once, but a thread still freeing the last call's
+    arrays when the process exits may be stopped inside XLA's code, which aborts the
+    process ("terminate called ..."; a script that exited right after a measurement
+    did so about one time in eight on a loaded 2-core machine)."""
     if self._jobs is not None:
       self._jobs.put(None)
       self._jobs = None
+    if wait and self._thread is not None:
+      self._thread.join(timeout=_JOIN_S)
+    self._thread = None
 
   @staticmethod
   def _serve(jobs: queue.SimpleQueue):
@@ -746,7 +757,7 @@ def _one_runner():
   try:
     yield
   finally:
-    _runners.current.close()
+    _runners.current.close(wait=True)
     _runners.current = None
 
 
@@ -816,13 +827,15 @@ def _compile_all(cands: list[_Candidate], fns: Mapping[Any, Callable[..., Any]],
   threads = options.compile_threads or min(len(todo), os.cpu_count() or 1)
   finished: queue.SimpleQueue = queue.SimpleQueue()
   running: dict[_Candidate, float] = {}  # candidate -> start time
+  workers: dict[_Candidate, threading.Thread] = {}
   while todo or running:
     while todo and len(running) < threads:
       cand = todo.popleft()
       running[cand] = time.perf_counter()
       worker = lambda cand=cand: finished.put(
           (cand, _compile_one(fns[cand.key], args, _program_name(cand.key))))
-      threading.Thread(target=worker, name="stellarax-compile", daemon=True).start()
+      workers[cand] = threading.Thread(target=worker, name="stellarax-compile", daemon=True)
+      workers[cand].start()
     wait_s = min(running.values()) + options.timeout_s - time.perf_counter()
     try:
       cand, (kind, value, seconds) = finished.get(timeout=max(wait_s, 0.0))
@@ -831,6 +844,8 @@ def _compile_all(cands: list[_Candidate], fns: Mapping[Any, Callable[..., Any]],
       continue
     if running.pop(cand, None) is None:
       continue  # An abandoned compilation finished late; its timeout stands.
+    # Its thread has put its result and is ending: let it end (see _Runner.close).
+    workers.pop(cand).join(timeout=_JOIN_S)
     if kind == "raise":
       raise value
     entry = (_Compiled(value, seconds) if kind == "ok" else
