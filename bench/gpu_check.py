@@ -485,22 +485,12 @@ def _check_run(fn: Callable, inputs: tuple, timeout_s: float) -> Any:
   """fn's output for `inputs`, on the host; raises _CheckHung past `timeout_s` (the run
   goes on in a daemon thread: a kernel that never ran on a GPU may never finish, and
   in-process it cannot be stopped), or fn's own error."""
-  box: dict[str, Any] = {}
-
-  def run():
-    try:
-      box["out"] = jax.device_get(jax.jit(fn)(*inputs))
-    except BaseException as e:  # noqa: BLE001 (raised again in the caller's thread)
-      box["error"] = e
-
-  thread = threading.Thread(target=run, daemon=True, name="gpu_check check run")
-  thread.start()
-  thread.join(timeout_s)
-  if thread.is_alive():
+  kind, value = measure.run_with_timeout(lambda: jax.device_get(jax.jit(fn)(*inputs)), timeout_s)
+  if kind == "timeout":
     raise _CheckHung()
-  if "error" in box:
-    raise box["error"]
-  return box["out"]
+  if kind == "error":
+    raise value
+  return value
 
 
 def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
@@ -1046,16 +1036,22 @@ def _stop_after(limit_s: float) -> None:
   that never ran on a GPU may hang in its check run (only tuning measures in workers
   with timeouts), and the device's whole call would wait for it. results.json holds
   every workload finished by then; the tuning workers are shut first."""
-  def stop():
-    print(f"\ngpu_check: past --hard-limit-s {limit_s:.0f} s (a kernel may hang): stopping; "
-          "results.json holds the workloads that finished", flush=True)
-    from stellarax.autotuning import isolation
-    isolation.close_workers()
-    os._exit(124)
-
+  stop = lambda: _leave_now(124, f"\ngpu_check: past --hard-limit-s {limit_s:.0f} s (a kernel "
+                             "may hang): stopping; results.json holds the workloads that finished")
   timer = threading.Timer(max(0.0, limit_s - (time.monotonic() - _STARTED)), stop)
   timer.daemon = True
   timer.start()
+
+
+def _leave_now(status: int, why: str) -> None:
+  """Ends the process with `status` at once, saying `why`, its tuning workers shut: a
+  kernel may still run on the device, and a normal exit (JAX's teardown) would wait for
+  it until the device call's own limit."""
+  print(why, flush=True)
+  from stellarax.autotuning import isolation
+  isolation.close_workers()
+  sys.stderr.flush()
+  os._exit(status)
 
 
 def _implementations(text: str) -> frozenset[str]:
@@ -1130,12 +1126,6 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
   status = main()
-  if HUNG:
-    # A kernel still runs on the device, and a normal exit (JAX's teardown) would wait
-    # for it until the device call's own limit: leave now, the results written.
-    print(f"gpu_check: leaving with a kernel still running ({HUNG[0]})", flush=True)
-    from stellarax.autotuning import isolation
-    isolation.close_workers()
-    sys.stderr.flush()
-    os._exit(status)
+  if HUNG:  # the results are written; a kernel still runs on the device
+    _leave_now(status, f"gpu_check: leaving with a kernel still running ({HUNG[0]})")
   sys.exit(status)

@@ -749,7 +749,7 @@ _runners = threading.local()  # .current: the _Runner of this thread's measureme
 
 @contextlib.contextmanager
 def _one_runner():
-  """Within it, `_run_with_timeout` runs everything on one `_Runner` (nested: the outer's)."""
+  """Within it, `run_with_timeout` runs everything on one `_Runner` (nested: the outer's)."""
   if getattr(_runners, "current", None) is not None:
     yield
     return
@@ -761,12 +761,20 @@ def _one_runner():
     _runners.current = None
 
 
-def _run_with_timeout(fn: Callable[[], Any], timeout_s: float) -> tuple[str, Any]:
-  """Runs fn() on the current `_Runner`'s thread (see `_one_runner`), waiting at most
-  timeout_s.
+def run_with_timeout(fn: Callable[[], Any], timeout_s: float) -> tuple[str, Any]:
+  """Runs fn() on a measuring thread (inside a measurement, its one `_Runner`'s: see
+  `_one_runner`), waiting at most timeout_s: a call that may hang (a kernel that never
+  ran on this device) cannot stall its caller. A thread that finished is joined before
+  this returns; one past its timeout is abandoned (a daemon: it does not keep the
+  process alive).
 
-  Returns ("ok", value), ("error", exception) or ("timeout", None); on timeout the thread
-  is abandoned (a daemon thread does not keep the process alive).
+  Args:
+    fn: the work, a function of no arguments.
+    timeout_s: seconds to wait for it.
+
+  Returns:
+    ("ok", fn()), ("error", the exception fn raised, KeyboardInterrupt included) or
+    ("timeout", None).
   """
   with _one_runner():
     return _runners.current.run(fn, timeout_s)
@@ -980,7 +988,7 @@ def _timed_out(cand: _Candidate, error: str, options: MeasureOptions) -> None:
 def _check_output(cand: _Candidate, args: tuple, reference: Any,
                   check: Callable[[Any, Any], str | None] | None, options: MeasureOptions):
   """Runs the candidate once and records a runtime error, timeout or wrong result."""
-  kind, value = _run_with_timeout(lambda: jax.device_get(cand.executable(*args)),
+  kind, value = run_with_timeout(lambda: jax.device_get(cand.executable(*args)),
                                   options.timeout_s)
   if kind == "timeout":
     _timed_out(cand, f"the check run did not finish within timeout_s={options.timeout_s:g} s",
@@ -1049,7 +1057,7 @@ def _timed_batch(cand: _Candidate, input_sets: list[tuple], first_input: int, co
     return time.perf_counter() - start
 
   started = time.perf_counter()
-  kind, value = _run_with_timeout(batch, options.timeout_s)
+  kind, value = run_with_timeout(batch, options.timeout_s)
   cand.spent_s += time.perf_counter() - started
   if kind == "timeout":
     _timed_out(cand, f"a batch of {count} calls did not finish within timeout_s={options.timeout_s:g} s",
@@ -1159,7 +1167,7 @@ def _dispatch_floor_s(input_sets: list[tuple], options: MeasureOptions,
   entry = cache.get(key) if cache is not None else None
   if entry is None:
     program = jax.jit(_nothing, keep_unused=True)  # keep_unused: it must take every argument
-    kind, value = _run_with_timeout(lambda: program.lower(*input_sets[0]).compile(),
+    kind, value = run_with_timeout(lambda: program.lower(*input_sets[0]).compile(),
                                     options.timeout_s)
     if kind != "ok":
       return None
