@@ -151,8 +151,8 @@ class _Session(Generic[C]):
     self._start = clock()
     self._best: dict[C, tuple[float, Measurement]] = {}  # config -> (effort, measurement)
     self._paid: set[C] = set()  # configs a timed call measured (compiled) in this session
-    # (new configs that ran ok, their and the others' total effective effort, seconds,
-    # new configs that failed) per call; see Measure.effective_effort.
+    # (new configs that ran ok, the effective effort summed over the configs that ran
+    # ok, seconds, new configs that failed) per call; see Measure.effective_effort.
     self.calls: list[tuple[int, float, float, int]] = []
     self.effective: Callable[[float], float] = (
         getattr(measure, "effective_effort", None) or (lambda effort: effort))
@@ -192,20 +192,10 @@ class _Session(Generic[C]):
 
   def measure(self, configs: Sequence[C], effort: float) -> dict[C, Measurement]:
     configs = list(configs)
-    measured, new = self.to_pay(configs, effort)
+    measured, _ = self.to_pay(configs, effort)
     start = self._clock()
     got = self._measure(configs, effort=effort)
-    if measured:
-      # New configs that failed (a compile error, a wrong result) are counted apart:
-      # they cost anything from nothing to a whole compile, never a timing, and counted
-      # with the others cheap ones taught the model that configs cost little, so the
-      # next chunks overran the budget (up to 13x on fuzzed sweeps, 2026-12-07).
-      ok = [c for c in measured if isinstance(got.get(c), Measurement) and got[c].ok]
-      fresh = [c for c in dict.fromkeys(measured) if c not in self._paid]
-      new_ok = sum(c in got and isinstance(got[c], Measurement) and got[c].ok for c in fresh)
-      self.calls.append((new_ok, self.effective(effort) * len(ok), self._clock() - start,
-                         len(fresh) - new_ok))
-      self._paid.update(measured)
+    seconds = self._clock() - start
     missing = [c for c in configs if c not in got]
     if missing:
       raise ValueError(f"The measure returned nothing for {missing[:5]!r}: a measure must return"
@@ -215,6 +205,16 @@ class _Session(Generic[C]):
         raise TypeError(f"The measure returned {got[c]!r} for {c!r}; expected a Measurement.")
       if c not in self._best or effort >= self._best[c][0]:
         self._best[c] = (effort, got[c])
+    if measured:
+      # New configs that failed (a compile error, a wrong result) are counted apart:
+      # they cost anything from nothing to a whole compile, never a timing, and counted
+      # with the others cheap ones taught the model that configs cost little, so the
+      # next chunks overran the budget (up to 13x on fuzzed sweeps, 2026-12-07).
+      fresh = [c for c in dict.fromkeys(measured) if c not in self._paid]
+      new_ok = sum(got[c].ok for c in fresh)
+      timed = sum(got[c].ok for c in measured)
+      self.calls.append((new_ok, self.effective(effort) * timed, seconds, len(fresh) - new_ok))
+      self._paid.update(measured)
     return {c: got[c] for c in configs}
 
   def choose(self, finalists: Iterable[C], heuristic: C | None, order: Sequence[C]) -> C:
@@ -259,7 +259,7 @@ class _CostModel:
   effective: Callable[[float], float] = dataclasses.field(default=lambda e: e, compare=False)
 
   @classmethod
-  def fit(cls, calls: Sequence[tuple[int, float, float]],
+  def fit(cls, calls: Sequence[Sequence[float]],
           effective: Callable[[float], float] | None = None) -> _CostModel:
     """The model of `calls`: (new configs that ran ok, total effective effort, seconds,
     new configs that failed (optional, default 0)) each."""
