@@ -774,8 +774,8 @@ def test_a_paired_sample_that_noise_makes_negative_falls_back_to_half_the_long_b
 
 def test_paired_samples_are_the_default_off_the_cpu_and_say_so_in_the_method():
   x, w = _x(), _x((160, 160), seed=1)
-  assert m._paired(m.MeasureOptions(), (x,)).paired_batches is False  # the CPU
-  assert m._paired(m.MeasureOptions(paired_batches=True), (x,)).paired_batches is True
+  assert m._paired(m.MeasureOptions(), m._platform((x,))).paired_batches is False  # the CPU
+  assert m._paired(m.MeasureOptions(paired_batches=True), "cpu").paired_batches is True
   options = dataclasses.replace(FAST, rounds=2, leader_rounds=0)
   plain = m.measure_candidates({"a": _matmul}, (x, w), options=options)["a"]
   paired = m.measure_candidates({"a": _matmul}, (x, w),

@@ -1033,7 +1033,7 @@ def _run_batch(cand: _Candidate, input_sets: list[tuple], n: int,
   """
   paired = bool(options.paired_batches)
   start_input = cand.next_input
-  cand.next_input = (start_input + (3 * n if paired else n)) % len(input_sets)
+  cand.next_input = (start_input + _calls_of_a_sample(n, options)) % len(input_sets)
   times = []
   for first, count in ((0, 2 * n), (2 * n, n)) if paired else ((0, n),):
     seconds = _timed_batch(cand, input_sets, start_input + first, count, options)
@@ -1069,11 +1069,16 @@ def _timed_batch(cand: _Candidate, input_sets: list[tuple], first_input: int, co
   return value
 
 
-def _paired(options: MeasureOptions, args: tuple) -> MeasureOptions:
+def _calls_of_a_sample(n: int, options: MeasureOptions) -> int:
+  """The calls `_run_batch` makes for a sample of n: 3n paired, else n."""
+  return 3 * n if options.paired_batches else n
+
+
+def _paired(options: MeasureOptions, platform: str) -> MeasureOptions:
   """`options` with `paired_batches` decided: where None, on every platform but the CPU."""
   if options.paired_batches is not None:
     return options
-  return dataclasses.replace(options, paired_batches=_platform(args) != "cpu")
+  return dataclasses.replace(options, paired_batches=platform != "cpu")
 
 
 def _warm_up(cand: _Candidate, input_sets: list[tuple], options: MeasureOptions):
@@ -1083,7 +1088,7 @@ def _warm_up(cand: _Candidate, input_sets: list[tuple], options: MeasureOptions)
     batch_s = _run_batch(cand, input_sets, n, options)
     if batch_s is None:
       return
-    runs += 3 * n if options.paired_batches else n
+    runs += _calls_of_a_sample(n, options)
     long_enough = batch_s >= options.min_batch_s or n >= options.max_batch_calls
     warm = runs >= options.warmup_runs and time.perf_counter() - started >= options.warmup_s
     if (long_enough and warm) or cand.spent_s >= options.max_total_s:
@@ -1361,10 +1366,10 @@ def measure_candidates(
     if not callable(candidates[key]):
       raise TypeError(f"Candidate {key!r} is {candidates[key]!r}; expected a function fn(*args).")
   args = _on_device(tuple(args))
-  options = _paired(options, args)
+  platform = _platform(args)
+  options = _paired(options, platform)
   cands = [_Candidate(key) for key in keys]
   _compile_all(cands, candidates, args, options, compile_cache)
-  platform = _platform(args)
   try:
     with _one_runner():  # every check run and batch on one thread (see _Runner)
       if any(c.alive for c in cands):
@@ -1406,7 +1411,7 @@ def dispatch_floor_s(args: tuple, options: MeasureOptions = MeasureOptions()) ->
       DeviceLostError (a RuntimeError) if running it lost the device.
   """
   args = _on_device(tuple(args))
-  options = _paired(options, args)
+  options = _paired(options, _platform(args))
   try:
     with _one_runner():
       floor_s = _dispatch_floor_s(_input_sets(args, options), options, None)
