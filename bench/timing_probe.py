@@ -1,6 +1,6 @@
 """Where a batched median's extra time comes from, on whatever accelerator runs it.
 
-    python bench/timing_probe.py [--out DIR] [--smoke]
+    python bench/timing_probe.py [--out DIR] [--smoke] [--defaults-only] [--loops]
     (on the TPU machine: cd /tmp && python3 <repo>/bench/timing_probe.py --out $OUT, since
     the repository's .python-version selects a Python that the image's jax was not built for)
 
@@ -17,7 +17,9 @@ events that name the program):
 - primed: n calls queued behind 1 (or 4) more and timed from the primer's end;
 - differential: (T(2n) - T(n)) / n;
 - `measure_candidates` with batches of at least 1 ms and of at least 20 ms, single and
-  paired (`MeasureOptions.paired_batches`, what it does off the CPU since 2026-12-07).
+  paired (`MeasureOptions.paired_batches`, what it does off the CPU since 2026-12-07);
+- with --loops: products from about 10 us to 1 ms timed by `measure_candidates` with
+  its defaults, never looped and always looped, each beside the profiler's time.
 
 It needs only `stellarax.autotuning.measure` and `profile`, which it loads without the
 package's `__init__`: that one refuses a jax older than the pin, and the TPU machine's
@@ -210,6 +212,44 @@ def defaults_row(smoke: bool) -> dict:
                  "status": m.status} for name, m in got.items()}
 
 
+def loops_rows(smoke: bool) -> list[dict]:
+  """Whether a loop times a call as batches do: products of sizes from about 10 us to
+  1 ms, all in one `measure_candidates` call three ways: its defaults, never looped
+  (loop_calls=0), always looped (every call under 1 ms: host_bound_factor 1e6); each
+  with the profiler's time per call beside."""
+  import jax
+  import jax.numpy as jnp
+  measure = load_measure()
+  size, dtype = (256, jnp.float32) if smoke else (4096, jnp.bfloat16)
+  ka, kb = jax.random.split(jax.random.key(11))
+  a = jax.random.normal(ka, (size, size), jnp.float32).astype(dtype)
+  b = jax.random.normal(kb, (size, size), jnp.float32).astype(dtype)
+  cuts = [size * k // 16 for k in (2, 4, 6, 8, 11, 14, 16)]
+  candidates = {c: (lambda a, b, c=c: a[:c] @ b[:, :c]) for c in cuts}
+  modes = {"defaults": {}, "never looped": {"loop_calls": 0},
+           "always looped": {"host_bound_factor": 1e6}}
+  rows = {c: {"product": f"{c}x{size}x{c}"} for c in cuts}
+  for mode, extra in modes.items():
+    got = measure.measure_candidates(
+        candidates, (a, b), options=measure.MeasureOptions(profile=True, **extra))
+    for c, m in got.items():
+      rows[c][mode] = {"method": m.method, "median_ms": m.median_s * 1e3 if m.ok else None,
+                       "profiled_ms": None if m.profiled_s is None else m.profiled_s * 1e3,
+                       "status": m.status}
+  return list(rows.values())
+
+
+def loops_table(rows: list[dict]) -> str:
+  fmt = lambda x: f"{x:.4f}" if isinstance(x, float) else str(x)
+  modes = ("defaults", "never looped", "always looped")
+  lines = ["product | " + " | ".join(f"{m} ms (method) / profiled" for m in modes)]
+  for r in rows:
+    lines.append(r["product"] + " | " + " | ".join(
+        f"{fmt(r[m]['median_ms'])} ({r[m]['method'].split('-')[-1]}) / {fmt(r[m]['profiled_ms'])}"
+        for m in modes))
+  return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
   fmt = lambda x: f"{x:.3f}" if isinstance(x, float) else str(x)
   head = ["shape", "n=1", "n=2", "n=4", "n=16", "primed 1", "primed 2", "primed 4", "idle 5ms",
@@ -245,18 +285,24 @@ def main(argv=None) -> int:
   parser.add_argument("--smoke", action="store_true", help="tiny float32 products (a CPU)")
   parser.add_argument("--defaults-only", action="store_true",
                       help="only measure_candidates with its default options")
+  parser.add_argument("--loops", action="store_true",
+                      help="also time products looped, in batches and with the defaults")
   args = parser.parse_args(argv)
   import jax
   device = jax.devices()[0]
   print(f"device {device.device_kind} ({device.platform}), jax {jax.__version__}", flush=True)
   rows = [] if args.defaults_only else probe(args.smoke)
   defaults = defaults_row(args.smoke)
+  loops = loops_rows(args.smoke) if args.loops else []
   if args.out:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "probe.json").write_text(json.dumps(
         {"device": device.device_kind, "jax": jax.__version__, "rows": rows,
-         "defaults": defaults}, indent=1))
+         "defaults": defaults, "loops": loops}, indent=1))
+  if loops:
+    print("\nlooped or not (measure_candidates, one call each way)")
+    print(loops_table(loops))
   if rows:
     print("\nms per call (medians)")
     print(table(rows))

@@ -2,8 +2,10 @@
 
 import collections
 import functools
+import gzip
 import json
 import os
+import pathlib
 import re
 
 import jax
@@ -586,6 +588,33 @@ def test_busy_time_is_the_union_of_each_programs_kernels(tmp_path):
   # graph) is device work of the program too.
   file.write_bytes(_streams({"Stream #1": [(0, 100, "jit_f", 7), (100, 50, "jit_f", 7, None)]}))
   assert autotuning.profile.busy_time_by_program(file) == pytest.approx({7: 150e-9}, rel=1e-9)
+
+
+def _recorded_tpu_trace(tmp_path):
+  """The trace bench/record_tpu_trace.py wrote on a TPU v5e, and what its events said."""
+  folder = pathlib.Path(__file__).resolve().parents[1] / "data" / "busy_time" / "tpu_v5_lite"
+  path = tmp_path / "tpu.xplane.pb"
+  path.write_bytes(gzip.decompress((folder / "profile.xplane.pb.gz").read_bytes()))
+  return path, json.loads((folder / "busy.json").read_text())
+
+
+def test_busy_time_reads_a_tpus_programs_from_their_own_line(tmp_path):
+  # A TPU's device plane names a program only in the name of its "XLA Modules" events;
+  # their "(number)" is no program_id, so programs are named by module either way.
+  path, recorded = _recorded_tpu_trace(tmp_path)
+  assert recorded["device"] == "TPU v5 lite" and recorded["runs"] == {
+      "jit_tpu_fixture_product": 3, "jit_tpu_fixture_looped": 3}
+  for options in ({"by_module": True, "host_events": False}, {}):
+    busy = autotuning.profile.busy_time_by_program(path, **options)
+    assert busy == pytest.approx(recorded["busy_s"], rel=1e-9)
+  # The looped program (16 products and tanh) took longer than one product.
+  assert busy["jit_tpu_fixture_looped"] > 10 * busy["jit_tpu_fixture_product"] > 0
+
+
+def test_read_op_calls_says_a_tpus_profile_names_no_instructions(tmp_path):
+  path, _ = _recorded_tpu_trace(tmp_path)
+  with pytest.raises(ProfileError, match=r"a TPU's profile.*autotune\(fn"):
+    read_op_calls(path)
 
 
 def test_a_compiled_program_is_found_under_its_names_in_a_trace(tmp_path):

@@ -28,6 +28,15 @@ What a profile holds (jax 0.11.2):
   the HLO), no ``run_id``, and the kernel's name as their name, which is the
   instruction's made a C identifier (``gemm_fusion_dot_10`` for ``gemm_fusion_dot.10``);
   a Pallas kernel's name is its own (in its custom call's backend config).
+- TPU (jax 0.10.2, the device machine's image; read on a v5e, 2026-12-07):
+  ``/device:TPU:<n>`` planes. Line ``XLA Modules`` has one event per run of a program,
+  named ``"<module>(<fingerprint>)"`` (a number above 2**63, not the program_id), with
+  a ``run_id`` stat and neither ``hlo_module`` nor ``program_id``; line ``XLA Ops`` has
+  one event per instruction, named by its HLO text (``%while = (s32[], ...``), with no
+  stat that names an instruction or a program; line ``Async XLA Ops`` has the async
+  copies, with ``hlo_op`` but no program. So only a program's device time is read
+  there (`busy_time_by_program`, by module name); `read_op_calls` refuses a TPU's
+  profile, since no instruction's event says which program ran it.
 
 How events become op calls:
 
@@ -167,6 +176,7 @@ from stellarax.core.warn import warn
 
 _METADATA_PLANE = "/host:metadata"
 _DEVICE_PLANE_PREFIX = "/device:"
+_TPU_PLANE_PREFIX = "/device:TPU:"
 _HLO_PROTO_STAT = "hlo proto"  # compared lowercased: XLA writes "Hlo Proto"
 _CONTROL_FLOW = frozenset({"while", "conditional"})
 # Instructions whose called computations run as sequences of thunks or kernels.
@@ -184,6 +194,8 @@ _SAME_VALUE = _DATA_MOVEMENT | {"broadcast", "convert"}
 # whose value is its root's.
 _NOT_VALUES = _SAME_VALUE | {"parameter", "constant", "fusion"}
 _MODULE_WITH_ID = re.compile(r"^(?P<name>.*)\((?P<id>\d+)\)$")
+# A TPU's device plane holds one event per program run on this line (module doc).
+_TPU_PROGRAM_LINE = "XLA Modules"
 # HloModuleProto.id: the program_id that XLA writes into the events of the module's work.
 _HLO_MODULE_ID = 5
 # HloInstructionProto fields that name an instruction or say where it came from, not
@@ -229,7 +241,8 @@ def read_op_calls(path: str | os.PathLike[str]) -> list[OpCall]:
 
   Raises:
     ProfileError: the path is missing or holds no profile; a file is not a profile, is
-      truncated or corrupt, embeds no HLO; or no stellarax op ran in it.
+      truncated or corrupt, embeds no HLO, or is a TPU's (module doc); or no stellarax
+      op ran in it.
   """
   totals: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
   for file in _profile_files(pathlib.Path(path)):
@@ -316,7 +329,8 @@ def busy_time_by_program(path: str | os.PathLike[str], *, host_events: bool = Tr
 
   A program's busy time on a plane (a device; on a CPU, the host's XLA:CPU threads) is
   the length of the union of its events' intervals there (on a device, every event
-  that names the program, with or without an instruction), so kernels on several
+  that names the program, with or without an instruction; on a TPU, its runs' events
+  on the "XLA Modules" line, module doc), so kernels on several
   streams, a loop thunk and the thunks inside it, or thunks on several threads at
   once count once; its time is that of its busiest plane, over every host's file of
   the trace. Gaps between its kernels do not count: this is the device work, not the
@@ -459,9 +473,16 @@ def _load(path: pathlib.Path) -> tuple[list[_Event], list[_Program]]:
     raise ProfileError(f"{path}: cannot be read: {e}") from e
   metadata = _metadata_plane(data, path)
   try:
-    events = _op_events(profiler.ProfileData.from_serialized_xspace(data))
+    space = profiler.ProfileData.from_serialized_xspace(data)
+    events = _op_events(space)
   except RuntimeError as e:
     raise ProfileError(f"{path}: corrupt profile, XSpace does not parse: {e}") from e
+  if (any(plane.name.startswith(_TPU_PLANE_PREFIX) for plane in space.planes)
+      and all(e.program() is None for e in events)):
+    raise ProfileError(
+        f"{path}: a TPU's profile, whose instructions' events name no program (module "
+        "doc), so the stellarax ops that ran cannot be told from it; tune from the "
+        "program instead (stellarax.autotune(fn, *args)), or from bound arguments")
   try:
     programs = _programs(metadata) if metadata is not None else []
   except _WireError as e:
@@ -1579,17 +1600,26 @@ def _op_events(space: profiler.ProfileData, *, device_work: bool = False) -> lis
       on_device = plane.name.startswith(_DEVICE_PLANE_PREFIX)
       target = device if on_device else other
       for line in plane.lines:
-        target.extend(e for e in (_event(plane.name, e, device_work and on_device)
+        program_line = device_work and on_device and line.name == _TPU_PROGRAM_LINE
+        target.extend(e for e in (_event(plane.name, e, device_work and on_device,
+                                         named_by_event=program_line)
                                   for e in line.events) if e)
   return device or other
 
 
-def _event(plane: str, event: profiler.ProfileEvent, program_only: bool = False
-           ) -> _Event | None:
+def _event(plane: str, event: profiler.ProfileEvent, program_only: bool = False, *,
+           named_by_event: bool = False) -> _Event | None:
+  """The event as an `_Event`, or None where it names no instruction (nor, with
+  `program_only`, a program). `named_by_event`: the event's own name is its program's
+  module, "<name>(<id>)" (a TPU's "XLA Modules" line)."""
   stats = dict(event.stats)
   hlo_op = stats.get("hlo_op")
   program_id, module, run_id = (
       stats.get("program_id"), stats.get("hlo_module"), stats.get("run_id"))
+  if named_by_event and module is None:
+    # The number in parentheses is no program_id (it exceeds 2**63: a fingerprint).
+    match = _MODULE_WITH_ID.match(event.name)
+    module = match["name"] if match else event.name
   if not isinstance(hlo_op, str):
     if not (program_only and (isinstance(program_id, int) or isinstance(module, str))):
       return None
