@@ -279,6 +279,36 @@ def test_the_cost_model_learns_a_cost_per_call_only_where_calls_need_one():
   assert dear.predict(2, 0.0) == pytest.approx(2 * (dear.fixed_s + excess))
 
 
+def test_the_cost_model_prices_what_its_calls_cannot_tell_at_the_worst_fit():
+  # One call of one new config at full effort: all compile, or all measuring, or any mix.
+  single = search._CostModel.fit([(1, 1.0, 2.0)])
+  assert single.predict(1, 1.0) == pytest.approx(2.0)  # a call like it: what it cost
+  assert single.predict(0, 2.0) == pytest.approx(4.0)  # two measured configs: all effort
+  assert single.predict(3, 0.0) == pytest.approx(6.0)  # compiles alone: all compile
+  assert single.new_configs_that_fit(7.0, 1.0, 10) == 3
+  assert single.new_configs_that_fit(1.0, 1.0, 10) == 0
+  # Two calls in one ratio of new configs to effort tell no more.
+  assert search._CostModel.fit([(1, 1.0, 2.0), (2, 2.0, 4.0)]).predict(0, 1.0) == (
+      pytest.approx(2.0))
+  # Calls that pin the costs down have one fit: 1.5 s a compile, 0.5 s an effort.
+  pinned = search._CostModel.fit([(1, 1.0, 2.0), (0, 1.0, 0.5)])
+  assert pinned.alternatives == () and pinned.predict(2, 1.0) == pytest.approx(3.5)
+
+
+def test_racing_keeps_a_budget_its_first_calls_cannot_price():
+  # A budget of two full measurements, min_effort 0.5: the heuristic at full effort, then
+  # a walk's step of one config and the heuristic at half effort, which costs what the
+  # first call did, so the calls cannot tell compiling from measuring. Priced as all
+  # compile, a last round of those two at full effort looked free: it spent 4 s.
+  recorded = {i: 1e-3 * (1 + (i * 7919 % 97) / 50) for i in range(200)}
+  for budget in (2.0, 2.5, 3.0, 4.0):
+    for min_effort in (0.5, 1 / 3, 1 / 81):
+      replay = search.ReplayMeasure(recorded, noise=0.02, cost_s_per_config=1.0)
+      search.racing(list(recorded), replay, heuristic=0, budget_s=budget,
+                    min_effort=min_effort, clock=replay.clock)
+      assert replay.clock() <= budget + 1e-9, (budget, min_effort)
+
+
 class _FailingFake:
   """1 s to compile a config and 1 s * effort to time it; the configs in `failing` fail
   to compile after `fail_s` (a smem overflow found at once, or after a whole compile)."""

@@ -78,6 +78,9 @@ _CHUNK: Final = 16
 # A cost fit whose residual exceeds this fraction of the calls' seconds (root of sums of
 # squares) leaves them unexplained: _CostModel then also fits a cost per call.
 _UNEXPLAINED: Final = 1e-3
+# Cost fits whose squared residuals differ by less than this fraction of the calls'
+# squared seconds explain them equally well (rounding apart): _CostModel keeps them all.
+_TIED_RESIDUAL: Final = 1e-12
 # Fraction of racing's budget that extra effort (boost) may not plan to use.
 _BOOST_MARGIN: Final = 0.05
 # How far (in `_Geometry` steps) the walk looks around an incumbent before it takes it for
@@ -240,12 +243,17 @@ class _CostModel:
   (`failure_rate`), so that one timeout does not price every later config as one.
 
   The coefficients are fitted by least squares to the calls so far, all kept >= 0 (the
-  best fit over the subsets of them that are non-negative). When the calls cannot
-  separate them (too few, or all alike), the fit still predicts calls like them, which
-  is what the strategies then make. Costs can drift (a loaded machine, larger configs
-  later in the space), and a fit over all the history lags behind: `scale` is how much
-  longer than fitted the latest call took (at least 1), so one surprise makes the next
-  predictions cautious at once.
+  best fit over the subsets of them that are non-negative). Where the calls do not pin
+  the coefficients down, several fits explain them equally well: one call; calls whose
+  new configs and effort keep one ratio (the heuristic alone at full effort, then a
+  walk's first step of two configs at half); two calls and a call cost. Each prices a
+  call unlike them differently, and a prediction is the most costly of them
+  (`alternatives`); calls like the past ones cost what they did by all of them. One
+  fit alone priced what the calls did not say at nothing: as all compile, a last round
+  of measured configs was free, and a budget of two measurements ran to four. Costs
+  can drift (a loaded machine, larger configs later in the space), and a fit over all
+  the history lags behind: `scale` is how much longer than fitted the latest call took
+  (at least 1), so one surprise makes the next predictions cautious at once.
   """
 
   fixed_s: float
@@ -257,6 +265,8 @@ class _CostModel:
   # The measure's effective effort (`Measure.effective_effort`); the calls' efforts are
   # already effective ones, and `work` maps a planned effort to one.
   effective: Callable[[float], float] = dataclasses.field(default=lambda e: e, compare=False)
+  # The other fits that explain the calls as well (see the class doc).
+  alternatives: tuple[_CostModel, ...] = dataclasses.field(default=(), compare=False)
 
   @classmethod
   def fit(cls, calls: Sequence[Sequence[float]],
@@ -264,47 +274,56 @@ class _CostModel:
     """The model of `calls`: (new configs that ran ok, total effective effort, seconds,
     new configs that failed (optional, default 0)) each."""
     if not calls:
-      base = cls(0.0, 0.0)
-    else:
-      x = np.array([_columns(call) for call in calls], dtype=np.float64)
-      y = np.array([call[2] for call in calls], dtype=np.float64)
-      base = cls._least_squares(x, y)
-      new = float(np.sum(x[:, 0] + x[:, 2]))
-      base = dataclasses.replace(base, failure_rate=float(np.sum(x[:, 2])) / new if new else 0.0)
-      fitted_last = float(_columns(calls[-1]) @ base._coefficients())
-      scale = max(1.0, calls[-1][2] / fitted_last) if fitted_last > 0 else 1.0
-      base = dataclasses.replace(base, scale=scale)
-    return base if effective is None else dataclasses.replace(base, effective=effective)
+      return cls(0.0, 0.0, effective=effective or (lambda e: e))
+    x = np.array([_columns(call) for call in calls], dtype=np.float64)
+    y = np.array([call[2] for call in calls], dtype=np.float64)
+    best, *others = cls._least_squares(x, y)
+    new = float(np.sum(x[:, 0] + x[:, 2]))
+    failure_rate = float(np.sum(x[:, 2])) / new if new else 0.0
+    fitted_last = float(_columns(calls[-1]) @ best)
+    scale = max(1.0, calls[-1][2] / fitted_last) if fitted_last > 0 else 1.0
+    # A failure's excess over a compile is the best fit's in every one (a failure costs
+    # what it did, whichever fit explains the ok configs).
+    excess = max(0.0, best[2] - best[0])
+    model = lambda c, alternatives=(): cls(
+        float(c[0]), float(c[1]), scale=scale, call_s=float(c[3]), failed_s=float(c[2]),
+        failure_rate=failure_rate, effective=effective or (lambda e: e),
+        alternatives=alternatives)
+    return model(best, tuple(model([c[0], c[1], c[0] + excess, c[3]]) for c in others))
 
   @classmethod
-  def _least_squares(cls, x: np.ndarray, y: np.ndarray) -> _CostModel:
-    """The non-negative fit of smallest residual over the subsets of the coefficients
-    (the others 0). call_s enters only where fixed_s and per_effort_s alone leave the
+  def _least_squares(cls, x: np.ndarray, y: np.ndarray) -> list[np.ndarray]:
+    """The non-negative fits of smallest residual over the subsets of the coefficients
+    (the others 0): the best first, then any that fit as well (an underdetermined fit
+    has several). call_s enters only where fixed_s and per_effort_s alone leave the
     calls unexplained: a call term that the calls do not pin down would make new
     configs look cheaper than they have been."""
-    def best_of(subsets):
-      best, best_residual = None, math.inf
+    def fits(subsets):
+      found = []
       for columns in subsets:
         solution, *_ = np.linalg.lstsq(x[:, columns], y, rcond=None)
         if np.any(solution < 0):
           continue
         coefficients = np.zeros(4)
         coefficients[list(columns)] = solution
-        residual = float(np.sum((x @ coefficients - y) ** 2))
-        if residual < best_residual:
-          best, best_residual = coefficients, residual
-      return best, best_residual
+        found.append((float(np.sum((x @ coefficients - y) ** 2)), coefficients))
+      found.sort(key=lambda f: f[0])
+      return found
 
     subsets = [(0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,)]
-    plain, plain_residual = best_of(subsets)
-    if plain is None or plain_residual > _UNEXPLAINED ** 2 * float(y @ y):
-      with_call, residual = best_of([(*s, 3) for s in subsets] + [(3,)])
-      if with_call is not None and (plain is None or residual < plain_residual):
-        plain = with_call
-    if plain is None:
-      return cls(0.0, 0.0)
-    return cls(float(plain[0]), float(plain[1]), failed_s=float(plain[2]),
-               call_s=float(plain[3]))
+    found = fits(subsets)
+    if not found or found[0][0] > _UNEXPLAINED ** 2 * float(y @ y):
+      with_call = fits([(*s, 3) for s in subsets] + [(3,)])
+      if with_call and (not found or with_call[0][0] < found[0][0]):
+        found = with_call
+    if not found:
+      return [np.zeros(4)]
+    as_good = found[0][0] + _TIED_RESIDUAL * float(y @ y)
+    kept: list[np.ndarray] = []
+    for residual, c in found:  # one of each (a zero column gives a subset's fit twice)
+      if residual <= as_good and not any(np.allclose(c, k, rtol=1e-9, atol=1e-12) for k in kept):
+        kept.append(c)
+    return kept
 
   def _coefficients(self) -> np.ndarray:
     """The fitted coefficients, in `_columns`' order (without scale)."""
@@ -313,16 +332,30 @@ class _CostModel:
   def predict(self, new: int, effort_total: float) -> float:
     """Seconds of one call that measures `new` configs for the first time and
     `effort_total` effective effort summed over its configs (see `work`)."""
-    return self.scale * (self.call_s + self._new_config_s() * new
-                         + self.per_effort_s * effort_total)
+    return max(m.scale * (m.call_s + m._new_config_s() * new + m.per_effort_s * effort_total)
+               for m in (self, *self.alternatives))
 
   def work(self, count: int, effort: float) -> float:
     """The effective effort of measuring `count` configs at `effort`, for `predict`."""
     return count * self.effective(effort)
 
   def per_config(self, effort: float) -> float:
-    """What one more new config at `effort` adds to a call."""
-    return self.scale * (self._new_config_s() + self.per_effort_s * self.effective(effort))
+    """What one more new config at `effort` adds to a call (the most of any fit)."""
+    return max(m.scale * (m._new_config_s() + m.per_effort_s * m.effective(effort))
+               for m in (self, *self.alternatives))
+
+  def new_configs_that_fit(self, room_s: float, effort: float, most: int) -> int:
+    """The most new configs, up to `most`, that one call at `effort` is predicted to
+    measure within `room_s` seconds (0 if none fits)."""
+    # Rounding apart: fits that tie can differ in the last bits.
+    fits = lambda k: self.predict(k, self.work(k, effort)) <= room_s + 1e-9 * abs(room_s)
+    if fits(most):
+      return most
+    low, high = 0, most  # fits(high) is false; the cost grows with the count
+    while high - low > 1:
+      middle = (low + high) // 2
+      low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
 
   def _new_config_s(self) -> float:
     """What a new config costs beside its effort: its compile, and the excess of a
@@ -415,12 +448,10 @@ def _sweep(session: _Session[C], configs: Sequence[C], chunk_size: int):
   while i < len(configs):
     k = min(chunk_size, len(configs) - i)
     if session.budget_s is not None:
-      model = session.cost_model()
-      per_config = model.per_config(1.0)
       if not session.calls:
         k = 1
-      elif per_config > 0:
-        k = min(k, math.floor(max(session.remaining() - model.predict(0, 0.0), 0.0) / per_config))
+      else:
+        k = session.cost_model().new_configs_that_fit(session.remaining(), 1.0, k)
       if session.calls and (k == 0 or session.remaining() <= 0):
         return
     session.measure(configs[i:i + k], 1.0)
@@ -579,7 +610,7 @@ def _affordable_effort(session: _Session[C], batch: Sequence[C], effort: float,
   fits = lambda e: model.predict(new, model.work(len(measured), e)) <= room
   if fits(effort):
     return effort
-  if model.per_effort_s <= 0 or not fits(min_effort):
+  if not fits(min_effort):  # also where effort costs nothing: then no effort fits
     return None
   return _largest_fitting(fits, min_effort, effort)  # cost grows with effort
 
@@ -594,9 +625,7 @@ def _screen(session: _Session[C], pool: Sequence[C], schedule: Sequence[tuple[in
     if session.budget_s is not None:
       model = session.cost_model()
       room = session.remaining() - _schedule_cost(model, schedule[1:], False)
-      per_config = model.per_config(effort)
-      if per_config > 0:
-        chunk = chunk[:max(0, math.floor((room - model.predict(0, 0.0)) / per_config))]
+      chunk = chunk[:model.new_configs_that_fit(room, effort, len(chunk))]
       if not chunk or room <= 0:
         break
     results |= session.measure(chunk, effort)
@@ -737,7 +766,8 @@ def _walk(session: _Session[C], configs: Sequence[C], heuristic: C, first: Seque
   order, until one beats the incumbent (basin hopping: on real sweeps whose best config
   stands far from the next good ones, rings farther out in the first basin found nothing
   better; BENCHMARKS.md). The first step measures one new config, so that the cost model tells
-  compiling from measuring before it plans a batch. The walk ends when every config was
+  compiling from measuring before it plans a batch (where the calls before it cannot
+  tell them apart, it is made if it fits the budget alone, see `step`). The walk ends when every config was
   measured or the next step does not fit the budget less the predicted cost of
   measuring the finalists and the heuristic at `final_effort`, or at full effort where
   that costs at most `_FINAL_SHARE` of the budget (the last round then takes what is
@@ -754,13 +784,17 @@ def _walk(session: _Session[C], configs: Sequence[C], heuristic: C, first: Seque
   screened: dict[C, float] = {}  # config -> its screening median
   incumbent, batch = heuristic, [c for c in first if c != heuristic]
 
-  def step(candidates: list[C]) -> dict[C, Measurement] | None:
+  def step(candidates: list[C], probe: bool) -> dict[C, Measurement] | None:
     model = session.cost_model()
     final_cost = lambda e: model.predict(0, model.work(finalists + 1, e))
     cap = _FINAL_SHARE * session.budget_s
     last = (_largest_fitting(lambda e: final_cost(e) <= cap, final_effort, 1.0)
             if final_cost(final_effort) <= cap else final_effort)
-    reserve = final_cost(last)
+    # A probe's calls before it cannot tell compiling from measuring when several fits
+    # explain them: each prices the last round and the probe at its own worst, and no
+    # reserve planned on them holds. The probe is made where it fits alone; the last
+    # round is planned on what it tells (`_final_round`).
+    reserve = 0.0 if probe and model.alternatives else final_cost(last)
     room = session.remaining() - reserve
     while candidates and model.predict(len(candidates),
                                        model.work(len(candidates) + 1, effort)) > room:
@@ -796,7 +830,8 @@ def _walk(session: _Session[C], configs: Sequence[C], heuristic: C, first: Seque
         batch = in_tie_order(np.flatnonzero(unmeasured & (distances == nearest)))
     # The first step compiles one config: the heuristic's calls alone cannot tell the
     # cost of compiling from that of measuring, so a batch planned on them may overrun.
-    got = step(batch[:1] if session.calls_with_new() <= 1 else batch)
+    probe = session.calls_with_new() <= 1
+    got = step(batch[:1] if probe else batch, probe)
     if got is None:
       break
     base = got[incumbent].median_s if got[incumbent].ok else math.inf
