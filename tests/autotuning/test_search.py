@@ -265,17 +265,17 @@ def test_the_cost_model_learns_a_cost_per_call_only_where_calls_need_one():
   # coefficient could fit them too (a call cost the calls do not pin down would make
   # new configs look cheaper than they were).
   plain = search._CostModel.fit([(1, 1.0, 1.5)])
-  assert plain.call_s == 0.0 and plain.per_config(1.0) == pytest.approx(1.5)
+  assert plain.call_s == 0.0 and plain.predict(1, 1.0) == pytest.approx(1.5)
   assert search._CostModel.fit([(2, 1.0, 2.5), (0, 0.5, 0.25)]).call_s == 0.0
   # Failed new configs (the 4th count) have a cost of their own. A cheap failure leaves a
   # new config's price at what ok ones cost; a dear one adds its excess at the rate
   # failures happened (here 2 of 3 new configs).
   failing = search._CostModel.fit([(1, 1.0, 2.0, 0), (0, 0.0, 0.2, 2)])
-  assert failing.failed_s == pytest.approx(0.1) and failing.per_config(1.0) == pytest.approx(2.0)
+  assert failing.failed_s == pytest.approx(0.1) and failing.predict(1, 1.0) == pytest.approx(2.0)
   dear = search._CostModel.fit([(1, 1.0, 2.0, 0), (0, 0.0, 6.0, 2)])
   assert dear.failure_rate == pytest.approx(2 / 3) and dear.failed_s == pytest.approx(3.0)
   excess = 2 / 3 * (3.0 - dear.fixed_s)
-  assert dear.per_config(1.0) == pytest.approx(2.0 + excess)
+  assert dear.predict(1, 1.0) == pytest.approx(2.0 + excess)
   assert dear.predict(2, 0.0) == pytest.approx(2 * (dear.fixed_s + excess))
 
 

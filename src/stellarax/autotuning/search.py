@@ -339,11 +339,6 @@ class _CostModel:
     """The effective effort of measuring `count` configs at `effort`, for `predict`."""
     return count * self.effective(effort)
 
-  def per_config(self, effort: float) -> float:
-    """What one more new config at `effort` adds to a call (the most of any fit)."""
-    return max(m.scale * (m._new_config_s() + m.per_effort_s * m.effective(effort))
-               for m in (self, *self.alternatives))
-
   def new_configs_that_fit(self, room_s: float, effort: float, most: int) -> int:
     """The most new configs, up to `most`, that one call at `effort` is predicted to
     measure within `room_s` seconds (0 if none fits)."""
