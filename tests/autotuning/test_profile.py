@@ -613,7 +613,7 @@ def test_busy_time_reads_a_tpus_programs_from_their_own_line(tmp_path):
 
 def test_read_op_calls_says_a_tpus_profile_names_no_instructions(tmp_path):
   path, _ = _recorded_tpu_trace(tmp_path)
-  with pytest.raises(ProfileError, match=r"a TPU's profile.*autotune\(fn"):
+  with pytest.raises(ProfileError, match=r"a TPU's profile.*get_bound_args\(fn, \*args\)"):
     read_op_calls(path)
 
 

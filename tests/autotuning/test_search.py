@@ -290,9 +290,18 @@ def test_the_cost_model_prices_what_its_calls_cannot_tell_at_the_worst_fit():
   # Two calls in one ratio of new configs to effort tell no more.
   assert search._CostModel.fit([(1, 1.0, 2.0), (2, 2.0, 4.0)]).predict(0, 1.0) == (
       pytest.approx(2.0))
+  # A plan's calls are priced by one fit at a time, the dearest total: 9 new configs at
+  # effort 1/3, then 4 measured at full effort cost 18 s as all effort, 14 s as all
+  # compile (the sum of each call's dearest fit, 26 s, is no fit's).
+  plan = search._schedule_calls(single, [(9, 1 / 3), (3, 1.0)], True)
+  assert plan == [(9, pytest.approx(3.0)), (0, 4.0)]
+  assert single.cost(plan) == pytest.approx(18.0)
+  assert single.new_configs_that_fit(10.0, 1.0, 10, later=[(0, 2.0)]) == 3
   # Calls that pin the costs down have one fit: 1.5 s a compile, 0.5 s an effort.
   pinned = search._CostModel.fit([(1, 1.0, 2.0), (0, 1.0, 0.5)])
   assert pinned.alternatives == () and pinned.predict(2, 1.0) == pytest.approx(3.5)
+  # A call timed at no finite time (a broken clock) teaches nothing.
+  assert search._CostModel.fit([(1, 1.0, math.nan)]).predict(1, 1.0) == 0.0
 
 
 def test_racing_keeps_a_budget_its_first_calls_cannot_price():

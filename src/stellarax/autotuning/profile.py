@@ -481,8 +481,9 @@ def _load(path: pathlib.Path) -> tuple[list[_Event], list[_Program]]:
       and all(e.program() is None for e in events)):
     raise ProfileError(
         f"{path}: a TPU's profile, whose instructions' events name no program (module "
-        "doc), so the stellarax ops that ran cannot be told from it; tune from the "
-        "program instead (stellarax.autotune(fn, *args)), or from bound arguments")
+        "doc), so the stellarax ops that ran cannot be told from it (nor their device "
+        "times); the program itself names its op calls without a profile: "
+        "stellarax.autotuning.get_bound_args(fn, *args), or autotune(fn, *args)")
   try:
     programs = _programs(metadata) if metadata is not None else []
   except _WireError as e:

@@ -248,7 +248,7 @@ class _CostModel:
   new configs and effort keep one ratio (the heuristic alone at full effort, then a
   walk's first step of two configs at half); two calls and a call cost. Each prices a
   call unlike them differently, and a prediction is the most costly of them
-  (`alternatives`); calls like the past ones cost what they did by all of them. One
+  (`alternatives`); calls like the past ones cost about what they did by each. One
   fit alone priced what the calls did not say at nothing: as all compile, a last round
   of measured configs was free, and a budget of two measurements ran to four. Costs
   can drift (a loaded machine, larger configs later in the space), and a fit over all
@@ -306,7 +306,9 @@ class _CostModel:
           continue
         coefficients = np.zeros(4)
         coefficients[list(columns)] = solution
-        found.append((float(np.sum((x @ coefficients - y) ** 2)), coefficients))
+        residual = float(np.sum((x @ coefficients - y) ** 2))
+        if math.isfinite(residual):  # a call timed at inf or NaN seconds explains nothing
+          found.append((residual, coefficients))
       found.sort(key=lambda f: f[0])
       return found
 
@@ -332,18 +334,28 @@ class _CostModel:
   def predict(self, new: int, effort_total: float) -> float:
     """Seconds of one call that measures `new` configs for the first time and
     `effort_total` effective effort summed over its configs (see `work`)."""
-    return max(m.scale * (m.call_s + m._new_config_s() * new + m.per_effort_s * effort_total)
+    return self.cost([(new, effort_total)])
+
+  def cost(self, calls: Iterable[tuple[int, float]]) -> float:
+    """Seconds of these calls, (new configs, effort total) each, all priced by one fit:
+    the most costly fit's total (each fit's worst call may be another's cheapest)."""
+    calls = list(calls)
+    return max(sum(m.scale * (m.call_s + m._new_config_s() * new + m.per_effort_s * work)
+                   for new, work in calls)
                for m in (self, *self.alternatives))
 
   def work(self, count: int, effort: float) -> float:
     """The effective effort of measuring `count` configs at `effort`, for `predict`."""
     return count * self.effective(effort)
 
-  def new_configs_that_fit(self, room_s: float, effort: float, most: int) -> int:
+  def new_configs_that_fit(self, room_s: float, effort: float, most: int,
+                           later: Sequence[tuple[int, float]] = ()) -> int:
     """The most new configs, up to `most`, that one call at `effort` is predicted to
-    measure within `room_s` seconds (0 if none fits)."""
+    measure within `room_s` seconds with the `later` calls (as for `cost`) after it
+    (0 if none fits)."""
     # Rounding apart: fits that tie can differ in the last bits.
-    fits = lambda k: self.predict(k, self.work(k, effort)) <= room_s + 1e-9 * abs(room_s)
+    fits = lambda k: (self.cost([(k, self.work(k, effort)), *later])
+                      <= room_s + 1e-9 * abs(room_s))
     if fits(most):
       return most
     low, high = 0, most  # fits(high) is false; the cost grows with the count
@@ -548,15 +560,13 @@ def _schedule(n: int, eta: int, min_effort: float, boost: float = 1.0
           for i, size in enumerate(sizes)]
 
 
-def _schedule_cost(model: _CostModel, schedule: Sequence[tuple[int, float]],
-                   first_is_new: bool) -> float:
-  """Predicted seconds of a schedule; its last round also re-measures the heuristic."""
-  total = 0.0
-  for i, (size, effort) in enumerate(schedule):
-    new = size if (i == 0 and first_is_new) else 0
-    final = i == len(schedule) - 1
-    total += model.predict(new, model.work(size + final, effort))
-  return total
+def _schedule_calls(model: _CostModel, schedule: Sequence[tuple[int, float]],
+                    first_is_new: bool) -> list[tuple[int, float]]:
+  """A schedule's calls, as `_CostModel.cost` prices them; its last round also
+  re-measures the heuristic."""
+  return [(size if (i == 0 and first_is_new) else 0,
+           model.work(size + (i == len(schedule) - 1), effort))
+          for i, (size, effort) in enumerate(schedule)]
 
 
 def _plan(session: _Session[C], available: int, eta: int, min_effort: float
@@ -571,7 +581,8 @@ def _plan(session: _Session[C], available: int, eta: int, min_effort: float
   if not session.calls:  # nothing timed (all recalled from a journal): no race is planned
     return _schedule(0, eta, min_effort)  # blind; the walk learns the costs as it goes
   model, room = session.cost_model(), session.remaining()
-  cost = lambda n, boost=1.0: _schedule_cost(model, _schedule(n, eta, min_effort, boost), True)
+  cost = lambda n, boost=1.0: model.cost(
+      _schedule_calls(model, _schedule(n, eta, min_effort, boost), True))
   n = next((n for n in range(available, 0, -1) if cost(n) <= room), 0)
   spare = room * (1 - _BOOST_MARGIN)
   if n < available or cost(n) > spare:
@@ -598,11 +609,11 @@ def _affordable_effort(session: _Session[C], batch: Sequence[C], effort: float,
   The predicted cost of the `later` rounds is kept aside.
   """
   model = session.cost_model()
-  room = session.remaining() - _schedule_cost(model, later, False)
+  room, after = session.remaining(), _schedule_calls(model, later, False)
   # What recalling at the planned effort leaves; at a lower one the journal may answer
   # more, which this over-predicts (on the safe side).
   measured, new = session.to_pay(batch, effort)
-  fits = lambda e: model.predict(new, model.work(len(measured), e)) <= room
+  fits = lambda e: model.cost([(new, model.work(len(measured), e)), *after]) <= room
   if fits(effort):
     return effort
   if not fits(min_effort):  # also where effort costs nothing: then no effort fits
@@ -619,8 +630,9 @@ def _screen(session: _Session[C], pool: Sequence[C], schedule: Sequence[tuple[in
     chunk = pool[i:i + chunk_size]
     if session.budget_s is not None:
       model = session.cost_model()
-      room = session.remaining() - _schedule_cost(model, schedule[1:], False)
-      chunk = chunk[:model.new_configs_that_fit(room, effort, len(chunk))]
+      room = session.remaining()
+      chunk = chunk[:model.new_configs_that_fit(
+          room, effort, len(chunk), later=_schedule_calls(model, schedule[1:], False))]
       if not chunk or room <= 0:
         break
     results |= session.measure(chunk, effort)
@@ -781,18 +793,18 @@ def _walk(session: _Session[C], configs: Sequence[C], heuristic: C, first: Seque
 
   def step(candidates: list[C], probe: bool) -> dict[C, Measurement] | None:
     model = session.cost_model()
-    final_cost = lambda e: model.predict(0, model.work(finalists + 1, e))
+    final_call = lambda e: (0, model.work(finalists + 1, e))
     cap = _FINAL_SHARE * session.budget_s
-    last = (_largest_fitting(lambda e: final_cost(e) <= cap, final_effort, 1.0)
-            if final_cost(final_effort) <= cap else final_effort)
+    last = (_largest_fitting(lambda e: model.cost([final_call(e)]) <= cap, final_effort, 1.0)
+            if model.cost([final_call(final_effort)]) <= cap else final_effort)
     # A probe's calls before it cannot tell compiling from measuring when several fits
-    # explain them: each prices the last round and the probe at its own worst, and no
-    # reserve planned on them holds. The probe is made where it fits alone; the last
-    # round is planned on what it tells (`_final_round`).
-    reserve = 0.0 if probe and model.alternatives else final_cost(last)
-    room = session.remaining() - reserve
-    while candidates and model.predict(len(candidates),
-                                       model.work(len(candidates) + 1, effort)) > room:
+    # explain them, and no reserve planned on them holds (one prices the probe dear and
+    # the last round cheap, another the other way round). The probe is made where it
+    # fits alone; the last round is planned on what it tells (`_final_round`).
+    reserve = [] if probe and model.alternatives else [final_call(last)]
+    room = session.remaining()
+    while candidates and model.cost([(len(candidates), model.work(len(candidates) + 1, effort)),
+                                     *reserve]) > room:
       candidates = candidates[:-1]
     if not candidates:
       return None
@@ -869,7 +881,9 @@ def racing(space: Iterable[C], measure: Measure[C], *, heuristic: C,
      configs nearest the fastest one so far at effort 1/eta^3, keeping enough budget
      for its eta fastest to go to a last round with the heuristic at effort 1/eta (full
      effort where that is a small part of the budget, `_FINAL_SHARE`), which then takes
-     what is left, up to full effort; steps 3 and 4 are skipped.
+     what is left, up to full effort; steps 3 and 4 are skipped. (Its first step, one
+     new config, keeps nothing back where the calls before it cannot tell compiling from
+     measuring: the last round may then not fit, and the screening measurements decide.)
   3. Rounds of successive halving: sizes n, ceil(n / eta), ... down to at most eta
      configs; the last round has effort 1 and each earlier one 1/eta of the next (at least
      `min_effort`). Each round keeps the fastest configs of the one before (failed ones
