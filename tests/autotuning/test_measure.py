@@ -292,6 +292,22 @@ def _loop_whatever_it_costs(monkeypatch):
   return dataclasses.replace(FAST, host_bound_factor=1e9)
 
 
+def test_a_loop_runs_long_enough_to_be_device_bound_and_no_longer():
+  # The TPU's dispatch floor, 0.1 ms: a run must last 8 floors and a 1 ms batch.
+  options, floor = m.MeasureOptions(), 1e-4
+  trips = lambda call_s, cache=None, **kw: m._loop_trips(
+      m._Candidate("a", call_s=call_s), floor, dataclasses.replace(options, **kw), cache)
+  assert trips(0.9e-3) == 2  # not 256 calls of 0.9 ms: a 0.24 s run
+  assert trips(5e-6) == 200 and trips(1e-8) == options.loop_calls == 256
+  assert trips(5e-6, min_batch_s=2e-3) == 256 and trips(5e-6, loop_calls=1) == 1
+  assert trips(2e-5, host_bound_factor=20) == 100  # 20 floors, 2 ms
+  # With a compile cache a candidate keeps its first count (its loop compiles once),
+  # per loop_calls.
+  cache = {}
+  assert trips(5e-6, cache) == 200 and trips(9e-6, cache) == 200
+  assert trips(9e-6, cache, loop_calls=64) == 64
+
+
 def test_looped_programs_compute_the_call_and_are_compiled_once(monkeypatch):
   x, w = _x((16, 16)), _x((16, 16), seed=1)
   traced = []
@@ -308,7 +324,8 @@ def test_looped_programs_compute_the_call_and_are_compiled_once(monkeypatch):
     assert got["a"].ok and got["a"].method == "cpu-looped"
     traces.append(len(traced))
   assert traces[0] == traces[1]  # the second call compiled nothing
-  assert {k for k in cache if isinstance(k, m._Aux)} == {m._Aux("floor"), m._Aux("looped", ("a", 5))}
+  assert {k for k in cache if isinstance(k, m._Aux)} == {
+      m._Aux("floor"), m._Aux("looped", ("a", 5)), m._Aux("trips", ("a", 5))}
   # Another loop_calls compiles its own loop: the one of 5 calls, divided by 3, made each
   # call 5/3 as slow (an isolated worker keeps its cache from one tuning to the next).
   got = m.measure_candidates({"a": counted}, (x, w), options=dataclasses.replace(options, loop_calls=3),

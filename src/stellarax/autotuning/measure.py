@@ -34,10 +34,13 @@ Method, in the order `measure_candidates` runs it:
    the same way, of a program that takes the same arguments and does almost nothing (not when
    every candidate takes a millisecond or more: no dispatch costs that). A candidate
    whose warm-up per-call time is below `host_bound_factor` times the floor is compiled
-   again as one program that runs it `loop_calls` times in a loop (each iteration's
-   inputs and outputs pass through an optimization barrier, so XLA can neither hoist the
-   call out of the loop nor merge iterations), warmed up again, and timed in batches of
-   that program, each call counting `loop_calls` times. Its method is "<platform>-looped"
+   again as one program that runs it k times in a loop (each iteration's inputs and
+   outputs pass through an optimization barrier, so XLA can neither hoist the call out
+   of the loop nor merge iterations), warmed up again, and timed in batches of that
+   program, each call counting k times. k makes one run of the loop last
+   `host_bound_factor` times the floor and `min_batch_s`, at most `loop_calls`
+   (`_loop_trips`): the run is then device-bound by the same test, and no longer than a
+   batch needs to be. Its method is "<platform>-looped"
    (cold_cache does not apply inside the loop). So are the candidates within twice a
    host-bound one's time per call, so that close rivals are timed the same way (where a
    dispatch does not overlap the work, XLA:CPU's, a batch times it too). A looped program
@@ -318,8 +321,9 @@ class MeasureOptions:
       lost the device (`Measurement.lost_the_device`), which otherwise raises
       `DeviceLostError`. For measuring in a worker process that is replaced
       afterwards (see `autotuning/isolation.py`).
-    loop_calls: calls of a host-bound candidate in one looped program (step 4 of the
-      module docstring); 0 never loops, so that every candidate is timed in batches.
+    loop_calls: the most calls of a host-bound candidate in one looped program (step 4
+      of the module docstring); 0 never loops, so that every candidate is timed in
+      batches.
     host_bound_factor: a candidate whose warm-up time per call is below this multiple
       of the dispatch floor is host-bound (>= 1).
     profile: after the rounds, run each candidate once more under the profiler and
@@ -642,7 +646,7 @@ class _Candidate:
   status: str = "ok"
   error: str | None = None
   batch_calls: int = 1
-  calls_per_run: int = 1  # loop_calls once the candidate runs as a looped program
+  calls_per_run: int = 1  # its loop's calls once it runs as a looped program
   call_s: float | None = None  # seconds per call at the end of its warm-up
   spent_s: float = 0.0
   next_input: int = 0
@@ -662,7 +666,8 @@ class _Aux:
   """A compile_cache key of a program measure_candidates adds: never equal to a caller's key.
 
   kind "floor" is the dispatch floor's program (key None), "looped" a candidate's looped
-  program (key: (its key, the calls the loop makes)).
+  program (key: (its key, the calls the loop makes)); "trips" holds no program but the
+  calls a candidate's loop makes (key: (its key, `loop_calls`)), see `_loop_trips`.
   """
   kind: str
   key: Any = None
@@ -1205,6 +1210,24 @@ def _to_loop(call_s: Mapping[Any, float], floor_s: float, factor: float) -> set[
   return {key for key, t in call_s.items() if t < min(limit, _SURELY_DEVICE_BOUND_S)}
 
 
+def _loop_trips(cand: _Candidate, floor_s: float, options: MeasureOptions,
+                cache: MutableMapping[Any, Any] | None) -> int:
+  """How many calls the candidate's looped program makes: enough that one run of it is
+  device-bound by this module's own test (`host_bound_factor` times the dispatch floor)
+  and lasts a batch (`min_batch_s`), at least 2 and at most `loop_calls`. A 0.9 ms call
+  looped 256 times ran 0.24 s, and its samples of three runs made a full measurement
+  take the whole `max_total_s` (a TPU v5e, 2026-12-07). Where a compile cache is kept,
+  a candidate keeps the count it was first given, so its loop compiles once."""
+  remembered = _Aux("trips", (cand.key, options.loop_calls))
+  if cache is not None and remembered in cache:
+    return cache[remembered]
+  run_s = max(options.min_batch_s, options.host_bound_factor * floor_s)
+  trips = min(options.loop_calls, max(2, math.ceil(run_s / max(cand.call_s, 1e-9))))
+  if cache is not None:
+    cache[remembered] = trips
+  return trips
+
+
 def _loop_host_bound(cands: list[_Candidate], fns: Mapping[Any, Callable[..., Any]],
                      input_sets: list[tuple], options: MeasureOptions,
                      cache: MutableMapping[Any, Any] | None):
@@ -1218,16 +1241,17 @@ def _loop_host_bound(cands: list[_Candidate], fns: Mapping[Any, Callable[..., An
   looping = _to_loop({c.key: c.call_s for c in cands if c.alive and c.call_s is not None},
                      floor_s, options.host_bound_factor)
   bound = [c for c in cands if c.key in looping]
+  trips = {c.key: _loop_trips(c, floor_s, options, cache) for c in bound}
   # Keyed by the calls a loop makes too: a measurer (an isolated worker's) outlives one
   # tuning, and a loop compiled for other options divided by these is wrong by their ratio.
-  loops = [_Candidate(_Aux("looped", (c.key, options.loop_calls))) for c in bound]
-  _compile_all(loops, {loop.key: looped(fns[c.key], options.loop_calls)
+  loops = [_Candidate(_Aux("looped", (c.key, trips[c.key]))) for c in bound]
+  _compile_all(loops, {loop.key: looped(fns[c.key], trips[c.key])
                        for loop, c in zip(loops, bound)}, input_sets[0], options, cache)
   for cand, loop in zip(bound, loops):
     if not loop.alive:
       continue  # The candidate itself works: it stays timed in batches.
     cand.executable, cand.calls_per_run, cand.batch_calls = (
-        loop.executable, options.loop_calls, 1)
+        loop.executable, trips[cand.key], 1)
     cand.compile_time_s = (cand.compile_time_s or 0.0) + (loop.compile_time_s or 0.0)
     _warm_up(cand, input_sets, options)
 
