@@ -621,6 +621,15 @@ def test_check_close_is_dtype_aware_and_strict_about_nan():
   assert "structure" in m.check_close((ref, ref), [ref, ref])
   assert m.check_close({"a": np.zeros((0, 3))}, {"a": np.zeros((0, 3))}) is None
   assert m.check_close(np.arange(5), np.arange(5) + np.array([0, 0, 0, 0, 1])) is not None
+  # Narrow floats are compared in float32 (fast), integers exactly: 2**25 + 1 and 2**25
+  # are one float32, not one int32.
+  big = np.full(4, 2**25, np.int32)
+  assert "max abs error 1 " in m.check_close(big + np.array([0, 0, 0, 1], np.int32), big,
+                                             rtol=0.0, atol=0.0)
+  halves = np.asarray(ref, np.float32)
+  assert m.check_close(halves, halves + 1e-7, rtol=0.0, atol=2e-7) is None
+  assert m._compared_dtype(halves.astype(jnp.bfloat16), halves) == np.float32
+  assert m._compared_dtype(halves, ref) == np.float64  # a float64 side stays exact
 
 
 def test_an_error_that_lost_the_device_says_so_even_when_cut_short():
