@@ -325,7 +325,8 @@ def test_looped_programs_compute_the_call_and_are_compiled_once(monkeypatch):
     traces.append(len(traced))
   assert traces[0] == traces[1]  # the second call compiled nothing
   assert {k for k in cache if isinstance(k, m._Aux)} == {
-      m._Aux("floor"), m._Aux("looped", ("a", 5)), m._Aux("trips", ("a", 5))}
+      m._Aux("floor"), m._Aux("looped", ("a", 5)), m._Aux("trips", ("a", 5)),
+      m._Aux("inputs")}
   # Another loop_calls compiles its own loop: the one of 5 calls, divided by 3, made each
   # call 5/3 as slow (an isolated worker keeps its cache from one tuning to the next).
   got = m.measure_candidates({"a": counted}, (x, w), options=dataclasses.replace(options, loop_calls=3),
@@ -347,7 +348,7 @@ def test_calls_over_a_millisecond_are_never_looped_nor_is_the_floor_measured():
   got = m.measure_candidates({"slow": slow}, (x, w), effort=0.2, compile_cache=cache,
                              options=dataclasses.replace(FAST, host_bound_factor=1e9))
   assert got["slow"].method == "cpu-batched"
-  assert not [k for k in cache if isinstance(k, m._Aux)]
+  assert not [k for k in cache if isinstance(k, m._Aux) and k.kind != "inputs"]  # no program
 
 
 def test_dispatch_floor_is_a_time_per_call_or_a_clear_error(monkeypatch):
@@ -686,6 +687,31 @@ def test_a_candidate_that_writes_into_its_inputs_is_wrong_and_the_others_get_cle
   assert got["scribbles"].error.startswith("it changed its inputs")
   # Without clean copies "after" would be checked on what the scribbler wrote.
   assert got["before"].ok and got["after"].ok
+
+
+def test_the_inputs_host_copy_is_kept_for_later_calls_on_the_same_inputs():
+  x = jax.random.normal(jax.random.key(0), (64,)) + 0
+  cache = {}
+  kept = m._InputGuard((x,), cache)._host
+  assert m._InputGuard((x,), cache)._host is kept  # no second copy
+  other = m._InputGuard((x + 1,), cache)  # other values: a copy of their own
+  assert other._host is not kept and cache[m._Aux("inputs")][2] is other._host
+  assert m._InputGuard((x.astype(jnp.bfloat16),), cache)._host is not other._host
+  # A candidate that writes into its inputs, in two calls that share a cache: the
+  # second restores from the first call's copy, and its others still run on clean ones.
+  clean = np.asarray(x).copy()
+  inputs = [x, jnp.array(clean, copy=True)]  # fresh ones, as a measurer would start again
+  copies = []
+  for i, x in enumerate(inputs):
+    # A scribbler of its own each call: a cached one would write where the last x was.
+    got = m.measure_candidates(
+        {"before": lambda x: 2 * x, f"scribbles {i}": _scribbler(x), "after": lambda x: x + x},
+        (x,), reference=2 * clean, compile_cache=cache,
+        options=m.MeasureOptions(rounds=2, leader_rounds=0, warmup_s=0.0, max_total_s=0.2))
+    assert got[f"scribbles {i}"].status == "wrong_result"
+    assert got["before"].ok and got["after"].ok
+    copies.append(cache[m._Aux("inputs")][2])
+  assert copies[0] is copies[1]  # the second call restored from the first call's copy
 
 
 def test_the_input_digest_sees_any_element_and_every_dtype():
