@@ -55,6 +55,22 @@ def load_measure():
   return measure
 
 
+def operands(m: int, k: int, n: int, dtype, seed: int) -> tuple:
+  """A (m, k) and a (k, n) matrix of normal random values in `dtype`, from `seed`."""
+  import jax
+  import jax.numpy as jnp
+  ka, kb = jax.random.split(jax.random.key(seed))
+  return (jax.random.normal(ka, (m, k), jnp.float32).astype(dtype),
+          jax.random.normal(kb, (k, n), jnp.float32).astype(dtype))
+
+
+def summary(m) -> dict:
+  """A Measurement as the probe's JSON records it: method, median and profiled ms, status."""
+  return {"method": m.method, "median_ms": m.median_s * 1e3 if m.ok else None,
+          "profiled_ms": None if m.profiled_s is None else m.profiled_s * 1e3,
+          "status": m.status}
+
+
 def _per_call_ms(fn, args, n, samples=7, idle_s=0.0, keep=False):
   import jax
   kept, times = [], []
@@ -151,9 +167,7 @@ def probe(smoke: bool) -> list[dict]:
       (2048, 4096, 4096), (4096, 4096, 4096), (8192, 8192, 8192)]
   rows = []
   for m, k, n in shapes:
-    ka, kb = jax.random.split(jax.random.key(m + k + n))
-    a = jax.random.normal(ka, (m, k), jnp.float32).astype(dtype)
-    b = jax.random.normal(kb, (k, n), jnp.float32).astype(dtype)
+    a, b = operands(m, k, n, dtype, seed=m + k + n)
     def timing_probe_matmul(a, b):
       return a @ b
     fn = jax.jit(timing_probe_matmul)
@@ -196,35 +210,28 @@ def defaults_row(smoke: bool) -> dict:
   """`measure_candidates` with its default options (and a profile) over products of
   three sizes sliced from one pair of inputs: a small one that dispatch outruns (timed
   in a loop), two that keep the device busy; each beside the profiler's time."""
-  import jax
   import jax.numpy as jnp
   measure = load_measure()
   size, dtype = (256, jnp.float32) if smoke else (4096, jnp.bfloat16)
-  ka, kb = jax.random.split(jax.random.key(9))
-  a = jax.random.normal(ka, (size, size), jnp.float32).astype(dtype)
-  b = jax.random.normal(kb, (size, size), jnp.float32).astype(dtype)
+  a, b = operands(size, size, size, dtype, seed=9)
   cuts = {"small": size // 8, "half": size // 2, "whole": size}
   candidates = {name: (lambda a, b, c=c: a[:c] @ b[:, :c]) for name, c in cuts.items()}
   got = measure.measure_candidates(candidates, (a, b),
                                    options=measure.MeasureOptions(profile=True))
-  return {name: {"method": m.method, "median_ms": m.median_s * 1e3 if m.ok else None,
-                 "profiled_ms": None if m.profiled_s is None else m.profiled_s * 1e3,
-                 "status": m.status} for name, m in got.items()}
+  return {name: summary(m) for name, m in got.items()}
 
 
 def loops_rows(smoke: bool) -> list[dict]:
   """Whether a loop times a call as batches do: products of sizes from about 10 us to
   1 ms, all in one `measure_candidates` call three ways: its defaults, never looped
-  (loop_calls=0), always looped (every call under 1 ms: host_bound_factor 1e6); each
+  (loop_calls=0), always looped (every call under 1 ms, in loops of loop_calls:
+  host_bound_factor 1e6); each
   with the profiler's time per call beside."""
-  import jax
   import jax.numpy as jnp
   measure = load_measure()
   # Smoke: products far under 1 ms on a loaded CPU, so that "always looped" loops them all.
   size, dtype = (128, jnp.float32) if smoke else (4096, jnp.bfloat16)
-  ka, kb = jax.random.split(jax.random.key(11))
-  a = jax.random.normal(ka, (size, size), jnp.float32).astype(dtype)
-  b = jax.random.normal(kb, (size, size), jnp.float32).astype(dtype)
+  a, b = operands(size, size, size, dtype, seed=11)
   cuts = [size * k // 16 for k in (2, 4, 6, 8, 11, 14, 16)]
   candidates = {c: (lambda a, b, c=c: a[:c] @ b[:, :c]) for c in cuts}
   modes = {"defaults": {}, "never looped": {"loop_calls": 0},
@@ -234,9 +241,7 @@ def loops_rows(smoke: bool) -> list[dict]:
     got = measure.measure_candidates(
         candidates, (a, b), options=measure.MeasureOptions(profile=True, **extra))
     for c, m in got.items():
-      rows[c][mode] = {"method": m.method, "median_ms": m.median_s * 1e3 if m.ok else None,
-                       "profiled_ms": None if m.profiled_s is None else m.profiled_s * 1e3,
-                       "status": m.status}
+      rows[c][mode] = summary(m)
   return list(rows.values())
 
 

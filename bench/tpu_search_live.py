@@ -33,7 +33,7 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from timing_probe import load_measure  # noqa: E402
+from timing_probe import load_measure, operands  # noqa: E402
 
 
 def matmul(config, x, y, interpret=False):
@@ -87,9 +87,7 @@ def main(argv=None) -> int:
     size, dtype, sizes, ks = 4096, jnp.bfloat16, (128, 256, 512, 1024), (128, 256, 512, 1024, 2048)
     heuristic, fractions, seeds = (512, 512, 512), (0.1, 0.25), (0, 1, 2)
   space = list(itertools.product(sizes, sizes, ks))
-  kx, ky = jax.random.split(jax.random.key(0))
-  x = jax.random.normal(kx, (size, size), jnp.float32).astype(dtype)
-  y = jax.random.normal(ky, (size, size), jnp.float32).astype(dtype)
+  x, y = operands(size, size, size, dtype, seed=0)
   reference = jnp.dot(x, y, preferred_element_type=jnp.float32).astype(dtype)
   device = jax.devices()[0]
   print(f"device {device.device_kind} ({device.platform}), jax {jax.__version__}; "

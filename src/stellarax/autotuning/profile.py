@@ -1600,10 +1600,11 @@ def _op_events(space: profiler.ProfileData, *, device_work: bool = False) -> lis
         continue
       on_device = plane.name.startswith(_DEVICE_PLANE_PREFIX)
       target = device if on_device else other
+      program_only = device_work and on_device
       for line in plane.lines:
-        program_line = device_work and on_device and line.name == _TPU_PROGRAM_LINE
-        target.extend(e for e in (_event(plane.name, e, device_work and on_device,
-                                         named_by_event=program_line)
+        named_by_event = program_only and line.name == _TPU_PROGRAM_LINE
+        target.extend(e for e in (_event(plane.name, e, program_only,
+                                         named_by_event=named_by_event)
                                   for e in line.events) if e)
   return device or other
 

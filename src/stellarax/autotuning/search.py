@@ -327,10 +327,6 @@ class _CostModel:
         kept.append(c)
     return kept
 
-  def _coefficients(self) -> np.ndarray:
-    """The fitted coefficients, in `_columns`' order (without scale)."""
-    return np.array([self.fixed_s, self.per_effort_s, self.failed_s, self.call_s])
-
   def predict(self, new: int, effort_total: float) -> float:
     """Seconds of one call that measures `new` configs for the first time and
     `effort_total` effective effort summed over its configs (see `work`)."""
@@ -774,14 +770,14 @@ def _walk(session: _Session[C], configs: Sequence[C], heuristic: C, first: Seque
   stands far from the next good ones, rings farther out in the first basin found nothing
   better; BENCHMARKS.md). The first step measures one new config, so that the cost model tells
   compiling from measuring before it plans a batch (where the calls before it cannot
-  tell them apart, it is made if it fits the budget alone, see `step`). The walk ends when every config was
-  measured or the next step does not fit the budget less the predicted cost of
-  measuring the finalists and the heuristic at `final_effort`, or at full effort where
-  that costs at most `_FINAL_SHARE` of the budget (the last round then takes what is
-  left, up to full effort). On a large space the walk used to spend the budget down to
-  a last round of a third of the samples, which could not tell a config 2-3% faster
-  than the heuristic from it beyond noise (1% a sample; BENCHMARKS.md's dedispersion
-  sweep).
+  tell them apart, it is made if it fits the budget alone, see `step`). The walk ends
+  when every config was measured or the next step does not fit the budget less the
+  predicted cost of measuring the finalists and the heuristic at `final_effort`, or at
+  full effort where that costs at most `_FINAL_SHARE` of the budget (the last round then
+  takes what is left, up to full effort). On a large space the walk used to spend the
+  budget down to a last round of a third of the samples, which could not tell a config
+  2-3% faster than the heuristic from it beyond noise (1% a sample; BENCHMARKS.md's
+  dedispersion sweep).
   """
   geometry, space = _Geometry(configs), set(configs)
   rng = random.Random(rng_seed)
