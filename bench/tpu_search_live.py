@@ -102,12 +102,14 @@ def main(argv=None) -> int:
     compiled = {}
 
     def measure_fn(configs, *, effort=1.0):
-      new = sum(c not in compiled for c in configs)
+      fresh = [c for c in configs if c not in compiled]
+      new = len(fresh)
       start = time.perf_counter()
       got = measure.measure_candidates({c: fns[c] for c in configs}, (x, y),
                                        reference=reference, options=options, effort=effort,
                                        compile_cache=compiled)
-      log.append([len(configs), new, effort, time.perf_counter() - start])
+      log.append([len(configs), new, effort, time.perf_counter() - start,
+                  sum(got[c].compile_time_s or 0.0 for c in fresh)])
       return got
 
     measure_fn.effective_effort = options.effective_effort
@@ -134,10 +136,10 @@ def main(argv=None) -> int:
       runs.append({"fraction": fraction, "seed": seed, "budget_s": budget, "spent_s": spent,
                    "measured": outcome.num_measured, "chosen": list(outcome.best),
                    "chosen_over_best": times[outcome.best] / times[best],
-                   "calls": calls})  # [configs, new ones, effort, seconds] each
+                   "calls": calls})  # [configs, new ones, effort, seconds, compiling s] each
       print(json.dumps({k: v for k, v in runs[-1].items() if k != "calls"}), flush=True)
-      print("  calls (configs, new, effort, s):",
-            "; ".join(f"{n} {k} {e:.3f} {t:.2f}" for n, k, e, t in calls), flush=True)
+      print("  calls (configs, new, effort, s, compiling s):",
+            "; ".join(f"{n} {k} {e:.3f} {t:.2f} {c:.2f}" for n, k, e, t, c in calls), flush=True)
   if args.out:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

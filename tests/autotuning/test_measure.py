@@ -850,3 +850,81 @@ def test_a_profiled_batch_is_a_single_batch(monkeypatch):
                                 loop_calls=0, paired_batches=True)
   got = m.measure_candidates({"a": _matmul}, (_x(), _x((160, 160), seed=1)), options=options)["a"]
   assert got.profiled_s == 1.0 and calls[-1] is False and set(calls[:-1]) == {True}
+
+
+def _random_pair(rng, shapes=((7, 5), (64,), (3, 4, 8))):
+  """A random (output, reference, rtol) case for the device check: 1-3 leaves of float
+  types (sometimes a bfloat16 output against a float32 reference), an int leaf now and
+  then, errors from far inside to just past the bound, a NaN or an infinity at times."""
+  kinds = [(jnp.bfloat16, jnp.bfloat16), (jnp.float16, jnp.float16), (jnp.float32, jnp.float32),
+           (jnp.bfloat16, jnp.float32), (jnp.int32, jnp.int32)]
+  out, ref = {}, {}
+  rtol = float(rng.choice([1e-3, 1e-2, 3e-2]))
+  for i in range(int(rng.integers(1, 4))):
+    out_t, ref_t = kinds[int(rng.integers(len(kinds)))]
+    shape = shapes[int(rng.integers(len(shapes)))]
+    r = rng.normal(size=shape) * float(rng.choice([1e-4, 1.0, 300.0]))
+    if out_t == jnp.int32:
+      r = np.round(r * 10)
+      o = r + (rng.random(shape) < 0.05) * float(rng.random() < 0.5)
+    else:
+      scale = np.abs(r).max()
+      o = r + rng.uniform(-1, 1, shape) * scale * rtol * float(rng.choice([0.3, 0.9, 1.1, 3.0]))
+      if rng.random() < 0.15:
+        o.flat[int(rng.integers(o.size))] = rng.choice([np.nan, np.inf])
+    out[f"leaf{i}"] = jnp.asarray(o, out_t)
+    ref[f"leaf{i}"] = jnp.asarray(r, ref_t)
+  return out, ref, rtol
+
+
+def test_the_device_check_passes_exactly_what_check_close_passes():
+  """The default check is decided on the device where it surely passes (on a TPU's host
+  the NumPy check took 0.51 s of a 0.58-s measure call). It must never pass what the
+  host check fails, and for finite floats it must pass what the host check passes, or
+  it saves nothing."""
+  rng = np.random.default_rng(0)
+  outcomes = {"both pass": 0, "both fail or unsure": 0}
+  for _ in range(150):
+    out, ref, rtol = _random_pair(rng)
+    host = m.check_close(out, ref, rtol=rtol)
+    fast = m._surely_close(out, ref, rtol, None)
+    assert not (fast and host is not None), (host, out, ref)
+    finite_floats = all(jnp.issubdtype(v.dtype, jnp.floating) and bool(jnp.isfinite(v).all())
+                        for v in (*out.values(), *ref.values()))
+    if finite_floats:
+      assert fast == (host is None), (host, out, ref)
+    outcomes["both pass" if fast else "both fail or unsure"] += 1
+  assert min(outcomes.values()) >= 30, outcomes  # the cases cover both sides of the bound
+  # Host arrays, and a tree that differs: unsure, never an error.
+  assert not m._surely_close(np.ones(3), np.ones(3), None, None)
+  assert not m._surely_close((jnp.ones(3),), [jnp.ones(3)], None, None)
+
+
+def test_a_passing_output_is_checked_on_the_device_and_a_failing_one_on_the_host(monkeypatch):
+  x, w = _x(), _x((160, 128), seed=1)
+  ref = _matmul(x, w)
+  host_checks = []
+  check_close = m.check_close
+  monkeypatch.setattr(m, "check_close", lambda *a, **k: host_checks.append(1) or check_close(*a, **k))
+  got = m.measure_candidates({"right": _matmul, "wrong": lambda x, w: _matmul(x, w) * 1.1},
+                             (x, w), reference=ref, options=FAST)
+  assert got["right"].ok and got["wrong"].status == "wrong_result"
+  assert "max abs error" in got["wrong"].error  # the host's words
+  assert len(host_checks) == 1  # the wrong one's only
+
+
+def test_output_types_fail_a_candidate_that_returns_other_types():
+  """A reference may compute in another dtype (float32 for a bfloat16 op), which
+  check_close allows; what the op returns may not change with the config."""
+  x, w = _x(dtype=jnp.bfloat16), _x((160, 128), seed=1, dtype=jnp.bfloat16)
+  ref = _matmul(x.astype(jnp.float32), w.astype(jnp.float32))
+  types = jax.eval_shape(_matmul, x, w)
+  got = m.measure_candidates(
+      {"same": _matmul, "f32": lambda x, w: _matmul(x.astype(jnp.float32), w),
+       "pair": lambda x, w: (_matmul(x, w),)},
+      (x, w), reference=ref, options=FAST, output_types=types)
+  assert got["same"].ok
+  assert got["f32"].status == "wrong_result" and "float32" in got["f32"].error
+  assert got["pair"].status == "wrong_result" and "shapes and dtypes" in got["pair"].error
+  assert m.measure_candidates({"f32": lambda x, w: _matmul(x.astype(jnp.float32), w)}, (x, w),
+                              reference=ref, options=FAST)["f32"].ok  # unchecked: passes

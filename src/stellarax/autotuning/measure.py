@@ -17,7 +17,10 @@ Method, in the order `measure_candidates` runs it:
    is a `compile_error`; a compilation still running after `timeout_s` is a `timeout`.
 3. Check. Each compiled candidate runs once. An exception is a `runtime_error`; an output
    that the check rejects (by default `check_close` against `reference`, with tolerances
-   from `default_tolerance`) is a `wrong_result`, its largest error in `error`. After each
+   from `default_tolerance`) is a `wrong_result`, its largest error in `error`. The
+   default check is made on the device first, and the output is copied to the host only
+   where that cannot say it passes (`_surely_close`; the host check of a large output
+   took longer than the config's whole measurement on a TPU). After each
    check run a digest of the inputs (`input_digest`) is compared with theirs before any
    run: no candidate may write into its inputs (none is compiled with donation), and a
    kernel that writes out of bounds on a GPU can land there without a fault. Such a
@@ -620,10 +623,7 @@ def _compare_leaf(out: np.ndarray, ref: np.ndarray, rtol: float | None,
     return f"shape {out.shape} differs from the reference's {ref.shape}"
   if out.size == 0:
     return None
-  rtol_out, atol_out = default_tolerance(out.dtype)
-  rtol_ref, atol_ref = default_tolerance(ref.dtype)
-  rtol = max(rtol_out, rtol_ref) if rtol is None else rtol
-  atol = max(atol_out, atol_ref) if atol is None else atol
+  rtol, atol = _leaf_tolerances(out.dtype, ref.dtype, rtol, atol)
   wide = _compared_dtype(out, ref)
   o, r = out.astype(wide), ref.astype(wide)
   if np.isfinite(o).all() and np.isfinite(r).all():  # most outputs: no NaN, no infinity
@@ -645,6 +645,84 @@ def _compare_leaf(out: np.ndarray, ref: np.ndarray, rtol: float | None,
   if not finite.any():
     return None
   return _max_error_reason(np.where(finite, np.abs(o - r), 0), o.shape, atol, rtol, scale)
+
+
+def _leaf_tolerances(out_dtype: Any, ref_dtype: Any, rtol: float | None,
+                     atol: float | None) -> tuple[float, float]:
+  """(rtol, atol) for one leaf: those given, else the looser of the two dtypes' defaults."""
+  rtol_out, atol_out = default_tolerance(out_dtype)
+  rtol_ref, atol_ref = default_tolerance(ref_dtype)
+  return (max(rtol_out, rtol_ref) if rtol is None else rtol,
+          max(atol_out, atol_ref) if atol is None else atol)
+
+
+def _surely_close(output: Any, reference: Any, rtol: float | None,
+                  atol: float | None) -> bool:
+  """Whether `check_close(output, reference, rtol=rtol, atol=atol)` passes, decided on
+  the device that holds both: True only where it surely does, False where it may not
+  (the host check then decides, and words the reason).
+
+  Why: the check runs for every candidate of every measure call, and on the host it
+  copies the output there and compares it in NumPy. On a TPU v5e's host that took
+  0.51 s of a 0.58-s call for a 4096x4096 bfloat16 output, 2026-12-07 (a search's call
+  of one config at its lowest effort; bench/measure_call_cost.py), more than a full
+  measurement of the config. Here only a few numbers a leaf come back.
+
+  The device computes what the host would, in the same types (`_compared_dtype`):
+  per float leaf, whether all of both are finite, the largest |out - ref| and the
+  largest |ref|; per leaf of another type, whether it equals the reference. Where
+  anything differs from the common case (a NaN or an infinity, unequal integers, a
+  complex or mixed-kind leaf, host arrays) it answers False. The cross-leaf scale is
+  taken over the float leaves only, never more than the host's, so the bound is never
+  looser than the host check's.
+  """
+  outs, out_tree = jax.tree.flatten(output)
+  refs, ref_tree = jax.tree.flatten(reference)
+  if out_tree != ref_tree or not all(isinstance(x, jax.Array) for x in (*outs, *refs)):
+    return False
+  if any(o.shape != r.shape for o, r in zip(outs, refs)):
+    return False
+  floats = [_both_real_floats(o.dtype, r.dtype) for o, r in zip(outs, refs)]
+  if any(not f and o.dtype != r.dtype for f, o, r in zip(floats, outs, refs)):
+    return False
+  try:
+    stats = jax.device_get(_close_stats(outs, refs))
+  except Exception:  # noqa: BLE001 (unsure: the host check runs and says what is wrong)
+    return False
+  scales = [float(scale) for f, (_, _, scale) in zip(floats, stats) if f]
+  least_scale = CROSS_LEAF_SCALE * max(scales, default=0.0)
+  for f, o, r, (good, max_err, scale) in zip(floats, outs, refs, stats):
+    if not bool(good):
+      return False
+    if f:
+      leaf_rtol, leaf_atol = _leaf_tolerances(o.dtype, r.dtype, rtol, atol)
+      if not float(max_err) <= leaf_atol + leaf_rtol * max(float(scale), least_scale):
+        return False
+  return True
+
+
+def _both_real_floats(a: Any, b: Any) -> bool:
+  return all(jnp.issubdtype(d, jnp.floating) for d in (a, b))
+
+
+@jax.jit
+def _close_stats(outs: list[jax.Array], refs: list[jax.Array]) -> list[tuple]:
+  """Per leaf (see `_surely_close`): (all finite, largest |out - ref|, largest |ref|) for
+  floats, compared in `_compared_dtype`'s type; (equal, 0, 0) for the others."""
+  stats = []
+  for o, r in zip(outs, refs):
+    zero = jnp.zeros((), jnp.float32)
+    if o.size == 0:
+      stats.append((jnp.array(True), zero, zero))
+    elif _both_real_floats(o.dtype, r.dtype):
+      narrow = o.dtype.itemsize <= 4 and r.dtype.itemsize <= 4
+      wide = jnp.float32 if narrow else jnp.promote_types(o.dtype, r.dtype)
+      o, r = o.astype(wide), r.astype(wide)
+      finite = jnp.all(jnp.isfinite(o)) & jnp.all(jnp.isfinite(r))
+      stats.append((finite, jnp.max(jnp.abs(o - r)), jnp.max(jnp.abs(r))))
+    else:
+      stats.append((jnp.all(o == r), zero, zero))
+  return stats
 
 
 def _max_error_reason(err: np.ndarray, shape: tuple, atol: float, rtol: float,
@@ -1031,24 +1109,80 @@ def _timed_out(cand: _Candidate, error: str, options: MeasureOptions) -> None:
     raise _Stalled(error)
 
 
-def _check_output(cand: _Candidate, args: tuple, reference: Any,
+def _check_output(cand: _Candidate, args: tuple, expected: _Expected,
                   check: Callable[[Any, Any], str | None] | None, options: MeasureOptions):
   """Runs the candidate once and records a runtime error, timeout or wrong result."""
-  kind, value = run_with_timeout(lambda: jax.device_get(cand.executable(*args)),
-                                  options.timeout_s)
+  default_check = check is None and expected.device is not None
+
+  def run():
+    out = jax.block_until_ready(cand.executable(*args))
+    if expected.output_types is not None and _other_output_types(out, expected.output_types):
+      return out, False  # (shapes and dtypes: the device's arrays say them)
+    if default_check and _surely_close(out, expected.device, options.rtol, options.atol):
+      return out, True
+    return jax.device_get(out), False
+
+  kind, value = run_with_timeout(run, options.timeout_s)
   if kind == "timeout":
     _timed_out(cand, f"the check run did not finish within timeout_s={options.timeout_s:g} s",
                options)
   elif kind == "error":
     _run_failed(cand, value)
-  elif check is not None:
-    reason = check(value, reference)
+  else:
+    out, passed = value
+    reason = None if passed else (
+        _other_output_types(out, expected.output_types)
+        or (check(out, expected.host) if check is not None else
+            check_close(out, expected.host, rtol=options.rtol, atol=options.atol)
+            if expected.host is not None else None))
     if reason is not None:
       cand.fail("wrong_result", reason)
-  elif reference is not None:
-    reason = check_close(value, reference, rtol=options.rtol, atol=options.atol)
-    if reason is not None:
-      cand.fail("wrong_result", reason)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Expected:
+  """What a check run's output must be: the reference on the host (copied before any
+  candidate ran, so that no stray write reaches it), the same on the device (for
+  `_surely_close`), and the shapes and dtypes of the output (or None: unchecked)."""
+  host: Any
+  device: Any
+  output_types: Any
+
+  @classmethod
+  def of(cls, reference: Any, output_types: Any, args: tuple) -> _Expected:
+    """From `measure_candidates`'s reference (a pytree or a function that returns one)
+    and output_types; on the device a check on `args` runs on (their first array's)."""
+    if callable(reference):
+      reference = reference()
+    if reference is None:
+      return cls(None, None, output_types)
+    arrays = [x for x in jax.tree.leaves(args) if isinstance(x, jax.Array)]
+    devices = arrays[0].devices() if arrays else ()
+
+    def put(x):
+      if len(devices) != 1 or not isinstance(x, (np.ndarray, np.generic, jax.Array)):
+        return x
+      on_device = jax.device_put(x, next(iter(devices)))
+      # A float64 reference becomes float32 there without x64: the host copy stays, and
+      # the check with it, which compares what it was given.
+      return on_device if on_device.dtype == x.dtype else x
+
+    return cls(jax.device_get(reference), jax.block_until_ready(jax.tree.map(put, reference)),
+               output_types)
+
+
+def _other_output_types(output: Any, expected: Any) -> str | None:
+  """Why `output` does not have the `expected` shapes and dtypes (a pytree of objects
+  with .shape and .dtype), or None when it does."""
+  if expected is None:
+    return None
+  types = lambda tree: (jax.tree.structure(tree), [
+      (tuple(np.shape(x)), str(getattr(x, "dtype", type(x)))) for x in jax.tree.leaves(tree)])
+  (got_tree, got), (want_tree, want) = types(output), types(expected)
+  if got_tree != want_tree or got != want:
+    return (f"the output's shapes and dtypes {got} differ from the expected {want}: a "
+            "config may change how the op computes, not what it returns")
+  return None
 
 
 def _on_device(args: tuple) -> tuple:
@@ -1387,6 +1521,7 @@ def measure_candidates(
     order: Iterable[K] | None = None,
     compile_cache: MutableMapping[K, Any] | None = None,
     effort: float = 1.0,
+    output_types: Any = None,
 ) -> dict[K, Measurement]:
   """Checks and times candidates by the method in this module's docstring.
 
@@ -1409,6 +1544,10 @@ def measure_candidates(
     effort: fraction of a full measurement, in (0, 1]: the options are replaced by
       `options.with_effort(effort)` (fewer rounds, same compilation and check). Search
       strategies pass it to measure cheaply first (see search.py).
+    output_types: the shapes and dtypes every candidate's output must have (a pytree
+      of objects with .shape and .dtype, as `jax.eval_shape` returns), checked before
+      the values; a candidate whose output differs is a `wrong_result`. None: not
+      checked (a reference computed in another dtype passes `check_close`).
 
   Returns:
     key -> Measurement, in `order`; under `options.stop_after_run_timeout`, after a
@@ -1438,7 +1577,7 @@ def measure_candidates(
   try:
     with _one_runner():  # every check run and batch on one thread (see _Runner)
       if any(c.alive for c in cands):
-        expected = jax.device_get(reference() if callable(reference) else reference)
+        expected = _Expected.of(reference, output_types, args)
         guard = _InputGuard(args, compile_cache)
         for cand in cands:
           if cand.alive:
