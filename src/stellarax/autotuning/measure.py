@@ -771,7 +771,9 @@ class _Aux:
   kind "floor" is the dispatch floor's program (key None), "looped" a candidate's looped
   program (key: (its key, the calls the loop makes)); "trips" holds no program but the
   calls a candidate's loop makes (key: (its key, `loop_calls`)), see `_loop_trips`;
-  "inputs" the host copy of the inputs that `_InputGuard` restores from.
+  "floor_s" the dispatch floor measured (key: the options that time it), see
+  `_dispatch_floor_s`; "inputs" the host copy of the inputs that `_InputGuard`
+  restores from.
   """
   kind: str
   key: Any = None
@@ -1347,7 +1349,17 @@ def looped(fn: Callable[..., Any], calls: int) -> Callable[..., Any]:
 
 def _dispatch_floor_s(input_sets: list[tuple], options: MeasureOptions,
                       cache: MutableMapping[Any, Any] | None) -> float | None:
-  """Seconds per call of `_nothing`, timed as candidates are; None if it could not run."""
+  """Seconds per call of `_nothing`, timed as candidates are; None if it could not run.
+
+  Where a compile cache is kept, it is measured once for it (per way of timing): it
+  only decides which candidates loop, and measured anew each call its noise moved
+  candidates near the line from batches to loops between a search's calls (a compile
+  of the loop each time; on a TPU v5e a 4096^3 matmul's call at the lowest effort
+  took 0.29 s instead of 0.03), and it was 40% of such a call's cost besides."""
+  measured = _Aux("floor_s", (options.paired_batches, options.min_batch_s,
+                              options.max_batch_calls))
+  if cache is not None and measured in cache:
+    return cache[measured]
   key = _Aux("floor")
   entry = cache.get(key) if cache is not None else None
   if entry is None:
@@ -1365,7 +1377,10 @@ def _dispatch_floor_s(input_sets: list[tuple], options: MeasureOptions,
   samples = [_run_batch(probe, input_sets, probe.batch_calls, options) for _ in range(3)]
   if not probe.alive or None in samples:
     return None
-  return float(np.median(samples)) / probe.batch_calls
+  floor_s = float(np.median(samples)) / probe.batch_calls
+  if cache is not None:
+    cache[measured] = floor_s
+  return floor_s
 
 
 # A candidate whose warm-up time per call is within this factor of a host-bound one's is
