@@ -327,6 +327,27 @@ def test_a_compile_cache_keeps_the_dispatch_floor_measured_once(monkeypatch):
   assert floors() == 3
 
 
+def test_a_candidate_near_the_line_is_timed_the_same_way_in_every_call(monkeypatch):
+  """Which candidates loop is decided on their first warm-up time with a compile cache:
+  a 0.94 ms TPU matmul near 8 floors went from batches to a loop between a search's
+  calls as its warm-up's noise went."""
+  x, w = _x((16, 16)), _x((16, 16), seed=1)
+  options = dataclasses.replace(_loop_whatever_it_costs(monkeypatch), host_bound_factor=8.0)
+  monkeypatch.setattr(m, "_dispatch_floor_s", lambda *a: 1e-4)
+  warm = {}
+
+  def warm_up(cand, *a):
+    cand.batch_calls, cand.call_s = 1, warm["call_s"]
+  monkeypatch.setattr(m, "_warm_up", warm_up)
+  cache, methods = {}, []
+  for warm["call_s"] in (7e-4, 9e-4):  # warm-ups either side of 8 floors, 0.8 ms
+    got = m.measure_candidates({"a": _matmul}, (x, w), options=options, compile_cache=cache)
+    methods.append(got["a"].method)
+  assert methods == ["cpu-looped", "cpu-looped"]
+  got = m.measure_candidates({"a": _matmul}, (x, w), options=options)  # 9e-4, no cache
+  assert got["a"].method == "cpu-batched"
+
+
 def test_looped_programs_compute_the_call_and_are_compiled_once(monkeypatch):
   x, w = _x((16, 16)), _x((16, 16), seed=1)
   traced = []
@@ -344,7 +365,7 @@ def test_looped_programs_compute_the_call_and_are_compiled_once(monkeypatch):
     traces.append(len(traced))
   assert traces[0] == traces[1]  # the second call compiled nothing
   assert {k.kind for k in cache if isinstance(k, m._Aux)} == {
-      "floor", "floor_s", "looped", "trips", "inputs"}
+      "floor", "floor_s", "call_s", "looped", "trips", "inputs"}
   assert m._Aux("looped", ("a", 5)) in cache and m._Aux("trips", ("a", 5)) in cache
   # Another loop_calls compiles its own loop: the one of 5 calls, divided by 3, made each
   # call 5/3 as slow (an isolated worker keeps its cache from one tuning to the next).

@@ -47,7 +47,9 @@ Method, in the order `measure_candidates` runs it:
    (cold_cache does not apply inside the loop). So are the candidates within twice a
    host-bound one's time per call, so that close rivals are timed the same way (where a
    dispatch does not overlap the work, XLA:CPU's, a batch times it too). A looped program
-   that fails to compile leaves the candidate timed in batches.
+   that fails to compile leaves the candidate timed in batches. With a compile cache the
+   floor, each candidate's first warm-up time and its loop's calls are kept, so the
+   calls of a search time a candidate one way, not as the noise near the line goes.
 5. Rounds. In each of `rounds` rounds the surviving candidates are visited in an order
    shuffled by `random.Random(seed)`, and each takes one sample: n back-to-back calls, one
    `jax.block_until_ready` on all n outputs, wall time divided by n (off the CPU, the
@@ -772,7 +774,8 @@ class _Aux:
   program (key: (its key, the calls the loop makes)); "trips" holds no program but the
   calls a candidate's loop makes (key: (its key, `loop_calls`)), see `_loop_trips`;
   "floor_s" the dispatch floor measured (key: the options that time it), see
-  `_dispatch_floor_s`; "inputs" the host copy of the inputs that `_InputGuard`
+  `_dispatch_floor_s`; "call_s" a candidate's first warm-up time per call (key: its
+  key), see `_first_call_s`; "inputs" the host copy of the inputs that `_InputGuard`
   restores from.
   """
   kind: str
@@ -1418,6 +1421,18 @@ def _loop_trips(cand: _Candidate, floor_s: float, options: MeasureOptions,
   return trips
 
 
+def _first_call_s(cand: _Candidate, cache: MutableMapping[Any, Any] | None) -> float:
+  """The candidate's warm-up time per call when a measure with this compile cache first
+  timed it (its own now, without a cache): which candidates loop is decided on it, so
+  that a candidate near the line is timed the same way in every call of a search, not
+  looped in one and batched in the next as its warm-up's noise goes (a 0.94 ms TPU
+  matmul near 8 floors of 0.12 ms: each flip cost a compile of its loop, and its times
+  in two calls came from two methods)."""
+  if cache is None:
+    return cand.call_s
+  return cache.setdefault(_Aux("call_s", cand.key), cand.call_s)
+
+
 def _loop_host_bound(cands: list[_Candidate], fns: Mapping[Any, Callable[..., Any]],
                      input_sets: list[tuple], options: MeasureOptions,
                      cache: MutableMapping[Any, Any] | None):
@@ -1428,8 +1443,8 @@ def _loop_host_bound(cands: list[_Candidate], fns: Mapping[Any, Callable[..., An
   floor_s = _dispatch_floor_s(input_sets, options, cache)
   if floor_s is None:
     return
-  looping = _to_loop({c.key: c.call_s for c in cands if c.alive and c.call_s is not None},
-                     floor_s, options.host_bound_factor)
+  looping = _to_loop({c.key: _first_call_s(c, cache) for c in cands
+                      if c.alive and c.call_s is not None}, floor_s, options.host_bound_factor)
   bound = [c for c in cands if c.key in looping]
   trips = {c.key: _loop_trips(c, floor_s, options, cache) for c in bound}
   # Keyed by the calls a loop makes too: a measurer (an isolated worker's) outlives one
