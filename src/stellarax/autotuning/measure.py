@@ -1117,31 +1117,32 @@ def _timed_out(cand: _Candidate, error: str, options: MeasureOptions) -> None:
 def _check_output(cand: _Candidate, args: tuple, expected: _Expected,
                   check: Callable[[Any, Any], str | None] | None, options: MeasureOptions):
   """Runs the candidate once and records a runtime error, timeout or wrong result."""
-  default_check = check is None and expected.device is not None
-
   def run():
+    """(whether nothing is left to check, the output): on the device where its shapes
+    and dtypes are wrong, where there is nothing to compare, or where it surely passed;
+    else on the host, for the check."""
     out = jax.block_until_ready(cand.executable(*args))
-    if expected.output_types is not None and _other_output_types(out, expected.output_types):
-      return out, False  # (shapes and dtypes: the device's arrays say them)
-    if default_check and _surely_close(out, expected.device, options.rtol, options.atol):
-      return out, True
-    return jax.device_get(out), False
+    if (_other_output_types(out, expected.output_types) is not None
+        or (check is None and expected.host is None)
+        or (check is None and _surely_close(out, expected.device, options.rtol, options.atol))):
+      return True, out
+    return False, jax.device_get(out)
 
   kind, value = run_with_timeout(run, options.timeout_s)
   if kind == "timeout":
     _timed_out(cand, f"the check run did not finish within timeout_s={options.timeout_s:g} s",
                options)
-  elif kind == "error":
+    return
+  if kind == "error":
     _run_failed(cand, value)
-  else:
-    out, passed = value
-    reason = None if passed else (
-        _other_output_types(out, expected.output_types)
-        or (check(out, expected.host) if check is not None else
-            check_close(out, expected.host, rtol=options.rtol, atol=options.atol)
-            if expected.host is not None else None))
-    if reason is not None:
-      cand.fail("wrong_result", reason)
+    return
+  decided, out = value
+  reason = _other_output_types(out, expected.output_types)
+  if reason is None and not decided:
+    reason = (check(out, expected.host) if check is not None else
+              check_close(out, expected.host, rtol=options.rtol, atol=options.atol))
+  if reason is not None:
+    cand.fail("wrong_result", reason)
 
 
 @dataclasses.dataclass(frozen=True)
