@@ -329,7 +329,7 @@ def test_a_check_run_that_does_not_end_is_given_up():
   finally:
     release.set()
   out = gpu_check._check_run(lambda x: x * 2, (x,), 60)
-  assert isinstance(out, np.ndarray) and np.array_equal(out, np.arange(4.0) * 2)
+  assert np.array_equal(np.asarray(out), np.arange(4.0) * 2)
   with pytest.raises(ZeroDivisionError):
     gpu_check._check_run(lambda x: x + 1 // 0, (x,), 60)
 
@@ -526,3 +526,17 @@ def test_profile_lines_list_the_rows_far_from_their_device_time():
       "w | faster than its kernels?: median 0.500 ms is 0.50x the profiled 1.000 ms (gpu-looped)",
       "1 of 3 profiled rows within 1.2x of their profiled device time; 1 timed rows without one"]
 
+
+
+def test_the_relative_error_is_computed_where_the_arrays_are():
+  import jax.numpy as jnp
+  import numpy as np
+  gpu_check = _gpu_check()
+  ref = {"a": jnp.asarray([1.0, -4.0, 2.0]), "b": jnp.zeros((0, 3)), "c": jnp.asarray([2.0, 0.5])}
+  out = {"a": jnp.asarray([1.0, -4.0, 2.2], jnp.bfloat16), "b": jnp.zeros((0, 3)),
+         "c": jnp.asarray([2.0, 0.5])}
+  # 0.2 off, over the leaf's largest |ref|, 4 (bfloat16 keeps 2.2 as 2.203125)
+  assert gpu_check._rel_err(out, ref) == pytest.approx(0.203125 / 4)
+  out["c"] = jnp.asarray([2.0, float("nan")])
+  assert np.isnan(gpu_check._rel_err(out, ref))  # and so, not within any tolerance
+  assert gpu_check._rel_err({"b": jnp.zeros((0,))}, {"b": jnp.zeros((0,))}) == 0.0
