@@ -365,7 +365,7 @@ def test_looped_programs_compute_the_call_and_are_compiled_once(monkeypatch):
     traces.append(len(traced))
   assert traces[0] == traces[1]  # the second call compiled nothing
   assert {k.kind for k in cache if isinstance(k, m._Aux)} == {
-      "floor", "floor_s", "call_s", "looped", "trips", "inputs"}
+      "floor", "floor_s", "call_s", "looped", "trips", "inputs", "reference"}
   assert m._Aux("looped", ("a", 5)) in cache and m._Aux("trips", ("a", 5)) in cache
   # Another loop_calls compiles its own loop: the one of 5 calls, divided by 3, made each
   # call 5/3 as slow (an isolated worker keeps its cache from one tuning to the next).
@@ -968,3 +968,24 @@ def test_output_types_fail_a_candidate_that_returns_other_types():
   assert got["pair"].status == "wrong_result" and "shapes and dtypes" in got["pair"].error
   assert m.measure_candidates({"f32": lambda x, w: _matmul(x.astype(jnp.float32), w)}, (x, w),
                               reference=ref, options=FAST)["f32"].ok  # unchecked: passes
+
+
+def test_a_compile_cache_keeps_the_references_copies_for_the_same_reference():
+  """A measurer passes its one host reference to every call of a search; each call
+  copied it to the device (the H200 ragged_dot backward's is 1 GB). A device copy that
+  a stray write spoiled fails no right output: the host's copy decides."""
+  x, w = _x(), _x((160, 128), seed=1)
+  ref = np.asarray(_matmul(x, w))
+  fns = {"right": _matmul, "wrong": lambda x, w: _matmul(x, w) * 1.1}
+  cache = {}
+  m.measure_candidates(fns, (x, w), reference=ref, options=FAST, compile_cache=cache)
+  kept = cache[m._Aux("reference")]
+  m.measure_candidates(fns, (x, w), reference=ref, options=FAST, compile_cache=cache)
+  assert cache[m._Aux("reference")][2].device is kept[2].device  # not copied again
+  spoiled = m._Expected(kept[2].host, jnp.zeros_like(kept[2].device), None)
+  cache[m._Aux("reference")] = (ref, kept[1], spoiled)
+  got = m.measure_candidates(fns, (x, w), reference=ref, options=FAST, compile_cache=cache)
+  assert got["right"].ok and got["wrong"].status == "wrong_result"
+  other = ref.copy()  # another object: its own copies
+  m.measure_candidates(fns, (x, w), reference=other, options=FAST, compile_cache=cache)
+  assert cache[m._Aux("reference")][0] is other

@@ -776,7 +776,7 @@ class _Aux:
   "floor_s" the dispatch floor measured (key: the options that time it), see
   `_dispatch_floor_s`; "call_s" a candidate's first warm-up time per call (key: its
   key), see `_first_call_s`; "inputs" the host copy of the inputs that `_InputGuard`
-  restores from.
+  restores from; "reference" the reference's copies (see `_Expected.of`).
   """
   kind: str
   key: Any = None
@@ -1149,32 +1149,47 @@ def _check_output(cand: _Candidate, args: tuple, expected: _Expected,
 class _Expected:
   """What a check run's output must be: the reference on the host (copied before any
   candidate ran, so that no stray write reaches it), the same on the device (for
-  `_surely_close`), and the shapes and dtypes of the output (or None: unchecked)."""
+  `_surely_close`), and the shapes and dtypes of the output (or None: unchecked).
+
+  A stray write can reach the device's copy: a right output then looks wrong there,
+  and the host's copy decides."""
   host: Any
   device: Any
   output_types: Any
 
   @classmethod
-  def of(cls, reference: Any, output_types: Any, args: tuple) -> _Expected:
+  def of(cls, reference: Any, output_types: Any, args: tuple,
+         cache: MutableMapping[Any, Any] | None = None) -> _Expected:
     """From `measure_candidates`'s reference (a pytree or a function that returns one)
-    and output_types; on the device a check on `args` runs on (their first array's)."""
+    and output_types; on the device a check on `args` runs on (their first array's).
+
+    With a compile cache, the copies made for a reference are kept there, and a later
+    call given the same object (a measurer passes its one reference to every call of a
+    search) uses them again: the H200 ragged_dot target's backward reference is 1 GB,
+    which every call copied to the device."""
     if callable(reference):
       reference = reference()
     if reference is None:
       return cls(None, None, output_types)
     arrays = [x for x in jax.tree.leaves(args) if isinstance(x, jax.Array)]
-    devices = arrays[0].devices() if arrays else ()
+    devices = tuple(arrays[0].devices()) if arrays else ()
+    kept = cache.get(_Aux("reference")) if cache is not None else None
+    if kept is not None and kept[0] is reference and kept[1] == devices:
+      return cls(kept[2].host, kept[2].device, output_types)
 
     def put(x):
       if len(devices) != 1 or not isinstance(x, (np.ndarray, np.generic, jax.Array)):
         return x
-      on_device = jax.device_put(x, next(iter(devices)))
+      on_device = jax.device_put(x, devices[0])
       # A float64 reference becomes float32 there without x64: the host copy stays, and
       # the check with it, which compares what it was given.
       return on_device if on_device.dtype == x.dtype else x
 
-    return cls(jax.device_get(reference), jax.block_until_ready(jax.tree.map(put, reference)),
-               output_types)
+    expected = cls(jax.device_get(reference),
+                   jax.block_until_ready(jax.tree.map(put, reference)), output_types)
+    if cache is not None:  # (the object itself kept too: its id is never another's)
+      cache[_Aux("reference")] = (reference, devices, expected)
+    return expected
 
 
 def _other_output_types(output: Any, expected: Any) -> str | None:
@@ -1608,7 +1623,7 @@ def measure_candidates(
   try:
     with _one_runner():  # every check run and batch on one thread (see _Runner)
       if any(c.alive for c in cands):
-        expected = _Expected.of(reference, output_types, args)
+        expected = _Expected.of(reference, output_types, args, compile_cache)
         guard = _InputGuard(args, compile_cache)
         for cand in cands:
           if cand.alive:
