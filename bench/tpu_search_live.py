@@ -109,7 +109,9 @@ def main(argv=None) -> int:
                                        reference=reference, options=options, effort=effort,
                                        compile_cache=compiled)
       log.append([len(configs), new, effort, time.perf_counter() - start,
-                  sum(got[c].compile_time_s or 0.0 for c in fresh)])
+                  sum(got[c].compile_time_s or 0.0 for c in fresh),
+                  {str(c): [m.median_s, m.method] if m.ok else m.status
+                   for c, m in got.items()}])
       return got
 
     measure_fn.effective_effort = options.effective_effort
@@ -136,10 +138,18 @@ def main(argv=None) -> int:
       runs.append({"fraction": fraction, "seed": seed, "budget_s": budget, "spent_s": spent,
                    "measured": outcome.num_measured, "chosen": list(outcome.best),
                    "chosen_over_best": times[outcome.best] / times[best],
-                   "calls": calls})  # [configs, new ones, effort, seconds, compiling s] each
+                   # what the search saw: [median ms, samples] of the chosen and heuristic
+                   "seen": {which: [outcome.measurements[c].median_s * 1e3,
+                                    outcome.measurements[c].num_samples]
+                            for which, c in (("chosen", outcome.best), ("heuristic", heuristic))
+                            if c in outcome.measurements and outcome.measurements[c].ok},
+                   # [configs, new ones, effort, seconds, compiling s, what each
+                   # config measured: [median s, method] or its failure] each
+                   "calls": calls})
       print(json.dumps({k: v for k, v in runs[-1].items() if k != "calls"}), flush=True)
       print("  calls (configs, new, effort, s, compiling s):",
-            "; ".join(f"{n} {k} {e:.3f} {t:.2f} {c:.2f}" for n, k, e, t, c in calls), flush=True)
+            "; ".join(f"{n} {k} {e:.3f} {t:.2f} {c:.2f}" for n, k, e, t, c, _ in calls),
+            flush=True)
   if args.out:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -346,6 +346,13 @@ def test_a_candidate_near_the_line_is_timed_the_same_way_in_every_call(monkeypat
   assert methods == ["cpu-looped", "cpu-looped"]
   got = m.measure_candidates({"a": _matmul}, (x, w), options=options)  # 9e-4, no cache
   assert got["a"].method == "cpu-batched"
+  # Past the millisecond above which nothing loops, too (the TPU's heuristic went there).
+  monkeypatch.setattr(m, "_SURELY_DEVICE_BOUND_S", 1e-3)
+  cache, methods = {}, []
+  for warm["call_s"] in (7e-4, 1.1e-3):
+    got = m.measure_candidates({"a": _matmul}, (x, w), options=options, compile_cache=cache)
+    methods.append(got["a"].method)
+  assert methods == ["cpu-looped", "cpu-looped"]
 
 
 def test_looped_programs_compute_the_call_and_are_compiled_once(monkeypatch):
@@ -388,7 +395,8 @@ def test_calls_over_a_millisecond_are_never_looped_nor_is_the_floor_measured():
   got = m.measure_candidates({"slow": slow}, (x, w), effort=0.2, compile_cache=cache,
                              options=dataclasses.replace(FAST, host_bound_factor=1e9))
   assert got["slow"].method == "cpu-batched"
-  assert not [k for k in cache if isinstance(k, m._Aux) and k.kind != "inputs"]  # no program
+  assert not [k for k in cache if isinstance(k, m._Aux)  # no program, no floor
+              and k.kind in ("floor", "floor_s", "looped", "trips")]
 
 
 def test_dispatch_floor_is_a_time_per_call_or_a_clear_error(monkeypatch):

@@ -1453,14 +1453,13 @@ def _loop_host_bound(cands: list[_Candidate], fns: Mapping[Any, Callable[..., An
                      input_sets: list[tuple], options: MeasureOptions,
                      cache: MutableMapping[Any, Any] | None):
   """Moves host-bound candidates to looped programs (step 4 of the module docstring)."""
-  timed = [c.call_s for c in cands if c.alive and c.call_s is not None]
-  if not options.loop_calls or not timed or min(timed) >= _SURELY_DEVICE_BOUND_S:
+  call_s = {c.key: _first_call_s(c, cache) for c in cands if c.alive and c.call_s is not None}
+  if not options.loop_calls or not call_s or min(call_s.values()) >= _SURELY_DEVICE_BOUND_S:
     return
   floor_s = _dispatch_floor_s(input_sets, options, cache)
   if floor_s is None:
     return
-  looping = _to_loop({c.key: _first_call_s(c, cache) for c in cands
-                      if c.alive and c.call_s is not None}, floor_s, options.host_bound_factor)
+  looping = _to_loop(call_s, floor_s, options.host_bound_factor)
   bound = [c for c in cands if c.key in looping]
   trips = {c.key: _loop_trips(c, floor_s, options, cache) for c in bound}
   # Keyed by the calls a loop makes too: a measurer (an isolated worker's) outlives one
