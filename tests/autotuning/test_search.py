@@ -699,3 +699,21 @@ def test_strategies_measure_code_path_variants_right_after_the_heuristic():
   replay = search.ReplayMeasure(times)
   outcome = search.racing(space, replay, heuristic=heuristic, budget_s=6.0, clock=replay.clock)
   assert fused in outcome.measurements and outcome.best == fused
+
+
+def test_a_last_round_without_room_for_all_measures_the_fastest_with_the_heuristic():
+  """A walk that ran out of room for its last round chose on its fastest finalist's
+  one-sample measurement, taken once: on a TPU that took a config 6% slower than the
+  heuristic. Where the whole round does not fit, the fastest and the heuristic do."""
+  fake, calls = _FailingFake(set(), 0.0), []
+  logged = lambda configs, *, effort=1.0: calls.append((list(configs), effort)) or fake(
+      configs, effort=effort)
+  for room, expected in ((0.3, [1, 0]), (0.5, [1, 2, 3, 0]), (0.15, None)):
+    fake.now, fake.seen, calls[:] = 0.0, set(), []
+    session = search._Session(logged, fake.clock, budget_s=5.4 + room)
+    session.measure([0], 1.0)  # 2 s: a compile and a full measurement
+    session.measure([0], 0.1)  # 0.1 s: effort apart from compiling
+    session.measure([1, 2, 3], 0.1)  # 3.3 s
+    search._final_round(session, [1, 2, 3], 0, 0.1)
+    assert (calls[-1][0] if len(calls) == 4 else None) == expected, room
+    assert fake.now <= 5.4 + room + 1e-9

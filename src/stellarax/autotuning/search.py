@@ -949,13 +949,23 @@ def racing(space: Iterable[C], measure: Measure[C], *, heuristic: C,
 
 def _final_round(session: _Session[C], finalists: list[C], heuristic: C,
                  min_effort: float) -> None:
-  """Measures the finalists with the heuristic at full effort, or the most effort that
-  fits (at least min_effort); without room they keep the measurements they have."""
-  if finalists:
-    batch = [*finalists, heuristic]
+  """Measures the finalists (fastest first) with the heuristic at full effort, or the
+  most effort that fits (at least min_effort); without room for all of them, the
+  fastest alone with the heuristic at the most effort that fits; without room for
+  that, they keep the measurements they have.
+
+  The fastest alone: a walk that ran out of room for the whole round chose on its
+  fastest finalist's one-sample measurement, taken once, and one sample can be 10%
+  off on a TPU: it took a config 6% slower than the heuristic (a v5e matmul at 10% of
+  its sweep's time, 2026-12-07). Measured again, a lucky sample is not kept as its
+  time (a config keeps its latest measurement among its most thorough ones)."""
+  for batch in ([*finalists, heuristic], finalists[:1] + [heuristic]):
+    if len(batch) < 2:
+      return
     effort = _affordable_effort(session, batch, 1.0, min_effort, [])
     if effort is not None:
       session.measure(batch, effort)
+      return
 
 
 def default_strategy(space_size: int, *, max_exhaustive: int = MAX_EXHAUSTIVE) -> Strategy:
