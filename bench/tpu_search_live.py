@@ -156,6 +156,9 @@ def main(argv=None) -> int:
     (out / "search.json").write_text(json.dumps({
         "device": device.device_kind, "jax": jax.__version__, "size": size,
         "sweep_s": sweep_s, "times_ms": {str(c): t * 1e3 for c, t in times.items()},
+        # each config's own compile (compiled 13 at a time on the TPU machine's host):
+        # what a replay with the real costs of new configs needs
+        "compile_s": {str(c): m.compile_time_s for c, m in sweep.items()},
         "failed": failed, "best": list(best), "heuristic": list(heuristic), "runs": runs},
         indent=1))
   print("\nbudget | seed | spent s / budget s | configs measured | chosen | chosen / best")

@@ -16,6 +16,7 @@ def test_smoke_run_sweeps_every_config_and_searches_with_a_logged_budget(tmp_pat
   assert tpu_search_live.main(["--smoke", "--out", str(tmp_path)]) == 0
   record = json.loads((tmp_path / "search.json").read_text())
   assert len(record["times_ms"]) + len(record["failed"]) == 12 and not record["failed"]
+  assert len(record["compile_s"]) == 12 and all(t > 0 for t in record["compile_s"].values())
   assert min(record["times_ms"].values()) == record["times_ms"][str(tuple(record["best"]))]
   (run,) = record["runs"]
   assert run["budget_s"] == pytest.approx(0.25 * record["sweep_s"])

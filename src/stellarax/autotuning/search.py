@@ -31,6 +31,11 @@ first calls a strategy times, should not be recalled). Failed configs come back 
 data and are never chosen; when every measured config failed, the strategy raises
 `AllCandidatesFailedError` listing why each failed.
 
+Budget. A budgeted strategy plans each call on a cost model fitted to the calls before
+it (`_CostModel`) and grows its calls of new configs gradually (`_most_new`: at most
+`_GROWTH` times as many as measured so far), since new configs cost what their compiles
+do, which vary with the config, and a call's cost is learnt only after it.
+
 Time. Strategies read an injectable `clock` (default `time.perf_counter`); `ReplayMeasure`
 replays a recorded sweep and advances a fake clock, so strategies are tested and compared
 on any machine, deterministically.
@@ -70,6 +75,10 @@ import numpy as np
 from stellarax.autotuning.measure import Measurement, median_interval, pick_best
 
 C = TypeVar("C", bound=Hashable)
+
+# A budgeted call measures at most this many times as many new configs as the calls
+# before it did (see `_most_new`).
+_GROWTH: Final = 4
 
 # Spaces up to this size are measured exhaustively by default_strategy.
 MAX_EXHAUSTIVE: Final = 16
@@ -174,6 +183,10 @@ class _Session(Generic[C]):
   def measured(self) -> list[C]:
     return list(self._best)
 
+  def new_configs(self) -> int:
+    """How many configs the calls so far measured for the first time, failed or not."""
+    return int(sum(call[0] + call[3] for call in self.calls))
+
   def calls_with_new(self) -> int:
     """How many measure calls measured some config for the first time."""
     return sum(call[0] + call[3] > 0 for call in self.calls)
@@ -267,6 +280,8 @@ class _CostModel:
   effective: Callable[[float], float] = dataclasses.field(default=lambda e: e, compare=False)
   # The other fits that explain the calls as well (see the class doc).
   alternatives: tuple[_CostModel, ...] = dataclasses.field(default=(), compare=False)
+  # The most any call took over its fit (at least 1): how far a call may still surprise.
+  surprise: float = 1.0
 
   @classmethod
   def fit(cls, calls: Sequence[Sequence[float]],
@@ -280,15 +295,17 @@ class _CostModel:
     best, *others = cls._least_squares(x, y)
     new = float(np.sum(x[:, 0] + x[:, 2]))
     failure_rate = float(np.sum(x[:, 2])) / new if new else 0.0
-    fitted_last = float(_columns(calls[-1]) @ best)
-    scale = max(1.0, calls[-1][2] / fitted_last) if fitted_last > 0 else 1.0
+    fitted = np.array([_columns(call) @ best for call in calls])
+    ratios = [call[2] / f for call, f in zip(calls, fitted) if f > 0]
+    scale = max(1.0, ratios[-1]) if fitted[-1] > 0 else 1.0
+    surprise = max([1.0, *ratios])
     # A failure's excess over a compile is the best fit's in every one (a failure costs
     # what it did, whichever fit explains the ok configs).
     excess = max(0.0, best[2] - best[0])
     model = lambda c, alternatives=(): cls(
         float(c[0]), float(c[1]), scale=scale, call_s=float(c[3]), failed_s=float(c[2]),
         failure_rate=failure_rate, effective=effective or (lambda e: e),
-        alternatives=alternatives)
+        alternatives=alternatives, surprise=surprise)
     return model(best, tuple(model([c[0], c[1], c[0] + excess, c[3]]) for c in others))
 
   @classmethod
@@ -622,17 +639,29 @@ def _screen(session: _Session[C], pool: Sequence[C], schedule: Sequence[tuple[in
   """The first round: new configs in chunks, keeping budget for the rounds after it."""
   effort = schedule[0][1]
   results: dict[C, Measurement] = {}
-  for i in range(0, len(pool), chunk_size):
+  i = 0
+  while i < len(pool):
     chunk = pool[i:i + chunk_size]
     if session.budget_s is not None:
       model = session.cost_model()
       room = session.remaining()
       chunk = chunk[:model.new_configs_that_fit(
-          room, effort, len(chunk), later=_schedule_calls(model, schedule[1:], False))]
+          room, effort, min(len(chunk), _most_new(session)),
+          later=_schedule_calls(model, schedule[1:], False))]
       if not chunk or room <= 0:
         break
     results |= session.measure(chunk, effort)
+    i += len(chunk)
   return results
+
+
+def _most_new(session: _Session[Any]) -> int:
+  """The most configs a budgeted call may measure for the first time: `_GROWTH` times
+  those measured so far (at least 2). A config's compile is what its new configs cost,
+  and compiles vary with the config (0.2-0.8 s for a TPU matmul's tiles); priced on the
+  one or two compiled so far, a chunk of 32 was a guess, and where those were cheap it
+  overran the budget by up to 4x (replays with compile costs that vary, 2026-12-07)."""
+  return max(2, _GROWTH * session.new_configs())
 
 
 def _fastest(results: Mapping[C, Measurement], k: int, order: Sequence[C]) -> list[C]:
@@ -799,8 +828,16 @@ def _walk(session: _Session[C], configs: Sequence[C], heuristic: C, first: Seque
     # fits alone; the last round is planned on what it tells (`_final_round`).
     reserve = [] if probe and model.alternatives else [final_call(last)]
     room = session.remaining()
-    while candidates and model.cost([(len(candidates), model.work(len(candidates) + 1, effort)),
-                                     *reserve]) > room:
+    # A step is sized as if it took the most over its prediction that a call has taken
+    # (`surprise`): new configs cost what their compiles do, which vary (0.2-0.8 s a
+    # config for a TPU matmul's tiles), and the model learns a chunk's cost only after
+    # the call (two chunks of 20 new configs in one run took 2.2 and 3.5 s: 16% over).
+    spare = room - model.cost(reserve)
+    step_s = lambda k: model.cost([(k, model.work(k + 1, effort))])
+    candidates = candidates[:_most_new(session)]
+    while candidates and (
+        model.cost([(len(candidates), model.work(len(candidates) + 1, effort)), *reserve]) > room
+        or (len(candidates) > 1 and model.surprise * step_s(len(candidates)) > spare)):
       candidates = candidates[:-1]
     if not candidates:
       return None
@@ -998,7 +1035,8 @@ class ReplayMeasure(Generic[C]):
   median is the recorded time), summarised by `median_interval`. The clock advances by
   call_cost_s per call, compile_cost_s the first time a config is measured, plus
   cost_s_per_config * effort per config per call: measuring the sweep at full effort in
-  one call costs call_cost_s + len(recorded) * (compile_cost_s + cost_s_per_config).
+  one call costs call_cost_s + len(recorded) * (compile_cost_s + cost_s_per_config)
+  (with a compile_cost_s per config, their sum instead of len(recorded) times one).
   With `whole_rounds`, a config costs its samples instead, cost_s_per_config * k / rounds,
   as measure_candidates' do (at least one round), and `effective_effort` says so.
 
@@ -1008,7 +1046,9 @@ class ReplayMeasure(Generic[C]):
     noise: relative standard deviation of one sample; 0 replays exactly.
     seed: seed of the noise.
     cost_s_per_config: fake seconds of a full-effort measurement of one config.
-    compile_cost_s: fake seconds added the first time a config is measured.
+    compile_cost_s: fake seconds added the first time a config is measured; or a
+      mapping config -> those seconds, each config its own (real compiles vary with the
+      config: 0.2-0.8 s for a TPU matmul's tiles).
     call_cost_s: fake seconds of every call, whatever it measures (a measure's own
       set-up).
     rounds: samples of a full-effort measurement.
@@ -1019,19 +1059,27 @@ class ReplayMeasure(Generic[C]):
   """
 
   def __init__(self, recorded: Mapping[C, float | Measurement], *, noise: float = 0.0,
-               seed: int = 0, cost_s_per_config: float = 1.0, compile_cost_s: float = 0.0,
+               seed: int = 0, cost_s_per_config: float = 1.0,
+               compile_cost_s: float | Mapping[C, float] = 0.0,
                call_cost_s: float = 0.0, rounds: int = 10, whole_rounds: bool = False):
     if not recorded:
       raise ValueError("The recorded sweep is empty: give config -> seconds or Measurement.")
+    compiles = (dict(compile_cost_s) if isinstance(compile_cost_s, Mapping)
+                else dict.fromkeys(recorded, compile_cost_s))
+    missing = [c for c in recorded if c not in compiles]
+    if missing:
+      raise ValueError(f"compile_cost_s has no seconds for {missing[:5]!r}: give every config"
+                       " of the sweep its own, or one number for all.")
     for name, value in (("noise", noise), ("cost_s_per_config", cost_s_per_config),
-                        ("compile_cost_s", compile_cost_s), ("call_cost_s", call_cost_s)):
+                        ("call_cost_s", call_cost_s),
+                        *((f"compile_cost_s[{c!r}]", compiles[c]) for c in recorded)):
       if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"{name}={value} must be a finite number >= 0.")
     if not isinstance(rounds, int) or rounds < 1:
       raise ValueError(f"{rounds=} must be an int >= 1.")
     self._recorded = {c: self._entry(c, v) for c, v in recorded.items()}
     self._noise, self._rounds = noise, rounds
-    self._cost_s, self._compile_cost_s = cost_s_per_config, compile_cost_s
+    self._cost_s, self._compile_cost_s = cost_s_per_config, compiles
     self._call_cost_s, self._whole_rounds = call_cost_s, whole_rounds
     self._rng = np.random.default_rng(seed)
     self._now = 0.0
@@ -1082,7 +1130,7 @@ class ReplayMeasure(Generic[C]):
     out = {}
     for config in configs:
       self._now += (self._cost_s * self.effective_effort(effort)
-                    + (0.0 if config in self._seen else self._compile_cost_s))
+                    + (0.0 if config in self._seen else self._compile_cost_s[config]))
       self._seen.add(config)
       out[config] = self._replay(self._recorded[config], effort)
     return out
