@@ -109,7 +109,11 @@ def _rel_err(out, ref) -> float:
   output has one), computed where the arrays are: copied to the host and compared in
   NumPy, the ragged_dot target's backward (470M values) cost seconds a candidate of the
   GPU machine's 15 minutes (a TPU host took 0.5 s for 16.8M values, 2026-12-07)."""
-  pairs = [(o, r) for o, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)) if np.size(r)]
+  pairs = list(zip(jax.tree.leaves(out), jax.tree.leaves(ref)))
+  for o, r in pairs:
+    if np.shape(o) != np.shape(r):  # (jnp would broadcast one against the other)
+      raise ValueError(f"output shape {np.shape(o)} differs from the reference's {np.shape(r)}")
+  pairs = [(o, r) for o, r in pairs if np.size(r)]
   # np.max, not max: Python's max passes over a NaN after the first leaf, and the NaN of
   # a wrong output must reach the tolerance test (which it fails).
   return float(np.max(jax.device_get(_rel_errs(pairs)))) if pairs else 0.0

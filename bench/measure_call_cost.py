@@ -8,8 +8,8 @@ costs beyond its candidates' compiles and timed rounds is paid by every one of t
 a TPU v5e a call of one compiled 4096^3 bf16 matmul config at the lowest effort took
 0.6 s (bench/tpu_search_live.py, 2026-12-07), which no search can make cheaper. This
 times, for the Pallas TPU matmul of tpu_search_live.py (loaded as it does): one config
-compiled, then calls of one config at effort 0.012 and 1, and of four configs at 1,
-each three times; then it times the parts of one call at the lowest effort (the
+compiled, then calls of it at effort 1 and 0.012, of three other configs at 1, of it
+again at 1 and of all four at 1, each three times; then it times the parts of one call at the lowest effort (the
 measure module's steps, wrapped in timers: the measuring thread's work too, which a
 profiler of the calling thread would not see). It writes call_cost.json under --out.
 """
@@ -30,7 +30,8 @@ from tpu_search_live import matmul  # noqa: E402
 
 
 _PARTS = ("_compile_all", "_InputGuard.__init__", "_InputGuard.intact", "_check_output",
-          "check_close", "input_digest", "_time_all", "_input_sets", "_warm_up",
+          "_Expected.of", "_surely_close", "check_close", "input_digest", "_time_all",
+          "_input_sets", "_warm_up",
           "_dispatch_floor_s", "_loop_host_bound", "_take_rounds", "_run_batch",
           "_to_measurement", "jax.device_get")
 
@@ -45,7 +46,8 @@ def timed_parts(measure, parts: dict):
     owner, attr = (jax, "device_get") if name == "jax.device_get" else (
         (getattr(measure, name.split(".")[0]), name.split(".")[1]) if "." in name
         else (measure, name))
-    original = getattr(owner, attr)
+    original = getattr(owner, attr)  # (a class method comes bound: timed calls it so)
+    raw = vars(owner)[attr] if isinstance(owner, type) else original
 
     def timed(*a, _original=original, _name=name, **k):
       start = time.perf_counter()
@@ -56,7 +58,7 @@ def timed_parts(measure, parts: dict):
         parts[_name] = (s + time.perf_counter() - start, n + 1)
 
     setattr(owner, attr, timed)
-    undo.append((owner, attr, original))
+    undo.append((owner, attr, raw))
   try:
     yield
   finally:

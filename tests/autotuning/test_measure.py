@@ -346,6 +346,10 @@ def test_a_candidate_near_the_line_is_timed_the_same_way_in_every_call(monkeypat
   assert methods == ["cpu-looped", "cpu-looped"]
   got = m.measure_candidates({"a": _matmul}, (x, w), options=options)  # 9e-4, no cache
   assert got["a"].method == "cpu-batched"
+  # Timed another way (pairs of batches), it is decided anew: that way's first time.
+  paired = dataclasses.replace(options, paired_batches=True)
+  got = m.measure_candidates({"a": _matmul}, (x, w), options=paired, compile_cache=cache)
+  assert got["a"].method == "cpu-paired"
   # Past the millisecond above which nothing loops, too (the TPU's heuristic went there).
   monkeypatch.setattr(m, "_SURELY_DEVICE_BOUND_S", 1e-3)
   cache, methods = {}, []
@@ -983,9 +987,13 @@ def test_a_compile_cache_keeps_the_references_copies_for_the_same_reference():
   copied it to the device (the H200 ragged_dot backward's is 1 GB). A device copy that
   a stray write spoiled fails no right output: the host's copy decides."""
   x, w = _x(), _x((160, 128), seed=1)
-  ref = np.asarray(_matmul(x, w))
+  ref = np.array(_matmul(x, w))
   fns = {"right": _matmul, "wrong": lambda x, w: _matmul(x, w) * 1.1}
+  # One that can change in place is not kept: the next call may find other values.
   cache = {}
+  m.measure_candidates(fns, (x, w), reference=ref, options=FAST, compile_cache=cache)
+  assert m._Aux("reference") not in cache
+  ref.setflags(write=False)
   m.measure_candidates(fns, (x, w), reference=ref, options=FAST, compile_cache=cache)
   kept = cache[m._Aux("reference")]
   m.measure_candidates(fns, (x, w), reference=ref, options=FAST, compile_cache=cache)
@@ -995,5 +1003,39 @@ def test_a_compile_cache_keeps_the_references_copies_for_the_same_reference():
   got = m.measure_candidates(fns, (x, w), reference=ref, options=FAST, compile_cache=cache)
   assert got["right"].ok and got["wrong"].status == "wrong_result"
   other = ref.copy()  # another object: its own copies
+  other.setflags(write=False)
   m.measure_candidates(fns, (x, w), reference=other, options=FAST, compile_cache=cache)
   assert cache[m._Aux("reference")][0] is other
+  # The device's is a copy: on a CPU a host array put there may share its buffer.
+  assert not np.shares_memory(np.asarray(cache[m._Aux("reference")][2].device), other)
+
+
+def test_the_device_check_leaves_to_the_host_what_the_device_cannot_see():
+  # XLA flushes subnormal numbers to zero: a bound among them is the host's to judge.
+  tiny = {"a": jnp.asarray([1e-40, 0.0], jnp.float32)}
+  zero = {"a": jnp.zeros(2, jnp.float32)}
+  assert "max abs error" in m.check_close(tiny, zero, rtol=0.0, atol=0.0)
+  assert not m._surely_close(tiny, zero, 0.0, 0.0)
+  assert m._surely_close(tiny, zero, None, None)  # the default bound is far above them
+  keys = jax.random.split(jax.random.key(0), 2)
+  assert not m._surely_close(keys, keys, None, None)  # PRNG keys: the host's word
+
+
+def test_a_custom_check_gets_numpy_on_the_calling_thread_and_only_where_types_agree():
+  x, w = _x(), _x((160, 128), seed=1)
+  seen = []
+
+  def check(output, reference):
+    seen.append((threading.current_thread() is threading.main_thread(),
+                 type(output), type(reference)))
+    return None if np.allclose(output, reference, rtol=1e-4, atol=1e-4) else "off"
+
+  ref = np.asarray(_matmul(x, w))
+  got = m.measure_candidates(
+      {"right": _matmul, "wrong": lambda x, w: _matmul(x, w) + 1,
+       "f16": lambda x, w: _matmul(x, w).astype(jnp.float16)},
+      (x, w), reference=ref, check=check, options=FAST,
+      output_types=jax.eval_shape(_matmul, x, w))
+  assert got["right"].ok and got["wrong"].error == "off"
+  assert got["f16"].status == "wrong_result" and "float16" in got["f16"].error
+  assert seen == [(True, np.ndarray, np.ndarray)] * 2  # not for "f16": its types failed

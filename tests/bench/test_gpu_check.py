@@ -540,3 +540,5 @@ def test_the_relative_error_is_computed_where_the_arrays_are():
   out["c"] = jnp.asarray([2.0, float("nan")])
   assert np.isnan(gpu_check._rel_err(out, ref))  # and so, not within any tolerance
   assert gpu_check._rel_err({"b": jnp.zeros((0,))}, {"b": jnp.zeros((0,))}) == 0.0
+  with pytest.raises(ValueError, match="output shape \\(1,\\) differs"):
+    gpu_check._rel_err([jnp.ones(1)], [jnp.ones(4)])  # not broadcast against it

@@ -343,9 +343,10 @@ class CallMeasurer:
     self.bound_args, self.seed, self.device = bound_args, seed, device
     self.arrays = self._fresh_arrays()
     # On the host, where no kernel's stray write can reach it (a copy: on a CPU the
-    # host's view of an array may be its buffer).
+    # host's view of an array may be its buffer); read-only, so that a measure's
+    # compile cache may keep its copies from one call to the next.
     reference = jax.jit(bound_args.runner(reference=True))(*self.arrays)
-    self.reference = jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(reference))
+    self.reference = jax.tree.map(_read_only_copy, jax.device_get(reference))
     self.digest = measure_lib.input_digest(self.arrays)
     self.output_types = _output_types(bound_args, self.arrays)
     self.compiled: dict[Any, Any] = {}  # racing re-measures configs: compile each once
@@ -369,6 +370,13 @@ class CallMeasurer:
     import jax
     arrays = self.bound_args.example_arrays(self.seed)
     return tuple(jax.device_put(arrays, self.device) if self.device is not None else arrays)
+
+
+def _read_only_copy(x: Any) -> Any:
+  import numpy as np
+  copy = np.array(x, copy=True)
+  copy.setflags(write=False)
+  return copy
 
 
 def _output_types(bound_args: Any, arrays: tuple) -> Any:

@@ -673,15 +673,19 @@ def _surely_close(output: Any, reference: Any, rtol: float | None,
   The device computes what the host would, in the same types (`_compared_dtype`):
   per float leaf, whether all of both are finite, the largest |out - ref| and the
   largest |ref|; per leaf of another type, whether it equals the reference. Where
-  anything differs from the common case (a NaN or an infinity, unequal integers, a
-  complex or mixed-kind leaf, host arrays) it answers False. The cross-leaf scale is
-  taken over the float leaves only, never more than the host's, so the bound is never
-  looser than the host check's.
+  anything differs from the common case (a NaN or an infinity, unequal integers or
+  complex numbers, leaves of two kinds, PRNG keys, host arrays) it answers False. The
+  cross-leaf scale is taken over the float leaves only, never more than the host's, so
+  the bound is never looser than the host check's. Nor is one below what the device
+  keeps: XLA flushes subnormal numbers to zero, so a bound within a few of the
+  smallest normal float32 is left to the host.
   """
   outs, out_tree = jax.tree.flatten(output)
   refs, ref_tree = jax.tree.flatten(reference)
   if out_tree != ref_tree or not all(isinstance(x, jax.Array) for x in (*outs, *refs)):
     return False
+  if any(jnp.issubdtype(x.dtype, jax.dtypes.prng_key) for x in (*outs, *refs)):
+    return False  # (the host check raises on them: it says so, not this)
   if any(o.shape != r.shape for o, r in zip(outs, refs)):
     return False
   floats = [_both_real_floats(o.dtype, r.dtype) for o, r in zip(outs, refs)]
@@ -698,9 +702,15 @@ def _surely_close(output: Any, reference: Any, rtol: float | None,
       return False
     if f:
       leaf_rtol, leaf_atol = _leaf_tolerances(o.dtype, r.dtype, rtol, atol)
-      if not float(max_err) <= leaf_atol + leaf_rtol * max(float(scale), least_scale):
+      bound = leaf_atol + leaf_rtol * max(float(scale), least_scale)
+      if not (bound > _FLUSHED and float(max_err) <= bound):
         return False
   return True
+
+
+# Below this a bound may lie among the subnormal numbers that XLA flushes to zero (on
+# XLA:CPU and on a TPU): a difference the host sees could read 0 on the device.
+_FLUSHED: Final = 16 * float(np.finfo(np.float32).tiny)
 
 
 def _both_real_floats(a: Any, b: Any) -> bool:
@@ -775,8 +785,9 @@ class _Aux:
   calls a candidate's loop makes (key: (its key, `loop_calls`)), see `_loop_trips`;
   "floor_s" the dispatch floor measured (key: the options that time it), see
   `_dispatch_floor_s`; "call_s" a candidate's first warm-up time per call (key: its
-  key), see `_first_call_s`; "inputs" the host copy of the inputs that `_InputGuard`
-  restores from; "reference" the reference's copies (see `_Expected.of`).
+  key and the options that time it), see `_first_call_s`; "inputs" the host copy of the
+  inputs that `_InputGuard` restores from; "reference" the reference's copies, on the
+  host and the device (see `_Expected.of`).
   """
   kind: str
   key: Any = None
@@ -1116,57 +1127,59 @@ def _timed_out(cand: _Candidate, error: str, options: MeasureOptions) -> None:
 
 def _check_output(cand: _Candidate, args: tuple, expected: _Expected,
                   check: Callable[[Any, Any], str | None] | None, options: MeasureOptions):
-  """Runs the candidate once and records a runtime error, timeout or wrong result."""
-  def run():
-    """(whether nothing is left to check, the output): on the device where its shapes
-    and dtypes are wrong, where there is nothing to compare, or where it surely passed;
-    else on the host, for the check."""
-    out = jax.block_until_ready(cand.executable(*args))
-    if (_other_output_types(out, expected.output_types) is not None
-        or (check is None and expected.host is None)
-        or (check is None and _surely_close(out, expected.device, options.rtol, options.atol))):
-      return True, out
-    return False, jax.device_get(out)
+  """Runs the candidate once and records a runtime error, timeout or wrong result.
 
-  kind, value = run_with_timeout(run, options.timeout_s)
+  The run, and a copy of its output to the host where a check needs one, are made
+  within `timeout_s`; the check itself on this thread (the device's part of the default
+  check, `_surely_close`, on the finished output: its first trace and compile are not
+  the candidate's time)."""
+  kind, out = run_with_timeout(lambda: jax.block_until_ready(cand.executable(*args)),
+                               options.timeout_s)
+  if kind == "ok":
+    reason = _other_output_types(out, expected.output_types)
+    if reason is not None or (check is None and expected.host is None) or (
+        check is None and _surely_close(out, expected.device, options.rtol, options.atol)):
+      if reason is not None:
+        cand.fail("wrong_result", reason)
+      return
+    kind, out = run_with_timeout(lambda: jax.device_get(out), options.timeout_s)
   if kind == "timeout":
     _timed_out(cand, f"the check run did not finish within timeout_s={options.timeout_s:g} s",
                options)
-    return
-  if kind == "error":
-    _run_failed(cand, value)
-    return
-  decided, out = value
-  reason = _other_output_types(out, expected.output_types)
-  if reason is None and not decided:
+  elif kind == "error":
+    _run_failed(cand, out)
+  else:
     reason = (check(out, expected.host) if check is not None else
               check_close(out, expected.host, rtol=options.rtol, atol=options.atol))
-  if reason is not None:
-    cand.fail("wrong_result", reason)
+    if reason is not None:
+      cand.fail("wrong_result", reason)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Expected:
-  """What a check run's output must be: the reference on the host (copied before any
-  candidate ran, so that no stray write reaches it), the same on the device (for
-  `_surely_close`), and the shapes and dtypes of the output (or None: unchecked).
+  """What a check run's output must be: the reference on the host, a copy of it on the
+  device where the default check runs (for `_surely_close`; else None), and the shapes
+  and dtypes of the output (or None: unchecked).
 
-  A stray write can reach the device's copy: a right output then looks wrong there,
-  and the host's copy decides."""
+  The device's copy is a copy (on a CPU, a host array put on the device can share its
+  buffer): a stray write can reach it and not the host's, and then a right output
+  looks wrong there and the host's copy decides."""
   host: Any
   device: Any
   output_types: Any
 
   @classmethod
-  def of(cls, reference: Any, output_types: Any, args: tuple,
+  def of(cls, reference: Any, output_types: Any, args: tuple, on_device: bool,
          cache: MutableMapping[Any, Any] | None = None) -> _Expected:
     """From `measure_candidates`'s reference (a pytree or a function that returns one)
-    and output_types; on the device a check on `args` runs on (their first array's).
+    and output_types; with `on_device`, a copy on the device a check on `args` runs on
+    (their first array's).
 
     With a compile cache, the copies made for a reference are kept there, and a later
     call given the same object (a measurer passes its one reference to every call of a
-    search) uses them again: the H200 ragged_dot target's backward reference is 1 GB,
-    which every call copied to the device."""
+    search) uses them again, where it cannot have changed since: its arrays are jax
+    arrays or read-only NumPy arrays (`CallMeasurer`'s are). The H200 ragged_dot
+    target's backward reference is 1 GB, which every call copied to the device."""
     if callable(reference):
       reference = reference()
     if reference is None:
@@ -1174,21 +1187,28 @@ class _Expected:
     arrays = [x for x in jax.tree.leaves(args) if isinstance(x, jax.Array)]
     devices = tuple(arrays[0].devices()) if arrays else ()
     kept = cache.get(_Aux("reference")) if cache is not None else None
-    if kept is not None and kept[0] is reference and kept[1] == devices:
+    if kept is not None and kept[0] is reference and kept[1] == (devices, on_device):
       return cls(kept[2].host, kept[2].device, output_types)
 
     def put(x):
       if len(devices) != 1 or not isinstance(x, (np.ndarray, np.generic, jax.Array)):
         return x
-      on_device = jax.device_put(x, devices[0])
+      try:
+        copy = jax.device_put(np.array(x, copy=True) if isinstance(x, np.ndarray) else x,
+                              devices[0])
+      except Exception:  # noqa: BLE001 (no room, a dtype it cannot hold: the host checks)
+        return x
       # A float64 reference becomes float32 there without x64: the host copy stays, and
       # the check with it, which compares what it was given.
-      return on_device if on_device.dtype == x.dtype else x
+      return copy if copy.dtype == x.dtype else x
 
     expected = cls(jax.device_get(reference),
-                   jax.block_until_ready(jax.tree.map(put, reference)), output_types)
-    if cache is not None:  # (the object itself kept too: its id is never another's)
-      cache[_Aux("reference")] = (reference, devices, expected)
+                   jax.block_until_ready(jax.tree.map(put, reference)) if on_device else None,
+                   output_types)
+    unchanging = lambda x: isinstance(x, jax.Array) or (
+        isinstance(x, np.ndarray) and not x.flags.writeable)
+    if cache is not None and all(unchanging(x) for x in jax.tree.leaves(reference)):
+      cache[_Aux("reference")] = (reference, (devices, on_device), expected)
     return expected
 
 
@@ -1375,8 +1395,7 @@ def _dispatch_floor_s(input_sets: list[tuple], options: MeasureOptions,
   candidates near the line from batches to loops between a search's calls (a compile
   of the loop each time; on a TPU v5e a 4096^3 matmul's call at the lowest effort
   took 0.29 s instead of 0.03), and it was 40% of such a call's cost besides."""
-  measured = _Aux("floor_s", (options.paired_batches, options.min_batch_s,
-                              options.max_batch_calls))
+  measured = _Aux("floor_s", _timing(options))
   if cache is not None and measured in cache:
     return cache[measured]
   key = _Aux("floor")
@@ -1437,23 +1456,32 @@ def _loop_trips(cand: _Candidate, floor_s: float, options: MeasureOptions,
   return trips
 
 
-def _first_call_s(cand: _Candidate, cache: MutableMapping[Any, Any] | None) -> float:
+def _first_call_s(cand: _Candidate, options: MeasureOptions,
+                  cache: MutableMapping[Any, Any] | None) -> float:
   """The candidate's warm-up time per call when a measure with this compile cache first
-  timed it (its own now, without a cache): which candidates loop is decided on it, so
-  that a candidate near the line is timed the same way in every call of a search, not
-  looped in one and batched in the next as its warm-up's noise goes (a 0.94 ms TPU
-  matmul near 8 floors of 0.12 ms: each flip cost a compile of its loop, and its times
-  in two calls came from two methods)."""
+  timed it the same way (its own now, without a cache). Which candidates loop is
+  decided on it, so that whether a candidate near the line is host-bound does not
+  change from one call of a search to the next as its warm-up's noise goes (a 0.94 ms
+  TPU matmul near 8 floors of 0.12 ms: each flip cost a compile of its loop, and its
+  times in two calls came from two methods); a rival of a host-bound candidate is
+  still looped with it in the calls that have both (`_to_loop`)."""
   if cache is None:
     return cand.call_s
-  return cache.setdefault(_Aux("call_s", cand.key), cand.call_s)
+  return cache.setdefault(_Aux("call_s", (cand.key, *_timing(options), options.cold_cache)),
+                          cand.call_s)
+
+
+def _timing(options: MeasureOptions) -> tuple:
+  """The options that decide how a call's time per call is taken (batches, pairs)."""
+  return options.paired_batches, options.min_batch_s, options.max_batch_calls
 
 
 def _loop_host_bound(cands: list[_Candidate], fns: Mapping[Any, Callable[..., Any]],
                      input_sets: list[tuple], options: MeasureOptions,
                      cache: MutableMapping[Any, Any] | None):
   """Moves host-bound candidates to looped programs (step 4 of the module docstring)."""
-  call_s = {c.key: _first_call_s(c, cache) for c in cands if c.alive and c.call_s is not None}
+  call_s = {c.key: _first_call_s(c, options, cache) for c in cands
+            if c.alive and c.call_s is not None}
   if not options.loop_calls or not call_s or min(call_s.values()) >= _SURELY_DEVICE_BOUND_S:
     return
   floor_s = _dispatch_floor_s(input_sets, options, cache)
@@ -1584,8 +1612,11 @@ def measure_candidates(
       run reproducible); None uses the mapping's order. Extra entries are ignored.
     compile_cache: a mapping in which compiled executables (and compile failures) are
       kept by key, so that a later call with the same candidates and argument shapes
-      does not compile again; it also keeps the dispatch floor's program and looped
-      programs, under keys of their own. None compiles every time.
+      does not compile again; it also keeps, under keys of their own (`_Aux`), the
+      dispatch floor's program and time, looped programs and their calls, each
+      candidate's first warm-up time, the host copy of the inputs, and the reference's
+      copies (on the device too: memory the size of the reference while it is kept).
+      None compiles every time.
     effort: fraction of a full measurement, in (0, 1]: the options are replaced by
       `options.with_effort(effort)` (fewer rounds, same compilation and check). Search
       strategies pass it to measure cheaply first (see search.py).
@@ -1622,7 +1653,7 @@ def measure_candidates(
   try:
     with _one_runner():  # every check run and batch on one thread (see _Runner)
       if any(c.alive for c in cands):
-        expected = _Expected.of(reference, output_types, args, compile_cache)
+        expected = _Expected.of(reference, output_types, args, check is None, compile_cache)
         guard = _InputGuard(args, compile_cache)
         for cand in cands:
           if cand.alive:

@@ -471,7 +471,8 @@ def _sweep(session: _Session[C], configs: Sequence[C], chunk_size: int):
       if not session.calls:
         k = 1
       else:
-        k = session.cost_model().new_configs_that_fit(session.remaining(), 1.0, k)
+        k = session.cost_model().new_configs_that_fit(session.remaining(), 1.0,
+                                                      min(k, _most_new(session)))
       if session.calls and (k == 0 or session.remaining() <= 0):
         return
     session.measure(configs[i:i + k], 1.0)
@@ -530,7 +531,8 @@ def random_search(space: Iterable[C], measure: Measure[C], *, heuristic: C,
     budget_s: seconds by `clock`; no chunk predicted to overrun is started. The
       heuristic's measurement is always made.
     rng_seed: seed of the draw.
-    chunk_size: configs per measure call.
+    chunk_size: the most configs per measure call (with a budget, also at most
+      `_GROWTH` times as many new ones as measured before: `_most_new`).
     clock: the time source.
 
   Returns:
@@ -834,10 +836,11 @@ def _walk(session: _Session[C], configs: Sequence[C], heuristic: C, first: Seque
     # the call (two chunks of 20 new configs in one run took 2.2 and 3.5 s: 16% over).
     spare = room - model.cost(reserve)
     step_s = lambda k: model.cost([(k, model.work(k + 1, effort))])
+    surprise = model.surprise / model.scale  # (the cost has the last call's in it)
     candidates = candidates[:_most_new(session)]
     while candidates and (
         model.cost([(len(candidates), model.work(len(candidates) + 1, effort)), *reserve]) > room
-        or (len(candidates) > 1 and model.surprise * step_s(len(candidates)) > spare)):
+        or (len(candidates) > 1 and surprise * step_s(len(candidates)) > spare)):
       candidates = candidates[:-1]
     if not candidates:
       return None
@@ -940,7 +943,8 @@ def racing(space: Iterable[C], measure: Measure[C], *, heuristic: C,
     rng_seed: seed of the pool's order.
     eta: each round keeps 1/eta of the configs at eta times the effort; an int >= 2.
     min_effort: the smallest effort of a round, in (0, 1].
-    chunk_size: configs per measure call in the first round.
+    chunk_size: the most configs per measure call in the first round (with a budget,
+      also at most `_GROWTH` times as many new ones as measured before: `_most_new`).
     clock: the time source.
 
   Returns:
@@ -975,8 +979,9 @@ def racing(space: Iterable[C], measure: Measure[C], *, heuristic: C,
     walked = _walk(session, configs, heuristic, variants, effort=max(min_effort, eta ** -3.0),
                    finalists=eta, final_effort=max(min_effort, 1.0 / eta),
                    chunk_size=chunk_size, rng_seed=rng_seed)
-    _final_round(session, walked, heuristic, min_effort)
-    finalists = walked
+    # Where only the fastest was measured again, the others keep one-sample screenings
+    # and are not chosen on them.
+    finalists = _final_round(session, walked, heuristic, min_effort) or walked
   else:
     pool = pool[:schedule[0][0]] if schedule else []
     finalists = _race(session, pool, heuristic, schedule, min_effort, chunk_size, configs)
@@ -985,7 +990,7 @@ def racing(space: Iterable[C], measure: Measure[C], *, heuristic: C,
 
 
 def _final_round(session: _Session[C], finalists: list[C], heuristic: C,
-                 min_effort: float) -> None:
+                 min_effort: float) -> list[C]:
   """Measures the finalists (fastest first) with the heuristic at full effort, or the
   most effort that fits (at least min_effort); without room for all of them, the
   fastest alone with the heuristic at the most effort that fits; without room for
@@ -995,14 +1000,19 @@ def _final_round(session: _Session[C], finalists: list[C], heuristic: C,
   fastest finalist's one-sample measurement, taken once, and one sample can be 10%
   off on a TPU: it took a config 6% slower than the heuristic (a v5e matmul at 10% of
   its sweep's time, 2026-12-07). Measured again, a lucky sample is not kept as its
-  time (a config keeps its latest measurement among its most thorough ones)."""
+  time (a config keeps its latest measurement among its most thorough ones).
+
+  Returns:
+    The finalists measured again ([] where none was).
+  """
   for batch in ([*finalists, heuristic], finalists[:1] + [heuristic]):
     if len(batch) < 2:
-      return
+      return []
     effort = _affordable_effort(session, batch, 1.0, min_effort, [])
     if effort is not None:
       session.measure(batch, effort)
-      return
+      return batch[:-1]
+  return []
 
 
 def default_strategy(space_size: int, *, max_exhaustive: int = MAX_EXHAUSTIVE) -> Strategy:
