@@ -76,6 +76,11 @@ from stellarax.autotuning.measure import Measurement, median_interval, pick_best
 
 C = TypeVar("C", bound=Hashable)
 
+# The walk sizes a step for the most over its prediction that one of this many latest
+# calls took (`_CostModel.surprise`): a first call that paid a process's warm-up would
+# otherwise shrink every step after it.
+_SURPRISE_CALLS: Final = 3
+
 # A budgeted call measures at most this many times as many new configs as the calls
 # before it did (see `_most_new`).
 _GROWTH: Final = 4
@@ -280,7 +285,8 @@ class _CostModel:
   effective: Callable[[float], float] = dataclasses.field(default=lambda e: e, compare=False)
   # The other fits that explain the calls as well (see the class doc).
   alternatives: tuple[_CostModel, ...] = dataclasses.field(default=(), compare=False)
-  # The most any call took over its fit (at least 1): how far a call may still surprise.
+  # The most one of the `_SURPRISE_CALLS` latest calls took over its fit (at least 1):
+  # how far a call may still surprise.
   surprise: float = 1.0
 
   @classmethod
@@ -298,7 +304,7 @@ class _CostModel:
     fitted = np.array([_columns(call) @ best for call in calls])
     ratios = [call[2] / f for call, f in zip(calls, fitted) if f > 0]
     scale = max(1.0, ratios[-1]) if fitted[-1] > 0 else 1.0
-    surprise = max([1.0, *ratios])
+    surprise = max([1.0, *ratios[-_SURPRISE_CALLS:]])
     # A failure's excess over a compile is the best fit's in every one (a failure costs
     # what it did, whichever fit explains the ok configs).
     excess = max(0.0, best[2] - best[0])
