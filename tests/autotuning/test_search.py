@@ -761,3 +761,19 @@ def test_racing_keeps_budgets_where_compiles_vary():
   # by up to 4.03x (6 of 150 runs past 1.5x, 13 past 1.2x): calls now grow gradually.
   over = np.array([_race_with_compiles_that_vary(seed) for seed in range(150)])
   assert over.max() <= 1.5 and (over > 1.2).sum() <= 8, np.sort(over)[-8:]
+
+
+def test_new_configs_grow_at_most_fourfold_and_surprises_are_recent_ones():
+  fake = _FailingFake(set(), 0.0)
+  session = search._Session(fake, fake.clock, budget_s=100.0)
+  assert search._most_new(session) == 2  # nothing measured yet
+  session.measure([0, 1, 2], 1.0)
+  assert search._most_new(session) == 3 * search._GROWTH
+  # Calls of 1 s a new config and 1 s an effort, then one 3 s over: it counts while it
+  # is among the _SURPRISE_CALLS latest, and not after.
+  calls = [(1, 1.0, 2.0, 0), (2, 0.5, 2.5, 0), (1, 0.5, 1.5, 0), (3, 0.5, 3.5, 0),
+           (2, 1.0, 3.0, 0), (1, 0.5, 4.5, 0)]
+  normal = (1, 0.5, 1.5, 0)
+  assert search._CostModel.fit(calls).surprise > 1.5
+  assert search._CostModel.fit(calls + [normal] * (search._SURPRISE_CALLS - 1)).surprise > 1.5
+  assert search._CostModel.fit(calls + [normal] * search._SURPRISE_CALLS).surprise < 1.2
