@@ -25,8 +25,8 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from timing_probe import load_measure, operands  # noqa: E402
-from tpu_search_live import matmul  # noqa: E402
+from timing_probe import load_measure  # noqa: E402
+from tpu_search_live import matmul, matmul_problem  # noqa: E402
 
 
 _PARTS = ("_compile_all", "_InputGuard.__init__", "_InputGuard.intact", "_check_output",
@@ -81,8 +81,7 @@ def main(argv=None) -> int:
   else:
     size, dtype, configs = 4096, jnp.bfloat16, [(512, 512, 512), (1024, 1024, 512),
                                                 (512, 1024, 1024), (256, 512, 512)]
-  x, y = operands(size, size, size, dtype, seed=0)
-  reference = jnp.dot(x, y, preferred_element_type=jnp.float32).astype(dtype)
+  x, y, reference = matmul_problem(size, dtype)
   fns = {c: functools.partial(matmul, c, interpret=args.smoke) for c in configs}
   compiled: dict = {}
   options = measure.MeasureOptions()

@@ -69,6 +69,14 @@ def matmul(config, x, y, interpret=False):
       interpret=interpret)(x, y)
 
 
+def matmul_problem(size: int, dtype) -> tuple:
+  """(x, y, reference): random size x size operands (seed 0) and their product,
+  accumulated in float32 and cast to `dtype`, which every config is checked against."""
+  import jax.numpy as jnp
+  x, y = operands(size, size, size, dtype, seed=0)
+  return x, y, jnp.dot(x, y, preferred_element_type=jnp.float32).astype(dtype)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=None, help="folder for search.json")
@@ -87,8 +95,7 @@ def main(argv=None) -> int:
     size, dtype, sizes, ks = 4096, jnp.bfloat16, (128, 256, 512, 1024), (128, 256, 512, 1024, 2048)
     heuristic, fractions, seeds = (512, 512, 512), (0.1, 0.25), (0, 1, 2)
   space = list(itertools.product(sizes, sizes, ks))
-  x, y = operands(size, size, size, dtype, seed=0)
-  reference = jnp.dot(x, y, preferred_element_type=jnp.float32).astype(dtype)
+  x, y, reference = matmul_problem(size, dtype)
   device = jax.devices()[0]
   print(f"device {device.device_kind} ({device.platform}), jax {jax.__version__}; "
         f"{len(space)} configs of a {size}^3 {jnp.dtype(dtype).name} matmul", flush=True)
