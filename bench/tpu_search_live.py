@@ -14,7 +14,7 @@ real spaces' configs do).
 1. The whole space at full effort (`measure_candidates`, every config checked against
    XLA's product first): what each config takes, and what the sweep cost.
 2. `search.racing` from the heuristic (512, 512, 512) with budgets of 10% and 25% of
-   that sweep's time, three seeds each, each with a measure as the autotuner makes one
+   that sweep's time, three seeds each (--seeds), each with a measure as the autotuner makes one
    (a compile cache of its own, `effective_effort`): the time it spent against its
    budget, how many configs it measured, how far its choice is from the sweep's best
    (by the sweep's times), and its measure calls.
@@ -82,6 +82,8 @@ def main(argv=None) -> int:
   parser.add_argument("--out", default=None, help="folder for search.json")
   parser.add_argument("--smoke", action="store_true",
                       help="small float32 products in interpret mode (a CPU)")
+  parser.add_argument("--seeds", type=int, default=3,
+                      help="searches per budget, seeds 0 to this less one (default 3)")
   args = parser.parse_args(argv)
   import jax
   import jax.numpy as jnp
@@ -93,7 +95,7 @@ def main(argv=None) -> int:
     heuristic, fractions, seeds = (128, 128, 128), (0.25,), (0,)
   else:
     size, dtype, sizes, ks = 4096, jnp.bfloat16, (128, 256, 512, 1024), (128, 256, 512, 1024, 2048)
-    heuristic, fractions, seeds = (512, 512, 512), (0.1, 0.25), (0, 1, 2)
+    heuristic, fractions, seeds = (512, 512, 512), (0.1, 0.25), tuple(range(args.seeds))
   space = list(itertools.product(sizes, sizes, ks))
   x, y, reference = matmul_problem(size, dtype)
   device = jax.devices()[0]

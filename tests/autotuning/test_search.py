@@ -1,5 +1,6 @@
 """Tests of the search strategies on replayed sweeps (fake clock: deterministic, no device)."""
 
+import collections
 import dataclasses
 import itertools
 import math
@@ -227,18 +228,57 @@ def test_geometry_counts_steps_between_tunable_values():
                             Paths(block=128, split=True, fused=False, order="n")])
   assert paths.distance(Paths(block=64, split=False, fused=False, order="m"),
                         Paths(block=128, split=True, fused=False, order="n")) == 3
-  plain = search._Geometry([(1, 2), (3, 4)])  # not dataclasses: equal or one apart
-  assert plain.distance((1, 2), (3, 4)) == 1 and plain.distance((1, 2), (1, 2)) == 0
+  # Plain tuples of one length: each position a tunable, as a dataclass's fields.
+  tiles = search._Geometry([(1, 2, "a"), (3, 4, "b"), (5, 4, "a")])
+  assert tiles.distance((1, 2, "a"), (5, 4, "b")) == 2 + 1 + 1
+  assert tiles.changed_field((1, 2, "a"), (1, 2, "b")) == 2
+  Tiles = collections.namedtuple("Tiles", "m n")
+  named = search._Geometry([Tiles(1, 2), Tiles(3, 4), Tiles(5, 4)])
+  assert named.distance(Tiles(1, 2), Tiles(5, 4)) == 3
+  assert named.changed_field(Tiles(1, 2), Tiles(1, 4)) == "n"
+  # Configs without shared tunables (tuples of two lengths, numbers): equal or one apart.
+  for plain in ([(1, 2), (3, 4, 5)], [1, 3, 7]):
+    g = search._Geometry(plain)
+    assert g.distance(plain[0], plain[1]) == 1 and g.distance(plain[0], plain[0]) == 0
   # All distances from a config at once (what the walk asks at each step) agree with them.
-  for configs in (list(SWEEP), [(1, 2), (3, 4)],
+  for configs in (list(SWEEP), [(1, 2), (3, 4)], [(1, 2), (3, 4, 5)], [1, 3, 7],
+                  [Tiles(m, n) for m in (1, 5, 3) for n in (2, 4)],
                   [Paths(block=b, split=s, fused=f, order=o) for b in (64, 128, 32)
                    for s in (False, True) for f in (False, True) for o in "mn"]):
     g = search._Geometry(configs)
     for a in configs[::3]:
       assert g.distances(a).tolist() == [g.distance(a, b) for b in configs]
-      changed = lambda b: (sum(getattr(a, f.name) != getattr(b, f.name) for f in dataclasses.fields(a))
-                           if dataclasses.is_dataclass(a) else int(a != b))
+      values = lambda c: (tuple(getattr(c, f.name) for f in dataclasses.fields(c))
+                          if dataclasses.is_dataclass(c) else c)
+      shared = len({type(c) for c in configs}) == 1 and len(
+          {len(c) if isinstance(c, tuple) else -1 for c in configs}) == 1
+      changed = lambda b: (sum(x != y for x, y in zip(values(a), values(b)))
+                           if shared and not isinstance(a, int) else int(a != b))
       assert g.fields_changed(a).tolist() == [changed(b) for b in configs]
+
+
+def test_the_walk_goes_the_same_way_over_tuples_as_over_dataclasses():
+  # A space of (block_m, block_n, ...) tuples is walked as the same space of dataclasses:
+  # the same configs measured, in the same calls, and the same choice. Tuples had no
+  # geometry before, and a walk over a TPU matmul's tiles went at random (2026-12-07).
+  Named = collections.namedtuple("Named", [f.name for f in dataclasses.fields(Tile)])
+  for seed in range(3):
+    walks = []
+    for convert in (lambda c: c, dataclasses.astuple, lambda c: Named(*dataclasses.astuple(c))):
+      sweep = {convert(c): v for c, v in SWEEP.items()}
+      replay = search.ReplayMeasure(sweep, noise=0.02, seed=seed, compile_cost_s=0.5,
+                                    cost_s_per_config=0.2)
+      calls = []
+      logged = lambda configs, *, effort=1.0: calls.append(
+          [tuple(dataclasses.astuple(c) if dataclasses.is_dataclass(c) else c)
+           for c in configs]) or replay(configs, effort=effort)
+      outcome = search.racing(sweep, logged, heuristic=convert(HEURISTIC),
+                              budget_s=0.05 * len(sweep), rng_seed=seed, clock=replay.clock)
+      best = outcome.best
+      walks.append((calls, tuple(dataclasses.astuple(best)) if dataclasses.is_dataclass(best)
+                    else tuple(best)))
+    assert walks[0] == walks[1] == walks[2]
+    assert len(walks[0][0]) > 4  # a walk of several steps, not the heuristic alone
 
 
 def test_the_walk_never_returns_worse_than_the_heuristic_on_a_rough_sweep():
@@ -680,7 +720,11 @@ def test_code_path_variants_take_each_other_value_of_each_switch_once():
   assert search.code_path_variants(heuristic, [heuristic, both]) == [both]
   assert search.code_path_variants(heuristic, [heuristic]) == []
   assert search.code_path_variants(HEURISTIC, SWEEP) == []  # No switches.
-  assert search.code_path_variants((1, True), [(1, False)]) == []  # Not dataclasses.
+  # Tuples' positions are tunables too; other configs have none.
+  assert search.code_path_variants((1, True), [(1, True), (2, True), (2, False), (1, False)]
+                                   ) == [(1, False)]
+  assert search.code_path_variants((1, True), [(1, True, 0), (1, False, 0)]) == []
+  assert search.code_path_variants("a", ["a", "b"]) == []
 
 
 def test_strategies_measure_code_path_variants_right_after_the_heuristic():

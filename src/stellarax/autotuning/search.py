@@ -394,38 +394,74 @@ def _columns(call: Sequence[float]) -> np.ndarray:
   return np.array([call[0], call[1], call[3] if len(call) > 3 else 0, 1.0], dtype=np.float64)
 
 
+def _tunables(config: Any) -> tuple[Any, ...]:
+  """The names of a config's tunables: a dataclass's fields, a named tuple's fields, or a
+  plain tuple's positions (0, 1, ...); () for any other config, whose tunables the
+  strategies cannot tell apart (such configs are one step from each other)."""
+  if dataclasses.is_dataclass(config) and not isinstance(config, type):
+    return tuple(f.name for f in dataclasses.fields(config))
+  if isinstance(config, tuple):
+    return tuple(getattr(config, "_fields", None) or range(len(config)))
+  return ()
+
+
+def _value(config: Any, tunable: Any) -> Any:
+  """The value of one of `_tunables(config)`."""
+  return config[tunable] if isinstance(tunable, int) else getattr(config, tunable)
+
+
+def _replaced(config: Any, changes: Mapping[Any, Any]) -> Any:
+  """`config` with the tunables named in `changes` set to their values there."""
+  if dataclasses.is_dataclass(config):
+    return dataclasses.replace(config, **changes)
+  if hasattr(config, "_replace"):  # a named tuple
+    return config._replace(**changes)
+  return tuple(changes.get(i, v) for i, v in enumerate(config))
+
+
+def _shared_tunables(configs: Sequence[Any]) -> tuple[Any, ...]:
+  """The tunables of `configs` where all are of one class with the same tunables (plain
+  tuples: of one length), else ()."""
+  if not configs:
+    return ()
+  first = configs[0]
+  names = _tunables(first)
+  same = all(type(c) is type(first) and _tunables(c) == names for c in configs)
+  return names if same else ()
+
+
 def code_path_variants(heuristic: Any, space: Iterable[Any]) -> list[Any]:
-  """For each categorical field of a dataclass config (a bool or str: a switch between
+  """For each categorical tunable of a config (a bool or str: a switch between
   code paths, e.g. a fused dQ, a split dK/dV, which warpgroup split a tile) and each value
   of it in `space` other than the heuristic's, the config of `space` with that value
-  that differs from the heuristic in the fewest other fields (the first such in the
+  that differs from the heuristic in the fewest other tunables (the first such in the
   space's order): the heuristic with the switch flipped where the space has that.
+  Tunables are a dataclass's fields, a named tuple's, or a plain tuple's positions.
 
   Strategies measure these right after the heuristic: under a tight budget a config
   that runs other kernel code says more than one that only changes a tile, and the
   fewer other changes, the more the difference in time is the code path's.
 
   Args:
-    heuristic: a config; one that is not a dataclass has no switches.
-    space: configs of the same class, in the space's order.
+    heuristic: a config; one that is neither a dataclass nor a tuple has no switches.
+    space: configs of the same class (plain tuples: of the same length), in the space's
+      order; others are passed over.
 
   Returns:
     Distinct configs, none equal to `heuristic`, in the order of the fields and, per
     field, of the values' first appearance in the space.
   """
-  if not dataclasses.is_dataclass(heuristic):
-    return []
-  space = [c for c in space if type(c) is type(heuristic)]
-  fields = [f.name for f in dataclasses.fields(heuristic)]
-  distance = lambda c: sum(getattr(c, f) != getattr(heuristic, f) for f in fields)
+  fields = _tunables(heuristic)
+  space = [c for c in space if type(c) is type(heuristic) and _tunables(c) == fields]
+  distance = lambda c: sum(_value(c, f) != _value(heuristic, f) for f in fields)
   out: list[Any] = []
   for name in fields:
-    value = getattr(heuristic, name)
+    value = _value(heuristic, name)
     if not isinstance(value, (bool, str)):
       continue
-    others = dict.fromkeys(getattr(c, name) for c in space if getattr(c, name) != value)
+    others = dict.fromkeys(_value(c, name) for c in space if _value(c, name) != value)
     for other in others:
-      nearest = min((c for c in space if getattr(c, name) == other), key=distance)
+      nearest = min((c for c in space if _value(c, name) == other), key=distance)
       if nearest not in out:
         out.append(nearest)
   return out
@@ -717,10 +753,12 @@ def _race(session: _Session[C], pool: list[C], heuristic: C,
 
 
 class _Geometry:
-  """How far apart two configs of a space are: for dataclass configs of one class, the
-  sum over fields of the steps between their values in that field's sorted values in the
-  space (numbers), or 1 where other values (bool, str, ...) differ; any other configs
-  are 1 apart when unequal.
+  """How far apart two configs of a space are: for configs with tunables (`_tunables`:
+  dataclasses of one class, named tuples of one class, plain tuples of one length), the
+  sum over tunables of the steps between their values in that tunable's sorted values in
+  the space (numbers), or 1 where other values (bool, str, ...) differ; any other configs
+  are 1 apart when unequal. (Tuples had no geometry at first, and a walk over a TPU
+  matmul's (block_m, block_n, block_k) tiles went at random, 2026-12-07.)
 
   `distances` gives a config's distance to every config of the space at once, from a
   table of each config's value ranks (numbers) or value codes (other fields): the walk
@@ -728,22 +766,19 @@ class _Geometry:
   the 17,956 configs of a real GEMM sweep (BENCHMARKS.md)."""
 
   def __init__(self, configs: Sequence[Any]):
-    first = configs[0] if configs else None
     self._configs = list(configs)
     self._index = {c: i for i, c in enumerate(self._configs)}
-    self._fields: list[str] = []
-    self._ranks: dict[str, dict[Any, int]] = {}
-    if dataclasses.is_dataclass(first) and all(type(c) is type(first) for c in configs):
-      self._fields = [f.name for f in dataclasses.fields(first)]
-      for name in self._fields:
-        values = {getattr(c, name) for c in configs}
-        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-          self._ranks[name] = {v: i for i, v in enumerate(sorted(values))}
+    self._fields: list[Any] = list(_shared_tunables(self._configs))
+    self._ranks: dict[Any, dict[Any, int]] = {}
+    for name in self._fields:
+      values = {_value(c, name) for c in configs}
+      if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        self._ranks[name] = {v: i for i, v in enumerate(sorted(values))}
     # One column per field: the value's rank (a number field) or a code of its own (any
     # other field, whose values are only equal or not).
     columns = [self._ranks.get(name) or {v: i for i, v in enumerate(
-        dict.fromkeys(getattr(c, name) for c in configs))} for name in self._fields]
-    self._table = np.array([[column[getattr(c, name)] for name, column in zip(self._fields, columns)]
+        dict.fromkeys(_value(c, name) for c in configs))} for name in self._fields]
+    self._table = np.array([[column[_value(c, name)] for name, column in zip(self._fields, columns)]
                             for c in self._configs], dtype=np.int64)
     self._table = self._table.reshape(len(self._configs), len(self._fields))
     self._numeric = np.array([name in self._ranks for name in self._fields], dtype=bool)
@@ -753,7 +788,7 @@ class _Geometry:
       return int(a != b)
     total = 0
     for name in self._fields:
-      x, y = getattr(a, name), getattr(b, name)
+      x, y = _value(a, name), _value(b, name)
       ranks = self._ranks.get(name)
       total += abs(ranks[x] - ranks[y]) if ranks is not None else int(x != y)
     return total
@@ -769,7 +804,7 @@ class _Geometry:
 
   def fields_changed(self, a: Any) -> np.ndarray:
     """In how many fields each config of the space differs from `a`, a config of the
-    space (configs that are not dataclasses of one class: 1 for each other config)."""
+    space (configs without shared tunables: 1 for each other config)."""
     if not self._fields:
       return self.distances(a)
     return (self._table != self._table[self._index[a]]).sum(axis=1)
@@ -778,9 +813,9 @@ class _Geometry:
     """The position of `config` in the configs the geometry was given."""
     return self._index[config]
 
-  def changed_field(self, a: Any, b: Any) -> str | None:
-    """The one field in which `b` differs from `a`, or None."""
-    changed = [f for f in self._fields if getattr(a, f) != getattr(b, f)]
+  def changed_field(self, a: Any, b: Any) -> Any:
+    """The one tunable in which `b` differs from `a`, or None."""
+    changed = [f for f in self._fields if _value(a, f) != _value(b, f)]
     return changed[0] if len(changed) == 1 else None
 
 
@@ -889,12 +924,12 @@ def _walk(session: _Session[C], configs: Sequence[C], heuristic: C, first: Seque
     if better:
       batch = []
       best = min(better, key=better.get)
-      moves: dict[str, tuple[float, Any]] = {}
+      moves: dict[Any, tuple[float, Any]] = {}
       for c, t in better.items():
         field = geometry.changed_field(incumbent, c)
         if field is not None and (field not in moves or t < moves[field][0]):
-          moves[field] = (t, getattr(c, field))
-      combined = (dataclasses.replace(incumbent, **{f: v for f, (_, v) in moves.items()})
+          moves[field] = (t, _value(c, field))
+      combined = (_replaced(incumbent, {f: v for f, (_, v) in moves.items()})
                   if len(moves) > 1 else None)
       incumbent = best
       if combined in space and not session.has(combined):
