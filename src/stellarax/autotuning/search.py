@@ -168,9 +168,12 @@ class _Session(Generic[C]):
     self._start = clock()
     self._best: dict[C, tuple[float, Measurement]] = {}  # config -> (effort, measurement)
     self._paid: set[C] = set()  # configs a timed call measured (compiled) in this session
-    # (new configs that ran ok, the effective effort summed over the configs that ran
-    # ok, seconds, new configs that failed) per call; see Measure.effective_effort.
-    self.calls: list[tuple[int, float, float, int]] = []
+    # The cost model's rows: (new configs that ran ok, the effective effort summed over
+    # the configs that ran ok, seconds, new configs that failed, 1) per call (see
+    # Measure.effective_effort), or two rows where the call's compile is known
+    # (`_split_compile`): (1, 0, its seconds, 0, 0) and the rest of the call.
+    self.calls: list[tuple[int, float, float, int, int]] = []
+    self.call_seconds: list[float] = []  # each timed call's seconds
     self.effective: Callable[[float], float] = (
         getattr(measure, "effective_effort", None) or (lambda effort: effort))
     self.recalled: Callable[[Sequence[C], float], Iterable[C]] = (
@@ -234,7 +237,13 @@ class _Session(Generic[C]):
       fresh = [c for c in dict.fromkeys(measured) if c not in self._paid]
       new_ok = sum(got[c].ok for c in fresh)
       timed = sum(got[c].ok for c in measured)
-      self.calls.append((new_ok, self.effective(effort) * timed, seconds, len(fresh) - new_ok))
+      work = self.effective(effort) * timed
+      compile_s = _split_compile(fresh, got, seconds)
+      if compile_s is None:
+        self.calls.append((new_ok, work, seconds, len(fresh) - new_ok, 1))
+      else:
+        self.calls += [(1, 0.0, compile_s, 0, 0), (0, work, seconds - compile_s, 0, 1)]
+      self.call_seconds.append(seconds)
       self._paid.update(measured)
     return {c: got[c] for c in configs}
 
@@ -250,6 +259,24 @@ class _Session(Generic[C]):
         wall_time_s=self._clock() - self._start, num_configs=num_configs)
 
 
+def _split_compile(fresh: Sequence[C], got: Mapping[C, Measurement], seconds: float
+                   ) -> float | None:
+  """The seconds of a call's one new config's compile, where the measure reported them
+  (`Measurement.compile_time_s`) and the call could have paid them; else None.
+
+  A call's seconds are what it cost, not how: the heuristic's first call (its compile,
+  0.2-0.5 s, and a full measurement, 0.3 s, of a TPU matmul) and the walk's first
+  steps (a compile each, 0.15-0.8 s) left the fit free to charge the compiles that
+  varied to effort, at 2-4 times its cost, and the walk stopped with a third of its
+  budget left to keep for a last round priced at that (v5e, 2026-12-07). One new config
+  compiles alone, so its compile is a part of the call; several compile at once, and
+  their compile times overlap, so such calls are fitted whole."""
+  if len(fresh) != 1 or not got[fresh[0]].ok:
+    return None
+  compile_s = got[fresh[0]].compile_time_s
+  return compile_s if compile_s is not None and 0 <= compile_s <= seconds else None
+
+
 @dataclasses.dataclass(frozen=True)
 class _CostModel:
   """Seconds per measure call: call_s for the call itself (a measure's own set-up: its
@@ -261,7 +288,9 @@ class _CostModel:
   (`failure_rate`), so that one timeout does not price every later config as one.
 
   The coefficients are fitted by least squares to the calls so far, all kept >= 0 (the
-  best fit over the subsets of them that are non-negative). Where the calls do not pin
+  best fit over the subsets of them that are non-negative). Where a call compiled one
+  new config and the measure reported how long that took, the compile is a row of its
+  own (`_split_compile`): what was seen, not left to the fit. Where the calls do not pin
   the coefficients down, several fits explain them equally well: one call; calls whose
   new configs and effort keep one ratio (the heuristic alone at full effort, then a
   walk's first step of two configs at half); two calls and a call cost. Each prices a
@@ -293,7 +322,8 @@ class _CostModel:
   def fit(cls, calls: Sequence[Sequence[float]],
           effective: Callable[[float], float] | None = None) -> _CostModel:
     """The model of `calls`: (new configs that ran ok, total effective effort, seconds,
-    new configs that failed (optional, default 0)) each."""
+    new configs that failed (optional, default 0), 1 for a call or 0 for a compile
+    split from one (optional, default 1)) each."""
     if not calls:
       return cls(0.0, 0.0, effective=effective or (lambda e: e))
     x = np.array([_columns(call) for call in calls], dtype=np.float64)
@@ -301,9 +331,17 @@ class _CostModel:
     best, *others = cls._least_squares(x, y)
     new = float(np.sum(x[:, 0] + x[:, 2]))
     failure_rate = float(np.sum(x[:, 2])) / new if new else 0.0
-    fitted = np.array([_columns(call) @ best for call in calls])
-    ratios = [call[2] / f for call, f in zip(calls, fitted) if f > 0]
-    scale = max(1.0, ratios[-1]) if fitted[-1] > 0 else 1.0
+    # Seconds and fitted seconds per call (a compile split from a call is a part of it).
+    per_call, part = [], np.zeros(2)
+    for row, call in zip(x, calls):
+      part += (call[2], row @ best)
+      if row[3]:
+        per_call.append(part)
+        part = np.zeros(2)
+    if part.any():
+      per_call.append(part)
+    ratios = [seconds / f for seconds, f in per_call if f > 0]
+    scale = max(1.0, per_call[-1][0] / per_call[-1][1]) if per_call[-1][1] > 0 else 1.0
     surprise = max([1.0, *ratios[-_SURPRISE_CALLS:]])
     # A failure's excess over a compile is the best fit's in every one (a failure costs
     # what it did, whichever fit explains the ok configs).
@@ -390,8 +428,10 @@ class _CostModel:
 
 
 def _columns(call: Sequence[float]) -> np.ndarray:
-  """A logged call's regressors: new ok configs, effort, new failed configs, 1 (the call)."""
-  return np.array([call[0], call[1], call[3] if len(call) > 3 else 0, 1.0], dtype=np.float64)
+  """A logged call's regressors: new ok configs, effort, new failed configs, and 1 for
+  the call (0 for a compile split from its call, `_split_compile`)."""
+  return np.array([call[0], call[1], call[3] if len(call) > 3 else 0,
+                   call[4] if len(call) > 4 else 1.0], dtype=np.float64)
 
 
 def _tunables(config: Any) -> tuple[Any, ...]:
@@ -1011,7 +1051,7 @@ def racing(space: Iterable[C], measure: Measure[C], *, heuristic: C,
     # compilation; made only where the budget left could pay for a call like the first
     # (its fixed cost, a worker's round trip or a warm-up, is not known yet), or where the
     # first was recalled from a journal and nothing was timed.
-    first = session.calls[0][2] if session.calls else None
+    first = session.call_seconds[0] if session.call_seconds else None
     if pool and (first is None or session.remaining() > first):
       session.measure([heuristic], min_effort)
     schedule = _plan(session, len(pool), eta, min_effort)
@@ -1089,7 +1129,9 @@ class ReplayMeasure(Generic[C]):
   one call costs call_cost_s + len(recorded) * (compile_cost_s + cost_s_per_config)
   (with a compile_cost_s per config, their sum instead of len(recorded) times one).
   With `whole_rounds`, a config costs its samples instead, cost_s_per_config * k / rounds,
-  as measure_candidates' do (at least one round), and `effective_effort` says so.
+  as measure_candidates' do (at least one round), and `effective_effort` says so. An ok
+  measurement reports its config's compile_cost_s as its `compile_time_s`, as
+  measure_candidates does (also for a config compiled in an earlier call).
 
   Args:
     recorded: config -> seconds per call, or a Measurement (a failure, or an ok one whose
@@ -1183,14 +1225,14 @@ class ReplayMeasure(Generic[C]):
       self._now += (self._cost_s * self.effective_effort(effort)
                     + (0.0 if config in self._seen else self._compile_cost_s[config]))
       self._seen.add(config)
-      out[config] = self._replay(self._recorded[config], effort)
+      out[config] = self._replay(self._recorded[config], effort, self._compile_cost_s[config])
     return out
 
-  def _replay(self, value: float | Measurement, effort: float) -> Measurement:
+  def _replay(self, value: float | Measurement, effort: float, compile_s: float) -> Measurement:
     if isinstance(value, Measurement):
       return value
     n = self._samples(effort)
     samples = value * np.exp(self._noise * self._rng.standard_normal(n))
     median, low, high = median_interval(samples)
     return Measurement(status="ok", median_s=median, ci_low_s=low, ci_high_s=high,
-                       num_samples=n, method="replay")
+                       num_samples=n, compile_time_s=compile_s, method="replay")
