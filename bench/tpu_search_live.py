@@ -13,8 +13,10 @@ real spaces' configs do).
 
 1. The whole space at full effort (`measure_candidates`, every config checked against
    XLA's product first): what each config takes, and what the sweep cost.
-2. `search.racing` from the heuristic (512, 512, 512) with budgets of 10% and 25% of
-   that sweep's time, three seeds each (--seeds), each with a measure as the autotuner makes one
+2. `search.racing` (and, with --strategies, others: `random_search` draws configs at
+   random, the baseline a search must beat) from the heuristic (512, 512, 512) with
+   budgets of 10% and 25% of that sweep's time, three seeds each (--seeds), each with a
+   measure as the autotuner makes one
    (a compile cache of its own, `effective_effort`): the time it spent against its
    budget, how many configs it measured, how far its choice is from the sweep's best
    (by the sweep's times), and its measure calls.
@@ -77,6 +79,9 @@ def matmul_problem(size: int, dtype) -> tuple:
   return x, y, jnp.dot(x, y, preferred_element_type=jnp.float32).astype(dtype)
 
 
+_STRATEGIES = ("racing", "random_search")  # the budgeted strategies of search.py
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=None, help="folder for search.json")
@@ -84,12 +89,20 @@ def main(argv=None) -> int:
                       help="small float32 products in interpret mode (a CPU)")
   parser.add_argument("--seeds", type=int, default=3,
                       help="searches per budget, seeds 0 to this less one (default 3)")
+  parser.add_argument("--strategies", default="racing",
+                      help="comma-separated names in stellarax.autotuning.search (racing, "
+                      "random_search); each searches with every budget and seed")
   args = parser.parse_args(argv)
   import jax
   import jax.numpy as jnp
   measure = load_measure()
   from stellarax.autotuning import search
 
+  names = args.strategies.split(",")
+  unknown = [name for name in names if name not in _STRATEGIES]
+  if unknown:
+    parser.error(f"--strategies {','.join(unknown)}: expected some of {', '.join(_STRATEGIES)}")
+  strategies = {name: getattr(search, name) for name in names}
   if args.smoke:
     size, dtype, sizes, ks = 256, jnp.float32, (64, 128), (64, 128, 256)
     heuristic, fractions, seeds = (128, 128, 128), (0.25,), (0,)
@@ -136,29 +149,30 @@ def main(argv=None) -> int:
         f"{times[best] * 1e3:.4f} ms; heuristic {heuristic} {times[heuristic] * 1e3:.4f} ms",
         flush=True)
   runs = []
-  for fraction in fractions:
-    for seed in seeds:
-      budget = fraction * sweep_s
-      calls = []
-      start = time.perf_counter()
-      outcome = search.racing(space, measure_for_one_search(calls), heuristic=heuristic,
-                              budget_s=budget, rng_seed=seed)
-      spent = time.perf_counter() - start
-      runs.append({"fraction": fraction, "seed": seed, "budget_s": budget, "spent_s": spent,
-                   "measured": outcome.num_measured, "chosen": list(outcome.best),
-                   "chosen_over_best": times[outcome.best] / times[best],
-                   # what the search saw: [median ms, samples] of the chosen and heuristic
-                   "seen": {which: [outcome.measurements[c].median_s * 1e3,
-                                    outcome.measurements[c].num_samples]
-                            for which, c in (("chosen", outcome.best), ("heuristic", heuristic))
-                            if c in outcome.measurements and outcome.measurements[c].ok},
-                   # [configs, new ones, effort, seconds, compiling s, what each
-                   # config measured: [median s, method] or its failure] each
-                   "calls": calls})
-      print(json.dumps({k: v for k, v in runs[-1].items() if k != "calls"}), flush=True)
-      print("  calls (configs, new, effort, s, compiling s):",
-            "; ".join(f"{n} {k} {e:.3f} {t:.2f} {c:.2f}" for n, k, e, t, c, _ in calls),
-            flush=True)
+  for (name, strategy), fraction, seed in itertools.product(strategies.items(), fractions,
+                                                          seeds):
+    budget = fraction * sweep_s
+    calls = []
+    start = time.perf_counter()
+    outcome = strategy(space, measure_for_one_search(calls), heuristic=heuristic,
+                       budget_s=budget, rng_seed=seed)
+    spent = time.perf_counter() - start
+    runs.append({"strategy": name, "fraction": fraction, "seed": seed, "budget_s": budget,
+                 "spent_s": spent,
+                 "measured": outcome.num_measured, "chosen": list(outcome.best),
+                 "chosen_over_best": times[outcome.best] / times[best],
+                 # what the search saw: [median ms, samples] of the chosen and heuristic
+                 "seen": {which: [outcome.measurements[c].median_s * 1e3,
+                                  outcome.measurements[c].num_samples]
+                          for which, c in (("chosen", outcome.best), ("heuristic", heuristic))
+                          if c in outcome.measurements and outcome.measurements[c].ok},
+                 # [configs, new ones, effort, seconds, compiling s, what each
+                 # config measured: [median s, method] or its failure] each
+                 "calls": calls})
+    print(json.dumps({k: v for k, v in runs[-1].items() if k != "calls"}), flush=True)
+    print("  calls (configs, new, effort, s, compiling s):",
+          "; ".join(f"{n} {k} {e:.3f} {t:.2f} {c:.2f}" for n, k, e, t, c, _ in calls),
+          flush=True)
   if args.out:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -170,9 +184,9 @@ def main(argv=None) -> int:
         "compile_s": {str(c): m.compile_time_s for c, m in sweep.items()},
         "failed": failed, "best": list(best), "heuristic": list(heuristic), "runs": runs},
         indent=1))
-  print("\nbudget | seed | spent s / budget s | configs measured | chosen | chosen / best")
+  print("\nstrategy | budget | seed | spent s / budget s | configs measured | chosen | chosen / best")
   for r in runs:
-    print(f"{r['fraction']:.0%} | {r['seed']} | {r['spent_s']:.1f} / {r['budget_s']:.1f} | "
+    print(f"{r['strategy']} | {r['fraction']:.0%} | {r['seed']} | {r['spent_s']:.1f} / {r['budget_s']:.1f} | "
           f"{r['measured']} of {len(space)} | {tuple(r['chosen'])} | {r['chosen_over_best']:.3f}")
   return 0
 

@@ -13,17 +13,25 @@ import tpu_search_live  # noqa: E402
 
 @pytest.mark.slow
 def test_smoke_run_sweeps_every_config_and_searches_with_a_logged_budget(tmp_path):
-  assert tpu_search_live.main(["--smoke", "--out", str(tmp_path)]) == 0
+  assert tpu_search_live.main(["--smoke", "--out", str(tmp_path),
+                               "--strategies", "racing,random_search"]) == 0
   record = json.loads((tmp_path / "search.json").read_text())
   assert len(record["times_ms"]) + len(record["failed"]) == 12 and not record["failed"]
   assert len(record["compile_s"]) == 12 and all(t > 0 for t in record["compile_s"].values())
   assert min(record["times_ms"].values()) == record["times_ms"][str(tuple(record["best"]))]
-  (run,) = record["runs"]
-  assert run["budget_s"] == pytest.approx(0.25 * record["sweep_s"])
-  assert run["chosen_over_best"] >= 1.0 and 1 <= run["measured"] <= 12
-  # Its first call measures the heuristic alone, new, at full effort.
-  assert run["calls"][0][:3] == [1, 1, 1.0]
-  assert sum(call[3] for call in run["calls"]) <= run["spent_s"]
+  assert [run["strategy"] for run in record["runs"]] == ["racing", "random_search"]
+  for run in record["runs"]:
+    assert run["budget_s"] == pytest.approx(0.25 * record["sweep_s"])
+    assert run["chosen_over_best"] >= 1.0 and 1 <= run["measured"] <= 12
+    # Its first call measures the heuristic alone, new, at full effort.
+    assert run["calls"][0][:3] == [1, 1, 1.0]
+    assert sum(call[3] for call in run["calls"]) <= run["spent_s"]
+
+
+def test_an_unknown_strategy_is_refused_with_the_names_there_are(capsys):
+  with pytest.raises(SystemExit):
+    tpu_search_live.main(["--smoke", "--strategies", "racing,annealing"])
+  assert "annealing: expected some of racing, random_search" in capsys.readouterr().err
 
 
 def test_the_kernel_multiplies_in_interpret_mode():
