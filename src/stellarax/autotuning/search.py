@@ -32,7 +32,9 @@ data and are never chosen; when every measured config failed, the strategy raise
 `AllCandidatesFailedError` listing why each failed.
 
 Budget. A budgeted strategy plans each call on a cost model fitted to the calls before
-it (`_CostModel`) and grows its calls of new configs gradually (`_most_new`: at most
+it (`_CostModel`; where a call compiled one new config and its Measurement reports
+`compile_time_s`, as `measure_candidates`' do, the compile is told apart from the rest of
+the call) and grows its calls of new configs gradually (`_most_new`: at most
 `_GROWTH` times as many as measured so far), since new configs cost what their compiles
 do, which vary with the config, and a call's cost is learnt only after it.
 
