@@ -381,3 +381,20 @@ def test_a_worker_asked_for_a_device_it_does_not_see_says_how_to_fix_it(fresh_wo
                                     options=OPTIONS, device_index=len(jax.devices())).values()
   assert m.status == "runtime_error"
   assert f"device {len(jax.devices())} was asked for" in m.error and "JAX_NUM_CPU_DEVICES" in m.error
+
+
+def test_a_worker_compiles_each_search_s_configs_anew():
+  # A worker keeps its measurer while the same call comes back, and racing re-measures
+  # configs within a search on its compiles. A new search starts with `prepare` (an
+  # empty request): kept compiles would report times that it did not pay, which its
+  # cost model takes as part of its calls (search._split_compile).
+  x = jax.random.normal(jax.random.key(4), (64, 32))
+  request = isolation._Request(FaultyOp().bind(x), 0, None, tuple(_configs("fast")), OPTIONS, 1.0)
+  (fast,) = request.configs
+  reply, measurer = isolation._serve(request, None, lambda: None)
+  assert reply["measurements"][0].ok and fast in measurer.compiled
+  again, same = isolation._serve(request, measurer, lambda: None)  # the same search
+  assert same is measurer and fast in measurer.compiled
+  assert again["measurements"][0].compile_time_s == reply["measurements"][0].compile_time_s
+  _, same = isolation._serve(dataclasses.replace(request, configs=()), measurer, lambda: None)
+  assert same is measurer and fast not in measurer.compiled  # a new search: its own

@@ -880,3 +880,37 @@ def test_a_new_configs_reported_compile_is_split_from_its_call():
   session = search._Session(stale, stale.clock, budget_s=100.0)
   session.measure([0], 1.0)
   assert session.calls == [pytest.approx((1, 1.0, 0.82, 0, 1))]
+
+
+def test_the_walk_over_tuples_of_other_classes_and_numpy_numbers():
+  # A tuple subclass keeps its class through the walk's pattern moves; a plain tuple
+  # heuristic over named tuples (equal, of another class) still walks by positions;
+  # NumPy numbers lie in order, as Python's do.
+  class Tile3(tuple):
+    @property
+    def m(self):
+      return self[0]
+
+  Named = collections.namedtuple("Named", "m n k")
+  sizes = np.array([16, 32, 64, 128])
+  walks = {}
+  for name, make, heuristic in (
+      ("subclass", lambda t: Tile3(t), lambda t: Tile3(t)),
+      ("named, plain heuristic", lambda t: Named(*t), tuple),
+      ("numpy", lambda t: tuple(np.int64(v) for v in t), lambda t: tuple(np.int64(v) for v in t))):
+    space = [make((m, n, k)) for m in sizes for n in sizes for k in sizes]
+    sweep = {c: 1e-3 * (1 + 0.05 * sum(abs(int(np.log2(v)) - 5) for v in c)) for c in space}
+    replay = search.ReplayMeasure(sweep, noise=0.01, seed=0, compile_cost_s=0.5,
+                                  cost_s_per_config=0.2)
+    seen = []
+    logged = lambda configs, *, effort=1.0: seen.extend(configs) or replay(configs, effort=effort)
+    start = heuristic((16, 16, 16))
+    outcome = search.racing(space, logged, heuristic=start, budget_s=0.15 * len(space) * 0.7,
+                            rng_seed=0, clock=replay.clock)
+    assert all(type(c) is type(space[0]) for c in seen if c != start), name
+    walks[name] = [tuple(int(v) for v in c) for c in seen]
+    assert sweep[outcome.best] < sweep[space[0]], name
+  assert len(set(map(tuple, walks.values()))) == 1  # the same walk, whatever the tuples
+  geometry = search._Geometry([Named(*c) for c in itertools.product(sizes, sizes, sizes)])
+  assert geometry.distance(Named(16, 16, 16), Named(128, 128, 128)) == 9
+  assert search._CostModel.fit([(1, 0.0, 0.5, 0, 0)]).fixed_s == pytest.approx(0.5)

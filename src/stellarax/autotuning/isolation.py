@@ -408,7 +408,11 @@ def _serve(request: _Request, measurer: CallMeasurer | None, set_up: Any
     measurer = CallMeasurer(request.bound_args, request.seed, device)
   set_up()  # from here on a lost worker was lost measuring a config
   configs = list(request.configs)
-  if not configs:  # `prepare`: the call is set up, nothing to measure
+  if not configs:  # `prepare`: the call is set up, nothing to measure; a search starts
+    # Its configs compile anew in it: a compile kept from an earlier search of the same
+    # call reports a compile time that this one did not pay, and the search's cost model
+    # takes a new config's reported compile as part of its call (search._split_compile).
+    measurer.compiled.clear()
     return {"measurements": {}, "stalled": False}, measurer
   out = measurer(configs, request.effort, request.options)
   index = {c: i for i, c in enumerate(configs)}

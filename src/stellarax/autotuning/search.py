@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import random
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -272,7 +273,9 @@ def _split_compile(fresh: Sequence[C], got: Mapping[C, Measurement], seconds: fl
   varied to effort, at 2-4 times its cost, and the walk stopped with a third of its
   budget left to keep for a last round priced at that (v5e, 2026-12-07). One new config
   compiles alone, so its compile is a part of the call; several compile at once, and
-  their compile times overlap, so such calls are fitted whole."""
+  their compile times overlap, so such calls are fitted whole. A measure whose compile
+  cache outlives a search reports compile times that the next search did not pay: give
+  each search its own (the autotuner does; its worker processes start one per search)."""
   if len(fresh) != 1 or not got[fresh[0]].ok:
     return None
   compile_s = got[fresh[0]].compile_time_s
@@ -340,7 +343,7 @@ class _CostModel:
       if row[3]:
         per_call.append(part)
         part = np.zeros(2)
-    if part.any():
+    if part.any() or not per_call:
       per_call.append(part)
     ratios = [seconds / f for seconds, f in per_call if f > 0]
     scale = max(1.0, per_call[-1][0] / per_call[-1][1]) if per_call[-1][1] > 0 else 1.0
@@ -447,29 +450,45 @@ def _tunables(config: Any) -> tuple[Any, ...]:
   return ()
 
 
+def _is_number(value: Any) -> bool:
+  """Whether a tunable's value is a number (NumPy's too: a space built from np.arange),
+  whose values lie in order, not a bool or another category."""
+  return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_switch(value: Any) -> bool:
+  """Whether a tunable's value selects a code path: a bool or a str (NumPy's too)."""
+  return isinstance(value, (bool, np.bool_, str))
+
+
 def _value(config: Any, tunable: Any) -> Any:
   """The value of one of `_tunables(config)`."""
   return config[tunable] if isinstance(tunable, int) else getattr(config, tunable)
 
 
 def _replaced(config: Any, changes: Mapping[Any, Any]) -> Any:
-  """`config` with the tunables named in `changes` set to their values there."""
+  """`config` with the tunables named in `changes` set to their values there (by
+  position: a plain tuple, equal to the space's config of any tuple class)."""
   if dataclasses.is_dataclass(config):
     return dataclasses.replace(config, **changes)
-  if hasattr(config, "_replace"):  # a named tuple
-    return config._replace(**changes)
-  return tuple(changes.get(i, v) for i, v in enumerate(config))
+  if all(isinstance(k, int) for k in changes):
+    return tuple(changes.get(i, v) for i, v in enumerate(config))
+  return config._replace(**changes)  # a named tuple's fields
 
 
 def _shared_tunables(configs: Sequence[Any]) -> tuple[Any, ...]:
-  """The tunables of `configs` where all are of one class with the same tunables (plain
-  tuples: of one length), else ()."""
+  """The tunables of `configs` where all are of one class with the same tunables; the
+  positions where all are tuples of one length of several classes (a plain tuple
+  heuristic over a space of named tuples, which compare equal); else ()."""
   if not configs:
     return ()
   first = configs[0]
   names = _tunables(first)
-  same = all(type(c) is type(first) and _tunables(c) == names for c in configs)
-  return names if same else ()
+  if all(type(c) is type(first) and _tunables(c) == names for c in configs):
+    return names
+  if all(isinstance(c, tuple) and len(c) == len(first) for c in configs):
+    return tuple(range(len(first)))
+  return ()
 
 
 def code_path_variants(heuristic: Any, space: Iterable[Any]) -> list[Any]:
@@ -499,7 +518,7 @@ def code_path_variants(heuristic: Any, space: Iterable[Any]) -> list[Any]:
   out: list[Any] = []
   for name in fields:
     value = _value(heuristic, name)
-    if not isinstance(value, (bool, str)):
+    if not _is_switch(value):
       continue
     others = dict.fromkeys(_value(c, name) for c in space if _value(c, name) != value)
     for other in others:
@@ -814,7 +833,7 @@ class _Geometry:
     self._ranks: dict[Any, dict[Any, int]] = {}
     for name in self._fields:
       values = {_value(c, name) for c in configs}
-      if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+      if all(_is_number(v) for v in values):
         self._ranks[name] = {v: i for i, v in enumerate(sorted(values))}
     # One column per field: the value's rank (a number field) or a code of its own (any
     # other field, whose values are only equal or not).
@@ -975,7 +994,7 @@ def _walk(session: _Session[C], configs: Sequence[C], heuristic: C, first: Seque
                   if len(moves) > 1 else None)
       incumbent = best
       if combined in space and not session.has(combined):
-        batch = [combined]
+        batch = [configs[geometry.index(combined)]]  # the space's own (a tuple subclass's)
   ranked = sorted(screened, key=lambda c: (screened[c], tie_order[c]))
   return [c for c in ranked if c != heuristic][:finalists]
 
