@@ -9,9 +9,9 @@ a TPU v5e a call of one compiled 4096^3 bf16 matmul config at the lowest effort 
 0.6 s (bench/tpu_search_live.py, 2026-12-07), which no search can make cheaper. This
 times, for the Pallas TPU matmul of tpu_search_live.py (loaded as it does): one config
 compiled, then calls of it at effort 1 and 0.012, of three other configs at 1, of it
-again at 1 and of all four at 1, each three times; then it times the parts of one call at the lowest effort (the
-measure module's steps, wrapped in timers: the measuring thread's work too, which a
-profiler of the calling thread would not see). It writes call_cost.json under --out.
+again at 1 and of all four at 1, each three times; then it times the parts of one call
+at the lowest effort (the measure module's steps, wrapped in timers: the measuring
+thread's work too, which a profiler of the calling thread would not see). It writes call_cost.json under --out.
 """
 
 from __future__ import annotations

@@ -692,7 +692,7 @@ def _surely_close(output: Any, reference: Any, rtol: float | None,
   if any(not f and o.dtype != r.dtype for f, o, r in zip(floats, outs, refs)):
     return False
   try:
-    stats = jax.device_get(_close_stats(outs, refs))
+    stats = jax.device_get([_leaf_stats(o, r) for o, r in zip(outs, refs)])
   except Exception:  # noqa: BLE001 (unsure: the host check runs and says what is wrong)
     return False
   scales = [float(scale) for f, (_, _, scale) in zip(floats, stats) if f]
@@ -717,18 +717,13 @@ def _both_real_floats(a: Any, b: Any) -> bool:
   return all(jnp.issubdtype(d, jnp.floating) for d in (a, b))
 
 
-def _close_stats(outs: list[jax.Array], refs: list[jax.Array]) -> list[tuple]:
-  """Per leaf (see `_surely_close`): (all finite, largest |out - ref|, largest |ref|) for
-  floats, compared in `_compared_dtype`'s type; (equal, 0, 0) for the others. A leaf at
-  a time: one program per leaf's shapes and types serves every output that has such a
-  leaf, where one program over all leaves compiled anew for each combination (most of
-  a 150-case test's 18 s, 2026-12-07)."""
-  return [_leaf_stats(o, r) for o, r in zip(outs, refs)]
-
-
 @jax.jit
 def _leaf_stats(o: jax.Array, r: jax.Array) -> tuple:
-  """`_close_stats` of one leaf."""
+  """One leaf's (see `_surely_close`): (all finite, largest |out - ref|, largest |ref|)
+  for floats, compared in `_compared_dtype`'s type; (equal, 0, 0) for the others. A
+  leaf at a time: one program per leaf's shapes and types serves every output that has
+  such a leaf, where one program over all leaves compiled anew for each combination
+  (most of a 150-case test's 18 s, 2026-12-07)."""
   zero = jnp.zeros((), jnp.float32)
   if o.size == 0:
     return jnp.array(True), zero, zero

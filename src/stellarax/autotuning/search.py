@@ -70,7 +70,7 @@ import math
 import numbers
 import random
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final, Generic, Protocol, TypeVar
 
 import numpy as np
@@ -176,11 +176,15 @@ class _Session(Generic[C]):
     # Measure.effective_effort), or two rows where the call's compile is known
     # (`_split_compile`): (1, 0, its seconds, 0, 0) and the rest of the call.
     self.calls: list[tuple[int, float, float, int, int]] = []
-    self.call_seconds: list[float] = []  # each timed call's seconds
     self.effective: Callable[[float], float] = (
         getattr(measure, "effective_effort", None) or (lambda effort: effort))
     self.recalled: Callable[[Sequence[C], float], Iterable[C]] = (
         getattr(measure, "recalled", None) or (lambda configs, effort: ()))
+
+  @property
+  def call_seconds(self) -> list[float]:
+    """Each timed measure call's seconds."""
+    return [sum(row[2] for row in call) for call in _by_call(self.calls)]
 
   def cost_model(self) -> _CostModel:
     """The cost model fitted to the calls so far."""
@@ -246,7 +250,6 @@ class _Session(Generic[C]):
         self.calls.append((new_ok, work, seconds, len(fresh) - new_ok, 1))
       else:
         self.calls += [(1, 0.0, compile_s, 0, 0), (0, work, seconds - compile_s, 0, 1)]
-      self.call_seconds.append(seconds)
       self._paid.update(measured)
     return {c: got[c] for c in configs}
 
@@ -336,15 +339,8 @@ class _CostModel:
     best, *others = cls._least_squares(x, y)
     new = float(np.sum(x[:, 0] + x[:, 2]))
     failure_rate = float(np.sum(x[:, 2])) / new if new else 0.0
-    # Seconds and fitted seconds per call (a compile split from a call is a part of it).
-    per_call, part = [], np.zeros(2)
-    for row, call in zip(x, calls):
-      part += (call[2], row @ best)
-      if row[3]:
-        per_call.append(part)
-        part = np.zeros(2)
-    if part.any() or not per_call:
-      per_call.append(part)
+    per_call = [(sum(row[2] for row in call), sum(_columns(row) @ best for row in call))
+                for call in _by_call(calls)]  # (seconds, fitted seconds)
     ratios = [seconds / f for seconds, f in per_call if f > 0]
     scale = max(1.0, per_call[-1][0] / per_call[-1][1]) if per_call[-1][1] > 0 else 1.0
     surprise = max([1.0, *ratios[-_SURPRISE_CALLS:]])
@@ -430,6 +426,19 @@ class _CostModel:
     """What a new config costs beside its effort: its compile, and the excess of a
     failure's cost over it at the rate failures happened."""
     return self.fixed_s + self.failure_rate * max(0.0, self.failed_s - self.fixed_s)
+
+
+def _by_call(rows: Sequence[Sequence[float]]) -> Iterator[list[Sequence[float]]]:
+  """The cost log's rows (`_CostModel.fit`'s `calls`) grouped by measure call: a compile
+  split from a call (`_split_compile`) is the row before the rest of it."""
+  call = []
+  for row in rows:
+    call.append(row)
+    if _columns(row)[3]:
+      yield call
+      call = []
+  if call:
+    yield call
 
 
 def _columns(call: Sequence[float]) -> np.ndarray:
@@ -937,12 +946,12 @@ def _walk(session: _Session[C], configs: Sequence[C], heuristic: C, first: Seque
     # config for a TPU matmul's tiles), and the model learns a chunk's cost only after
     # the call (two chunks of 20 new configs in one run took 2.2 and 3.5 s: 16% over).
     spare = room - model.cost(reserve)
-    step_s = lambda k: model.cost([(k, model.work(k + 1, effort))])
+    call = lambda k: (k, model.work(k + 1, effort))  # k new configs and the incumbent
     surprise = model.surprise / model.scale  # (the cost has the last call's in it)
     candidates = candidates[:_most_new(session)]
     while candidates and (
-        model.cost([(len(candidates), model.work(len(candidates) + 1, effort)), *reserve]) > room
-        or (len(candidates) > 1 and surprise * step_s(len(candidates)) > spare)):
+        model.cost([call(len(candidates)), *reserve]) > room
+        or (len(candidates) > 1 and surprise * model.cost([call(len(candidates))]) > spare)):
       candidates = candidates[:-1]
     if not candidates:
       return None
@@ -1072,7 +1081,7 @@ def racing(space: Iterable[C], measure: Measure[C], *, heuristic: C,
     # compilation; made only where the budget left could pay for a call like the first
     # (its fixed cost, a worker's round trip or a warm-up, is not known yet), or where the
     # first was recalled from a journal and nothing was timed.
-    first = session.call_seconds[0] if session.call_seconds else None
+    first = next(iter(session.call_seconds), None)
     if pool and (first is None or session.remaining() > first):
       session.measure([heuristic], min_effort)
     schedule = _plan(session, len(pool), eta, min_effort)
