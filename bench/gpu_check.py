@@ -1034,9 +1034,14 @@ def faster_code_paths(result) -> list[str]:
 
 
 def _flipped(heuristic, variant) -> str:
-  """The fields in which `variant` differs from `heuristic`, as name=value."""
-  return ", ".join(f"{f.name}={getattr(variant, f.name)}" for f in dataclasses.fields(heuristic)
-                   if getattr(variant, f.name) != getattr(heuristic, f.name))
+  """The tunables in which `variant` differs from `heuristic`, as name=value (a
+  dataclass's or named tuple's fields, a plain tuple's positions: `search._tunables`)."""
+  from stellarax.autotuning import search
+  names = search._tunables(heuristic)
+  if not isinstance(variant, type(heuristic)) and isinstance(variant, tuple):
+    names = range(len(heuristic))  # a plain tuple against named tuples: by positions
+  return ", ".join(f"{name}={search._value(variant, name)}" for name in names
+                   if search._value(variant, name) != search._value(heuristic, name))
 
 
 def _call_name(entry) -> str:

@@ -726,6 +726,14 @@ def test_code_path_variants_take_each_other_value_of_each_switch_once():
   assert search.code_path_variants((1, True), [(1, True), (2, True), (2, False), (1, False)]
                                    ) == [(1, False)]
   assert search.code_path_variants((1, True), [(1, True, 0), (1, False, 0)]) == []
+  # A plain-tuple heuristic over a space of named tuples: by positions, the space's own
+  # instances (a named tuple equals the plain tuple of its values).
+  named = collections.namedtuple("Named", "block fused")
+  assert search.code_path_variants((1, True), [named(1, True), named(2, False),
+                                               named(1, False)]) == [named(1, False)]
+  assert type(search.code_path_variants((1, True), [named(1, False)])[0]) is named
+  # A named-tuple heuristic over plain tuples and named tuples alike.
+  assert search.code_path_variants(named(1, True), [(1, False), named(2, False)]) == [(1, False)]
   assert search.code_path_variants("a", ["a", "b"]) == []
 
 

@@ -1,5 +1,6 @@
 """The GPU benchmark script runs end to end on the CPU (tiny shapes)."""
 
+import collections
 import json
 import os
 import pathlib
@@ -242,6 +243,16 @@ def test_faster_code_paths_need_disjoint_confidence_intervals():
   assert gpu_check.faster_code_paths([entry(timed(3.8, 3.0, 3.95))]) == []  # intervals overlap
   wrong = Measurement(status="wrong_result", error="max abs error 3.2")
   assert gpu_check.faster_code_paths([entry(wrong)]) == []
+  # Tuple configs name their tunables by field (named tuples) or position (plain ones).
+  named = collections.namedtuple("Named", "block fused")
+  for h, v, flipped in ((named(64, False), named(64, True), "fused=True"),
+                        ((64, False), (64, True), "1=True"),
+                        ((64, False), named(64, True), "1=True")):
+    tuple_entry = Entry(bound_args=call, best_config=v, heuristic_config=h,
+                        measurements=((h, timed(4.0, 3.9, 4.1)), (v, timed(3.0, 2.9, 3.1))))
+    assert gpu_check.faster_code_paths([tuple_entry]) == [
+        f"attention.pallas_mosaic_gpu_vjp (2, 8192, 16, 128): {flipped} takes 0.75x the"
+        " heuristic's time"]
 
 
 @pytest.mark.slow  # tunes on the CPU for its workloads: CI's slow stage

@@ -514,15 +514,22 @@ def code_path_variants(heuristic: Any, space: Iterable[Any]) -> list[Any]:
 
   Args:
     heuristic: a config; one that is neither a dataclass nor a tuple has no switches.
-    space: configs of the same class (plain tuples: of the same length), in the space's
-      order; others are passed over.
+    space: configs of the heuristic's class with its tunables, in the space's order;
+      others are passed over. Tuples of the heuristic's length but of several classes
+      (a plain-tuple heuristic over a space of named tuples) are taken by positions, as
+      the walk takes them (`_shared_tunables`).
 
   Returns:
-    Distinct configs, none equal to `heuristic`, in the order of the fields and, per
-    field, of the values' first appearance in the space.
+    Distinct configs of `space`, none equal to `heuristic`, in the order of the fields
+    and, per field, of the values' first appearance in the space.
   """
   fields = _tunables(heuristic)
-  space = [c for c in space if type(c) is type(heuristic) and _tunables(c) == fields]
+  same = [c for c in space if type(c) is type(heuristic) and _tunables(c) == fields]
+  if isinstance(heuristic, tuple):
+    tuples = [c for c in space if isinstance(c, tuple) and len(c) == len(heuristic)]
+    if len(tuples) > len(same):
+      same, fields = tuples, tuple(range(len(heuristic)))
+  space = same
   distance = lambda c: sum(_value(c, f) != _value(heuristic, f) for f in fields)
   out: list[Any] = []
   for name in fields:
