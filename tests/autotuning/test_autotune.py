@@ -21,6 +21,7 @@ from stellarax import autotuning
 from stellarax.autotuning import autotuner as autotuner_lib
 from stellarax.autotuning import cache as cache_lib
 from stellarax.autotuning import file_format
+from stellarax.autotuning import measure as measure_lib
 from stellarax.autotuning import search as search_lib
 from stellarax.autotuning.measure import MeasureOptions
 from stellarax.core import resolution
@@ -75,7 +76,7 @@ def test_dumps_loads_round_trip_and_file(grad_result, tmp_path):
   text = grad_result.dumps()
   data = json.loads(text)
   assert data["schema"] == file_format.SCHEMA_VERSION and data["device_kind"] == grad_result.device_kind
-  assert set(data["versions"]) == {"stellarax", "jax", "jaxlib"}
+  assert set(data["versions"]) == {"stellarax", "jax", "jaxlib", "timing"}
   assert "stellarax.ops" not in text
   assert stellarax.AutotuningResult.loads(text) == grad_result
   path = tmp_path / "r.json"
@@ -397,6 +398,26 @@ def test_other_versions_are_used_with_a_warning(grad_result, layout):
   assert "2 of 2 entries were recorded with other versions" in str(record[0].message)
   (entry,) = loaded
   assert entry.versions["jax"] == "0.0.1" and not entry.is_current
+  assert "jax 0.0.1 (running " in entry.stale_reason
+
+
+def test_entries_timed_another_way_are_stale(grad_result):
+  # Times taken before measure.TIMING_REVISION was kept (single batches off the CPU read
+  # up to twice an H200's device time) are not comparable with today's: their calls are
+  # measured again, though stellarax, jax and jaxlib are the same.
+  data = json.loads(grad_result.dumps())
+  for versions in [data["versions"], *(e["versions"] for e in data["entries"])]:
+    del versions["timing"]
+  with pytest.warns(file_format.VersionWarning, match="recorded with other versions"):
+    old = stellarax.AutotuningResult.loads(json.dumps(data))
+  assert all(not e.is_current for e in old)
+  assert [e.stale_reason for e in old] == [
+      f"measured under other versions: timing unrecorded (running {measure_lib.TIMING_REVISION})"] * len(old)
+  again = _recorded_with(json.loads(grad_result.dumps()), timing="1")
+  assert not any(e.is_current for e in stellarax.AutotuningResult.loads(
+      json.dumps(again), warn_other_versions=False))
+  # A current entry of the same call wins the merge, whichever ran faster.
+  assert all(e.is_current for e in old | grad_result)
 
 
 def test_each_entry_keeps_the_versions_it_was_measured_under(grad_result):
@@ -443,7 +464,7 @@ def test_autotune_measures_stale_cached_calls_again(user_cache_dir, grad_result)
   cache_lib.USER_CACHE.write(old)
   with pytest.warns(file_format.VersionWarning):
     text = str(autotuning.explain(stale.bound_args))
-  assert "from user_cache" in text and "'jax': '0.0.1'" in text and "stale" in text
+  assert "from user_cache" in text and "jax 0.0.1 (running " in text and "stale" in text
   assert autotuning.explain(fresh.bound_args).stale is None
   with pytest.warns(file_format.VersionWarning):
     result = tuner(cache=True).autotune(calls)

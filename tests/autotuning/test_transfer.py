@@ -276,7 +276,7 @@ def test_explain_says_when_the_entry_transferred_from_is_stale():
   old = dataclasses.replace(entry, versions={**entry.versions, "jax": "0.0.1"})
   with _result(old):
     explanation = autotuning.explain(_ragged(512))
-  assert explanation.source.startswith("transfer:") and "'jax': '0.0.1'" in explanation.stale
+  assert explanation.source.startswith("transfer:") and "jax 0.0.1 (running " in explanation.stale
   assert "transferred from a stale entry" in str(explanation)
   with _result(entry):
     assert autotuning.explain(_ragged(512)).stale is None

@@ -3,14 +3,15 @@
     {
       "schema": 1,
       "device_kind": "NVIDIA H200",
-      "versions": {"stellarax": "0.1.0", "jax": "0.11.2", "jaxlib": "0.11.2"},
+      "versions": {"stellarax": "0.1.0", "jax": "0.11.2", "jaxlib": "0.11.2", "timing": "2"},
       "entries": [
         {
           "bound_args": {"op": {"name": "ragged_dot.xla", "fields": {}},
                          "arguments": {...}, "vmap_axes": [...]},
           "best_config": {...}, "heuristic_config": {...},
           "measured_at": "2026-11-29T23:00:00Z", "method": "racing/cpu-batched",
-          "versions": {"stellarax": "0.1.0", "jax": "0.11.2", "jaxlib": "0.11.2"},
+          "versions": {"stellarax": "0.1.0", "jax": "0.11.2", "jaxlib": "0.11.2",
+                       "timing": "2"},
           "code": "3f1c9a0e5b7d2c41",
           "measurements": [{"config": {...}, "status": "ok", "median_s": ...,
                             "ci_low_s": ..., "ci_high_s": ..., "num_samples": ...,
@@ -28,7 +29,8 @@ source it was measured on (`core/fingerprint.py`; absent or "" if unknown).
 
 Policy for data from other versions: a file with a newer `schema` is refused
 with a clear error (it may mean anything); entries recorded under another
-stellarax/jax/jaxlib version are used, with one warning per file, because
+stellarax/jax/jaxlib version or timing revision (`measure.TIMING_REVISION`: how times
+were taken; an entry written before it was kept has none) are used, with one warning per file, because
 configs are validated when read and a config that no longer validates (or an
 op that no longer exists) drops just that entry, with a warning. They are
 stale all the same (`result.Entry.stale_reason`), as are entries measured on
@@ -100,14 +102,24 @@ class FormatWarning(UserWarning):
 
 
 def current_versions() -> dict[str, str]:
-  """The versions recorded in files written now."""
+  """The versions recorded in files written now: stellarax's, jax's, jaxlib's, and the
+  revision of how times are taken (`measure.TIMING_REVISION`)."""
   from stellarax import __version__
-  return {"stellarax": __version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__}
+  from stellarax.autotuning.measure import TIMING_REVISION
+  return {"stellarax": __version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+          "timing": TIMING_REVISION}
 
 
 def same_versions(versions: Mapping[str, str]) -> bool:
-  """Whether `versions` name the running stellarax, jax and jaxlib."""
-  return all(versions.get(k) == v for k, v in current_versions().items())
+  """Whether `versions` name the running stellarax, jax, jaxlib and timing revision."""
+  return not other_versions(versions)
+
+
+def other_versions(versions: Mapping[str, str]) -> str:
+  """How `versions` differ from the running ones, in words ("" where they do not), e.g.
+  "jax 0.11.1 (running 0.11.2), timing unrecorded (running 2)"."""
+  return ", ".join(f"{name} {versions.get(name, 'unrecorded')} (running {now})"
+                   for name, now in current_versions().items() if versions.get(name) != now)
 
 
 def dumps(data: Any) -> str:
@@ -310,7 +322,7 @@ def result_from_json(cls, data: dict[str, Any], *, source: str, warn_other_versi
   others = [v for v in recorded if not same_versions(v)]
   if warn_other_versions and others:
     warn(f"{source}: {len(others)} of {len(recorded)} entries were recorded with other "
-         f"versions ({others[0]}, running {current_versions()}); using them. `autotune` "
+         f"versions ({other_versions(others[0])}); using them. `autotune` "
          "measures their calls again.", VersionWarning)
   entries, places = {}, {}
   for i, raw in enumerate(data["entries"]):

@@ -142,6 +142,17 @@ from stellarax.autotuning import profile
 from stellarax.core.config import check_plain_types
 from stellarax.core.warn import warn
 
+# How this module takes a time, as a revision that tuned entries record among their
+# versions (`file_format.current_versions`, key "timing"). Bump it with any change after
+# which a time taken before is not comparable with one taken after (another way to take
+# a sample, another default): an entry of another revision is stale, so `autotune`
+# measures its call again, and a current entry wins any merge with it. The op-code
+# fingerprint cannot see such a change: it covers the ops, not this module.
+#   (none): entries written before the revision was kept. They include single batches
+#     off the CPU ("gpu-batched"), which read up to twice an H200's device time.
+#   "2": paired samples off the CPU; host-bound calls looped; outputs checked on the device.
+TIMING_REVISION: Final = "2"
+
 K = TypeVar("K", bound=Hashable)
 
 STATUSES: Final = ("ok", "compile_error", "runtime_error", "wrong_result", "timeout")

@@ -42,8 +42,8 @@ class Entry:
     measurements: (config, Measurement) pairs, in measuring order.
     measured_at: ISO-8601 UTC time of the measurement.
     method: how it was measured (strategy and timing method).
-    versions: the stellarax, jax and jaxlib versions it was measured under (default:
-      the running ones).
+    versions: the stellarax, jax and jaxlib versions and the timing revision
+      (`measure.TIMING_REVISION`) it was measured under (default: the running ones).
     code: the fingerprint of the op's code it was measured on
       (`core.fingerprint.code_fingerprint`); "" for unknown (entries written before
       fingerprints were kept), which only the versions judge.
@@ -62,16 +62,17 @@ class Entry:
   @property
   def stale_reason(self) -> str | None:
     """Why this entry is stale, or None when it is current: measured under the running
-    stellarax, jax and jaxlib versions, on the op's current code (when its fingerprint
+    stellarax, jax and jaxlib versions and timing revision, on the op's current code (when its fingerprint
     is known, then and now: code that has no Python source now, as an op defined
     interactively in __main__ or in a compiled extension, is unknown, never stale).
 
-    Other versions may lower the same config to another program, and changed kernel
-    code may favour other configs, so a stale entry still applies, but `autotune`
+    Other versions may lower the same config to another program, times taken another
+    way are not comparable, and changed kernel code may favour other configs, so a stale entry still applies, but `autotune`
     measures its call again, and a current entry of the same call wins any merge with it.
     """
-    if not file_format.same_versions(self.versions):
-      return f"measured under {dict(self.versions)}, running {file_format.current_versions()}"
+    other = file_format.other_versions(self.versions)
+    if other:
+      return f"measured under other versions: {other}"
     now = code_fingerprint(type(self.bound_args.op))
     if self.code and now and self.code != now:  # "" on either side: unknown code
       return (f"measured on other code of {self.bound_args.op.name} (fingerprint {self.code}, "
