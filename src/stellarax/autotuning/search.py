@@ -60,7 +60,11 @@ every budget tried (BENCHMARKS.md has the comparisons).
 
 The choice. Every strategy ends with `measure.pick_best` over its finalists with
 `prefer=heuristic` and the space's order: a config replaces the heuristic one only when it
-is faster beyond noise.
+is faster beyond noise. The finalists are timed side by side where the budget allows:
+racing and the walk measure them with the heuristic in a last round; a sweep (exhaustive,
+random) that took several calls measures its fastest and their rivals again with the
+heuristic in one call (`_side_by_side`), as times of two calls can differ by more than
+the configs do.
 """
 
 from __future__ import annotations
@@ -170,6 +174,8 @@ class _Session(Generic[C]):
     self._measure, self._clock = measure, clock
     self._start = clock()
     self._best: dict[C, tuple[float, Measurement]] = {}  # config -> (effort, measurement)
+    self._call_of: dict[C, int] = {}  # config -> the measure call its kept measurement is of
+    self._num_calls = 0
     self._paid: set[C] = set()  # configs a timed call measured (compiled) in this session
     # The cost model's rows: (new configs that ran ok, the effective effort summed over
     # the configs that ran ok, seconds, new configs that failed, 1) per call (see
@@ -236,6 +242,8 @@ class _Session(Generic[C]):
         raise TypeError(f"The measure returned {got[c]!r} for {c!r}; expected a Measurement.")
       if c not in self._best or effort >= self._best[c][0]:
         self._best[c] = (effort, got[c])
+        self._call_of[c] = self._num_calls
+    self._num_calls += 1
     if measured:
       # New configs that failed (a compile error, a wrong result) are counted apart:
       # they cost anything from nothing to a whole compile, never a timing, and counted
@@ -252,6 +260,15 @@ class _Session(Generic[C]):
         self.calls += [(1, 0.0, compile_s, 0, 0), (0, work, seconds - compile_s, 0, 1)]
       self._paid.update(measured)
     return {c: got[c] for c in configs}
+
+  def timed_together(self, configs: Iterable[C]) -> bool:
+    """Whether the kept measurements of `configs` all come from one measure call."""
+    return len({self._call_of[c] for c in configs}) <= 1
+
+  def kept(self, config: C) -> Measurement:
+    """The measurement of `config` that the choice reads (its latest among its most
+    thorough); `config` must have been measured."""
+    return self._best[config][1]
 
   def choose(self, finalists: Iterable[C], heuristic: C | None, order: Sequence[C]) -> C:
     measurements = {c: self._best[c][1] for c in dict.fromkeys(finalists)}
@@ -575,8 +592,12 @@ def _check_chunk_size(chunk_size: int):
     raise ValueError(f"{chunk_size=} must be an int >= 1.")
 
 
-def _sweep(session: _Session[C], configs: Sequence[C], chunk_size: int):
-  """Measures configs in chunks at full effort, starting no chunk that would not fit.
+def _sweep(session: _Session[C], configs: Sequence[C], chunk_size: int,
+           keep_side_by_side: bool = False):
+  """Measures configs in chunks at full effort, starting no chunk that would not fit
+  (with `keep_side_by_side`, beside a last call of two configs measured before, where
+  that call is predicted to cost at most `_SIDE_BY_SIDE_SHARE` of the budget: see
+  `_side_by_side`).
 
   Before any call has been timed nothing predicts a cost, so the first chunk of a
   budgeted sweep is a single config, measured whatever the budget (the heuristic, which
@@ -590,12 +611,50 @@ def _sweep(session: _Session[C], configs: Sequence[C], chunk_size: int):
       if not session.calls:
         k = 1
       else:
-        k = session.cost_model().new_configs_that_fit(session.remaining(), 1.0,
-                                                      min(k, _most_new(session)))
+        model = session.cost_model()
+        later = [(0, model.work(2, 1.0))]
+        if not keep_side_by_side or model.cost(later) > _SIDE_BY_SIDE_SHARE * session.budget_s:
+          later = []
+        k = model.new_configs_that_fit(session.remaining(), 1.0,
+                                       min(k, _most_new(session)), later)
       if session.calls and (k == 0 or session.remaining() <= 0):
         return
     session.measure(configs[i:i + k], 1.0)
     i += k
+
+
+# The most configs besides the heuristic that `_side_by_side` measures again.
+_SIDE_BY_SIDE: Final = 3
+# A budgeted sweep keeps room for `_side_by_side`'s call of two configs where that costs
+# at most this fraction of the budget: where the budget holds a few configs, measuring
+# one more (a code path the heuristic did not take) says more than timing two again.
+_SIDE_BY_SIDE_SHARE: Final = 0.1
+
+
+def _side_by_side(session: _Session[C], heuristic: C | None) -> None:
+  """Where the sweep's fastest config and its rivals (the configs whose intervals reach
+  the fastest's, at most `_SIDE_BY_SIDE` of them, fastest first) and the heuristic were
+  timed in more than one measure call, measures them again together in one call at full
+  effort, if that fits the budget (`_final_round`), so that the choice compares times
+  taken side by side, in shuffled rounds, not times of calls that the machine's state
+  may set apart. A budgeted sweep measures the heuristic alone first: on the 2-core
+  CPU here the heuristic of `make demo`'s attention backward read 36 ms in that call
+  and 52 ms in another run's, and the configs of later calls read 15-30% off from one
+  process to the next, so the demo showed a 2.00x gain for a config 1.15x faster when
+  timed beside it (2026-12-07)."""
+  ok = [c for c in session.measured() if session.kept(c).ok]
+  if not ok:
+    return
+  fastest = min(ok, key=lambda c: session.kept(c).median_s)
+  reach = session.kept(fastest).ci_high_s
+  rivals = sorted((c for c in ok if c != heuristic and session.kept(c).ci_low_s <= reach),
+                  key=lambda c: session.kept(c).median_s)[:_SIDE_BY_SIDE]
+  together = rivals + ([heuristic] if heuristic is not None and session.has(heuristic) else [])
+  if len(together) < 2 or session.timed_together(together):
+    return
+  if heuristic is None or not session.has(heuristic):
+    rivals, heuristic = rivals[:-1], rivals[-1]  # `_final_round` measures the last beside
+  _final_round(session, rivals, heuristic, 1.0)
 
 
 # --- exhaustive and random --------------------------------------------------------------
@@ -629,7 +688,8 @@ def exhaustive(space: Iterable[C], measure: Measure[C], *, heuristic: C | None =
     chunk_size = len(configs) if budget_s is None else _CHUNK
   _check_chunk_size(chunk_size)
   session = _Session(measure, clock, budget_s)
-  _sweep(session, configs, chunk_size)
+  _sweep(session, configs, chunk_size, keep_side_by_side=True)
+  _side_by_side(session, heuristic)
   best = session.choose(session.measured(), heuristic, configs)
   return session.outcome("exhaustive", best, len(configs))
 
@@ -670,7 +730,8 @@ def random_search(space: Iterable[C], measure: Measure[C], *, heuristic: C,
   pool = _pool(configs, heuristic, rng_seed)[:num_samples]
   session = _Session(measure, clock, budget_s)
   session.measure([heuristic], 1.0)
-  _sweep(session, pool, chunk_size)
+  _sweep(session, pool, chunk_size, keep_side_by_side=True)
+  _side_by_side(session, heuristic)
   best = session.choose(session.measured(), heuristic, configs)
   return session.outcome("random", best, len(configs))
 
