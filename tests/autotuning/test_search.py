@@ -794,6 +794,19 @@ def test_a_sweep_times_its_fastest_again_beside_the_heuristic_measured_alone(str
     outcome = strategy([heuristic, slower, *others], replay, heuristic=heuristic,
                        clock=replay.clock)
     assert outcome.best == heuristic and replay.num_calls == 1
+  # Where a journal would answer a rival (another run's time), the call would not be
+  # side by side: it is left to the autotuner's confirmation (`_confirm_recalled`).
+  class Journaled:
+    def __init__(self):
+      self.replay, self.calls = search.ReplayMeasure(times, noise=0.01), []
+    def __call__(self, configs, effort):
+      self.calls.append(list(configs))
+      return _slow_first_call(self.replay, 1.5)(configs, effort)
+    def recalled(self, configs, effort):
+      return [c for c in configs if c == slower]
+  journaled = Journaled()
+  strategy([heuristic, slower, *others], journaled, clock=journaled.replay.clock, **kw)
+  assert sum(heuristic in call for call in journaled.calls) == 1
   # Without a heuristic, rivals timed in several calls are timed again together.
   if strategy is search.exhaustive:
     twin = Paths(block=97, split=False, fused=False)

@@ -637,7 +637,9 @@ def _side_by_side(session: _Session[C], heuristic: C | None) -> None:
   timed in more than one measure call, measures them again together in one call at full
   effort, if that fits the budget (`_final_round`), so that the choice compares times
   taken side by side, in shuffled rounds, not times of calls that the machine's state
-  may set apart. A budgeted sweep measures the heuristic alone first: on the 2-core
+  may set apart. Not where a journal would answer some of them with another run's
+  times (the call would not be side by side): the autotuner measures those together
+  after the search (`autotuner._confirm_recalled`). A budgeted sweep measures the heuristic alone first: on the 2-core
   CPU here the heuristic of `make demo`'s attention backward read 36 ms in that call
   and 52 ms in another run's, and the configs of later calls read 15-30% off from one
   process to the next, so the demo showed a 2.00x gain for a config 1.15x faster when
@@ -652,6 +654,8 @@ def _side_by_side(session: _Session[C], heuristic: C | None) -> None:
   together = rivals + ([heuristic] if heuristic is not None and session.has(heuristic) else [])
   if len(together) < 2 or session.timed_together(together):
     return
+  if len(session.to_pay(together, 1.0)[0]) < len(together):
+    return  # A journal would answer some: the autotuner confirms those (`_confirm_recalled`).
   if heuristic is None or not session.has(heuristic):
     rivals, heuristic = rivals[:-1], rivals[-1]  # `_final_round` measures the last beside
   _final_round(session, rivals, heuristic, 1.0)
