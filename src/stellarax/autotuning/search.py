@@ -271,7 +271,7 @@ class _Session(Generic[C]):
     return self._best[config][1]
 
   def choose(self, finalists: Iterable[C], heuristic: C | None, order: Sequence[C]) -> C:
-    measurements = {c: self._best[c][1] for c in dict.fromkeys(finalists)}
+    measurements = {c: self.kept(c) for c in dict.fromkeys(finalists)}
     prefer = heuristic if heuristic in measurements else None
     return pick_best(measurements, prefer=prefer, order=order)
 
@@ -592,12 +592,10 @@ def _check_chunk_size(chunk_size: int):
     raise ValueError(f"{chunk_size=} must be an int >= 1.")
 
 
-def _sweep(session: _Session[C], configs: Sequence[C], chunk_size: int,
-           keep_side_by_side: bool = False):
+def _sweep(session: _Session[C], configs: Sequence[C], chunk_size: int):
   """Measures configs in chunks at full effort, starting no chunk that would not fit
-  (with `keep_side_by_side`, beside a last call of two configs measured before, where
-  that call is predicted to cost at most `_SIDE_BY_SIDE_SHARE` of the budget: see
-  `_side_by_side`).
+  beside a last call of two configs measured before (`_side_by_side`), where that call
+  is predicted to cost at most `_SIDE_BY_SIDE_SHARE` of the budget.
 
   Before any call has been timed nothing predicts a cost, so the first chunk of a
   budgeted sweep is a single config, measured whatever the budget (the heuristic, which
@@ -613,7 +611,7 @@ def _sweep(session: _Session[C], configs: Sequence[C], chunk_size: int,
       else:
         model = session.cost_model()
         later = [(0, model.work(2, 1.0))]
-        if not keep_side_by_side or model.cost(later) > _SIDE_BY_SIDE_SHARE * session.budget_s:
+        if model.cost(later) > _SIDE_BY_SIDE_SHARE * session.budget_s:
           later = []
         k = model.new_configs_that_fit(session.remaining(), 1.0,
                                        min(k, _most_new(session)), later)
@@ -637,13 +635,16 @@ def _side_by_side(session: _Session[C], heuristic: C | None) -> None:
   timed in more than one measure call, measures them again together in one call at full
   effort, if that fits the budget (`_final_round`), so that the choice compares times
   taken side by side, in shuffled rounds, not times of calls that the machine's state
-  may set apart. Not where a journal would answer some of them with another run's
-  times (the call would not be side by side): the autotuner measures those together
-  after the search (`autotuner._confirm_recalled`). A budgeted sweep measures the heuristic alone first: on the 2-core
-  CPU here the heuristic of `make demo`'s attention backward read 36 ms in that call
-  and 52 ms in another run's, and the configs of later calls read 15-30% off from one
-  process to the next, so the demo showed a 2.00x gain for a config 1.15x faster when
-  timed beside it (2026-12-07)."""
+  may set apart.
+
+  A budgeted sweep measures the heuristic alone first. On the 2-core CPU here one
+  config read 33-48 ms from one process to the next, and `make demo` showed a 2.00x
+  gain for an attention backward config 1.17x faster when timed beside the heuristic
+  (2026-12-07, BENCHMARKS.md).
+
+  Not where a journal would answer some of them with another run's times (the call
+  would not be side by side): the autotuner measures those together after the search
+  (`autotuner._confirm_recalled`)."""
   ok = [c for c in session.measured() if session.kept(c).ok]
   if not ok:
     return
@@ -692,7 +693,7 @@ def exhaustive(space: Iterable[C], measure: Measure[C], *, heuristic: C | None =
     chunk_size = len(configs) if budget_s is None else _CHUNK
   _check_chunk_size(chunk_size)
   session = _Session(measure, clock, budget_s)
-  _sweep(session, configs, chunk_size, keep_side_by_side=True)
+  _sweep(session, configs, chunk_size)
   _side_by_side(session, heuristic)
   best = session.choose(session.measured(), heuristic, configs)
   return session.outcome("exhaustive", best, len(configs))
@@ -734,7 +735,7 @@ def random_search(space: Iterable[C], measure: Measure[C], *, heuristic: C,
   pool = _pool(configs, heuristic, rng_seed)[:num_samples]
   session = _Session(measure, clock, budget_s)
   session.measure([heuristic], 1.0)
-  _sweep(session, pool, chunk_size, keep_side_by_side=True)
+  _sweep(session, pool, chunk_size)
   _side_by_side(session, heuristic)
   best = session.choose(session.measured(), heuristic, configs)
   return session.outcome("random", best, len(configs))
