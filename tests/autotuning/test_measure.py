@@ -587,6 +587,23 @@ def test_pick_best_breaks_ties_by_preference_then_order():
   assert m.pick_best(narrow) == "a" and m.pick_best(narrow, prefer="b") == "b"
 
 
+def test_within_noise_lists_what_a_choice_cannot_tell_apart_yet():
+  results = {
+      "c": _ok(median=1.05e-3, low=1.008e-3, high=1.1e-3),  # Interval reaches a's.
+      "a": _ok(median=1.000e-3, low=0.99e-3, high=1.01e-3),
+      "d": _ok(median=1.05e-3, low=1.03e-3, high=1.07e-3),  # Slower beyond noise.
+      "b": _ok(median=1.009e-3, low=1.005e-3, high=1.012e-3),
+      "broken": _failed("runtime_error", "boom"),
+  }
+  assert m.within_noise(results) == ["a", "b", "c"]  # the fastest, then by median
+  # Of a slower one: every one whose interval starts below its end, the faster included
+  # (a heuristic kept within noise, and the configs that may yet beat it).
+  assert m.within_noise(results, "d") == ["d", "a", "b", "c"]
+  assert m.within_noise({"broken": results["broken"]}) == []
+  with pytest.raises(ValueError, match="'broken' was not measured ok"):
+    m.within_noise(results, "broken")
+
+
 def test_pick_best_with_every_candidate_failed_lists_why():
   results = {"x": _failed("compile_error", "TypeError: bad shapes"),
              "y": _failed("timeout", "a batch of 1 calls did not finish")}

@@ -936,9 +936,7 @@ def _confirm_recalled(outcome: search.SearchOutcome, measure_here: Callable[...,
   beside the heuristic, when one of them was recalled from a journal (another run's
   time: see journal.py)."""
   ms = dict(outcome.measurements)
-  best = ms[outcome.best]
-  close = [c for c, m in ms.items() if m.ok and c != outcome.best and m.ci_low_s <= best.ci_high_s]
-  contenders = [outcome.best] + sorted(close, key=lambda c: ms[c].median_s)[:_MAX_CONFIRMED - 1]
+  contenders = measure_lib.within_noise(ms, outcome.best)[:_MAX_CONFIRMED]
   if len(contenders) < 2 or not any(journal.is_recalled(c, ms[c]) for c in contenders):
     return outcome
   # The heuristic is measured again beside them: chosen among the fresh times alone, the

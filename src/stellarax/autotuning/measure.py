@@ -1721,6 +1721,33 @@ def dispatch_floor_s(args: tuple, options: MeasureOptions = MeasureOptions()) ->
 # --- choice -----------------------------------------------------------------------------
 
 
+def within_noise(measurements: Mapping[K, Measurement], of: K | None = None) -> list[K]:
+  """The keys measured ok whose confidence intervals reach `of`'s: those a choice
+  cannot yet tell from it, to be measured again side by side.
+
+  Args:
+    measurements: measurements by key.
+    of: the key to compare with (measured ok); None: the one of the fastest median.
+
+  Returns:
+    `of` first, then the others that reach its interval (ci_low_s <= its ci_high_s),
+    fastest median first; [] where nothing was measured ok.
+
+  Raises:
+    ValueError: if `of` was not measured ok.
+  """
+  ok = {k: m for k, m in measurements.items() if m.ok}
+  if of is None:
+    if not ok:
+      return []
+    of = min(ok, key=lambda k: ok[k].median_s)
+  if of not in ok:
+    raise ValueError(f"within_noise: {of!r} was not measured ok; name a key that was.")
+  reach = ok[of].ci_high_s
+  return [of] + sorted((k for k, m in ok.items() if k != of and m.ci_low_s <= reach),
+                       key=lambda k: ok[k].median_s)
+
+
 def pick_best(measurements: Mapping[K, Measurement], *, prefer: K | None = None,
               order: Iterable[K] | None = None) -> K:
   """Chooses the fastest successful candidate, breaking ties deterministically.

@@ -79,7 +79,7 @@ from typing import Any, Final, Generic, Protocol, TypeVar
 
 import numpy as np
 
-from stellarax.autotuning.measure import Measurement, median_interval, pick_best
+from stellarax.autotuning.measure import Measurement, median_interval, pick_best, within_noise
 
 C = TypeVar("C", bound=Hashable)
 
@@ -645,13 +645,8 @@ def _side_by_side(session: _Session[C], heuristic: C | None) -> None:
   Not where a journal would answer some of them with another run's times (the call
   would not be side by side): the autotuner measures those together after the search
   (`autotuner._confirm_recalled`)."""
-  ok = [c for c in session.measured() if session.kept(c).ok]
-  if not ok:
-    return
-  fastest = min(ok, key=lambda c: session.kept(c).median_s)
-  reach = session.kept(fastest).ci_high_s
-  rivals = sorted((c for c in ok if c != heuristic and session.kept(c).ci_low_s <= reach),
-                  key=lambda c: session.kept(c).median_s)[:_SIDE_BY_SIDE]
+  close = within_noise({c: session.kept(c) for c in session.measured()})
+  rivals = [c for c in close if c != heuristic][:_SIDE_BY_SIDE]
   together = rivals + ([heuristic] if heuristic is not None and session.has(heuristic) else [])
   if len(together) < 2 or session.timed_together(together):
     return
