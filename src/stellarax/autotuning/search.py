@@ -638,9 +638,9 @@ def _side_by_side(session: _Session[C], heuristic: C | None) -> None:
   may set apart.
 
   A budgeted sweep measures the heuristic alone first. On the 2-core CPU here one
-  config read 33-48 ms from one process to the next, and `make demo` showed a 2.00x
-  gain for an attention backward config 1.17x faster when timed beside the heuristic
-  (2026-12-07, BENCHMARKS.md).
+  config read 33-48 ms from one process to the next, and three sweeps of one attention
+  backward read its heuristic at 37-55 ms in that first call, its best at 33-35 ms
+  later: 1.07-1.60x from drift alone (2026-12-07, BENCHMARKS.md).
 
   Not where a journal would answer some of them with another run's times (the call
   would not be side by side): the autotuner measures those together after the search
