@@ -823,6 +823,41 @@ def test_a_sweep_times_its_fastest_again_beside_the_heuristic_measured_alone(str
   assert outcome.best == slower and replay.num_calls == 2
 
 
+def _drifting(replay, factors):
+  """`replay`, each call's times multiplied by factors[its number] (1 where absent),
+  with the configs of each call logged."""
+  calls = []
+  def measure(configs, effort):
+    calls.append(list(configs))
+    f = factors.get(len(calls), 1.0)
+    return {c: dataclasses.replace(m, median_s=m.median_s * f, ci_low_s=m.ci_low_s * f,
+                                   ci_high_s=m.ci_high_s * f) if m.ok else m
+            for c, m in replay(configs, effort=effort).items()}
+  return measure, calls
+
+
+def test_side_by_side_calls_go_on_while_another_config_read_fast_alone():
+  # f's call read 0.75x, x's 0.85x. Timed beside the heuristic, f reads its 0.9 and x,
+  # still at its lucky 0.81, would win on a time no other config was timed beside; so x
+  # is timed beside the heuristic too, and f (truly faster) is chosen.
+  times = {"h": 1.0e-3, "f": 0.9e-3, "x": 0.95e-3}
+  replay = search.ReplayMeasure(times, noise=0.005)
+  measure, calls = _drifting(replay, {2: 0.75, 3: 0.85})
+  outcome = search.exhaustive(["h", "f", "x"], measure, heuristic="h", chunk_size=1,
+                              clock=replay.clock)
+  assert calls == [["h"], ["f"], ["x"], ["f", "h"], ["x", "h"]] and outcome.best == "f"
+  # A heuristic that failed (a timeout costs its whole limit) is not measured again;
+  # the two fastest are timed together instead.
+  for status in ("timeout", "compile_error"):
+    failed = {"h": Measurement(status=status, error="boom"), "a": 1e-3, "b": 1.001e-3,
+              "c": 3e-3}
+    replay = search.ReplayMeasure(failed, noise=0.01)
+    measure, calls = _drifting(replay, {})
+    outcome = search.exhaustive(list(failed), measure, heuristic="h", chunk_size=1,
+                                clock=replay.clock)
+    assert sum("h" in call for call in calls) == 1 and calls[-1] in (["a", "b"], ["b", "a"])
+
+
 def test_a_last_round_without_room_for_all_measures_the_fastest_with_the_heuristic():
   """A walk that ran out of room for its last round chose on its fastest finalist's
   one-sample measurement, taken once: on a TPU that took a config 6% slower than the

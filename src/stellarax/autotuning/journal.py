@@ -9,7 +9,8 @@ is taken, into a journal next to the op's file in the user cache:
     <cache>/<device kind>/<op name>.<16 hex digits of the call>.<8 of the settings>.journal
 
 Its first line says what the measurements are valid for: the call (op and key), the
-stellarax, jax and jaxlib versions, the op's code fingerprint, the inputs' seed and the
+stellarax, jax and jaxlib versions and the timing revision (`measure.TIMING_REVISION`:
+a journal from before a revision is started over, not resumed), the op's code fingerprint, the inputs' seed and the
 measure options (the settings, whose digest is in the name). Then one JSON line per
 measured config: the config, its `Measurement` and the effort it was taken at. A rerun
 of the same tuning (all of the first line equal) takes a config's journaled measurement

@@ -621,8 +621,10 @@ def _sweep(session: _Session[C], configs: Sequence[C], chunk_size: int):
     i += k
 
 
-# The most configs besides the heuristic that `_side_by_side` measures again.
+# The most configs besides the heuristic that `_side_by_side` measures again, and in
+# how many calls at most.
 _SIDE_BY_SIDE: Final = 3
+_SIDE_BY_SIDE_ROUNDS: Final = 2
 # A budgeted sweep keeps room for `_side_by_side`'s call of two configs where that costs
 # at most this fraction of the budget: where the budget holds a few configs, measuring
 # one more (a code path the heuristic did not take) says more than timing two again.
@@ -630,12 +632,14 @@ _SIDE_BY_SIDE_SHARE: Final = 0.1
 
 
 def _side_by_side(session: _Session[C], heuristic: C | None) -> None:
-  """Where the sweep's fastest config and its rivals (the configs whose intervals reach
-  the fastest's, at most `_SIDE_BY_SIDE` of them, fastest first) and the heuristic were
-  timed in more than one measure call, measures them again together in one call at full
-  effort, if that fits the budget (`_final_round`), so that the choice compares times
-  taken side by side, in shuffled rounds, not times of calls that the machine's state
-  may set apart.
+  """Where the sweep's fastest config, its rivals (the configs whose intervals reach
+  the fastest's: `within_noise`, at most `_SIDE_BY_SIDE` of them) and the heuristic
+  (where it ran ok) were timed in more than one measure call, measures them again
+  together in one call at full effort, if that fits the budget (`_final_round`), so
+  that the choice compares times taken side by side, in shuffled rounds, not times of
+  calls that the machine's state may set apart. Then again, at most
+  `_SIDE_BY_SIDE_ROUNDS` calls in all, where that call left another config fastest
+  that was not in it (one whose own call read fast too).
 
   A budgeted sweep measures the heuristic alone first. On the 2-core CPU here one
   config read 33-48 ms from one process to the next, and three sweeps of one attention
@@ -645,16 +649,28 @@ def _side_by_side(session: _Session[C], heuristic: C | None) -> None:
   Not where a journal would answer some of them with another run's times (the call
   would not be side by side): the autotuner measures those together after the search
   (`autotuner._confirm_recalled`)."""
+  for _ in range(_SIDE_BY_SIDE_ROUNDS):
+    together = _not_yet_side_by_side(session, heuristic)
+    if not together or not _final_round(session, together[:-1], together[-1], 1.0):
+      return
+
+
+def _not_yet_side_by_side(session: _Session[C], heuristic: C | None) -> list[C]:
+  """The configs `_side_by_side` would measure together, the one to compare with last
+  (the heuristic, or without one that ran ok the second fastest: `_final_round`
+  falls back to the first and last); [] where they were timed together already, are
+  fewer than two, or a journal would answer some."""
   close = within_noise({c: session.kept(c) for c in session.measured()})
   rivals = [c for c in close if c != heuristic][:_SIDE_BY_SIDE]
-  together = rivals + ([heuristic] if heuristic is not None and session.has(heuristic) else [])
+  if heuristic is not None and session.has(heuristic) and session.kept(heuristic).ok:
+    together = rivals + [heuristic]
+  else:  # A failed heuristic is not measured again (a timeout would cost its limit).
+    together = rivals[:1] + rivals[2:] + rivals[1:2]
   if len(together) < 2 or session.timed_together(together):
-    return
+    return []
   if len(session.to_pay(together, 1.0)[0]) < len(together):
-    return  # A journal would answer some: the autotuner confirms those (`_confirm_recalled`).
-  if heuristic is None or not session.has(heuristic):
-    rivals, heuristic = rivals[:-1], rivals[-1]  # `_final_round` measures the last beside
-  _final_round(session, rivals, heuristic, 1.0)
+    return []  # A journal would answer some: the autotuner confirms those (`_confirm_recalled`).
+  return together
 
 
 # --- exhaustive and random --------------------------------------------------------------
@@ -663,7 +679,9 @@ def _side_by_side(session: _Session[C], heuristic: C | None) -> None:
 def exhaustive(space: Iterable[C], measure: Measure[C], *, heuristic: C | None = None,
                budget_s: float | None = None, chunk_size: int | None = None,
                clock: Callable[[], float] = time.perf_counter) -> SearchOutcome[C]:
-  """Measures every config of the space at full effort and keeps the fastest.
+  """Measures every config of the space at full effort and keeps the fastest. A sweep
+  of several calls then times its fastest configs and the heuristic again in one call
+  (`_side_by_side`; one or two more calls).
 
   Args:
     space: the configs (hashable; duplicates are measured once).
@@ -671,9 +689,10 @@ def exhaustive(space: Iterable[C], measure: Measure[C], *, heuristic: C | None =
     heuristic: the untuned config; it is measured first (also when not in the space) and
       wins ties. None for no preference.
     budget_s: None measures everything; otherwise the sweep goes in chunks and stops before
-      a chunk predicted to overrun (then it is not exhaustive: num_measured < num_configs).
+      a chunk predicted to overrun (then it is not exhaustive: num_measured < num_configs),
+      keeping room for the side-by-side call where it is cheap (`_SIDE_BY_SIDE_SHARE`).
     chunk_size: configs per measure call; None means one call for the whole space without
-      a budget, 16 with one.
+      a budget (then no side-by-side call is needed), 16 with one.
     clock: the time source.
 
   Returns:
@@ -699,7 +718,8 @@ def random_search(space: Iterable[C], measure: Measure[C], *, heuristic: C,
                   rng_seed: int = 0, chunk_size: int = _CHUNK,
                   clock: Callable[[], float] = time.perf_counter) -> SearchOutcome[C]:
   """Measures the heuristic, its code-path variants, then configs drawn at random
-  without replacement.
+  without replacement; then times the fastest and the heuristic again in one call
+  (`_side_by_side`), as `exhaustive` does.
 
   Args:
     space: the configs.
