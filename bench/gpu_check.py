@@ -1035,11 +1035,10 @@ def faster_code_paths(result) -> list[str]:
 
 def _flipped(heuristic, variant) -> str:
   """The tunables in which `variant` differs from `heuristic`, as name=value (a
-  dataclass's or named tuple's fields, a plain tuple's positions: `search._tunables`)."""
+  dataclass's or named tuple's fields, a plain tuple's positions; tuples of two classes
+  by positions: `search._shared_tunables`)."""
   from stellarax.autotuning import search
-  names = search._tunables(heuristic)
-  if not isinstance(variant, type(heuristic)) and isinstance(variant, tuple):
-    names = range(len(heuristic))  # a plain tuple against named tuples: by positions
+  names = search._shared_tunables([heuristic, variant])
   return ", ".join(f"{name}={search._value(variant, name)}" for name in names
                    if search._value(variant, name) != search._value(heuristic, name))
 

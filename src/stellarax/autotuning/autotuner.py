@@ -117,9 +117,10 @@ class Autotuner:
     ignore_cache: re-measure calls already in the user or library cache
       (otherwise their cached entries are reused as they are, unless they are
       stale: measured under other stellarax/jax/jaxlib versions or timing
-      revision, or on other code of their op, `Entry.stale_reason`; those are measured again). With
-      `cache=True`, the new entries replace the user cache's (a merge would keep
-      the faster of old and new, and a lucky old time would never be replaced).
+      revision, or on other code of their op, `Entry.stale_reason`; those are
+      measured again). With `cache=True`, the new entries replace the user
+      cache's (a merge would keep the faster of old and new, and a lucky old
+      time would never be replaced).
     cache: write each call's entry into the user cache as soon as it is tuned
       (an interrupted or failed run keeps what it measured; the next run reads
       those calls from the cache unless ignore_cache), and each measured config

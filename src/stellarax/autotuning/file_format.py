@@ -30,9 +30,9 @@ source it was measured on (`core/fingerprint.py`; absent or "" if unknown).
 Policy for data from other versions: a file with a newer `schema` is refused
 with a clear error (it may mean anything); entries recorded under another
 stellarax/jax/jaxlib version or timing revision (`measure.TIMING_REVISION`: how times
-were taken; an entry written before it was kept has none) are used, with one warning per file, because
-configs are validated when read and a config that no longer validates (or an
-op that no longer exists) drops just that entry, with a warning. They are
+were taken; an entry written before it was kept has none) are used, with one warning
+per file, because configs are validated when read and a config that no longer
+validates (or an op that no longer exists) drops just that entry, with a warning. They are
 stale all the same (`result.Entry.stale_reason`), as are entries measured on
 other code of their op (used silently): `autotune` measures their calls again,
 and the new entry wins the merge. An entry measured on other code of its op (its

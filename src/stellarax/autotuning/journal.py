@@ -10,11 +10,12 @@ is taken, into a journal next to the op's file in the user cache:
 
 Its first line says what the measurements are valid for: the call (op and key), the
 stellarax, jax and jaxlib versions and the timing revision (`measure.TIMING_REVISION`:
-a journal from before a revision is started over, not resumed), the op's code fingerprint, the inputs' seed and the
-measure options (the settings, whose digest is in the name). Then one JSON line per
-measured config: the config, its `Measurement` and the effort it was taken at. A rerun
-of the same tuning (all of the first line equal) takes a config's journaled measurement
-instead of measuring it, where it was taken at the effort asked or more. Tunings of one
+a journal from before a revision is started over, not resumed), the op's code
+fingerprint, the inputs' seed and the measure options (the settings, whose digest is in
+the name). Then one JSON line per measured config: the config, its `Measurement` and
+the effort it was taken at. A rerun of the same tuning (all of the first line equal)
+takes a config's journaled measurement instead of measuring it, where it was taken at
+the effort asked or more. Tunings of one
 call with other settings (two environments sharing the cache, other measure options)
 keep journals of their own, so neither truncates the other's or appends under its first
 line; runs with the same settings append to one journal, a line per write (`O_APPEND`).

@@ -62,13 +62,15 @@ class Entry:
   @property
   def stale_reason(self) -> str | None:
     """Why this entry is stale, or None when it is current: measured under the running
-    stellarax, jax and jaxlib versions and timing revision, on the op's current code (when its fingerprint
-    is known, then and now: code that has no Python source now, as an op defined
-    interactively in __main__ or in a compiled extension, is unknown, never stale).
+    stellarax, jax and jaxlib versions and timing revision, on the op's current code
+    (when its fingerprint is known, then and now: code that has no Python source now, as
+    an op defined interactively in __main__ or in a compiled extension, is unknown,
+    never stale).
 
     Other versions may lower the same config to another program, times taken another
-    way are not comparable, and changed kernel code may favour other configs, so a stale entry still applies, but `autotune`
-    measures its call again, and a current entry of the same call wins any merge with it.
+    way are not comparable, and changed kernel code may favour other configs, so a
+    stale entry still applies, but `autotune` measures its call again, and a current
+    entry of the same call wins any merge with it.
     """
     other = file_format.other_versions(self.versions)
     if other:

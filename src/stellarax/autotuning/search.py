@@ -173,8 +173,8 @@ class _Session(Generic[C]):
     self.budget_s = budget_s
     self._measure, self._clock = measure, clock
     self._start = clock()
-    self._best: dict[C, tuple[float, Measurement]] = {}  # config -> (effort, measurement)
-    self._call_of: dict[C, int] = {}  # config -> the measure call its kept measurement is of
+    # config -> (effort, measurement, the number of the measure call it was taken in)
+    self._best: dict[C, tuple[float, Measurement, int]] = {}
     self._num_calls = 0
     self._paid: set[C] = set()  # configs a timed call measured (compiled) in this session
     # The cost model's rows: (new configs that ran ok, the effective effort summed over
@@ -241,8 +241,7 @@ class _Session(Generic[C]):
       if not isinstance(got[c], Measurement):
         raise TypeError(f"The measure returned {got[c]!r} for {c!r}; expected a Measurement.")
       if c not in self._best or effort >= self._best[c][0]:
-        self._best[c] = (effort, got[c])
-        self._call_of[c] = self._num_calls
+        self._best[c] = (effort, got[c], self._num_calls)
     self._num_calls += 1
     if measured:
       # New configs that failed (a compile error, a wrong result) are counted apart:
@@ -263,7 +262,7 @@ class _Session(Generic[C]):
 
   def timed_together(self, configs: Iterable[C]) -> bool:
     """Whether the kept measurements of `configs` all come from one measure call."""
-    return len({self._call_of[c] for c in configs}) <= 1
+    return len({self._best[c][2] for c in configs}) <= 1
 
   def kept(self, config: C) -> Measurement:
     """The measurement of `config` that the choice reads (its latest among its most
@@ -278,7 +277,7 @@ class _Session(Generic[C]):
   def outcome(self, strategy: str, best: C, num_configs: int) -> SearchOutcome[C]:
     return SearchOutcome(
         strategy=strategy, best=best,
-        measurements={c: m for c, (_, m) in self._best.items()},
+        measurements={c: m for c, (_, m, _) in self._best.items()},
         wall_time_s=self._clock() - self._start, num_configs=num_configs)
 
 
@@ -540,13 +539,8 @@ def code_path_variants(heuristic: Any, space: Iterable[Any]) -> list[Any]:
     Distinct configs of `space`, none equal to `heuristic`, in the order of the fields
     and, per field, of the values' first appearance in the space.
   """
-  fields = _tunables(heuristic)
-  same = [c for c in space if type(c) is type(heuristic) and _tunables(c) == fields]
-  if isinstance(heuristic, tuple):
-    tuples = [c for c in space if isinstance(c, tuple) and len(c) == len(heuristic)]
-    if len(tuples) > len(same):
-      same, fields = tuples, tuple(range(len(heuristic)))
-  space = same
+  space = [c for c in space if _shared_tunables([heuristic, c])]
+  fields = _shared_tunables([heuristic, *space])
   distance = lambda c: sum(_value(c, f) != _value(heuristic, f) for f in fields)
   out: list[Any] = []
   for name in fields:
