@@ -1524,6 +1524,29 @@ def test_re_measuring_with_ignore_cache_replaces_the_cached_entry(user_cache_dir
   assert cached.entry(entry.bound_args) == lucky
 
 
+def test_lookups_give_the_best_config_its_time_or_an_accepted_one(grad_result):
+  entry = next(iter(grad_result))
+  ok = [(c, m) for c, m in entry.measurements if m.ok]
+  assert grad_result.lookup_config(entry.bound_args) == entry.best_config
+  assert grad_result.lookup_time(entry.bound_args) == entry.time_of(entry.best_config) > 0
+  other = next(c for c, _ in ok if c != entry.best_config)  # refused the best, one accepted
+  assert grad_result.lookup_config(entry.bound_args, lambda c: c == other) == other
+  assert grad_result.lookup_config(entry.bound_args, lambda c: False) is None
+  empty = autotuning.AutotuningResult(grad_result.device_kind)
+  assert empty.lookup_config(entry.bound_args) is None
+  assert empty.lookup_time(entry.bound_args) is None
+
+
+def test_the_user_cache_is_under_the_platform_s_cache_folder(monkeypatch, tmp_path):
+  monkeypatch.delenv("STELLARAX_CACHE_DIR", raising=False)
+  monkeypatch.setattr(cache_lib.sys, "platform", "linux")
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+  assert cache_lib.user_cache_root() == tmp_path / "xdg" / "stellarax" / "autotuning"
+  monkeypatch.delenv("XDG_CACHE_HOME")
+  monkeypatch.setenv("HOME", str(tmp_path))
+  assert cache_lib.user_cache_root() == tmp_path / ".cache" / "stellarax" / "autotuning"
+
+
 def test_a_cache_folder_from_the_environment_may_start_with_a_tilde(monkeypatch, tmp_path):
   monkeypatch.setenv("HOME", str(tmp_path))
   monkeypatch.setenv("STELLARAX_CACHE_DIR", "~/tuned")

@@ -93,7 +93,13 @@ def current_device_kind() -> str:
 
 
 def user_cache_root() -> Path:
-  """The user cache folder (see the module docstring)."""
+  """The user cache folder (see the module docstring).
+
+  Returns:
+    $STELLARAX_CACHE_DIR where it is set (with ~ expanded); else under the platform's
+    cache folder (~/Library/Caches on macOS, $XDG_CACHE_HOME or ~/.cache elsewhere),
+    `stellarax/autotuning`. The folder need not exist yet.
+  """
   env = os.environ.get("STELLARAX_CACHE_DIR")
   if env:
     return Path(env).expanduser()

@@ -147,6 +147,12 @@ def bound_args_from_json(path_or_json: str | os.PathLike) -> list[BoundArguments
   `xplane_to_bound_args` (an object whose "calls" hold a "bound_args" field
   each, with counts and times).
 
+  Args:
+    path_or_json: a file's path, or the JSON text itself.
+
+  Returns:
+    The calls, in the order they are listed, each a `BoundArguments` of its op.
+
   Raises:
     FileNotFoundError: for a path that does not exist.
     ValueError: for text that is not such JSON, naming the source.

@@ -217,10 +217,30 @@ class AutotuningResult:
   # The ConfigSource protocol of core.resolution.
   def lookup_config(self, bound_args: BoundArguments,
                     accept: Callable[[Any], bool] | None = None) -> Any | None:
+    """The config this result holds for a call (a `ConfigSource` of core.resolution).
+
+    Args:
+      bound_args: the call.
+      accept: which configs may run (e.g. `Op._is_reproducible`); None: any.
+
+    Returns:
+      The entry's `Entry.config_for(accept)`: its best config, or where `accept`
+      refuses that, the fastest accepted one measured ok; None where the result has no
+      entry for the call or none is accepted.
+    """
     entry = self.entry(bound_args)
     return None if entry is None else entry.config_for(accept)
 
   def lookup_time(self, bound_args: BoundArguments) -> float | None:
+    """The best measured time of a call, in seconds.
+
+    Args:
+      bound_args: the call.
+
+    Returns:
+      The median time of the entry's best config; None where the result has no entry for
+      the call or none of its configs ran.
+    """
     entry = self.entry(bound_args)
     return None if entry is None else entry.best_time
 
