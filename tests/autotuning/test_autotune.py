@@ -418,6 +418,14 @@ def test_entries_timed_another_way_are_stale(grad_result):
       json.dumps(again), warn_other_versions=False))
   # A current entry of the same call wins the merge, whichever ran faster.
   assert all(e.is_current for e in old | grad_result)
+  # Data that records no versions at all (a file written by hand) was read as measured
+  # under the running ones: current.
+  data = json.loads(grad_result.dumps())
+  for holder in [data, *data["entries"]]:
+    del holder["versions"]
+  with pytest.warns(file_format.VersionWarning, match="stellarax unrecorded"):
+    bare = stellarax.AutotuningResult.loads(json.dumps(data))
+  assert len(bare) == len(grad_result) and not any(e.is_current for e in bare)
 
 
 def test_each_entry_keeps_the_versions_it_was_measured_under(grad_result):
@@ -544,6 +552,13 @@ def test_an_input_without_op_calls_warns_and_gives_an_empty_result(tmp_path):
   path = tmp_path / "none.json"
   autotuning.bound_args_to_json([], path)
   with pytest.warns(autotuning.NothingToTuneWarning, match="JSON holds no op calls"):
+    assert len(t.autotune(str(path))) == 0
+  # It said "holds no op calls" of a JSON that holds one, with no rows.
+  empty_rows = stellarax.XlaRaggedDot.bind(jax.ShapeDtypeStruct((0, 4), jnp.float32),
+                                           jnp.ones((2, 4, 3)), jnp.array([0, 0], jnp.int32))
+  autotuning.bound_args_to_json([empty_rows], path)
+  with pytest.warns(autotuning.NothingToTuneWarning, match="the 1 stellarax op calls found run "
+                    "no kernel: each has an empty dimension"):
     assert len(t.autotune(str(path))) == 0
   with warnings.catch_warnings():
     warnings.simplefilter("error")
@@ -1329,6 +1344,25 @@ def test_a_cached_entry_the_budget_starved_is_tuned_again(user_cache_dir):
   assert again == entry
 
 
+def test_a_searched_entry_wins_a_merge_with_a_faster_starved_one(user_cache_dir):
+  # The starved entry won on a time of another run (5% noise), so the cache kept it, and
+  # every `autotune(cache=True)` tuned the call again without ever caching the search.
+  (call,) = _ragged_calls(1)
+  heuristic, space = call.heuristics_config, call.autotuning_configs
+  ok = lambda t: measure_lib.Measurement(status="ok", median_s=t, ci_low_s=t, ci_high_s=t,
+                                         num_samples=8)
+  starved = autotuning.Entry(call, heuristic, heuristic, ((heuristic, ok(1.00e-3)),))
+  searched = autotuning.Entry(call, heuristic, heuristic, tuple(
+      (c, ok(1.05e-3 if c == heuristic else 2e-3)) for c in space))
+  assert starved.starved() and not searched.starved() and len(space) > 1
+  kind = cache_lib.current_device_kind()
+  a, b = (autotuning.AutotuningResult(kind, {e.key: e}) for e in (starved, searched))
+  assert (a | b).entry(call) == searched == (b | a).entry(call)
+  for entry in (starved, searched):  # the user cache merges the same way
+    cache_lib.USER_CACHE.write(autotuning.AutotuningResult(kind, {entry.key: entry}))
+  assert cache_lib.USER_CACHE.result_for(kind, call.op.name).entry(call) == searched
+
+
 def test_a_space_pruned_to_its_heuristic_is_not_taken_for_a_starved_one(user_cache_dir):
   # It was: every run tuned the call again, and warned that the budget was too small.
   (call,) = _ragged_calls(1)
@@ -1411,6 +1445,42 @@ def test_a_newer_stellarax_s_cache_file_is_left_as_it_is(user_cache_dir, grad_re
     cache_lib.USER_CACHE.write(grad_result)
   assert json.loads(path.read_text()) == newer
   assert not list(path.parent.glob("*.unreadable"))
+
+
+def test_tuning_into_a_cache_a_newer_stellarax_wrote_keeps_its_journal_and_says_so(
+    user_cache_dir):
+  # Its file left alone, the entry was not cached, yet the tuning journal was deleted, with
+  # no CacheWriteWarning (so `stellarax autotune --cache` exited 0 having kept nothing).
+  (ba,) = _ragged_calls(1)
+  path = cache_lib.USER_CACHE.path_for(cache_lib.current_device_kind(), ba.op.name)
+  path.parent.mkdir(parents=True)
+  newer = {"schema": file_format.SCHEMA_VERSION + 1, "device_kind": "cpu", "entries": []}
+  path.write_text(json.dumps(newer))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    result = tuner(cache=True, budget_s=0.5).autotune([ba])
+  assert len(result) == 1 and json.loads(path.read_text()) == newer
+  failed = [w.message for w in caught if isinstance(w.message, autotuning.CacheWriteWarning)]
+  assert len(failed) == 1 and "ragged_dot.xla were written by a newer stellarax" in str(failed[0])
+  assert failed[0].reason and failed[0].error is None
+  assert list(path.parent.glob("*.journal"))  # kept: a rerun elsewhere resumes
+  read = [str(w.message) for w in caught if "newer than this stellarax" in str(w.message)]
+  assert read and not any("cache clear" in m for m in read), read  # its data: never clear it
+
+
+def test_a_cache_file_rewritten_within_one_clock_tick_is_read_again(user_cache_dir,
+                                                                   grad_result):
+  # A coarse clock gives two writes one mtime; the new file's inode tells them apart.
+  entry = next(iter(grad_result))
+  kind, op = grad_result.device_kind, entry.bound_args.op.name
+  path = cache_lib.USER_CACHE.path_for(kind, op)
+  cache_lib.USER_CACHE.write(grad_result)
+  assert cache_lib.USER_CACHE.result_for(kind, op).entry(entry.bound_args) == entry
+  stamp = path.stat().st_mtime_ns
+  other = dataclasses.replace(entry, measured_at="2001-02-03T04:05:06Z")
+  cache_lib.USER_CACHE.write(autotuning.AutotuningResult(kind, {other.key: other}), replace=True)
+  os.utime(path, ns=(stamp, stamp))
+  assert cache_lib.USER_CACHE.result_for(kind, op).entry(entry.bound_args) == other
 
 
 def test_unreadable_cache_files_moved_aside_never_overwrite_each_other(user_cache_dir,

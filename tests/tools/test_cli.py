@@ -102,6 +102,17 @@ def test_autotune_refuses_to_tune_when_the_result_would_have_nowhere_to_go(
   assert a_file.read_text() == ""
 
 
+def test_autotune_of_calls_that_run_no_kernel_saves_the_empty_result(tmp_path):
+  # The --output file was not written, with exit 0: a script reading it next failed.
+  ba = stellarax.XlaRaggedDot.bind(jax.ShapeDtypeStruct((0, 16), jnp.float32),
+                                   jnp.ones((2, 16, 8)), jnp.array([0, 0], jnp.int32))
+  calls, out = tmp_path / "calls.json", tmp_path / "result.json"
+  autotuning.bound_args_to_json([ba], calls)
+  with pytest.warns(autotuning.NothingToTuneWarning, match="run no kernel"):
+    assert cli.main(["autotune", str(calls), "--output", str(out), "--no-progress"]) == 0
+  assert len(stellarax.AutotuningResult.load(out)) == 0
+
+
 def test_autotune_says_when_the_user_cache_could_not_be_written(tmp_path, user_cache_dir,
                                                                 capsys):
   ba = stellarax.XlaRaggedDot.bind(jnp.ones((32, 16)), jnp.ones((2, 16, 8)),
@@ -128,6 +139,25 @@ def test_autotune_says_when_the_user_cache_could_not_be_written(tmp_path, user_c
   err = capsys.readouterr().err
   assert "It is not saved anywhere: run again with --output FILE" in err, err
   assert "STELLARAX_CACHE_DIR set to a writable folder" in err and "result.dump" not in err
+
+
+def test_autotune_exits_1_when_a_newer_stellarax_s_file_kept_its_entries_out(
+    tmp_path, user_cache_dir, capsys):
+  ba = stellarax.XlaRaggedDot.bind(jnp.ones((32, 16)), jnp.ones((2, 16, 8)),
+                                   jnp.array([10, 22], jnp.int32))
+  calls = tmp_path / "calls.json"
+  autotuning.bound_args_to_json([ba], calls)
+  newer = autotuning.cache.USER_CACHE.path_for(autotuning.cache.current_device_kind(),
+                                               ba.op.name)
+  newer.parent.mkdir(parents=True)
+  newer.write_text('{"schema": 2, "device_kind": "cpu", "entries": []}')
+  with pytest.warns(autotuning.CacheWarning, match="newer than this stellarax"):
+    code = cli.main(["autotune", str(calls), "--cache", "--budget-s", "1", "--no-progress"])
+  assert code == 1  # was 0, with nothing kept anywhere
+  err = capsys.readouterr().err
+  assert "not all of the result was written into the user cache" in err, err
+  assert "ragged_dot.xla were written by a newer stellarax" in err, err
+  assert "run again with --output FILE" in err and "result.dump" not in err, err
 
 
 def test_cache_commands_say_when_the_cache_folder_is_a_file(tmp_path, monkeypatch, capsys):
@@ -319,6 +349,14 @@ def test_cache_clear_removes_the_cache_s_files_only(tmp_path, user_cache_dir, ca
   own = {user_cache_dir / "config" / "train.json": '{"lr": 0.001, "steps": 1000}',
          user_cache_dir / "config" / "ragged_dot_sizes.json": '{"sizes": [1, 2]}',
          next(p for p in user_cache_dir.iterdir() if p.is_dir()) / "package.json": '{"v": 1}'}
+  # Files of the user's whose names end as the cache's journals do, and an empty folder
+  # of theirs, were removed too.
+  own |= {user_cache_dir / "ledger" / "2024.journal": "paid",
+          next(p for p in user_cache_dir.iterdir() if p.is_dir()) / "trip.journal": "day 1"}
+  (user_cache_dir / "empty").mkdir()
+  kind_folder = next(p for p in user_cache_dir.iterdir() if p.is_dir() and p.name != "empty")
+  journal = kind_folder / "ragged_dot.xla.0123456789abcdef.89abcdef.journal"  # a tuning's
+  journal.write_text("{}\n")
   for path, text in own.items():
     path.parent.mkdir(exist_ok=True)
     path.write_text(text)
@@ -329,6 +367,7 @@ def test_cache_clear_removes_the_cache_s_files_only(tmp_path, user_cache_dir, ca
   assert sorted(p.name for p in user_cache_dir.rglob("*") if p.is_file()) == sorted(
       ["notes.txt"] + [p.name for p in own])
   assert all(path.read_text() == text for path, text in own.items())
+  assert (user_cache_dir / "empty").is_dir() and not journal.exists()
   assert autotuning.explain(ba).source != "user_cache"
 
 
@@ -410,6 +449,18 @@ def test_cache_add_merges_a_result_file_into_the_user_cache(tmp_path, user_cache
   assert "added 1 entries" in capsys.readouterr().out
   assert autotuning.explain(ba).source == "user_cache"
   (written,) = user_cache_dir.glob("*/ragged_dot.xla.json")
+  assert stellarax.AutotuningResult.load(written) == result
+  # A slower result of the same call: the cache keeps its own, and says so (it said
+  # "added 1 entries").
+  (entry,) = result
+  slower = dataclasses.replace(entry, measurements=tuple(
+      (c, dataclasses.replace(m, median_s=m.median_s * 3, ci_low_s=m.median_s * 3,
+                              ci_high_s=m.median_s * 3) if m.ok else m)
+      for c, m in entry.measurements))
+  stellarax.AutotuningResult(result.device_kind, {slower.key: slower}).dump(out)
+  assert cli.main(["cache", "add", str(out)]) == 0
+  said = capsys.readouterr().out
+  assert "added 0 entries" in said and "the cache kept its own entry for 1 calls" in said, said
   assert stellarax.AutotuningResult.load(written) == result
   # It needs a file, takes no --root (ship's), and a missing file is bad input.
   assert cli.main(["cache", "add"]) == 2

@@ -33,7 +33,6 @@ import datetime
 import inspect
 import os
 import queue
-import re
 import sys
 import threading
 import time
@@ -258,7 +257,7 @@ class Autotuner:
     found, profiled = _found_calls(f, args, kwargs)
     calls = self._to_tune(found)
     if not calls and not _is_bound_args(f):
-      warn(_nothing_found(f), NothingToTuneWarning)
+      warn(_nothing_found(f, len(found)), NothingToTuneWarning)
     from stellarax.autotuning import distributed  # It imports this module.
     # Weighing a callable's calls runs it: not when every call comes from a cache.
     to_tune = any(self._reusable_entry(ba) is None for ba in calls)
@@ -276,20 +275,35 @@ class Autotuner:
 
   def _keep(self, result: AutotuningResult) -> None:
     """With `cache=True`, merges `result` into the user cache; a cache that cannot be
-    written costs a warning (a CacheWriteWarning, carrying the error), never the
-    measurements (the result still holds them)."""
+    written, or an op's file a newer stellarax wrote (left as it is), costs a warning
+    (a CacheWriteWarning, carrying the error if any), never the measurements (the
+    result still holds them). The tuning journals of the calls written are removed."""
     if self.cache and len(result):
       try:
-        USER_CACHE.write(result, replace=self.ignore_cache)
-        folder = USER_CACHE.root / device_kind_slug(result.device_kind)
-        for entry in result:  # in the cache now: nothing to resume
-          journal_lib.remove(entry.bound_args, folder)
+        written = set(USER_CACHE.write(result, replace=self.ignore_cache))
       except OSError as exc:
         warn(CacheWriteWarning(
             f"Autotuner(cache=True): the user cache at {USER_CACHE.root} cannot be "
             f"written ({exc}); the result holds every measurement, but the cache does "
             "not. Set STELLARAX_CACHE_DIR to a writable folder, or save the result "
             "(result.dump(path)).", exc), CacheWriteWarning)
+        return
+      folder = USER_CACHE.root / device_kind_slug(result.device_kind)
+      left = sorted({e.bound_args.op.name for e in result
+                     if USER_CACHE.path_for(result.device_kind, e.bound_args.op.name)
+                     not in written})
+      for entry in result:  # in the cache now: nothing to resume
+        if entry.bound_args.op.name not in left:
+          journal_lib.remove(entry.bound_args, folder)
+      if left:  # USER_CACHE.write warned why: a newer stellarax's files, left alone
+        reason = (f"its files of {', '.join(left)} were written by a newer stellarax and "
+                  "are left as they are")
+        warn(CacheWriteWarning(
+            f"Autotuner(cache=True): the user cache at {USER_CACHE.root} holds only part of "
+            f"the result: {reason}, so this result's entries of them are not cached (their "
+            "tuning journals are kept). Give this stellarax a cache of its own "
+            "(STELLARAX_CACHE_DIR), or save the result (result.dump(path)).",
+            reason=reason), CacheWriteWarning)
 
   def entry_for(self, ba: BoundArguments, *, progress: Progress | None = None,
                 device: jax.Device | None = None, pool: BudgetPool | None = None) -> Entry:
@@ -390,7 +404,7 @@ class Autotuner:
         try:
           entry = self._tune_and_keep_drawing(ba, progress, pool)
           result = result.with_entry(entry)
-          if _starved(entry, self._accept(ba)):
+          if entry.starved(self._accept(ba)):
             starved.append(ba)
         except measure_lib.DeviceLostError as exc:  # nothing more can run here
           exc.partial_result = result
@@ -610,8 +624,13 @@ def _is_bound_args(f: Any) -> bool:
       isinstance(f, Sequence) and not isinstance(f, str) and all(isinstance(b, BoundArguments) for b in f))
 
 
-def _nothing_found(f: Any) -> str:
-  """Why an autotune input held no op call, and what to check."""
+def _nothing_found(f: Any, trivial: int) -> str:
+  """Why an autotune input held no op call to tune (`trivial`: how many it held that run
+  no kernel), and what to check."""
+  if trivial:
+    return (f"autotune: the {trivial} stellarax op calls found run no kernel: each has an "
+            "empty dimension (its output is zeros whatever its inputs), so nothing was tuned "
+            "and the result is empty.")
   if isinstance(f, (str, os.PathLike)):
     return ("autotune: the bound-argument JSON holds no op calls, so nothing was tuned and the "
             "result is empty. Was the profile it came from made of a run that called stellarax "
@@ -773,24 +792,13 @@ def _cached_entry(ba: BoundArguments, accept: Callable[[Any], bool] | None = Non
                   ) -> Entry | None:
   """The call's entry in the user or library cache, unless it is stale
   (`Entry.stale_reason`), a budget let it measure only its heuristic config
-  (`_starved`), or it measured no config that `accept` takes: those are measured again."""
+  (`Entry.starved`), or it measured no config that `accept` takes: those are measured again."""
   for _, result in cached_results(ba.op.name):
     entry = result.entry(ba)
-    if (entry is not None and entry.is_current and not _starved(entry, accept)
+    if (entry is not None and entry.is_current and not entry.starved(accept)
         and entry.config_for(accept) is not None):
       return entry
   return None
-
-
-def _starved(entry: Entry, accept: Callable[[Any], bool] | None) -> bool:
-  """Whether the entry measured only its heuristic config of a larger space searched (a
-  budget too small to search it): it chose nothing, and tuning it again can only find
-  more. The space searched is what `prune` (its count is in the entry's method) and
-  `accept` (reproducible mode's) left: where they left one config, that was all."""
-  pruned = re.search(r"/pruned (\d+)/\d+", entry.method)
-  searched = (int(pruned[1]) if pruned else
-              sum(accept is None or accept(c) for c in entry.bound_args.autotuning_configs))
-  return len(entry.measurements) <= 1 < searched
 
 
 def _alternatives(ba: BoundArguments) -> list[BoundArguments]:

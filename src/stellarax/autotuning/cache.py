@@ -32,6 +32,7 @@ field added later) are written back unchanged by a writer, until `prune`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import fcntl
@@ -48,6 +49,7 @@ from typing import Any
 import jax
 
 from stellarax.autotuning import file_format
+from stellarax.autotuning import journal as journal_lib
 from stellarax.autotuning.result import AutotuningResult
 from stellarax.core import registry
 from stellarax.core import resolution
@@ -70,16 +72,24 @@ class CacheWarning(UserWarning):
   """A cache file could not be read or written; resolution or tuning went on without it."""
 
 
+# A file of a newer stellarax is that stellarax's data: the fix is never to clear it.
+_LEAVE_NEWER = ("it is a newer stellarax's data, left as it is; give each stellarax a cache "
+                "of its own with STELLARAX_CACHE_DIR")
+
+
 class CacheWriteWarning(CacheWarning):
-  """The user cache could not be written; the result still holds every measurement.
+  """The user cache could not be written, or not all of it; the result still holds
+  every measurement.
 
   Attributes:
     error: the OSError that kept it from being written (None if not told).
+    reason: why, in a few words, where no OSError says it (None otherwise).
   """
 
-  def __init__(self, message: str, error: OSError | None = None):
+  def __init__(self, message: str, error: OSError | None = None, reason: str | None = None):
     super().__init__(message)
     self.error = error
+    self.reason = reason
 
 
 def device_kind_slug(device_kind: str) -> str:
@@ -129,9 +139,10 @@ class FileCache:
     self.source_name = source_name
     self.writable = writable
     self.warn_other_versions = warn_other_versions
-    # path -> (mtime, result or None, why it could not be read or None)
-    self._loaded: dict[Path, tuple[int, AutotuningResult | None, str | None]] = {}
-    self._warned: dict[Path, int | None] = {}  # the file version last warned about
+    # path -> (the file's version, what was read, the problem found, its fix)
+    self._loaded: dict[Path, tuple[tuple[int, int, int], AutotuningResult | None,
+                                   str | None, str | None]] = {}
+    self._warned: dict[Path, tuple[int, int, int] | None] = {}  # the version warned about
     self._lock = threading.Lock()
 
   @property
@@ -153,18 +164,21 @@ class FileCache:
     """
     path = self.path_for(device_kind, op_name)
     try:
-      mtime = path.stat().st_mtime_ns
+      st = path.stat()
     except FileNotFoundError:
       return None
     except OSError as exc:  # e.g. the cache root is a file
       self._warn_once(path, None, f"{path}: cannot be read ({exc.strerror}).",
                       fix=self._file_in_the_way(path.parent))
       return None
+    # Which version of the file: every write makes a new file (`atomic_write`), so its
+    # inode tells two writes apart where a coarse clock gives both one mtime.
+    version = (st.st_ino, st.st_size, st.st_mtime_ns)
     with self._lock:
       cached = self._loaded.get(path)
-      if cached is None or cached[0] != mtime:
+      if cached is None or cached[0] != version:
         held_before = warn_lib.held_count()
-        problem, skipped = None, []
+        problem, fix, skipped = None, None, []
         try:
           result = AutotuningResult.load(path, warn_other_versions=self.warn_other_versions,
                                          skipped=skipped)
@@ -174,21 +188,24 @@ class FileCache:
           return None
         except (OSError, file_format.FormatError) as exc:
           problem, result = str(exc).splitlines()[0], None  # it names the file
-        cached = (mtime, result, problem)
+          if isinstance(exc, file_format.NewerSchemaError):
+            fix = _LEAVE_NEWER  # clearing the cache would destroy the other's data
+        cached = (version, result, problem, fix)
         # A read whose warnings were held back (`warn.held_back`) is not kept: the next
         # read outside emits them.
         if held_before is None or warn_lib.held_count() == held_before:
           self._loaded[path] = cached
-    if cached[2] is not None:
-      self._warn_once(path, mtime, cached[2], whole_file=cached[1] is None)
-    return cached[1]
+    _, result, problem, fix = cached
+    if problem is not None:
+      self._warn_once(path, version, problem, fix, whole_file=result is None)
+    return result
 
-  def _warn_once(self, path: Path, mtime: int | None, problem: str,
+  def _warn_once(self, path: Path, version: tuple[int, int, int] | None, problem: str,
                  fix: str | None = None, *, whole_file: bool = True) -> None:
     """Warns that `path` (or, without `whole_file`, the entries `problem` names) is
-    passed over, once per version (mtime) of it; `fix` says what to do (default: clear
-    the user cache, or reinstall for the library's)."""
-    if path in self._warned and self._warned[path] == mtime:
+    passed over, once per version of it (None: one that cannot be read); `fix` says
+    what to do (default: clear the user cache, or reinstall for the library's)."""
+    if path in self._warned and self._warned[path] == version:
       return
     if whole_file:
       fix = fix or ("`stellarax cache clear` empties the user cache" if self.writable
@@ -202,7 +219,7 @@ class FileCache:
     verb = "passes over" if whole_file else "reads"
     if warn(f"{problem} The {self._name} {verb} {what} ({fix}).",
             CacheWarning):  # held back, it is owed (`warn.held_back`)
-      self._warned[path] = mtime
+      self._warned[path] = version
 
   def root_problem(self, *, writing: bool = False) -> str | None:
     """What keeps the cache's folder from being read (or, with `writing`, written),
@@ -349,9 +366,9 @@ class FileCache:
 
   def clear(self) -> int:
     """Removes every file of the cache (results, their locks, files moved aside as
-    unreadable, tuning journals, temporary files of writes that did not finish) and the device-kind
-    folders left empty; other files in the cache folder stay (it may be a folder of
-    the user's), and so do temporary files younger than `LEFTOVER_AGE_S` (a write
+    unreadable, tuning journals, temporary files of writes that did not finish) and the
+    folders it left empty; other files and folders in the cache folder stay (it may be a
+    folder of the user's: only files named as the cache names its own are removed), and so do temporary files younger than `LEFTOVER_AGE_S` (a write
     may still be under way).
 
     Writers may go on meanwhile: each result file is removed under its lock, so a
@@ -369,14 +386,17 @@ class FileCache:
       raise PermissionError(f"The {self.source_name} at {self.root} is read-only.")
     if not self.root.is_dir():
       return 0
-    removed = sum(_unlink(path) for path in self.temporaries(min_age_s=LEFTOVER_AGE_S))
+    cleared = collections.Counter()  # folder -> the cache's files removed from it
+    for path in self.temporaries(min_age_s=LEFTOVER_AGE_S):
+      cleared[path.parent] += _unlink(path)
     for folder in sorted(p for p in self.root.iterdir() if p.is_dir()):
-      removed += _clear_folder(folder)
-      with contextlib.suppress(OSError):  # not empty: something else lives there
-        folder.rmdir()
+      cleared[folder] += _clear_folder(folder)
+      if cleared[folder]:  # a folder that held none of the cache's files is none of its own
+        with contextlib.suppress(OSError):  # not empty: something else lives there
+          folder.rmdir()
     with self._lock:
       self._loaded.clear()
-    return removed
+    return sum(cleared.values())
 
   def files(self) -> list[Path]:
     """Every result file of the cache, of every device kind, sorted (not the temporary
@@ -539,7 +559,8 @@ def _clear_folder(folder: Path) -> int:
     removed += int(f"{name}.lock" in names)  # the lock file, if it was there before
   # Files moved aside as unreadable need no lock: writers only ever add them; nor do
   # tuning journals (autotuning/journal.py), which a tuning under way starts again.
-  for name in sorted(n for n in names if n.endswith((".json.unreadable", ".journal"))):
+  for name in sorted(n for n in names
+                     if _ASIDE_NAME.fullmatch(n) or journal_lib.is_journal_name(n)):
     removed += _unlink(folder / name)
   return removed
 
@@ -592,6 +613,10 @@ def misplaced(path: Path, result: AutotuningResult) -> str | None:
     return None
   return (f"it holds results of {result.device_kind!r} in the folder {folder!r}, so the cache "
           f"passes it over: move it to the folder {own!r}")
+
+
+# What `_aside` names a file: `<file>.json.unreadable` or `<file>.<n>.json.unreadable`.
+_ASIDE_NAME = re.compile(r".+?(\.\d+)?\.json\.unreadable")
 
 
 def _aside(path: Path) -> Path:

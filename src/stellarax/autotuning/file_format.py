@@ -23,7 +23,8 @@
 Ops are named by their registered names, configs by their fields: no Python
 import paths. The top-level `versions` are those of the writer; each entry
 keeps the versions it was measured under (an entry without them, written
-before they were kept, takes the file's), so a file that merges old and new
+before they were kept, takes the file's; a file that records none, as one written by
+hand, has its entries stale: "stellarax unrecorded"), so a file that merges old and new
 measurements says which is which, and `code`, the fingerprint of the op's
 source it was measured on (`core/fingerprint.py`; absent or "" if unknown).
 
@@ -312,7 +313,10 @@ def result_from_json(cls, data: dict[str, Any], *, source: str, warn_other_versi
     FormatWarning: for one call in two entries with different data, or a current
       entry whose configs lack fields.
   """
-  file_versions = data.get("versions") or current_versions()
+  # A file that records no versions (written by hand, or cut down) says nothing of what
+  # its times were taken under: its entries are stale, "unrecorded", as one without the
+  # timing revision is.
+  file_versions = data.get("versions", {})
   if not _is_versions(file_versions):
     raise FormatError(f"{source}: 'versions' must be an object naming the writer's stellarax, "
                       f"jax and jaxlib versions as strings, got {file_versions!r}.")

@@ -42,6 +42,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -173,6 +174,24 @@ def journal_path(bound_args: BoundArguments, folder: Path, header: Mapping[str, 
   line `Journal.for_call` makes) is, in a device kind's folder of the cache."""
   settings = hashlib.sha256(canonical_json(header).encode()).hexdigest()[:8]
   return folder / f"{_call_prefix(bound_args)}.{settings}{SUFFIX}"
+
+
+# `<op name>.<16 hex>.<8 hex>.journal` (`journal_path`); without the settings' 8, as
+# releases before them named it.
+_NAME = re.compile(r".+\.[0-9a-f]{16}(\.[0-9a-f]{8})?" + re.escape(SUFFIX))
+
+
+def is_journal_name(name: str) -> bool:
+  """Whether a file name is a tuning journal's (`journal_path`), not a file of the
+  user's that also ends in `.journal` (the cache folder may be a folder of theirs).
+
+  Args:
+    name: a file name, without its folder.
+
+  Returns:
+    True for `<op name>.<16 hex digits>[.<8 hex digits>].journal`.
+  """
+  return _NAME.fullmatch(name) is not None
 
 
 def _call_prefix(bound_args: BoundArguments) -> str:

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import io
 import os
+import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -122,6 +123,25 @@ class Entry:
       return None
     prefer = self.heuristic_config if self.heuristic_config in taken else None
     return pick_best(taken, prefer=prefer)
+
+  def starved(self, accept: Callable[[Any], bool] | None = None) -> bool:
+    """Whether the entry measured only its heuristic config of a larger space searched
+    (a budget too small to search it): it chose nothing, and tuning it again can only
+    find more.
+
+    Args:
+      accept: which configs the search could take (reproducible mode's filter); None:
+        all. The space searched is what `accept` and `Autotuner(prune=...)` (whose count
+        the entry's method records, "pruned k/n") left: where they left one config, the
+        one measurement was the whole search.
+
+    Returns:
+      True where one config or none was measured of a space of several.
+    """
+    pruned = re.search(r"/pruned (\d+)/\d+", self.method)
+    searched = (int(pruned[1]) if pruned else
+                sum(accept is None or accept(c) for c in self.bound_args.autotuning_configs))
+    return len(self.measurements) <= 1 < searched
 
   @property
   def best_time(self) -> float | None:
@@ -409,10 +429,14 @@ def why_kept(kept: Entry, dropped: Entry) -> str:
 
 def _replaces(a: Entry, b: Entry) -> bool:
   """Whether `a` wins over `b`, an entry of the same call, in a merge: a current one
-  over a stale one, else the faster; of two as fast (or both untimed), the one whose
+  over a stale one, else one that searched over one that measured its heuristic config
+  alone (`Entry.starved`: it chose nothing, so its time, taken in another run, is no
+  reason to keep it), else the faster; of two as fast (or both untimed), the one whose
   JSON sorts first, so that `x | y == y | x`."""
   if a.is_current != b.is_current:
     return a.is_current
+  if a.starved() != b.starved():
+    return b.starved()
   if _faster(a, b) or _faster(b, a):
     return _faster(a, b)
   return _order(a) < _order(b)

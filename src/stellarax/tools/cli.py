@@ -76,7 +76,9 @@ def _autotune(args) -> int:
         result = stellarax.AutotuningResult(current_device_kind())
   if args.no_progress:  # with progress on, the tuner has printed the table already
     print(result.summary())
-  if args.output and len(result):
+  # An empty result is saved too where tuning ended normally (every call found runs no
+  # kernel): the file asked for exists. One cut short before tuning any call is not.
+  if args.output and (len(result) or (failure is None and not interrupted)):
     result.dump(args.output)
     print(f"result saved to {args.output}")
   if failure is not None:
@@ -87,6 +89,12 @@ def _autotune(args) -> int:
   if interrupted:
     return 130  # what a shell reports for a program stopped by SIGINT
   return 1 if failure is not None or not_cached else 0
+
+
+def _cached(cache, device_kind: str, entry):
+  """The user cache's entry of `entry`'s call now, or None."""
+  found = cache.USER_CACHE.result_for(device_kind, entry.bound_args.op.name)
+  return None if found is None else found.entry(entry.bound_args)
 
 
 def _incomplete_text(exc, args) -> str:
@@ -148,15 +156,17 @@ def _not_cached(failure, output: str | None) -> str:
   """What `autotune --cache` says when the user cache could not be written: that the
   result was not cached, why, and where else it can be kept."""
   from stellarax.autotuning import cache
-  error = failure.error
+  error, reason = failure.error, getattr(failure, "reason", None)
   why = (f"{error.filename}: {error.strerror}" if isinstance(error, OSError) and error.filename
-         else str(error or failure))
-  message = f"the result was not written into the user cache at {cache.user_cache_root()} ({why})."
+         else str(error or reason or failure))
+  what = "not all of the result was written" if reason else "the result was not written"
+  message = f"{what} into the user cache at {cache.user_cache_root()} ({why})."
+  folder = "a folder of this stellarax's own" if reason else "a writable folder"
   if output:
     return (message + f" It is saved in {output}; to cache it too, set STELLARAX_CACHE_DIR to "
-            "a writable folder and run again with --cache.")
+            f"{folder} and run again with --cache.")
   return (message + " It is not saved anywhere: run again with --output FILE to save it to a "
-          "file, or with STELLARAX_CACHE_DIR set to a writable folder.")
+          f"file, or with STELLARAX_CACHE_DIR set to {folder}.")
 
 
 def output_problem(path: str) -> str | None:
@@ -231,8 +241,14 @@ def _cache(args) -> int:
       print(f"wrote {path}")
     ops = sorted({e.bound_args.op.name for e in result})
     left = [op for op in ops if cache.USER_CACHE.path_for(result.device_kind, op) not in written]
-    added = sum(e.bound_args.op.name not in left for e in result)
-    print(f"added {added} entries for {result.device_kind!r} to the user cache at {root}")
+    # Per call the merge keeps the cache's own entry where it wins (current over stale,
+    # else the faster): those were not added.
+    added = sum(e.bound_args.op.name not in left and _cached(cache, result.device_kind, e) == e
+                for e in result)
+    written_entries = sum(e.bound_args.op.name not in left for e in result)
+    kept = (f"; the cache kept its own entry for {written_entries - added} calls (a current "
+            "one over a stale one, else the faster)" if added < written_entries else "")
+    print(f"added {added} entries for {result.device_kind!r} to the user cache at {root}{kept}")
     if left:  # the warning above says why (a cache file of a newer stellarax)
       print(f"stellarax cache add: error: the entries of {', '.join(left)} were not added: "
             "their cache files are left as they are; give this stellarax a cache of its own "
