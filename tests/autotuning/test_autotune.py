@@ -299,6 +299,22 @@ def test_files_are_written_with_the_umask_s_permissions(tmp_path, grad_result):
     assert path.stat().st_mode & 0o777 == 0o644, path
 
 
+def test_a_file_written_again_keeps_its_permissions_and_its_link(tmp_path, grad_result):
+  # Dumped over a private result, the file became world-readable; dumped through a link,
+  # the link became a plain file and its target kept the old result.
+  private = tmp_path / "private.json"
+  private.write_text("{}")
+  private.chmod(0o600)
+  grad_result.dump(private)
+  assert private.stat().st_mode & 0o777 == 0o600
+  target, link = tmp_path / "results" / "target.json", tmp_path / "link.json"
+  target.parent.mkdir()
+  target.write_text("{}")
+  link.symlink_to(target)
+  grad_result.dump(link)
+  assert link.is_symlink() and stellarax.AutotuningResult.load(target) == grad_result
+
+
 def test_an_unreadable_user_cache_costs_a_warning_not_the_program(user_cache_dir):
   lhs, rhs, gs = _inputs()
   ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)

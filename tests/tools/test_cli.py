@@ -3,6 +3,7 @@
 import dataclasses
 import os
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -362,6 +363,9 @@ def test_cache_clear_removes_the_cache_s_files_only(tmp_path, user_cache_dir, ca
     path.write_text(text)
   assert cli.main(["cache", "list"]) == 0
   assert "json" not in capsys.readouterr().out.replace("ragged_dot.xla.json", "")
+  with warnings.catch_warnings():  # package.json was read as a broken cache file
+    warnings.simplefilter("error")
+    assert len(cache.FileCache(None, "user_cache", writable=True).results()) == 1
   assert cli.main(["cache", "clear"]) == 0
   assert "files removed" in capsys.readouterr().out
   assert sorted(p.name for p in user_cache_dir.rglob("*") if p.is_file()) == sorted(

@@ -285,7 +285,8 @@ class FileCache:
     if not folder.is_dir():
       return []
     out = []
-    for path in sorted(p for p in folder.glob("*.json") if not _is_temporary(p)):
+    for path in sorted(p for p in folder.glob("*.json")
+                       if not _is_temporary(p) and is_cache_file(p)):  # not a user's JSON
       r = self.result_for(device_kind or current_device_kind(), path.stem)
       if r is not None:
         out.append(r)

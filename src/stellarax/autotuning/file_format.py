@@ -68,6 +68,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import stat
 import tempfile
 import threading
 from collections.abc import Mapping
@@ -185,17 +186,34 @@ TEMPORARY_PREFIX = ".tmp-"
 
 def atomic_write(path: str | os.PathLike, text: str) -> None:
   """Writes `text` to `path` atomically (a temporary file in the same folder, named
-  `TEMPORARY_PREFIX...json`, then renamed over `path`)."""
-  path = os.fspath(path)
-  folder = os.path.dirname(os.path.abspath(path))
+  `TEMPORARY_PREFIX...json`, then renamed over `path`).
+
+  As `open(path, "w")` would: a symbolic link is written through (its target is
+  replaced, the link stays), an existing file keeps its permissions, and a new one
+  gets the umask's.
+
+  Args:
+    path: the file to write; its folder is made if missing.
+    text: what to write, as UTF-8.
+
+  Raises:
+    OSError: when the folder or the file cannot be written (naming `path`).
+  """
+  asked = os.fspath(path)
+  path = os.path.realpath(asked)
+  folder = os.path.dirname(path)
   os.makedirs(folder, exist_ok=True)
+  try:
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+  except FileNotFoundError:
+    mode = 0o666 & ~_umask()  # as open() would make it (mkstemp makes 0600)
   try:
     fd, tmp = tempfile.mkstemp(prefix=TEMPORARY_PREFIX, suffix=".json", dir=folder)
   except OSError as exc:  # name the file asked for, not the temporary one
-    raise OSError(exc.errno, exc.strerror, path) from None
+    raise OSError(exc.errno, exc.strerror, asked) from None
   try:
-    os.fchmod(fd, 0o666 & ~_umask())  # as open() would make it (mkstemp makes 0600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
+    with os.fdopen(fd, "w", encoding="utf-8") as f:  # closes fd whatever fails next
+      os.fchmod(f.fileno(), mode)
       f.write(text)
       f.flush()
       os.fsync(f.fileno())
