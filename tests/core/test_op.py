@@ -36,6 +36,18 @@ def test_bind_on_class_and_instance_agree():
   assert a.default_config == a.heuristics_config
 
 
+def test_bind_keys_numpy_arrays_by_the_dtypes_jax_computes_in():
+  # NumPy's int64 group sizes were keyed int64, the program's call int32: a result tuned
+  # from the bound call did not apply to the program.
+  lhs, rhs, gs = (np.asarray(a) for a in _ragged_inputs())
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs.astype(np.int64))
+  (in_program,) = autotuning.get_bound_args(
+      lambda l, r, g: stellarax.ragged_dot(l, r, g, implementation="xla"),
+      lhs, rhs, gs.astype(np.int64))
+  assert ba.arguments["group_sizes"].dtype == "int32" and ba == in_program
+  assert ArraySpec.of(jax.ShapeDtypeStruct((2,), np.float64)).dtype == "float32"
+
+
 def test_bind_rejects_bad_shapes_with_a_clear_message():
   lhs, rhs, gs = _ragged_inputs()
   with pytest.raises(ValueError, match="must agree on K"):
@@ -485,6 +497,41 @@ def test_code_traced_under_one_miss_policy_is_traced_again_under_another(user_ca
       with pytest.raises(autotuning.ConfigMissError):
         call(lhs)
     call(lhs)  # and back: the trace of the default policy serves again
+
+
+@pytest.mark.parametrize("program", ["vmap", "nested vmap", "vmap of grad", "grad of vmap",
+                                     "empty batch"])
+def test_vmapped_calls_a_result_covers_run_under_the_error_policy(program):
+  # custom_vmap traces the call for its unbatched shapes before the batching rule makes
+  # the vmapped one: that trace, which never runs, met the policy and raised
+  # ConfigMissError (and "autotune" tuned it).
+  lhs, rhs, gs = _ragged_inputs()
+  ragged = lambda l, r: stellarax.ragged_dot(l, r, gs, implementation="xla")
+  loss = lambda l, r: jnp.sum(ragged(l, r) ** 2)
+  stack = lambda x: jnp.stack([x, 2 * x])
+  f, args = {
+      "vmap": (jax.vmap(ragged, in_axes=(0, None)), (stack(lhs), rhs)),
+      "nested vmap": (jax.vmap(jax.vmap(ragged, in_axes=(0, None)), in_axes=(0, None)),
+                      (stack(stack(lhs)), rhs)),
+      "vmap of grad": (jax.vmap(jax.grad(loss, argnums=1), in_axes=(0, None)),
+                       (stack(lhs), rhs)),
+      "grad of vmap": (jax.grad(lambda l, r: jnp.sum(jax.vmap(ragged, in_axes=(0, None))(l, r)),
+                                argnums=1), (stack(lhs), rhs)),
+      "empty batch": (jax.vmap(ragged, in_axes=(0, None)), (jnp.zeros((0, *lhs.shape)), rhs)),
+  }[program]
+  calls = autotuning.get_bound_args(f, *args)
+  assert calls or program == "empty batch"
+  covering = functools.reduce(lambda a, b: a | b, [_result_with(ba, ba.heuristics_config)
+                                                  for ba in calls],
+                              autotuning.AutotuningResult("cpu"))
+  expected = jax.jit(f)(*args)
+  with covering, resolution.miss_policy_scope("error"):
+    got = jax.jit(f)(*args)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(a, b, rtol=1e-5)
+  if calls:  # a call the result does not cover still raises
+    with resolution.miss_policy_scope("error"), pytest.raises(resolution.ConfigMissError):
+      jax.jit(f)(*args)
 
 
 def test_a_call_with_one_config_is_no_miss_under_any_policy():

@@ -25,10 +25,16 @@ than its forward) runs the family's XLA VJP op instead, with a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import contextvars
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+try:  # BatchTracer has no public name (`_mapped_by_vmap`)
+  from jax._src.interpreters import batching
+except ImportError:  # a JAX that moved it: every trace is resolved
+  batching = None
 
 from stellarax.core import markers
 from stellarax.core import partitioning
@@ -63,12 +69,34 @@ def _vmapped_impl(ba: BoundArguments, impl: Callable[..., Any]) -> Callable[...,
   return fn
 
 
+# `custom_vmap` traces its function for the arguments' unbatched shapes before
+# `jax.vmap`'s rule replaces that trace with its own (jax/_src/custom_batching.py,
+# `custom_vmap.__call__`). Such a trace never runs: resolving its config would apply the
+# miss policy to a call no program makes ("error" raised for a tuned vmapped call, and
+# "autotune" tuned the unbatched call too). It takes the heuristic config instead.
+_UNRUN_TRACE = contextvars.ContextVar("stellarax_unrun_trace", default=False)
+
+
+def _mapped_by_vmap(arrays: Sequence[Any]) -> bool:
+  """Whether some `jax.vmap` maps one of `arrays` (then its rule, not the function
+  traced for the unbatched shapes, makes the call). False where this JAX's batching
+  tracer cannot be recognised: every trace is then resolved, as before."""
+  tracer = getattr(batching, "BatchTracer", None)
+  unmapped = getattr(batching, "not_mapped", None)
+  return tracer is not None and any(
+      isinstance(a, tracer) and getattr(a, "batch_dim", unmapped) is not unmapped
+      for a in arrays)
+
+
 def _vmappable(ba: BoundArguments, make_impl: Callable[[Any], Callable[..., Any]]) -> Callable[..., Any]:
   """The marked implementation, re-bound under every vmap level it meets."""
 
   def run_for(call_ba: BoundArguments) -> Callable[..., Any]:
     # `ba`, or one shard's part of it (`partitioning.per_shard`), with its own config.
-    return _vmapped_impl(call_ba, make_impl(resolve_config(call_ba).config))
+    unrun = _UNRUN_TRACE.get()
+    config = ((call_ba.op.config or call_ba.heuristics_config) if unrun
+              else resolve_config(call_ba).config)
+    return _vmapped_impl(call_ba, make_impl(config))
 
   @jax.custom_batching.custom_vmap
   def call(*arrays):
@@ -82,7 +110,14 @@ def _vmappable(ba: BoundArguments, make_impl: Callable[[Any], Callable[..., Any]
     out = _vmappable(outer, make_impl)(*arrays)
     return out, jax.tree.map(lambda _: True, out)
 
-  return call
+  def entered(*arrays):
+    token = _UNRUN_TRACE.set(_mapped_by_vmap(arrays))  # the rule, nested, sets its own
+    try:
+      return call(*arrays)
+    finally:
+      _UNRUN_TRACE.reset(token)
+
+  return entered
 
 
 def _empty_batch(call: Callable[..., Any], in_batched: Sequence[bool], arrays: Sequence[Any]):
@@ -90,7 +125,11 @@ def _empty_batch(call: Callable[..., Any], in_batched: Sequence[bool], arrays: S
   (found abstractly, from one example's shapes) with a leading batch of 0."""
   example = [jax.ShapeDtypeStruct(a.shape[1:] if b else a.shape, a.dtype)
              for a, b in zip(arrays, in_batched)]
-  shapes = jax.eval_shape(call, *example)
+  token = _UNRUN_TRACE.set(True)  # shapes only: no call is made
+  try:
+    shapes = jax.eval_shape(call, *example)
+  finally:
+    _UNRUN_TRACE.reset(token)
   out = jax.tree.map(lambda s: jnp.zeros((0, *s.shape), s.dtype), shapes)
   return out, jax.tree.map(lambda _: True, out)
 

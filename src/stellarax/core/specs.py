@@ -66,8 +66,11 @@ class ArraySpec:
 
   @classmethod
   def of(cls, x: Any) -> ArraySpec:
-    """Returns the spec of an array, tracer or `ShapeDtypeStruct`."""
-    return cls(tuple(x.shape), jnp.dtype(x.dtype).name)
+    """Returns the spec of an array, tracer or `ShapeDtypeStruct`, with the dtype JAX
+    computes it in: a NumPy int64 or float64 array is int32 or float32 in a program
+    unless `jax_enable_x64` is on, so its call is keyed so too (a call bound from NumPy
+    arrays then matches the program's)."""
+    return cls(tuple(x.shape), jnp.dtype(jax.dtypes.canonicalize_dtype(x.dtype)).name)
 
 
 class FrozenDict(Mapping):
