@@ -126,6 +126,28 @@ def test_tuning_in_the_mode_measures_only_reproducible_configs(user_cache_dir):
   assert reused == only_atomic  # outside the mode any config will do
 
 
+def test_a_reproducible_tuning_joins_a_cached_entry_that_measured_none(user_cache_dir):
+  # The cached entry's faster atomic config won the merge, the reproducible configs just
+  # measured were lost, and every run in the mode tuned the call again.
+  atomic_2 = SumConfig(atomic=True, block=2)  # a budget that reached atomic configs only
+  only_atomic = dataclasses.replace(ENTRY, measurements=((ATOMIC, _ok(1e-9)),
+                                                         (atomic_2, _ok(2e-9))))
+  kind = RESULT.device_kind
+  autotuning.USER_CACHE.write(AutotuningResult(kind, {ENTRY.key: only_atomic}))
+  tuner = lambda: stellarax.Autotuner(progress=False, measure_options=FAST, cache=True,
+                                      reproducible=True)
+  (tuned,) = tuner().autotune(BA)
+  assert {c for c, _ in tuned.measurements} == {PLAIN, PLAIN_2}
+  cached = autotuning.USER_CACHE.result_for(kind, BA.op.name).entry(BA)
+  assert cached.best_config == ATOMIC  # outside the mode, still the fastest
+  assert {c for c, _ in cached.measurements} == {ATOMIC, atomic_2, PLAIN, PLAIN_2}
+  assert cached.config_for(SumOp()._is_reproducible) == tuned.best_config
+  (again,) = tuner().autotune(BA)  # reused now, not tuned again
+  assert again == cached
+  with pytest.raises(ValueError, match="another call"):
+    cached.joined(dataclasses.replace(ENTRY, bound_args=SumOp().bind(jnp.arange(4.0))))
+
+
 def test_the_mode_is_checked_and_follows_xla_s_determinism_flag():
   with pytest.raises(TypeError, match="pass True or False"):
     with autotuning.reproducible_scope("yes"):

@@ -143,6 +143,26 @@ class Entry:
                 sum(accept is None or accept(c) for c in self.bound_args.autotuning_configs))
     return len(self.measurements) <= 1 < searched
 
+  def joined(self, other: Entry) -> Entry:
+    """This entry, with the measurements of `other` (of the same call) appended for
+    the configs this one did not measure: a cache that keeps the fastest config of one
+    run also keeps the reproducible configs another run measured (`config_for`).
+
+    Args:
+      other: an entry of the same call.
+
+    Returns:
+      The joined entry (its best config, heuristic, versions and code are this one's).
+
+    Raises:
+      ValueError: for an entry of another call.
+    """
+    if other.key != self.key:
+      raise ValueError(f"joined: {other.bound_args} is another call than {self.bound_args}.")
+    mine = {c for c, _ in self.measurements}
+    extra = tuple((c, m) for c, m in other.measurements if c not in mine)
+    return dataclasses.replace(self, measurements=self.measurements + extra)
+
   @property
   def best_time(self) -> float | None:
     return self.time_of(self.best_config)
@@ -316,9 +336,10 @@ class AutotuningResult:
   def __or__(self, other: AutotuningResult) -> AutotuningResult:
     """Merges two results of the same device kind. Per call, a current entry wins over
     a stale one (`Entry.stale_reason`: other versions or other code of its op; a stale
-    measurement must not outlive a new one); else the faster measured best config
-    wins, with its measurements; of two as fast, or both unmeasured, the one whose
-    JSON sorts first, so that `a | b == b | a`.
+    measurement must not outlive a new one); else one that searched over one that
+    measured only its heuristic config (`Entry.starved`); else the faster measured best
+    config wins, with its measurements; of two as fast, or both unmeasured, the one
+    whose JSON sorts first, so that `a | b == b | a`.
 
     Raises:
       ValueError: for results of different device kinds.
