@@ -99,8 +99,9 @@ class Autotuner:
       worth: its device time in the profile when `f` is `xplane_to_bound_args`
       output, or, for a callable with array arguments, in a profile of three runs
       of `f` at the configs it would use now (taken first, outside the budget;
-      `profile.device_time_per_call`); equally where there is no profile (bound
-      arguments, abstract arguments, or the profile failed: with a warning). A
+      `profile.device_time_per_call`); equally where there is no profile: bound
+      arguments or abstract arguments (silently), or a profile that failed (with a
+      warning). A
       call's other implementations, with implementations="all", share its weight;
       a call a profile shows at no time weighs a hundredth of the heaviest. The
       calls are tuned heaviest first, so an interrupted run has tuned what
