@@ -98,6 +98,7 @@ def test_kept_puts_back_the_calls_that_do_not_help(monkeypatch, without_ms, tune
     (1.0, "program: 2.000 ms with heuristics -> 1.000 ms tuned (2.00x);"),
     (1.99, "program: 2.000 ms with heuristics -> 1.990 ms tuned (1.01x, within noise);"),
     (0.0005, "program: 2.000 ms with heuristics -> 0.5 us tuned (4000.00x);"),
+    (3.0, "program: 2.000 ms with heuristics -> 3.000 ms tuned (0.67x, slower beyond noise);"),
 ])
 def test_the_program_line_says_whether_the_gain_is_beyond_noise(monkeypatch, tuned_ms, says):
   result, _ = _result_with_other_config()
@@ -106,8 +107,8 @@ def test_the_program_line_says_whether_the_gain_is_beyond_noise(monkeypatch, tun
   check = autotuning.check_in_program(result, program, *_inputs())
   assert check.faster_beyond_noise is (tuned_ms < 1.99)
   assert check.lines()[0].startswith(says), check.lines()
-  gain = {1.0: "1.000 ms", 1.99: "10.0 us", 0.0005: "2.000 ms"}[tuned_ms]
-  assert check.lines()[1].endswith(f"without it 2.000 ms, its gain +{gain}; "
+  gain = {1.0: "+1.000 ms", 1.99: "+10.0 us", 0.0005: "+2.000 ms", 3.0: "-1.000 ms"}[tuned_ms]
+  assert check.lines()[1].endswith(f"without it 2.000 ms, its gain {gain}; "
                                    + ("helps" if tuned_ms < 1.99 else "not faster beyond noise: kept() keeps the heuristic"))
 
 
@@ -318,6 +319,52 @@ def test_a_call_whose_config_fails_in_the_program_is_not_held_against_the_others
   kept = {e.key: e.best_config for e in check.kept()}
   assert kept == {entries[0].key: entries[0].heuristic_config,
                   entries[1].key: entries[1].best_config}
+
+
+def test_when_every_left_out_program_fails_too_the_report_says_so(monkeypatch):
+  # It said "not faster beyond noise" of programs that never ran.
+  result, _ = _every_call_tuned(two_calls)
+  wrong = Measurement(status="compile_error", error="tile_m=-3")
+  monkeypatch.setattr(in_program.measure_lib, "measure_candidates", lambda programs, *a, **k: {
+      "heuristics": _ok(2.0), "tuned": wrong, 0: wrong, 1: wrong})
+  check = autotuning.check_in_program(result, two_calls, *_inputs())
+  assert all("the program fails without it too" in line for line in check.lines()[1:3])
+  assert not any(c.helps for c in check.calls)
+
+
+def test_a_failing_tuned_program_is_not_profiled(monkeypatch):
+  # profile=True profiled the tuned program without looking whether it ran: the culprit's
+  # error escaped after all the timing.
+  result, _ = _result_with_other_config()
+  wrong = Measurement(status="compile_error", error="boom")
+  monkeypatch.setattr(in_program.measure_lib, "measure_candidates", lambda programs, *a, **k: {
+      "heuristics": _ok(2.0), "tuned": wrong, 0: _ok(2.0)})
+  profiled = []
+  monkeypatch.setattr(in_program.profile_lib, "device_time_per_call",
+                      lambda program, *a, **k: profiled.append(program) or {})
+  check = autotuning.check_in_program(result, program, *_inputs(), profile=True)
+  assert len(profiled) == 1 and "its config is the culprit" in check.lines()[1]
+
+
+def step_with_key(lhs, rhs, gs, key):
+  key, sub = jax.random.split(key)
+  y = stellarax.ragged_dot(lhs + jax.random.normal(sub, lhs.shape), rhs, gs, implementation="xla")
+  return jnp.sum(y ** 2), key
+
+
+def test_outputs_holding_prng_keys_and_float0_gradients_are_compared():
+  # A training step returning its next key, and a gradient of an integer input
+  # (allow_int), raised TypeError in the output check.
+  result, _ = _result_with_other_config()
+  lhs, rhs, gs = _inputs()
+  check = autotuning.check_in_program(result, step_with_key, lhs, rhs, gs, jax.random.key(3),
+                                      options=FAST)
+  assert check.tuned.ok and check.calls[0].without.ok, check.lines()
+  grad = jax.grad(lambda lhs, rhs, gs: jnp.sum(program(lhs, rhs, gs)[1]), argnums=(0, 2),
+                  allow_int=True)
+  check = autotuning.check_in_program(result, grad, lhs, rhs, gs, options=FAST)
+  assert check.tuned.ok, check.lines()
+  assert autotuning.measure.check_close({"k": jax.random.key(1)}, {"k": jax.random.key(2)})
 
 
 @pytest.mark.parametrize("heuristics_ms, together", [(2.0, True), (1.005, False)])

@@ -182,6 +182,13 @@ class ProgramCheck:
     both = {_HEURISTICS: self.heuristics, _TUNED: self.tuned}
     return measure_lib.pick_best(both, prefer=_HEURISTICS, order=[_HEURISTICS, _TUNED]) == _TUNED
 
+  @property
+  def _slower_beyond_noise(self) -> bool:
+    """Whether the heuristic program is faster than the tuned one beyond noise."""
+    both = {_HEURISTICS: self.heuristics, _TUNED: self.tuned}
+    return (self.heuristics.ok and self.tuned.ok and
+            measure_lib.pick_best(both, prefer=_TUNED, order=[_TUNED, _HEURISTICS]) == _HEURISTICS)
+
   def kept(self) -> AutotuningResult:
     """The result with each call that did not help put back to its heuristic config
     (its measurements kept, its method saying why); calls that helped, and entries of
@@ -195,7 +202,8 @@ class ProgramCheck:
     if not self.calls:  # both programs ran the same configs: any ratio is noise
       speedup = " (the same configs: no call's tuned config differs from its heuristic)"
     elif self.speedup:
-      noise = "" if self.faster_beyond_noise else ", within noise"
+      noise = ("" if self.faster_beyond_noise
+               else ", slower beyond noise" if self._slower_beyond_noise else ", within noise")
       speedup = f" ({self.speedup:.2f}x{noise})"
     else:
       speedup = ""
@@ -220,14 +228,18 @@ class ProgramCheck:
         verdict = "helps"
       elif not self.tuned.ok and call.without.ok:
         verdict = "the tuned program fails and without it it does not: its config is the culprit"
+      elif not call.without.ok:
+        verdict = ("the program fails without it too (another call's config fails): "
+                   "kept() keeps the heuristic")
       else:
         verdict = "not faster beyond noise: kept() keeps the heuristic"
       others = "".join(f" or {o.bound_args.op.name}" for o in call.alternatives)
       out.append(f"  {call.entry.bound_args.op.name}{others}: without it {ms(call.without)}{gain};"
                  f" {verdict}")
     if self.call_times:
+      failed = "" if self.tuned.ok else "; the tuned program fails, so only the other was"
       out.append(f"each call's own device time per run of the program (profiled,"
-                 f" {_PROFILED_RUNS} runs):")
+                 f" {_PROFILED_RUNS} runs{failed}):")
     at = format_time
     for t in self.call_times:
       if not t.changed:
@@ -316,10 +328,14 @@ def _under(result: AutotuningResult, program: Callable[[list], Any]) -> Callable
 
 def _call_times(found: list[BoundArguments], result: AutotuningResult,
                 programs: dict[Any, Callable[..., Any]], args: tuple,
-                changed: set[tuple[str, str]]) -> tuple[CallTime, ...]:
-  """A `CallTime` per op call that the heuristic or the tuned program's profile shows."""
+                changed: set[tuple[str, str]], *, tuned_ran: bool = True
+                ) -> tuple[CallTime, ...]:
+  """A `CallTime` per op call that the heuristic or the tuned program's profile shows;
+  where the tuned program failed (`tuned_ran` False: a culprit's config), it is not
+  profiled, and its times are None."""
   before = profile_lib.device_time_per_call(programs[_HEURISTICS], *args, runs=_PROFILED_RUNS)
-  after = profile_lib.device_time_per_call(programs[_TUNED], *args, runs=_PROFILED_RUNS)
+  after = (profile_lib.device_time_per_call(programs[_TUNED], *args, runs=_PROFILED_RUNS)
+           if tuned_ran else {})
   tuned = {e.key: e for e in result}
   out = []
   for ba in found:
@@ -437,6 +453,6 @@ def check_in_program(result: AutotuningResult, f: Callable[..., Any], /, *args,
                                                       options=options, **kwargs).calls}
     calls = [c if c in culprits or c.entry.key not in again
              else dataclasses.replace(again[c.entry.key], culprits_out=True) for c in calls]
-  times = (_call_times(found, result, programs, (arrays,), {e.key for e, _ in changed})
-           if profile else ())
+  times = (_call_times(found, result, programs, (arrays,), {e.key for e, _ in changed},
+                       tuned_ran=got[_TUNED].ok) if profile else ())
   return ProgramCheck(result, got[_HEURISTICS], got[_TUNED], tuple(calls), len(found), times)

@@ -572,7 +572,9 @@ def check_close(output: Any, reference: Any, *, rtol: float | None = None,
   right up to that rounding is correct. Positions where the
   reference is NaN are not compared; a NaN elsewhere fails, and an infinity must match.
   Shapes must match; dtypes may differ (a float32 reference for a bfloat16 output), and
-  the looser of the two dtypes' default tolerances applies.
+  the looser of the two dtypes' default tolerances applies. Typed PRNG keys compare by
+  their key data, exactly; float0 leaves (integer inputs' gradients) hold nothing to
+  compare.
 
   Args:
     output: the candidate's output, a pytree of arrays.
@@ -583,8 +585,8 @@ def check_close(output: Any, reference: Any, *, rtol: float | None = None,
   Returns:
     None when the output is close, else a short reason naming the leaf and the error.
   """
-  out_leaves, out_tree = jax.tree.flatten_with_path(output)
-  ref_leaves, ref_tree = jax.tree.flatten_with_path(reference)
+  out_leaves, out_tree = jax.tree.flatten_with_path(_comparable(output))
+  ref_leaves, ref_tree = jax.tree.flatten_with_path(_comparable(reference))
   if out_tree != ref_tree:
     return f"output structure {out_tree} differs from the reference's {ref_tree}"
   refs = [np.asarray(ref) for _, ref in ref_leaves]
@@ -595,6 +597,23 @@ def check_close(output: Any, reference: Any, *, rtol: float | None = None,
     if reason is not None:
       return f"{jax.tree_util.keystr(path) or 'output'}: {reason}"
   return None
+
+
+def _comparable(tree: Any) -> Any:
+  """`tree` with the leaves NumPy cannot compare made comparable: a typed PRNG key (a
+  training step that returns its next key) as its key data, which must be equal; a
+  float0 leaf (the gradient of an integer input, `jax.grad(allow_int=True)`), which holds
+  nothing, as booleans of its shape."""
+  def leaf(x):
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+      return x
+    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+      return jax.random.key_data(x)
+    if dtype == jax.dtypes.float0:
+      return np.zeros(np.shape(x), np.bool_)
+    return x
+  return jax.tree.map(leaf, tree)
 
 
 # The least scale of a leaf, relative to the largest of the whole reference (see
@@ -696,7 +715,7 @@ def _surely_close(output: Any, reference: Any, rtol: float | None,
   if out_tree != ref_tree or not all(isinstance(x, jax.Array) for x in (*outs, *refs)):
     return False
   if any(jnp.issubdtype(x.dtype, jax.dtypes.prng_key) for x in (*outs, *refs)):
-    return False  # (the host check raises on them: it says so, not this)
+    return False  # (the host check compares their key data)
   if any(o.shape != r.shape for o, r in zip(outs, refs)):
     return False
   floats = [_both_real_floats(o.dtype, r.dtype) for o, r in zip(outs, refs)]
