@@ -80,6 +80,33 @@ def test_dict_arguments_and_residuals_are_tuned():
   assert all(e.num_failed == 0 for e in result)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FrozenBiasVjp(_Tunable, AffineVjpBase, name="test_user_ops.frozen_bias_vjp"):
+  """A None leaf inside a pytree gradient: that leaf's gradient is zero."""
+
+  def _fwd(self, residuals, out, dout, x, params, *, config):
+    return {"x": dout @ params["w"].T, "params": {"w": residuals["x"].T @ dout, "b": None}}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FrozenBias(_Tunable, stellarax.Op, name="test_user_ops.frozen_bias"):
+  vjp_cls = FrozenBiasVjp
+
+  def _fwd(self, x, params, *, config):
+    return x @ params["w"] + params["b"][None], {"x": x}
+
+
+def test_a_none_leaf_in_a_pytree_gradient_is_a_zero_as_in_custom_vjp():
+  # It was refused: "VJP op returned 1 gradient leaves for 'params', expected 2."
+  x = jax.random.normal(jax.random.key(0), (4, 8))
+  params = {"w": jax.random.normal(jax.random.key(1), (8, 2)), "b": jnp.ones((2,))}
+  dx, dparams = jax.grad(lambda x, p: jnp.sum(FrozenBias()(x, p) ** 2), argnums=(0, 1))(x, params)
+  y = x @ params["w"] + params["b"][None]
+  np.testing.assert_allclose(dparams["w"], x.T @ (2 * y), rtol=1e-5)
+  np.testing.assert_array_equal(dparams["b"], jnp.zeros(2))
+  np.testing.assert_allclose(dx, (2 * y) @ params["w"].T, rtol=1e-5)
+
+
 class Mode(enum.Enum):
   DOUBLE = 2
   TRIPLE = 3

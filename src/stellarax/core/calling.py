@@ -267,14 +267,19 @@ def _zeros_of_reference(op, arrays: list[Any], rebuild: Callable[[list[Any]], di
 
 
 def _grads_for_leaves(values: dict[str, Any], grads: dict[str, Any]) -> tuple[Any, ...]:
-  """Orders the VJP op's per-argument grads like the array leaves (None = 0)."""
+  """Orders the VJP op's per-argument grads like the array leaves (None = 0, for a whole
+  argument or for any leaf of it, as in `jax.custom_vjp`)."""
   out = []
   for name in sorted(values):  # jax.tree.flatten sorts dict keys
-    leaves = jax.tree.leaves(values[name])
+    leaves, structure = jax.tree.flatten(values[name])
     g = grads.get(name)
-    g_leaves = jax.tree.leaves(g) if g is not None else [None] * len(leaves)
-    if g is not None and len(g_leaves) != len(leaves):
-      raise ValueError(f"VJP op returned {len(g_leaves)} gradient leaves for {name!r}, expected {len(leaves)}.")
+    try:
+      g_leaves = [None] * len(leaves) if g is None else structure.flatten_up_to(g)
+    except (ValueError, TypeError) as exc:
+      raise ValueError(
+          f"The VJP op's gradient for {name!r} is not of the argument's structure "
+          f"{structure} ({exc}). Return one of that structure, with None for a leaf (or "
+          "the whole argument) whose gradient is zero.") from None
     for x, gx in zip(leaves, g_leaves):
       if specs.is_array_value(x):
         out.append(gx)
