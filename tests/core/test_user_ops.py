@@ -4,6 +4,7 @@ traced call, an eager one, tuning)."""
 
 import dataclasses
 import enum
+import json
 
 import jax
 import jax.numpy as jnp
@@ -124,6 +125,48 @@ class Scale(_Tunable, stellarax.Op, name="test_user_ops.scale"):
 
   def _reference(self, x, mode=Mode.DOUBLE, offsets=(0,), factor=1):
     return x * {"DOUBLE": 2, "TRIPLE": 3}[mode] * factor + sum(offsets)
+
+
+@stellarax.config_dataclass
+class _ModeConfig:
+  mode: Mode = Mode.DOUBLE
+  modes: tuple[Mode, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ByMode(stellarax.Op, name="test_user_ops.by_mode"):
+  """x * config.mode.value * self.base.value: enums in a config and in a field."""
+
+  config_cls = _ModeConfig
+  base: object = Mode.DOUBLE  # an annotation that names no enum: the default does
+
+  def _fwd(self, x, *, config):
+    return x * config.mode.value * self.base.value * len(config.modes or (1,)), None
+
+  def _get_heuristics_config(self, ba):
+    return _ModeConfig()
+
+  def _get_autotuning_configs(self, ba):
+    return {_ModeConfig(), _ModeConfig(mode=Mode.TRIPLE, modes=(Mode.TRIPLE,))}
+
+
+def test_enums_in_configs_and_op_fields_survive_a_save_and_load():
+  # Recorded by name, they came back as strings: a loaded result's config crashed the
+  # program (AttributeError: 'str' object has no attribute 'value'), and bound arguments
+  # read from JSON were another op.
+  from stellarax.core.bound_args import BoundArguments
+  x = jnp.ones((4,))
+  op = ByMode(base=Mode.TRIPLE)
+  tuned = _ModeConfig(mode=Mode.TRIPLE, modes=(Mode.TRIPLE,))
+  ba = op.bind(x)
+  entry = autotuning.Entry(ba, tuned, ba.heuristics_config, ())
+  loaded = autotuning.AutotuningResult.loads(
+      autotuning.AutotuningResult(jax.devices()[0].device_kind, {entry.key: entry}).dumps())
+  (again,) = loaded
+  assert again.best_config == tuned and again.bound_args.op == op
+  assert BoundArguments.from_json(json.loads(ba.to_marker())) == ba
+  with loaded:
+    np.testing.assert_array_equal(jax.jit(op)(x), x * 9)
 
 
 def test_static_arguments_reach_the_op_as_recorded_on_every_path():

@@ -9,6 +9,7 @@ bad value fails at construction with a message that says what to pass.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import types
 import typing
@@ -93,9 +94,66 @@ def config_from_json(config_cls: type[T], data: Mapping[str, Any]) -> T:
     raise ValueError(
         f"{config_cls.__name__} has no field(s) {sorted(unknown)}; its fields are "
         f"{sorted(known)}. The data may come from another stellarax version.")
-  values = {k: specs.decode(v) for k, v in data.items()}
+  values = revived_enums(config_cls, {k: specs.decode(v) for k, v in data.items()})
   check_plain_types(config_cls, values)
   return config_cls(**values)
+
+
+def revived_enums(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
+  """Values read from JSON for the fields of dataclass `cls`, with each enum member
+  recorded by its name turned back into the member, where the field's annotation names
+  its Enum class (alone, in a union or as `tuple[E, ...]`) or its default is a member
+  of one. JSON records members by name (`specs.to_spec`): read back as strings, a
+  loaded config's `config.order.value` raised AttributeError.
+
+  Args:
+    cls: a config dataclass or an `Op` subclass.
+    values: field name -> value decoded from JSON (`specs.decode`).
+
+  Returns:
+    The values, names of members of a field's enum revived (others as they were).
+  """
+  enums = _enum_fields(cls)
+  return {k: _revived(v, enums.get(k, ())) for k, v in values.items()}
+
+
+def _revived(value: Any, enums: tuple[type[enum.Enum], ...]) -> Any:
+  if isinstance(value, tuple):
+    return tuple(_revived(v, enums) for v in value)
+  if isinstance(value, str):
+    for kind in enums:
+      if value in kind.__members__:
+        return kind[value]
+  return value
+
+
+@functools.cache
+def _enum_fields(cls: type) -> dict[str, tuple[type[enum.Enum], ...]]:
+  """Field name -> the Enum classes its annotation or default names (see
+  `revived_enums`); fields naming none are left out."""
+  try:
+    hints = typing.get_type_hints(cls)
+  except Exception:  # noqa: BLE001 (an annotation that does not resolve: the defaults say)
+    hints = {}
+  out = {}
+  for field in dataclasses.fields(cls):
+    found = [m for m in _members(hints.get(field.name))
+             if isinstance(m, type) and issubclass(m, enum.Enum)]
+    defaults = field.default if isinstance(field.default, tuple) else (field.default,)
+    found += [type(d) for d in defaults if isinstance(d, enum.Enum)]
+    if found:
+      out[field.name] = tuple(dict.fromkeys(found))
+  return out
+
+
+def _members(hint: Any) -> list[Any]:
+  """The types a hint names: a union's members, a tuple's element types, or itself."""
+  if hint is None:
+    return []
+  origin = typing.get_origin(hint)
+  if isinstance(hint, types.UnionType) or origin is typing.Union or origin is tuple:
+    return [m for arg in typing.get_args(hint) if arg is not Ellipsis for m in _members(arg)]
+  return [hint]
 
 
 def check_plain_types(cls: type, values: Mapping[str, Any]) -> None:

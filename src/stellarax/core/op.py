@@ -387,7 +387,7 @@ def op_from_json(data: Mapping[str, Any]) -> Op:
     KeyError: for an unknown op name.
     ValueError: for fields or a config the op rejects.
   """
-  from stellarax.core.config import config_from_json
+  from stellarax.core.config import config_from_json, revived_enums
   cls = registry.lookup(data["name"])
   field_types = {f.name for f in dataclasses.fields(cls)}
   fields = {}
@@ -395,6 +395,7 @@ def op_from_json(data: Mapping[str, Any]) -> Op:
     if k not in field_types:
       raise ValueError(f"{cls.__name__} has no field {k!r} (known: {sorted(field_types)}).")
     fields[k] = op_from_json(v) if isinstance(v, dict) and "name" in v and "fields" in v else specs.decode(v)
+  fields = revived_enums(cls, fields)  # recorded by name; the op's code reads members
   config = data.get("config")
   if config is not None:
     fields["config"] = config_from_json(cls.config_cls, config)
