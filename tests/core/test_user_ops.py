@@ -5,10 +5,12 @@ traced call, an eager one, tuning)."""
 import dataclasses
 import enum
 import json
+import typing
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import stellarax
 from stellarax import autotuning
@@ -167,6 +169,46 @@ def test_enums_in_configs_and_op_fields_survive_a_save_and_load():
   assert BoundArguments.from_json(json.loads(ba.to_marker())) == ba
   with loaded:
     np.testing.assert_array_equal(jax.jit(op)(x), x * 9)
+
+
+class _TupleConfig(typing.NamedTuple):
+  chunk: int = 1
+  mode: Mode = Mode.DOUBLE
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Chunked(stellarax.Op, name="test_user_ops.chunked"):
+  """x * mode, in `chunk` pieces: a named tuple for a config."""
+
+  config_cls = _TupleConfig
+
+  def _fwd(self, x, *, config):
+    pieces = jnp.split(x, config.chunk)
+    return jnp.concatenate([p * config.mode.value for p in pieces]), None
+
+  def _reference(self, x):
+    return x * 2
+
+  def _get_heuristics_config(self, ba):
+    return _TupleConfig()
+
+  def _get_autotuning_configs(self, ba):
+    return {_TupleConfig(chunk=c) for c in (1, 2, 4)}
+
+
+def test_a_named_tuple_is_a_config_class_and_a_plain_tuple_is_refused():
+  # A named tuple ran untuned, then failed once tuned: results could not record it.
+  x = jnp.arange(8.0)
+  result = stellarax.Autotuner(budget_s=1, progress=False).autotune(lambda x: Chunked()(x), x)
+  (entry,) = autotuning.AutotuningResult.loads(result.dumps())
+  assert entry == next(iter(result)) and isinstance(entry.best_config, _TupleConfig)
+  assert json.loads(result.dumps())["entries"][0]["heuristic_config"] == {"chunk": 1,
+                                                                         "mode": "DOUBLE"}
+  with result:
+    np.testing.assert_array_equal(jax.jit(Chunked())(x), 2 * x)
+  with pytest.raises(TypeError, match="config_cls=<class 'tuple'>: an op's config class must"):
+    class Positional(Chunked, name="test_user_ops.positional"):  # pylint: disable=unused-variable
+      config_cls = tuple
 
 
 def test_static_arguments_reach_the_op_as_recorded_on_every_path():

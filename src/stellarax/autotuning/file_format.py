@@ -435,17 +435,18 @@ def _warn_missing_fields(raw: dict[str, Any], entry, *, where: str) -> None:
   """
   if not entry.code or not entry.is_current:
     return
-  fields = dataclasses.fields(entry.best_config)  # every config of an entry has its op's class
+  from stellarax.core.config import field_defaults
+  fields = field_defaults(type(entry.best_config))  # an entry's configs have its op's class
   configs = [("best_config", raw["best_config"]), ("heuristic_config", raw["heuristic_config"])]
   configs += [(f"measurements[{j}].config", m.get("config", {}))
               for j, m in enumerate(raw.get("measurements", []))]
-  missing = [f"{place}.{f.name}" for place, config in configs for f in fields
-             if f.name not in config]
+  missing = [f"{place}.{name}" for place, config in configs for name in fields
+             if name not in config]
   if missing:
     # Only a field with a default can be missing here (the config was built without it).
-    defaults = ", ".join(f"{f.name}={f.default!r}" for f in fields
-                         if any(m.endswith("." + f.name) for m in missing)
-                         and f.default is not dataclasses.MISSING)
+    defaults = ", ".join(f"{name}={default!r}" for name, default in fields.items()
+                         if any(m.endswith("." + name) for m in missing)
+                         and default is not dataclasses.MISSING)
     warn(f"{where} was measured on the running code of its op, yet lacks config "
          f"field(s) {missing}; using their defaults ({defaults}). Restore the fields, or "
          "delete the entry to tune its call again.", FormatWarning)

@@ -45,7 +45,7 @@ from stellarax.autotuning import transfer
 from stellarax.autotuning.cache import current_device_kind
 from stellarax.autotuning.result import AutotuningResult, Entry
 from stellarax.core.bound_args import BoundArguments
-from stellarax.core.config import config_to_json
+from stellarax.core.config import config_items, config_to_json
 from stellarax.core.op import Op, op_to_json
 from stellarax.core.specs import canonical_json
 
@@ -408,7 +408,7 @@ def _regret(slowdowns: Sequence[float]) -> Regret:
 
 
 def _config_text(config: Any) -> str:
-  return ", ".join(f"{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config)) or "-"
+  return ", ".join(f"{name}={value}" for name, value in config_items(config).items()) or "-"
 
 
 def _test_text(feature: str, threshold: float) -> str:

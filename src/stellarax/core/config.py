@@ -70,12 +70,51 @@ def check_positive_int(name: str, value: Any, *, allow_none: bool = False) -> No
     raise ValueError(f"{name}={value!r} must be a positive int{none}.")
 
 
+def is_config_class(cls: Any) -> bool:
+  """Whether `cls` can be an op's config class: a dataclass (`config_dataclass`) or a
+  named tuple (`typing.NamedTuple`), whose fields are the tunables."""
+  return isinstance(cls, type) and (dataclasses.is_dataclass(cls) or _is_named_tuple(cls))
+
+
+def _is_named_tuple(cls: type) -> bool:
+  return issubclass(cls, tuple) and isinstance(getattr(cls, "_fields", None), tuple)
+
+
+def field_defaults(cls: type) -> dict[str, Any]:
+  """A config class's (or an op's) field names, in order, and their defaults
+  (`dataclasses.MISSING` for none).
+
+  Raises:
+    TypeError: for a class that is neither a dataclass nor a named tuple.
+  """
+  if dataclasses.is_dataclass(cls):
+    return {f.name: f.default for f in dataclasses.fields(cls)}
+  if isinstance(cls, type) and _is_named_tuple(cls):
+    return {name: cls._field_defaults.get(name, dataclasses.MISSING) for name in cls._fields}
+  raise TypeError(f"{cls!r} is neither a dataclass nor a named tuple, so it has no fields "
+                  "to tune: make it a @stellarax.config_dataclass or a typing.NamedTuple.")
+
+
+def config_items(config: Any) -> dict[str, Any]:
+  """A config's tunables by name, in field order.
+
+  Raises:
+    TypeError: for a value that is no config (see `is_config_class`).
+  """
+  if isinstance(config, type) or not is_config_class(type(config)):
+    raise TypeError(f"config={config!r} is not a config: a @stellarax.config_dataclass "
+                    "instance or a typing.NamedTuple one.")
+  return {name: getattr(config, name) for name in field_defaults(type(config))}
+
+
 def config_to_json(config: Any) -> dict[str, Any]:
-  """Returns a config's fields as JSON-able data (no class path)."""
-  if not dataclasses.is_dataclass(config):
-    raise TypeError(f"config={config!r} is not a config dataclass instance.")
-  return {f.name: specs.encode(specs.to_spec(getattr(config, f.name), what=f.name))
-          for f in dataclasses.fields(config)}
+  """Returns a config's fields as JSON-able data (no class path).
+
+  Raises:
+    TypeError: for a value that is no config, or a field value JSON cannot record.
+  """
+  return {name: specs.encode(specs.to_spec(value, what=name))
+          for name, value in config_items(config).items()}
 
 
 def config_from_json(config_cls: type[T], data: Mapping[str, Any]) -> T:
@@ -88,7 +127,7 @@ def config_from_json(config_cls: type[T], data: Mapping[str, Any]) -> T:
   """
   if not isinstance(data, Mapping):
     raise ValueError(f"A {config_cls.__name__} must be a JSON object, got {data!r}.")
-  known = {f.name for f in dataclasses.fields(config_cls)}
+  known = set(field_defaults(config_cls))
   unknown = set(data) - known
   if unknown:
     raise ValueError(
@@ -100,14 +139,14 @@ def config_from_json(config_cls: type[T], data: Mapping[str, Any]) -> T:
 
 
 def revived_enums(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
-  """Values read from JSON for the fields of dataclass `cls`, with each enum member
+  """Values read from JSON for the fields of `cls`, with each enum member
   recorded by its name turned back into the member, where the field's annotation names
   its Enum class (alone, in a union or as `tuple[E, ...]`) or its default is a member
   of one. JSON records members by name (`specs.to_spec`): read back as strings, a
   loaded config's `config.order.value` raised AttributeError.
 
   Args:
-    cls: a config dataclass or an `Op` subclass.
+    cls: a config class (`is_config_class`) or an `Op` subclass.
     values: field name -> value decoded from JSON (`specs.decode`).
 
   Returns:
@@ -136,13 +175,13 @@ def _enum_fields(cls: type) -> dict[str, tuple[type[enum.Enum], ...]]:
   except Exception:  # noqa: BLE001 (an annotation that does not resolve: the defaults say)
     hints = {}
   out = {}
-  for field in dataclasses.fields(cls):
-    found = [m for m in _members(hints.get(field.name))
+  for name, default in field_defaults(cls).items():
+    found = [m for m in _members(hints.get(name))
              if isinstance(m, type) and issubclass(m, enum.Enum)]
-    defaults = field.default if isinstance(field.default, tuple) else (field.default,)
+    defaults = default if isinstance(default, tuple) else (default,)
     found += [type(d) for d in defaults if isinstance(d, enum.Enum)]
     if found:
-      out[field.name] = tuple(dict.fromkeys(found))
+      out[name] = tuple(dict.fromkeys(found))
   return out
 
 

@@ -46,7 +46,7 @@ import numpy as np
 from stellarax.core import eager
 from stellarax.core import registry
 from stellarax.core import specs
-from stellarax.core.config import NoConfig
+from stellarax.core.config import NoConfig, is_config_class
 
 
 def _static_value(value: Any) -> Any:
@@ -114,6 +114,11 @@ class Op(abc.ABC):
   def __init_subclass__(cls, name: str | None = None, **kwargs):
     super().__init_subclass__(**kwargs)
     if name is not None:
+      if not is_config_class(cls.config_cls):
+        raise TypeError(
+            f"{cls.__name__}.config_cls={cls.config_cls!r}: an op's config class must be a "
+            "@stellarax.config_dataclass or a typing.NamedTuple, whose fields (the tunables) "
+            "results and caches record by name.")
       cls.name = name
       registry.register(name, cls)
     vjp = cls.__dict__.get("vjp_cls")
