@@ -1343,6 +1343,25 @@ def test_a_budget_too_small_to_search_says_so():
   assert len(next(iter(result)).measurements) == len(light.autotuning_configs)
 
 
+def test_tuning_spread_over_devices_warns_of_a_starved_budget_too(monkeypatch):
+  # Only tuning on one device warned: over several (every sharded run) it was silent.
+  from stellarax.autotuning import distributed
+  (call,) = _ragged_calls(1)
+  heuristic = call.heuristics_config
+  ok = measure_lib.Measurement(status="ok", median_s=1e-3, ci_low_s=1e-3, ci_high_s=1e-3,
+                               num_samples=3)
+  starved = autotuning.Entry(call, heuristic, heuristic, ((heuristic, ok),))
+  monkeypatch.setattr(distributed, "should_distribute", lambda: True)
+  monkeypatch.setattr(distributed, "tune_distributed", lambda tuner, calls, **k:
+                      autotuning.AutotuningResult(cache_lib.current_device_kind(),
+                                                  {starved.key: starved}))
+  with pytest.warns(autotuning.SmallBudgetWarning, match="too small for 1 of the 1 calls"):
+    stellarax.Autotuner(budget_s=0.01, progress=False).autotune([call])
+  with warnings.catch_warnings():  # no budget: the whole space was the search
+    warnings.simplefilter("error", autotuning.SmallBudgetWarning)
+    stellarax.Autotuner(progress=False).autotune([call])
+
+
 def test_a_cached_entry_the_budget_starved_is_tuned_again(user_cache_dir):
   # Following the warning's advice, a bigger budget must search, not reuse an entry
   # that measured only its heuristic config.

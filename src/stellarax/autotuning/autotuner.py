@@ -265,14 +265,28 @@ class Autotuner:
     weights = self._weights(f, calls, args, kwargs, profiled) if to_tune else {}
     if not (self.distribute and distributed.should_distribute()):
       return self._tune_here(calls, weights)
+    todo = [ba for ba in calls if self._reusable_entry(ba) is None]
     try:
       result = distributed.tune_distributed(self, calls, timeout_s=self.distributed_timeout_s,
                                             weights=weights)
     except IncompleteTuningError as exc:
       self._keep(exc.partial_result)
+      self._warn_if_starved(exc.partial_result, todo)
       raise
     self._keep(result)
+    self._warn_if_starved(result, todo)  # as a run on one device does (`_tune_here`)
     return result
+
+  def _warn_if_starved(self, result: AutotuningResult, tuned: Sequence[BoundArguments],
+                       mean_s: float | None = None) -> None:
+    """Warns (`SmallBudgetWarning`) where a budget let calls of `tuned` (those not
+    reused from a cache) measure only their heuristic config."""
+    if self.budget_s is None and self.total_budget_s is None:
+      return  # with no budget a strategy measures its whole space
+    entries = [result.entry(ba) for ba in tuned]
+    starved = sum(e is not None and e.starved(self._accept(e.bound_args)) for e in entries)
+    if starved:
+      self._warn_budget_starved(starved, len(tuned), mean_s)
 
   def _keep(self, result: AutotuningResult) -> None:
     """With `cache=True`, merges `result` into the user cache; a cache that cannot be
@@ -421,15 +435,13 @@ class Autotuner:
             if todo and weights else None)
     progress = Progress(sum(len(ba.autotuning_configs) for ba in todo), enabled=self.progress)
     errors: dict[BoundArguments, Exception] = {}
-    starved, seconds = [], []
+    seconds = []
     try:
       for ba in todo:
         start = _clock()
         try:
           entry = self._tune_and_keep_drawing(ba, progress, pool)
           result = result.with_entry(entry)
-          if entry.starved(self._accept(ba)):
-            starved.append(ba)
         except measure_lib.DeviceLostError as exc:  # nothing more can run here
           exc.partial_result = result
           exc.add_note(f"It happened while tuning {ba}. The {len(result)} calls tuned before "
@@ -446,24 +458,25 @@ class Autotuner:
       progress.close()
     # Under a budget a strategy stops before a config it predicts would overrun it; with
     # none it measures its whole space. So a budget left only the heuristic measured.
-    budgeted = self.budget_s is not None or pool is not None
-    if starved and budgeted:
-      self._warn_budget_starved(len(starved), len(todo), sum(seconds) / len(seconds))
+    if seconds:
+      self._warn_if_starved(result, todo, sum(seconds) / len(seconds))
     if self.progress and todo:
       print(result.summary(), file=sys.stderr)
     if errors:
       raise _incomplete(result, calls, errors) from next(iter(errors.values()))
     return result
 
-  def _warn_budget_starved(self, starved: int, tuned: int, mean_s: float) -> None:
+  def _warn_budget_starved(self, starved: int, tuned: int, mean_s: float | None) -> None:
     budget = (f"total_budget_s={self.total_budget_s}" if self.total_budget_s is not None
               else f"budget_s={self.budget_s}")
+    took = (f"A call took {mean_s:.1f} s here on average (compiling and timing its first "
+            "configs); give each a few times that" if mean_s is not None else
+            "Give each call a few times what compiling and timing its first configs takes")
     warn(
         f"The budget ({budget}) was too small for {starved} of the {tuned} calls tuned to have "
-        f"any config measured but their heuristic one, so their entries keep it. A call took "
-        f"{mean_s:.1f} s here on average (compiling and timing its first configs); give each "
-        f"a few times that to search its space (a cached entry that measured only its "
-        f"heuristic config is tuned again, not reused).", SmallBudgetWarning)
+        f"any config measured but their heuristic one, so their entries keep it. {took} to "
+        "search its space (a cached entry that measured only its heuristic config is tuned "
+        "again, not reused).", SmallBudgetWarning)
 
   def tune_one(self, ba: BoundArguments, *, progress: Progress | None = None,
                device: jax.Device | None = None) -> Entry:
