@@ -258,6 +258,14 @@ def test_explain_reports_the_transfer():
   assert plain.source == "heuristics" and plain.confidence is None
 
 
+def test_explain_names_a_difference_of_type_alone():
+  # 3 and 3.0 are two keys, yet the list of differences came out empty.
+  from stellarax.autotuning import explain as explain_lib
+  assert explain_lib._diff({"factor": 3, "n": 2}, {"factor": 3.0, "n": 2}) == [
+      "factor: 3 (int) != 3.0 (float)"]
+  assert explain_lib._diff([True], [1]) == ["[0]: True (bool) != 1 (int)"]
+
+
 def test_explain_under_the_error_policy_reports_the_miss_a_traced_call_raises():
   # Transfer answers only under the "heuristics" policy; explain said "transfer" where
   # the call itself raised ConfigMissError.

@@ -188,4 +188,8 @@ def _diff(a: Any, b: Any, path: str = "") -> list[str]:
     return out
   if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
     return [d for i, (x, y) in enumerate(zip(a, b)) for d in _diff(x, y, f"{path}[{i}]")]
-  return [] if a == b else [f"{path}: {a!r} != {b!r}"]
+  if a == b and type(a) is type(b):
+    return []
+  if a == b:  # 3 and 3.0, True and 1: two keys all the same (`specs.types_of`)
+    return [f"{path}: {a!r} ({type(a).__name__}) != {b!r} ({type(b).__name__})"]
+  return [f"{path}: {a!r} != {b!r}"]
