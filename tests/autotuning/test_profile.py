@@ -351,6 +351,21 @@ def test_calls_of_one_line_that_xla_fuses_together_count_each(tmp_path):
   assert call.count == CALLS * RUNS
 
 
+def test_two_calls_on_one_line_are_two_call_sites(tmp_path):
+  # A call site was (file, function, line): two calls on one line were one site, whose
+  # calls were counted by results grouped by stack frame (one each), so 1 a run.
+  drop_live_programs()
+  scale = jnp.ones((16,))
+  program = jax.jit(lambda x: stellarax.rms_norm(x, scale).sum() + stellarax.rms_norm(x * 2, scale).sum())
+  x = jax.random.normal(jax.random.key(9), (8, 16))
+  program(x).block_until_ready()
+  with jax.profiler.trace(tmp_path):
+    for _ in range(RUNS):
+      program(x).block_until_ready()
+  (call,) = read_op_calls(tmp_path)
+  assert call.count == 2 * RUNS
+
+
 def test_run_ids_count_the_executions(traced, tmp_path):
   _, file, hlo_text = traced
   matmuls = _marked_names(hlo_text, MATMUL)

@@ -67,7 +67,8 @@ How events become op calls:
    marked with it, and then every rule here applies as to an attribute. A marker that
    some instruction kept is left to the attribute alone, so op_name changes nothing
    where XLA kept the attribute.
-3. Call sites. The call site of an instruction is its Python stack (HLO metadata) up
+3. Call sites. The call site of an instruction is its Python stack (HLO metadata: file,
+   function, line and column of each frame, so two calls on one line are two sites) up
    to the op's outermost frame in this library's op modules (``core``, ``ops``),
    without the frames of its other modules, each run of repeated frames kept once.
    What lies inside the op's frames is left out because JAX fills it from its tracing
@@ -660,9 +661,9 @@ class _Instruction:
 
 _Computations = Mapping[int, Sequence[_Instruction]]
 # A call site: the frames of the Python stack that are not this library's, as
-# (file, function, line) from the outermost on; and whether the innermost frame is
-# this library's (the instruction is work of an op).
-_Site = tuple[tuple[tuple[str, str, int], ...], bool]
+# (file, function, line, column) from the outermost on; and whether the innermost frame
+# is this library's (the instruction is work of an op).
+_Site = tuple[tuple[tuple[str, str, int, int], ...], bool]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -949,14 +950,15 @@ def _sites(index: memoryview) -> Callable[[int], _Site]:
       frame = at(frames, frame_id, {})
       location = at(locations, frame.get(1, 0), {})
       stack.append((at(files, location.get(1, 0), ""),
-                    at(functions, location.get(2, 0), ""), location.get(3, 0)))
+                    at(functions, location.get(2, 0), ""), location.get(3, 0),
+                    location.get(4, 0)))  # the column: two calls on one line are two
       frame_id = frame.get(2, 0)
     return _call_site(stack[::-1]), bool(stack) and _in_library(stack[0][0])
 
   return site
 
 
-def _call_site(frames: Sequence[tuple[str, str, int]]) -> tuple:
+def _call_site(frames: Sequence[tuple[str, str, int, int]]) -> tuple:
   """The user frames of a stack (outermost first) that lead to an op's call.
 
   The stack ends at the op's outermost frame in this library's op modules: what JAX
@@ -977,7 +979,7 @@ def _call_site(frames: Sequence[tuple[str, str, int]]) -> tuple:
   return _without_repeats(user)
 
 
-def _without_repeats(frames: Sequence[tuple[str, str, int]]) -> tuple:
+def _without_repeats(frames: Sequence[tuple[str, str, int, int]]) -> tuple:
   """`frames` with each run of a repeated sequence of frames kept once.
 
   JAX builds the stack of an instruction traced under several transformations (a
