@@ -387,6 +387,25 @@ def test_calls_within_noise_alone_are_kept_where_they_help_together(monkeypatch,
   assert kept == {e.key: e.best_config if together else e.heuristic_config for e in entries}
 
 
+def test_a_call_that_slows_the_program_is_not_kept_by_the_others_gain(monkeypatch):
+  # Calls 1 and 2 gain together; call 0 slows the program beyond noise (faster without
+  # it): judged with the weak calls, the group's gain kept it too.
+  result, entries = _every_call_tuned(three_calls)
+
+  def fake_measure(programs, margs, **kwargs):
+    if "together" in programs:
+      return {"together": _ok(1.5), "tuned": _ok(1.0)}
+    return {"heuristics": _ok(2.0), "tuned": _ok(1.0), 0: _ok(0.8), 1: _ok(1.005), 2: _ok(1.005)}
+
+  monkeypatch.setattr(in_program.measure_lib, "measure_candidates", fake_measure)
+  check = autotuning.check_in_program(result, three_calls, *_inputs())
+  assert [(c.helps, c.others_together) for c in check.calls] == [(False, 0), (True, 1),
+                                                                 (True, 1)]
+  kept = {e.key: e.best_config for e in check.kept()}
+  assert kept == {entries[0].key: entries[0].heuristic_config,
+                  **{e.key: e.best_config for e in entries[1:]}}
+
+
 @pytest.mark.parametrize("together_ms", [1.5, 1.004])
 def test_the_weak_calls_are_timed_together_beside_one_that_helps(monkeypatch, together_ms):
   # Call 0 helps alone; calls 1 and 2 do not: the program with both of them at their

@@ -17,7 +17,9 @@ call helps when the tuned program is faster than the one without it beyond noise
 gain spread over several calls: two calls that each gain a few percent of the program
 can each stay within noise while together they are beyond it (the demo's attention
 forward and backward on a CPU: each "not faster", the program 1.08x). So where two or
-more calls do not help alone, the program with all of them at their heuristics is timed
+more calls do not help alone (and none of them slows the program beyond noise: such a
+call is put back whatever the others gain), the program with all of them at their
+heuristics is timed
 against the tuned one too (in more rounds of its own, or read from the heuristic
 program where they are every changed call): where the tuned program is faster beyond
 noise, they help together and are kept. Every program's output
@@ -434,7 +436,9 @@ def check_in_program(result: AutotuningResult, f: Callable[..., Any], /, *args,
   got = measure(programs)
   calls = [CallCheck(e, got[i], _helps(got[_TUNED], got[i]), others, heuristic[e.key].best_config)
            for i, (e, others) in enumerate(changed)]
-  weak = [i for i, c in enumerate(calls) if not c.helps]
+  # Not a call that slows the program beyond noise: kept() puts it back, and a gain of
+  # the others together must not keep it.
+  weak = [i for i, c in enumerate(calls) if not c.helps and not _helps(c.without, got[_TUNED])]
   if got[_TUNED].ok and len(weak) >= 2:  # (a failing tuned program helps nowhere)
     if len(weak) == len(calls):  # all of them left out: the heuristic program
       together, with_them = got[_HEURISTICS], got[_TUNED]
