@@ -1393,6 +1393,9 @@ def test_a_searched_entry_wins_a_merge_with_a_faster_starved_one(user_cache_dir)
   kind = cache_lib.current_device_kind()
   a, b = (autotuning.AutotuningResult(kind, {e.key: e}) for e in (starved, searched))
   assert (a | b).entry(call) == searched == (b | a).entry(call)
+  from stellarax.autotuning.result import why_kept  # what a file holding both warns
+  assert why_kept(searched, starved) == ("it searched its space, the other measured only its "
+                                         "heuristic config")
   for entry in (starved, searched):  # the user cache merges the same way
     cache_lib.USER_CACHE.write(autotuning.AutotuningResult(kind, {entry.key: entry}))
   assert cache_lib.USER_CACHE.result_for(kind, call.op.name).entry(call) == searched

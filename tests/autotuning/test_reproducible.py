@@ -148,6 +148,31 @@ def test_a_reproducible_tuning_joins_a_cached_entry_that_measured_none(user_cach
     cached.joined(dataclasses.replace(ENTRY, bound_args=SumOp().bind(jnp.arange(4.0))))
 
 
+def test_the_join_keeps_what_a_concurrent_writer_merged_in(user_cache_dir, monkeypatch):
+  # The joined entry was built from a read without the file's lock, then written in
+  # place of the file's: another process's entry merged in between was lost.
+  from stellarax.autotuning import cache as cache_lib
+  atomic_2 = SumConfig(atomic=True, block=2)
+  kind = RESULT.device_kind
+  autotuning.USER_CACHE.write(AutotuningResult(kind, {ENTRY.key: dataclasses.replace(
+      ENTRY, measurements=((ATOMIC, _ok(1e-6)), (atomic_2, _ok(2e-6))))}))
+  other = dataclasses.replace(ENTRY, measured_at="elsewhere", measurements=(
+      (ATOMIC, _ok(5e-7)), (atomic_2, _ok(7e-7))))
+  real_write = cache_lib.FileCache.write
+
+  def write(self, result, **kwargs):
+    if kwargs.get("combine") is not None and len(result):  # another process, just before
+      real_write(self, AutotuningResult(kind, {other.key: other}))
+    return real_write(self, result, **kwargs)
+
+  monkeypatch.setattr(cache_lib.FileCache, "write", write)
+  stellarax.Autotuner(progress=False, measure_options=FAST, cache=True,
+                      reproducible=True).autotune(BA)
+  cached = autotuning.USER_CACHE.result_for(kind, BA.op.name).entry(BA)
+  assert cached.measured_at == "elsewhere"  # the faster entry won, and was kept
+  assert {c for c, _ in cached.measurements} == {ATOMIC, atomic_2, PLAIN, PLAIN_2}
+
+
 def test_the_mode_is_checked_and_follows_xla_s_determinism_flag():
   with pytest.raises(TypeError, match="pass True or False"):
     with autotuning.reproducible_scope("yes"):

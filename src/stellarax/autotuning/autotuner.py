@@ -294,10 +294,10 @@ class Autotuner:
     (a CacheWriteWarning, carrying the error if any), never the measurements (the
     result still holds them). The tuning journals of the calls written are removed."""
     if self.cache and len(result):
-      merged, joined = self._for_the_cache(result)
+      merged, to_join = self._for_the_cache(result)
       try:
         written = set(USER_CACHE.write(merged, replace=self.ignore_cache))
-        written |= set(USER_CACHE.write(joined, replace=True))
+        written |= set(USER_CACHE.write(to_join, combine=_joined))
       except OSError as exc:
         warn(CacheWriteWarning(
             f"Autotuner(cache=True): the user cache at {USER_CACHE.root} cannot be "
@@ -323,25 +323,24 @@ class Autotuner:
             reason=reason), CacheWriteWarning)
 
   def _for_the_cache(self, result: AutotuningResult) -> tuple[AutotuningResult, AutotuningResult]:
-    """`result`, split into the entries to merge into the user cache and those that
-    replace its own entry, joined with it (`Entry.joined`): a call tuned because its
-    cached entry measured no config this tuner may choose (reproducible mode's). Merged,
-    the faster cached entry won, the reproducible configs measured were lost, and
-    every run in reproducible mode tuned the call again."""
-    merged, joined = AutotuningResult(result.device_kind), AutotuningResult(result.device_kind)
+    """`result`, split into the entries to merge into the user cache and those to join
+    with its own entry (`_joined`): a call tuned because its cached entry measured no
+    config this tuner may choose (reproducible mode's). Merged, the faster cached entry
+    won, the reproducible configs measured were lost, and every run in reproducible mode
+    tuned the call again."""
+    merged, to_join = AutotuningResult(result.device_kind), AutotuningResult(result.device_kind)
     for entry in result:
       accept = self._accept(entry.bound_args)
       cached = (None if accept is None or self.ignore_cache
                 else USER_CACHE.result_for(result.device_kind, entry.bound_args.op.name))
       old = None if cached is None else cached.entry(entry.bound_args)
-      if (old is None or not old.is_current or old.starved()
-          or old.config_for(accept) is not None):
+      refused = (old is not None and old.is_current and not old.starved()
+                 and old.config_for(accept) is None)
+      if refused:
+        to_join = to_join.with_entry(entry)
+      else:
         merged = merged.with_entry(entry)
-        continue
-      one = lambda e: AutotuningResult(result.device_kind, {e.key: e})
-      winner = (one(old) | one(entry)).entry(entry.bound_args)
-      joined = joined.with_entry(winner.joined(entry if winner == old else old))
-    return merged, joined
+    return merged, to_join
 
   def entry_for(self, ba: BoundArguments, *, progress: Progress | None = None,
                 device: jax.Device | None = None, pool: BudgetPool | None = None) -> Entry:
@@ -836,6 +835,17 @@ def _cached_entry(ba: BoundArguments, accept: Callable[[Any], bool] | None = Non
         and entry.config_for(accept) is not None):
       return entry
   return None
+
+
+def _joined(old: Entry | None, new: Entry) -> Entry:
+  """What the user cache keeps of a call tuned again beside its entry `old` (read under
+  the file's lock): the winner of the two as results merge, with the other's
+  measurements of the configs it lacks (`Entry.joined`)."""
+  if old is None:
+    return new
+  one = lambda e: AutotuningResult("", {e.key: e})
+  winner = (one(old) | one(new)).entry(new.bound_args)
+  return winner.joined(new if winner == old else old)
 
 
 def _alternatives(ba: BoundArguments) -> list[BoundArguments]:

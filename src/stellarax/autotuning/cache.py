@@ -43,6 +43,7 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -293,14 +294,18 @@ class FileCache:
     return out
 
   def write(self, result: AutotuningResult, *, replace: bool = False,
+            combine: Callable[[Any, Any], Any] | None = None,
             remove_locks: bool = False) -> list[Path]:
     """Merges `result` into the cache files, safely under concurrent writers.
 
     Args:
       result: the entries to write.
       replace: each entry replaces the file's entry of its call; without it, the two
-        merge (`AutotuningResult.__or__`: a current entry wins over a stale one, else
-        the faster).
+        merge (`AutotuningResult.__or__`: a current entry wins over a stale one, then
+        one that searched over a starved one, then the faster).
+      combine: instead, `combine(file's entry or None, entry)` is written for each
+        entry, read under the file's lock (so nothing a concurrent writer merged in is
+        lost).
       remove_locks: remove each `<file>.json.lock` once the file is written (a folder
         to ship holds its JSON files only); writers that remove their lock files and
         writers that keep them still exclude each other (`_exclusive_lock`).
@@ -359,8 +364,12 @@ class FileCache:
             warn(f"{str(exc).splitlines()[0]} It was moved to {aside}, and the new "
                  f"entries were written to {path} without it.", CacheWarning)
         for entry in entries:
-          merged = (merged.with_entry(entry) if replace
-                    else merged | AutotuningResult(result.device_kind, {entry.key: entry}))
+          if combine is not None:
+            merged = merged.with_entry(combine(merged.entry(entry.bound_args), entry))
+          elif replace:
+            merged = merged.with_entry(entry)
+          else:
+            merged = merged | AutotuningResult(result.device_kind, {entry.key: entry})
         file_format.atomic_write(path, file_format.dumps(_with_unread_entries(merged, skipped)))
       written.append(path)
     return written

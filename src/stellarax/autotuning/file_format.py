@@ -54,7 +54,8 @@ a list, a string, a number), so a field of another type (`"versions": "0.1"`,
 holds and what it should, whatever versions the entry names. Stellarax writes each
 call once; a file that holds one call in two entries (e.g. entries pasted from two
 files) is read as merging them would (`AutotuningResult.__or__`: a current entry
-over a stale one, else the faster best config), with a `FormatWarning` naming both
+over a stale one, else one that searched over one that measured only its heuristic
+config, else the faster best config), with a `FormatWarning` naming both
 entries where they differ. A config field absent from the file takes its default:
 that is how a field added to a config class later (e.g. `prefetch` of the Triton
 normalization backward, `overlap_softmax` of the Mosaic GPU attention) reads files

@@ -442,6 +442,8 @@ def why_kept(kept: Entry, dropped: Entry) -> str:
   """Why `merge_entries` kept `kept` over `dropped`, in words, for a warning."""
   if kept.is_current != dropped.is_current:
     return f"it is current, the other stale ({dropped.stale_reason})"
+  if kept.starved() != dropped.starved():
+    return "it searched its space, the other measured only its heuristic config"
   if _faster(kept, dropped):
     return (f"its best config is faster ({format_time(kept.best_time)} against "
             f"{format_time(dropped.best_time)})")

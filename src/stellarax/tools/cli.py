@@ -233,7 +233,7 @@ def _cache(args) -> int:
       print(f"user cache at {root}: no stale entries")
   elif args.action == "add":
     # A result tuned elsewhere (another run, a colleague's machine) joins the user cache:
-    # per call, the current entry wins over a stale one, else the faster.
+    # per call, as results merge (`AutotuningResult.__or__`).
     from stellarax.autotuning.result import AutotuningResult
     result = AutotuningResult.load(args.result)
     written = set(cache.USER_CACHE.write(result))
@@ -241,13 +241,13 @@ def _cache(args) -> int:
       print(f"wrote {path}")
     ops = sorted({e.bound_args.op.name for e in result})
     left = [op for op in ops if cache.USER_CACHE.path_for(result.device_kind, op) not in written]
-    # Per call the merge keeps the cache's own entry where it wins (current over stale,
-    # else the faster): those were not added.
+    # Per call the merge keeps the cache's own entry where it wins: those were not added.
     added = sum(e.bound_args.op.name not in left and _cached(cache, result.device_kind, e) == e
                 for e in result)
     written_entries = sum(e.bound_args.op.name not in left for e in result)
     kept = (f"; the cache kept its own entry for {written_entries - added} calls (a current "
-            "one over a stale one, else the faster)" if added < written_entries else "")
+            "one over a stale one, then one that searched over one that measured only its "
+            "heuristic config, then the faster)" if added < written_entries else "")
     print(f"added {added} entries for {result.device_kind!r} to the user cache at {root}{kept}")
     if left:  # the warning above says why (a cache file of a newer stellarax)
       print(f"stellarax cache add: error: the entries of {', '.join(left)} were not added: "
