@@ -85,10 +85,11 @@ def test_dict_arguments_and_residuals_are_tuned():
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FrozenBiasVjp(_Tunable, AffineVjpBase, name="test_user_ops.frozen_bias_vjp"):
-  """A None leaf inside a pytree gradient: that leaf's gradient is zero."""
+  """None in a pytree gradient, for a leaf ("c") and for a subtree ("b")."""
 
   def _fwd(self, residuals, out, dout, x, params, *, config):
-    return {"x": dout @ params["w"].T, "params": {"w": residuals["x"].T @ dout, "b": None}}
+    return {"x": dout @ params["w"].T,
+            "params": {"w": residuals["x"].T @ dout, "b": None, "c": None}}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,17 +97,19 @@ class FrozenBias(_Tunable, stellarax.Op, name="test_user_ops.frozen_bias"):
   vjp_cls = FrozenBiasVjp
 
   def _fwd(self, x, params, *, config):
-    return x @ params["w"] + params["b"][None], {"x": x}
+    return x @ params["w"] + params["b"]["v"][None] * params["c"], {"x": x}
 
 
-def test_a_none_leaf_in_a_pytree_gradient_is_a_zero_as_in_custom_vjp():
+def test_a_none_leaf_or_subtree_in_a_pytree_gradient_is_a_zero_as_in_custom_vjp():
   # It was refused: "VJP op returned 1 gradient leaves for 'params', expected 2."
   x = jax.random.normal(jax.random.key(0), (4, 8))
-  params = {"w": jax.random.normal(jax.random.key(1), (8, 2)), "b": jnp.ones((2,))}
+  params = {"w": jax.random.normal(jax.random.key(1), (8, 2)), "b": {"v": jnp.ones((2,))},
+            "c": jnp.float32(0.5)}
   dx, dparams = jax.grad(lambda x, p: jnp.sum(FrozenBias()(x, p) ** 2), argnums=(0, 1))(x, params)
-  y = x @ params["w"] + params["b"][None]
+  y = x @ params["w"] + 0.5
   np.testing.assert_allclose(dparams["w"], x.T @ (2 * y), rtol=1e-5)
-  np.testing.assert_array_equal(dparams["b"], jnp.zeros(2))
+  np.testing.assert_array_equal(dparams["b"]["v"], jnp.zeros(2))
+  assert dparams["c"] == 0
   np.testing.assert_allclose(dx, (2 * y) @ params["w"].T, rtol=1e-5)
 
 

@@ -74,6 +74,9 @@ def _vmapped_impl(ba: BoundArguments, impl: Callable[..., Any]) -> Callable[...,
 # `custom_vmap.__call__`). Such a trace never runs: resolving its config would apply the
 # miss policy to a call no program makes ("error" raised for a tuned vmapped call, and
 # "autotune" tuned the unbatched call too). It takes the heuristic config instead.
+# Where a jit, checkpoint, scan or cond lies between the vmap and the call, the call is
+# traced for unbatched shapes inside that transformation's own trace, one a program
+# could run as it is: nothing tells it apart, so it is resolved (README: miss policy).
 _UNRUN_TRACE = contextvars.ContextVar("stellarax_unrun_trace", default=False)
 
 
@@ -94,7 +97,8 @@ def _vmappable(ba: BoundArguments, make_impl: Callable[[Any], Callable[..., Any]
   def run_for(call_ba: BoundArguments) -> Callable[..., Any]:
     # `ba`, or one shard's part of it (`partitioning.per_shard`), with its own config.
     unrun = _UNRUN_TRACE.get()
-    config = ((call_ba.op.config or call_ba.heuristics_config) if unrun
+    pinned = call_ba.op.config
+    config = ((pinned if pinned is not None else call_ba.heuristics_config) if unrun
               else resolve_config(call_ba).config)
     return _vmapped_impl(call_ba, make_impl(config))
 
@@ -274,7 +278,10 @@ def _grads_for_leaves(values: dict[str, Any], grads: dict[str, Any]) -> tuple[An
     leaves, structure = jax.tree.flatten(values[name])
     g = grads.get(name)
     try:
-      g_leaves = [None] * len(leaves) if g is None else structure.flatten_up_to(g)
+      # None may stand for a whole subtree too, as in jax.custom_vjp: a tree of Nones.
+      g = jax.tree.map(lambda gx, v: jax.tree.map(lambda _: None, v) if gx is None else gx,
+                       g, values[name], is_leaf=lambda x: x is None)
+      g_leaves = structure.flatten_up_to(g)
     except (ValueError, TypeError) as exc:
       raise ValueError(
           f"The VJP op's gradient for {name!r} is not of the argument's structure "
