@@ -365,6 +365,9 @@ def test_outputs_holding_prng_keys_and_float0_gradients_are_compared():
   check = autotuning.check_in_program(result, grad, lhs, rhs, gs, options=FAST)
   assert check.tuned.ok, check.lines()
   assert autotuning.measure.check_close({"k": jax.random.key(1)}, {"k": jax.random.key(2)})
+  assert autotuning.measure.check_close({"k": jax.random.key(1)}, {"k": jax.random.key(1)}) is None
+  assert "PRNG keys" in autotuning.measure.check_close(
+      [jax.random.key(1)], [jax.random.key_data(jax.random.key(1))])
 
 
 @pytest.mark.parametrize("heuristics_ms, together", [(2.0, True), (1.005, False)])

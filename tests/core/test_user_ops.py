@@ -155,6 +155,28 @@ class ByMode(stellarax.Op, name="test_user_ops.by_mode"):
     return {_ModeConfig(), _ModeConfig(mode=Mode.TRIPLE, modes=(Mode.TRIPLE,))}
 
 
+class Level(enum.IntEnum):
+  LOW = 1
+  HIGH = 2
+
+
+@stellarax.config_dataclass
+class _MixedConfig:
+  level: Level = Level.LOW  # an IntEnum: recorded by its name too, not as 1
+  name_or_mode: str | Mode = "DOUBLE"  # a str field: a name read back stays a str
+  modes: list[Mode] | None = None
+
+
+def test_int_enums_are_recorded_by_name_and_str_fields_are_left_as_read():
+  from stellarax.core.config import config_from_json, config_to_json
+  config = _MixedConfig(level=Level.HIGH, modes=(Mode.TRIPLE,))
+  data = config_to_json(config)
+  assert data == {"level": "HIGH", "name_or_mode": "DOUBLE", "modes": ["TRIPLE"]}
+  again = config_from_json(_MixedConfig, data)
+  assert again.level is Level.HIGH and again.name_or_mode == "DOUBLE"
+  assert again.modes == (Mode.TRIPLE,)
+
+
 def test_enums_in_configs_and_op_fields_survive_a_save_and_load():
   # Recorded by name, they came back as strings: a loaded result's config crashed the
   # program (AttributeError: 'str' object has no attribute 'value'), and bound arguments

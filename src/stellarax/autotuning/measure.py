@@ -585,6 +585,9 @@ def check_close(output: Any, reference: Any, *, rtol: float | None = None,
   Returns:
     None when the output is close, else a short reason naming the leaf and the error.
   """
+  keys = [_is_key(x) for x in jax.tree.leaves(output)]
+  if keys != [_is_key(x) for x in jax.tree.leaves(reference)]:
+    return "PRNG keys where the reference has none, or the other way round"
   out_leaves, out_tree = jax.tree.flatten_with_path(_comparable(output))
   ref_leaves, ref_tree = jax.tree.flatten_with_path(_comparable(reference))
   if out_tree != ref_tree:
@@ -599,18 +602,20 @@ def check_close(output: Any, reference: Any, *, rtol: float | None = None,
   return None
 
 
+def _is_key(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+
+
 def _comparable(tree: Any) -> Any:
   """`tree` with the leaves NumPy cannot compare made comparable: a typed PRNG key (a
   training step that returns its next key) as its key data, which must be equal; a
   float0 leaf (the gradient of an integer input, `jax.grad(allow_int=True)`), which holds
   nothing, as booleans of its shape."""
   def leaf(x):
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
-      return x
-    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+    if _is_key(x):
       return jax.random.key_data(x)
-    if dtype == jax.dtypes.float0:
+    if getattr(x, "dtype", None) == jax.dtypes.float0:
       return np.zeros(np.shape(x), np.bool_)
     return x
   return jax.tree.map(leaf, tree)

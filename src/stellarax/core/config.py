@@ -141,8 +141,8 @@ def config_from_json(config_cls: type[T], data: Mapping[str, Any]) -> T:
 def revived_enums(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
   """Values read from JSON for the fields of `cls`, with each enum member
   recorded by its name turned back into the member, where the field's annotation names
-  its Enum class (alone, in a union or as `tuple[E, ...]`) or its default is a member
-  of one. JSON records members by name (`specs.to_spec`): read back as strings, a
+  its Enum class (alone, in a union without str, or as `tuple[E, ...]`/`list[E]`) or
+  its default is a member of one. JSON records members by name (`specs.to_spec`): read back as strings, a
   loaded config's `config.order.value` raised AttributeError.
 
   Args:
@@ -176,8 +176,10 @@ def _enum_fields(cls: type) -> dict[str, tuple[type[enum.Enum], ...]]:
     hints = {}
   out = {}
   for name, default in field_defaults(cls).items():
-    found = [m for m in _members(hints.get(name))
-             if isinstance(m, type) and issubclass(m, enum.Enum)]
+    named = _members(hints.get(name))
+    if str in named:  # a str field may hold a member's name as itself: left as read
+      continue
+    found = [m for m in named if isinstance(m, type) and issubclass(m, enum.Enum)]
     defaults = default if isinstance(default, tuple) else (default,)
     found += [type(d) for d in defaults if isinstance(d, enum.Enum)]
     if found:
@@ -186,11 +188,12 @@ def _enum_fields(cls: type) -> dict[str, tuple[type[enum.Enum], ...]]:
 
 
 def _members(hint: Any) -> list[Any]:
-  """The types a hint names: a union's members, a tuple's element types, or itself."""
+  """The types a hint names: a union's members, a tuple's or list's element types, or
+  itself."""
   if hint is None:
     return []
   origin = typing.get_origin(hint)
-  if isinstance(hint, types.UnionType) or origin is typing.Union or origin is tuple:
+  if isinstance(hint, types.UnionType) or origin in (typing.Union, tuple, list):
     return [m for arg in typing.get_args(hint) if arg is not Ellipsis for m in _members(arg)]
   return [hint]
 

@@ -70,7 +70,10 @@ class ArraySpec:
     computes it in: a NumPy int64 or float64 array is int32 or float32 in a program
     unless `jax_enable_x64` is on, so its call is keyed so too (a call bound from NumPy
     arrays then matches the program's)."""
-    return cls(tuple(x.shape), jnp.dtype(jax.dtypes.canonicalize_dtype(x.dtype)).name)
+    dtype = x.dtype
+    if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # (a PRNG key's is not)
+      dtype = jax.dtypes.canonicalize_dtype(dtype)
+    return cls(tuple(x.shape), jnp.dtype(dtype).name)
 
 
 class FrozenDict(Mapping):
@@ -190,6 +193,8 @@ def to_spec(value: Any, *, what: str = "argument") -> Any:
   """
   if isinstance(value, ArraySpec):
     return value
+  if isinstance(value, enum.Enum):  # before str and int: an IntEnum or StrEnum too
+    return value.name
   if value is None or isinstance(value, (bool, str)):
     return value
   if isinstance(value, (int, float)) and not is_array(value):
@@ -198,8 +203,6 @@ def to_spec(value: Any, *, what: str = "argument") -> Any:
     return value.item()
   if isinstance(value, np.dtype) or (isinstance(value, type) and issubclass(value, np.generic)):
     return jnp.dtype(value).name
-  if isinstance(value, enum.Enum):
-    return value.name
   if is_array(value):
     return ArraySpec.of(value)
   if isinstance(value, (tuple, list)):
