@@ -1283,6 +1283,27 @@ def test_options_of_the_wrong_type_are_refused(option, value, says):
     stellarax.Autotuner(**{option: value})
 
 
+@pytest.mark.parametrize("option, value, says", [
+    # Each was accepted, then failed every call with a KeyError or a bare comparison.
+    ("strategy", None, r"strategy=None must be one of .* or a search function"),
+    ("strategy", ["racing"], r"strategy=\['racing'\] must be one of"),
+    ("distributed_timeout_s", "10", r"distributed_timeout_s='10' must be a positive number"),
+    ("budget_s", True, r"budget_s=True must be a positive number of seconds or None"),
+])
+def test_options_of_the_wrong_value_are_refused_when_made(option, value, says):
+  with pytest.raises(ValueError, match=says):
+    stellarax.Autotuner(**{option: value})
+  assert stellarax.Autotuner(budget_s=np.float32(1.5)).budget_s == 1.5  # NumPy's numbers too
+
+
+def test_prune_returning_no_configs_says_what_to_return():
+  (call,) = _ragged_calls(1)
+  for junk in (None, 1, call.heuristics_config):
+    with pytest.raises(autotuning.IncompleteTuningError) as caught:
+      tuner(prune=lambda ba, configs, junk=junk: junk, budget_s=1).autotune([call])
+    assert "it must return the configs to measure" in str(caught.value.errors[call])
+
+
 def test_a_measured_entry_beats_an_unmeasured_one_in_a_merge(grad_result):
   """An entry with no successful time (every config failed, or a hand-written one) never
   replaces a measured one of the same call, on either side of `|`."""

@@ -36,10 +36,11 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from stellarax.autotuning import capture
 from stellarax.autotuning import isolation
@@ -170,14 +171,19 @@ class Autotuner:
   isolate: bool = False
 
   def __post_init__(self):
-    if isinstance(self.strategy, str) and self.strategy not in STRATEGIES:
-      raise ValueError(f"strategy={self.strategy!r} must be one of {STRATEGIES} or a search function.")
+    if not (callable(self.strategy)
+            or (isinstance(self.strategy, str) and self.strategy in STRATEGIES)):
+      raise ValueError(f"strategy={self.strategy!r} must be one of {STRATEGIES} or a search "
+                       "function (see stellarax.autotuning.search).")
     if self.implementations not in ("resolved", "all"):
       raise ValueError(f"implementations={self.implementations!r} must be 'resolved' or 'all'.")
-    for name in ("budget_s", "total_budget_s"):
+    for name in ("budget_s", "total_budget_s", "distributed_timeout_s"):
       value = getattr(self, name)
-      if value is not None and not (isinstance(value, (int, float)) and 0 < value < float("inf")):
-        raise ValueError(f"{name}={value!r} must be a positive number of seconds or None.")
+      if value is None and name != "distributed_timeout_s":
+        continue
+      if not (_is_real(value) and 0 < value < float("inf")):
+        none = "" if name == "distributed_timeout_s" else " or None"
+        raise ValueError(f"{name}={value!r} must be a positive number of seconds{none}.")
     if self.budget_s is not None and self.total_budget_s is not None:
       raise ValueError(f"budget_s={self.budget_s!r} (per call) and total_budget_s="
                        f"{self.total_budget_s!r} (shared by all calls) exclude each other;"
@@ -187,9 +193,6 @@ class Autotuner:
           "strategy='random' draws configs until its budget is spent, and no budget was given: "
           "pass budget_s (per call) or total_budget_s, or draw a number of configs with "
           "strategy=functools.partial(stellarax.autotuning.search.random_search, num_samples=N).")
-    if not self.distributed_timeout_s > 0:
-      raise ValueError(f"distributed_timeout_s={self.distributed_timeout_s!r} must be a positive "
-                       "number of seconds.")
     for name in ("progress", "ignore_cache", "cache", "distribute", "isolate"):
       if not isinstance(getattr(self, name), bool):  # "no" would be true
         raise TypeError(f"Autotuner({name}={getattr(self, name)!r}): pass True or False.")
@@ -550,7 +553,12 @@ class Autotuner:
     """
     if self.prune is None:
       return space
-    kept = list(self.prune(ba, list(space)))
+    returned = self.prune(ba, list(space))
+    if isinstance(returned, (str, bytes)) or not isinstance(returned, Iterable):
+      raise TypeError(f"Autotuner(prune=...) returned {returned!r} for {ba.op.name}: it must "
+                      "return the configs to measure, an iterable of configs of the space it "
+                      "was given (a list, a set).")
+    kept = list(returned)
     strangers = [c for c in kept if c not in space]
     if strangers:
       raise ValueError(f"Autotuner(prune=...) returned {len(strangers)} configs that are not "
@@ -835,6 +843,13 @@ def _cached_entry(ba: BoundArguments, accept: Callable[[Any], bool] | None = Non
         and entry.config_for(accept) is not None):
       return entry
   return None
+
+
+def _is_real(value: Any) -> bool:
+  """Whether `value` is a real number of seconds: an int or float (NumPy's too), not a
+  bool."""
+  return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+      value, (bool, np.bool_))
 
 
 def _joined(old: Entry | None, new: Entry) -> Entry:

@@ -335,7 +335,8 @@ def result_from_json(cls, data: dict[str, Any], *, source: str, warn_other_versi
   # A file that records no versions (written by hand, or cut down) says nothing of what
   # its times were taken under: its entries are stale, "unrecorded", as one without the
   # timing revision is.
-  file_versions = data.get("versions", {})
+  file_versions = data.get("versions")
+  file_versions = {} if file_versions is None else file_versions
   if not _is_versions(file_versions):
     raise FormatError(f"{source}: 'versions' must be an object naming the writer's stellarax, "
                       f"jax and jaxlib versions as strings, got {file_versions!r}.")
