@@ -198,6 +198,10 @@ def test_journals_of_concurrent_or_cut_short_runs_keep_every_whole_line(tmp_path
   resumed = journal()
   resumed.record({c: _ok(3.0)}, 1.0)
   assert set(journal().recalled) == {a, b, c}
+  # A byte that is no UTF-8 (a disk's damage): every line was lost with it, for good.
+  with open(first.path, "ab") as f:
+    f.write(b"\xff\n")
+  assert set(journal().recalled) == {a, b, c}
   # Measuring anew (ignore_cache) still starts it over.
   journal(anew=True).record({c: _ok(4.0)}, 1.0)
   assert set(journal().recalled) == {c} and journal().recall(c, 1.0) == _ok(4.0)

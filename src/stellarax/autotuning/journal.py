@@ -113,9 +113,12 @@ class Journal:
 
   def _read(self) -> None:
     try:
-      text = self.path.read_text()
-    except (OSError, UnicodeDecodeError):  # none yet, or unreadable: start anew
+      raw = self.path.read_bytes()
+    except OSError:  # none yet, or unreadable: start anew
       return
+    # Line by line: a damaged line (a byte that is no UTF-8) costs itself alone. Read
+    # whole, it cost every line, and the file was never started over either.
+    text = raw.decode("utf-8", errors="replace")
     lines = text.splitlines()
     if not lines or _parsed(lines[0]) != self._header:
       self._restart = bool(text)  # not this tuning's (a damaged file): start it over
