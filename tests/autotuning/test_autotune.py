@@ -1009,25 +1009,35 @@ def test_miss_policy_autotune_tunes_on_the_spot(user_cache_dir):
 
 def test_ctrl_c_while_the_miss_policy_tunes_stops_at_once(monkeypatch):
   # The tuning runs on a thread of its own; an interrupt of the waiting thread must
-  # not wait for it to end (a thread pool's shutdown did).
+  # not wait for it to end (a thread pool's shutdown did). A retry then waits on that
+  # tuning: it started a second one beside it, which skewed both's times.
   import _thread
-  release, ended = threading.Event(), []
-
-  def long_tuning(self, ba, **kwargs):
-    release.wait(60)
-    ended.append(ba)
-
-  monkeypatch.setattr(autotuner_lib.Autotuner, "tune_one", long_tuning)
+  import types
+  release, started, ended = threading.Event(), [], []
   lhs, rhs, gs = _inputs()
   ba = stellarax.XlaRaggedDot.bind(lhs[:40], rhs, gs)
+  tuned = next(c for c in ba.autotuning_configs if c != ba.heuristics_config)
+
+  def long_tuning(self, ba, **kwargs):
+    started.append(ba)
+    release.wait(60)
+    ended.append(ba)
+    return types.SimpleNamespace(best_config=tuned)
+
+  monkeypatch.setattr(autotuner_lib.Autotuner, "tune_one", long_tuning)
   threading.Timer(0.2, _thread.interrupt_main).start()
   try:
     with pytest.raises(KeyboardInterrupt), resolution.miss_policy_scope("autotune"):
       resolution.resolve_config(ba)
     assert not ended  # interrupted while the tuning still ran
+    assert autotuning.explain(ba).source == "heuristics"  # nothing kept yet
+    threading.Timer(0.2, release.set).start()
+    with resolution.miss_policy_scope("autotune"):
+      assert resolution.resolve_config(ba).config == tuned
   finally:
     release.set()
-  assert autotuning.explain(ba).source == "heuristics"  # nothing kept
+  assert len(started) == 1 and autotuner_lib.config_tuned_on_miss(ba) == tuned
+  autotuner_lib._TUNED_ON_MISS.pop(autotuner_lib._miss_key(ba))
 
 
 def test_results_are_per_thread_context():

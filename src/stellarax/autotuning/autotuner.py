@@ -32,7 +32,6 @@ import dataclasses
 import datetime
 import inspect
 import os
-import queue
 import sys
 import threading
 import time
@@ -892,34 +891,59 @@ def _autotune_on_miss(ba: BoundArguments) -> Any:
   """
   key = _miss_key(ba)
   if key not in _TUNED_ON_MISS:
-    # The mode is this thread's: the tuning thread is told it.
-    tuner = Autotuner(progress=False, reproducible=resolution.reproducible())
-    _TUNED_ON_MISS[key] = _in_own_thread(tuner.tune_one, ba).best_config
+    with _IN_FLIGHT_LOCK:  # a retry after a Ctrl-C waits on the tuning it left running
+      pending = _IN_FLIGHT.get(key)
+      if pending is None:
+        # The mode is this thread's: the tuning thread is told it.
+        tuner = Autotuner(progress=False, reproducible=resolution.reproducible())
+        pending = _IN_FLIGHT[key] = _OwnThread(tuner.tune_one, ba)
+    try:
+      _TUNED_ON_MISS[key] = pending.wait().best_config
+    except KeyboardInterrupt:
+      raise  # the tuning goes on; the next trace of the call waits for it
+    except BaseException:
+      _IN_FLIGHT.pop(key, None)  # failed: a later trace tunes it again
+      raise
+    _IN_FLIGHT.pop(key, None)
   return _TUNED_ON_MISS[key]
 
 
-def _in_own_thread(fn: Callable[..., Any], *args) -> Any:
-  """fn(*args) on a daemon thread of its own, waited for: a Ctrl-C stops the waiting at
-  once (the tuning is abandoned, and does not hold up the interpreter's exit), where a
-  thread pool's shutdown would wait for the tuning to end."""
-  done: queue.SimpleQueue = queue.SimpleQueue()
+_IN_FLIGHT: dict[tuple[str, str, bool], _OwnThread] = {}
+_IN_FLIGHT_LOCK = threading.Lock()
+# One tuning at a time: one abandoned by a Ctrl-C still measures, and a second beside it
+# would skew both's times.
+_ONE_TUNING = threading.Lock()
 
-  def run():
-    try:
-      done.put((True, fn(*args)))
-    except BaseException as exc:  # noqa: BLE001 (re-raised in the waiting thread)
-      done.put((False, exc))
 
-  threading.Thread(target=run, name="stellarax-tune", daemon=True).start()
-  while True:  # short waits: the interrupt is seen between them, however it was raised
-    try:
-      ok, value = done.get(timeout=0.1)
-      break
-    except queue.Empty:
-      continue
-  if not ok:
-    raise value
-  return value
+class _OwnThread:
+  """fn(*args) on a daemon thread of its own (after any other such tuning), waited for
+  with `wait`: a Ctrl-C stops the waiting at once, and the tuning goes on (a daemon: it
+  does not hold up the interpreter's exit), where a thread pool's shutdown would wait
+  for it to end."""
+
+  def __init__(self, fn: Callable[..., Any], *args):
+    self._done = threading.Event()
+    self._ok, self._value = False, None
+
+    def run():
+      try:
+        with _ONE_TUNING:
+          self._value, self._ok = fn(*args), True
+      except BaseException as exc:  # noqa: BLE001 (re-raised in the waiting threads)
+        self._value = exc
+      finally:
+        self._done.set()
+
+    threading.Thread(target=run, name="stellarax-tune", daemon=True).start()
+
+  def wait(self) -> Any:
+    """The result, or raises fn's exception; short waits, so that an interrupt is seen
+    between them however it was raised."""
+    while not self._done.wait(timeout=0.1):
+      pass
+    if not self._ok:
+      raise self._value
+    return self._value
 
 
 def config_tuned_on_miss(ba: BoundArguments) -> Any | None:
