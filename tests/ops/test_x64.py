@@ -117,3 +117,18 @@ def test_norm_lowers_for_h200_under_x64(x64):
   grad = jax.grad(lambda x: stellarax.rms_norm(x, jnp.ones(512, jnp.bfloat16),
                                                implementation=op).astype(jnp.float32).sum())
   assert "stablehlo.custom_call" in lower_for_h200(grad, jax.ShapeDtypeStruct((64, 512), jnp.bfloat16))
+
+
+def test_float64_calls_are_tuned_under_x64(x64, user_cache_dir):
+  # Inside `jax.enable_x64(True)` (a thread's setting) the compile threads traced float64
+  # arguments as float32, and every config's output was "of another dtype"; with x64 on,
+  # the float64 output check (rtol 1e-7) failed every config against the float32
+  # reference (ops compute float64 inputs at float32 precision).
+  keys = jax.random.split(jax.random.key(2), 2)
+  lhs = jax.random.normal(keys[0], (48, 32), jnp.float64)
+  rhs = jax.random.normal(keys[1], (4, 32, 16), jnp.float64)
+  group_sizes = jnp.array([20, 0, 28, 0], jnp.int32)
+  (entry,) = stellarax.Autotuner(budget_s=1, progress=False).autotune(
+      stellarax.XlaRaggedDot.bind(lhs, rhs, group_sizes))
+  assert entry.bound_args.arguments["lhs"].dtype == "float64"
+  assert entry.num_failed == 0, entry.measurements

@@ -934,7 +934,8 @@ class _OwnThread:
       finally:
         self._done.set()
 
-    threading.Thread(target=run, name="stellarax-tune", daemon=True).start()
+    threading.Thread(target=measure_lib.carried_settings(run), name="stellarax-tune",
+                     daemon=True).start()
 
   def wait(self) -> Any:
     """The result, or raises fn's exception; short waits, so that an interrupt is seen

@@ -398,7 +398,7 @@ def _start_workers(tuner: autotuner_lib.Autotuner, shares: Mapping[_Worker, list
   """One daemon thread per local device (a hung one must not keep the process alive)."""
   for worker, share in shares.items():
     thread = threading.Thread(
-        target=_tune_share,
+        target=measure_lib.carried_settings(_tune_share),
         args=(tuner, worker, share, devices[worker.device], publisher, progress, budgets),
         name=f"stellarax-tune-{worker.device}", daemon=True)
     thread.start()
