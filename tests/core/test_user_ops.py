@@ -160,21 +160,31 @@ class Level(enum.IntEnum):
   HIGH = 2
 
 
+class Act(enum.StrEnum):
+  GELU = "gelu"
+  RELU = "relu"
+
+
 @stellarax.config_dataclass
 class _MixedConfig:
-  level: Level = Level.LOW  # an IntEnum: recorded by its name too, not as 1
-  name_or_mode: str | Mode = "DOUBLE"  # a str field: a name read back stays a str
+  level: Level = Level.LOW  # an IntEnum: recorded as its value, as an int would be
+  act: str = Act.GELU  # a StrEnum: recorded as its value, equal to it
+  name_or_mode: str | Mode = "DOUBLE"
   modes: list[Mode] | None = None
 
 
-def test_int_enums_are_recorded_by_name_and_str_fields_are_left_as_read():
+def test_mixin_enums_are_recorded_by_value_and_every_enum_comes_back():
   from stellarax.core.config import config_from_json, config_to_json
-  config = _MixedConfig(level=Level.HIGH, modes=(Mode.TRIPLE,))
+  config = _MixedConfig(level=Level.HIGH, act=Act.RELU, name_or_mode=Mode.TRIPLE,
+                        modes=(Mode.TRIPLE,))
   data = config_to_json(config)
-  assert data == {"level": "HIGH", "name_or_mode": "DOUBLE", "modes": ["TRIPLE"]}
+  assert data == {"level": 2, "act": "relu", "name_or_mode": "TRIPLE", "modes": ["TRIPLE"]}
   again = config_from_json(_MixedConfig, data)
-  assert again.level is Level.HIGH and again.name_or_mode == "DOUBLE"
+  assert again == config and again.level is Level.HIGH and again.name_or_mode is Mode.TRIPLE
   assert again.modes == (Mode.TRIPLE,)
+  # A StrEnum static argument reaches the op as its value, which it equals.
+  from stellarax.core import specs
+  assert specs.to_spec(Act.GELU) == "gelu" and specs.to_spec(Mode.TRIPLE) == "TRIPLE"
 
 
 def test_enums_in_configs_and_op_fields_survive_a_save_and_load():

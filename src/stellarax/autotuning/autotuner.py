@@ -855,9 +855,9 @@ def _joined(old: Entry | None, new: Entry) -> Entry:
   """What the user cache keeps of a call tuned again beside its entry `old` (read under
   the file's lock): the winner of the two as results merge, with the other's
   measurements of the configs it lacks (`Entry.joined`)."""
-  if old is None:
-    return new
   one = lambda e: AutotuningResult("", {e.key: e})
+  if old is None or not old.is_current or old.starved():  # changed since it was judged
+    return new if old is None else (one(old) | one(new)).entry(new.bound_args)
   winner = (one(old) | one(new)).entry(new.bound_args)
   return winner.joined(new if winner == old else old)
 
@@ -890,36 +890,45 @@ def _autotune_on_miss(ba: BoundArguments) -> Any:
   state is per thread, so the tuning runs in a thread of its own.
   """
   key = _miss_key(ba)
-  if key not in _TUNED_ON_MISS:
-    with _IN_FLIGHT_LOCK:  # a retry after a Ctrl-C waits on the tuning it left running
-      pending = _IN_FLIGHT.get(key)
-      if pending is None:
-        # The mode is this thread's: the tuning thread is told it.
-        tuner = Autotuner(progress=False, reproducible=resolution.reproducible())
-        pending = _IN_FLIGHT[key] = _OwnThread(tuner.tune_one, ba)
-    try:
-      _TUNED_ON_MISS[key] = pending.wait().best_config
-    except KeyboardInterrupt:
-      raise  # the tuning goes on; the next trace of the call waits for it
-    except BaseException:
-      _IN_FLIGHT.pop(key, None)  # failed: a later trace tunes it again
-      raise
-    _IN_FLIGHT.pop(key, None)
-  return _TUNED_ON_MISS[key]
+  with _IN_FLIGHT_LOCK:  # a retry after a Ctrl-C waits on the tuning it left running
+    if key in _TUNED_ON_MISS:
+      return _TUNED_ON_MISS[key]
+    pending = _IN_FLIGHT.get(key)
+    if pending is None:
+      # The mode is this thread's: the tuning thread is told it.
+      tuner = Autotuner(progress=False, reproducible=resolution.reproducible())
+      pending = _IN_FLIGHT[key] = _OwnThread(tuner.tune_one, ba)
+  try:
+    config = pending.wait().best_config  # a Ctrl-C: the tuning goes on, for the retry
+  except KeyboardInterrupt:
+    raise
+  except BaseException:
+    _settle(key, pending, None)  # failed: a later trace tunes it again
+    raise
+  _settle(key, pending, config)
+  return config
+
+
+def _settle(key: tuple[str, str, bool], pending: _OwnThread, config: Any | None) -> None:
+  """Ends `pending`'s time in flight (not a newer tuning's of the key) and keeps its
+  config, if it found one."""
+  with _IN_FLIGHT_LOCK:
+    if _IN_FLIGHT.get(key) is pending:
+      del _IN_FLIGHT[key]
+    if config is not None:
+      _TUNED_ON_MISS.setdefault(key, config)
 
 
 _IN_FLIGHT: dict[tuple[str, str, bool], _OwnThread] = {}
 _IN_FLIGHT_LOCK = threading.Lock()
-# One tuning at a time: one abandoned by a Ctrl-C still measures, and a second beside it
-# would skew both's times.
-_ONE_TUNING = threading.Lock()
 
 
 class _OwnThread:
-  """fn(*args) on a daemon thread of its own (after any other such tuning), waited for
-  with `wait`: a Ctrl-C stops the waiting at once, and the tuning goes on (a daemon: it
-  does not hold up the interpreter's exit), where a thread pool's shutdown would wait
-  for it to end."""
+  """fn(*args) on a daemon thread of its own, waited for with `wait`: a Ctrl-C stops the
+  waiting at once, and the tuning goes on (a daemon: it does not hold up the
+  interpreter's exit), where a thread pool's shutdown would wait for it to end.
+  (Tunings of other calls are not held back for it: a tuning can meet a miss of its own,
+  an op called inside another op's implementation, and would wait for itself.)"""
 
   def __init__(self, fn: Callable[..., Any], *args):
     self._done = threading.Event()
@@ -927,8 +936,7 @@ class _OwnThread:
 
     def run():
       try:
-        with _ONE_TUNING:
-          self._value, self._ok = fn(*args), True
+        self._value, self._ok = fn(*args), True
       except BaseException as exc:  # noqa: BLE001 (re-raised in the waiting threads)
         self._value = exc
       finally:
@@ -936,6 +944,10 @@ class _OwnThread:
 
     threading.Thread(target=measure_lib.carried_settings(run), name="stellarax-tune",
                      daemon=True).start()
+
+  @property
+  def done(self) -> bool:
+    return self._done.is_set()
 
   def wait(self) -> Any:
     """The result, or raises fn's exception; short waits, so that an interrupt is seen
@@ -957,7 +969,14 @@ def config_tuned_on_miss(ba: BoundArguments) -> Any | None:
     The best config found when the call was first traced under the policy; None when
     the policy has not tuned it.
   """
-  return _TUNED_ON_MISS.get(_miss_key(ba))
+  key = _miss_key(ba)
+  pending = _IN_FLIGHT.get(key)
+  if key not in _TUNED_ON_MISS and pending is not None and pending.done:
+    try:  # a tuning a Ctrl-C left running, finished since
+      _settle(key, pending, pending.wait().best_config)
+    except BaseException:  # noqa: BLE001 (it failed: nothing tuned)
+      _settle(key, pending, None)
+  return _TUNED_ON_MISS.get(key)
 
 
 def _miss_key(ba: BoundArguments) -> tuple[str, str, bool]:

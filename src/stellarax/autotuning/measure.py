@@ -588,13 +588,13 @@ def check_close(output: Any, reference: Any, *, rtol: float | None = None,
   Returns:
     None when the output is close, else a short reason naming the leaf and the error.
   """
-  keys = [_is_key(x) for x in jax.tree.leaves(output)]
-  if keys != [_is_key(x) for x in jax.tree.leaves(reference)]:
-    return "PRNG keys where the reference has none, or the other way round"
   out_leaves, out_tree = jax.tree.flatten_with_path(_comparable(output))
   ref_leaves, ref_tree = jax.tree.flatten_with_path(_comparable(reference))
   if out_tree != ref_tree:
     return f"output structure {out_tree} differs from the reference's {ref_tree}"
+  if [_is_key(x) for x in jax.tree.leaves(output)] != [
+      _is_key(x) for x in jax.tree.leaves(reference)]:
+    return "PRNG keys where the reference has none, or the other way round"
   refs = [np.asarray(ref) for _, ref in ref_leaves]
   scales = [_finite_scale(ref) for ref in refs]
   least_scale = CROSS_LEAF_SCALE * max(scales, default=0.0)

@@ -140,9 +140,9 @@ def config_from_json(config_cls: type[T], data: Mapping[str, Any]) -> T:
 
 def revived_enums(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
   """Values read from JSON for the fields of `cls`, with each enum member
-  recorded by its name turned back into the member, where the field's annotation names
-  its Enum class (alone, in a union without str, or as `tuple[E, ...]`/`list[E]`) or
-  its default is a member of one. JSON records members by name (`specs.to_spec`): read back as strings, a
+  recorded by its name (an IntEnum's or StrEnum's by its value) turned back into the
+  member, where the field's annotation names its Enum class (alone, in a union, or as
+  `tuple[E, ...]`/`list[E]`) or its default is a member of one. JSON records members by name (`specs.to_spec`): read back as strings, a
   loaded config's `config.order.value` raised AttributeError.
 
   Args:
@@ -159,10 +159,12 @@ def revived_enums(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
 def _revived(value: Any, enums: tuple[type[enum.Enum], ...]) -> Any:
   if isinstance(value, tuple):
     return tuple(_revived(v, enums) for v in value)
-  if isinstance(value, str):
-    for kind in enums:
-      if value in kind.__members__:
-        return kind[value]
+  for kind in enums:
+    if issubclass(kind, (int, str)):  # an IntEnum or StrEnum is recorded as its value
+      if not isinstance(value, bool) and value in kind._value2member_map_:
+        return kind._value2member_map_[value]
+    elif isinstance(value, str) and value in kind.__members__:  # others by name
+      return kind[value]
   return value
 
 
@@ -177,8 +179,6 @@ def _enum_fields(cls: type) -> dict[str, tuple[type[enum.Enum], ...]]:
   out = {}
   for name, default in field_defaults(cls).items():
     named = _members(hints.get(name))
-    if str in named:  # a str field may hold a member's name as itself: left as read
-      continue
     found = [m for m in named if isinstance(m, type) and issubclass(m, enum.Enum)]
     defaults = default if isinstance(default, tuple) else (default,)
     found += [type(d) for d in defaults if isinstance(d, enum.Enum)]

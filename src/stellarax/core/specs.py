@@ -193,8 +193,6 @@ def to_spec(value: Any, *, what: str = "argument") -> Any:
   """
   if isinstance(value, ArraySpec):
     return value
-  if isinstance(value, enum.Enum):  # before str and int: an IntEnum or StrEnum too
-    return value.name
   if value is None or isinstance(value, (bool, str)):
     return value
   if isinstance(value, (int, float)) and not is_array(value):
@@ -203,6 +201,8 @@ def to_spec(value: Any, *, what: str = "argument") -> Any:
     return value.item()
   if isinstance(value, np.dtype) or (isinstance(value, type) and issubclass(value, np.generic)):
     return jnp.dtype(value).name
+  if isinstance(value, enum.Enum):  # (an IntEnum or a StrEnum is its value, above)
+    return value.name
   if is_array(value):
     return ArraySpec.of(value)
   if isinstance(value, (tuple, list)):
