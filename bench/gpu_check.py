@@ -457,6 +457,19 @@ def _failed_in_isolation(result, which: str) -> str:
   return ""
 
 
+def _heuristic_failed_in_tuning(failure: Exception | None) -> str:
+  """How the heuristic config of an op call whose tuning failed hung or raised when it
+  was measured (a timeout or a runtime error in the error's text), or "". Such a call
+  runs its heuristic in every candidate of the implementation (the tuned one too), and a
+  hung kernel here costs the check's whole timeout and stops the call's workloads."""
+  for ba, text in (getattr(failure, "errors", None) or {}).items():
+    heuristic = repr(ba.heuristics_config)
+    for status in ("timeout", "runtime_error"):
+      if f"{heuristic}: {status}" in text:
+        return f"{ba.op.name} heuristic {status} in tuning"
+  return ""
+
+
 def _tuning_errors(failure: Exception) -> str:
   """Why tuning failed, in full: each op call's error (an `IncompleteTuningError` keeps
   them in `errors`; its message shows only their first lines)."""
@@ -542,6 +555,10 @@ def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
             f"{ba.op.name} {error.splitlines()[0][:120]}" for ba, error in e.errors.items())
       except Exception as e:  # a failed tuning is a row, not a crash
         failure = e
+      hung = _heuristic_failed_in_tuning(failure)
+      if hung:  # not in this process: see _heuristic_failed_in_tuning
+        del candidates[f"{impl_name} heuristic"]
+        rows.append(Row(w.name, f"{impl_name} heuristic", status=f"not run here: {hung}"))
       if failure is not None and not (result is not None and len(result)):
         why = _tuning_errors(failure)
         print(f"tuning {impl_name} on {w.name} failed:\n{why}", flush=True)
@@ -549,13 +566,17 @@ def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
             why.split())[:400]))
         continue
       tuned_all = result if tuned_all is None else tuned_all | result
-      candidates[f"{impl_name} tuned"] = _with_result(result, call)
       configs[f"{impl_name} tuned"] = "; ".join(map(config_label, result))
+      if hung:  # the untuned call runs its heuristic in the tuned candidate too
+        rows.append(Row(w.name, f"{impl_name} tuned", status=f"not run here: {hung}",
+                        config=configs[f"{impl_name} tuned"]))
+        continue
+      candidates[f"{impl_name} tuned"] = _with_result(result, call)
       # A config that hung or failed in an isolated worker is not run in this process:
       # a hung kernel or a poisoned CUDA context would cost every later workload.
       for kind, which in (("heuristic", "heuristic_config"), ("tuned", "best_config")):
         failure = _failed_in_isolation(result, which)
-        if failure:
+        if failure and f"{impl_name} {kind}" in candidates:
           # The tuned row names its configs, so that land ships none of them.
           del candidates[f"{impl_name} {kind}"]
           rows.append(Row(w.name, f"{impl_name} {kind}", status=f"not run here: {failure}",
@@ -583,7 +604,9 @@ def _run_workload(w: Workload, smoke: bool, tune_budget_s: float, opts, *,
     except Exception as e:
       # All of it on one line: dispatch's first line says only that no implementation
       # took the call, the next ones say why (a backend this JAX lacks, a dtype).
-      rows.append(Row(w.name, key, status=f"error: {' '.join(str(e).split())[:300]}"))
+      # The tuned row names its configs, so that land ships none of them unchecked.
+      rows.append(Row(w.name, key, status=f"error: {' '.join(str(e).split())[:300]}",
+                      config=configs.get(key, "")))
       continue
     wrong = err is not None and not err <= tolerance  # NaN is wrong too
     rows.append(Row(w.name, key, max_rel_err=err, config=configs.get(key, ""),

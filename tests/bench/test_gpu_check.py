@@ -484,6 +484,53 @@ def test_a_tuned_config_that_failed_in_tuning_names_its_configs(tmp_path, monkey
   assert row["config"].startswith("layer_norm.pallas_triton: PallasTritonLayerNormConfig(")
 
 
+def test_a_heuristic_that_hung_in_tuning_is_not_run_here(tmp_path, monkeypatch):
+  # Tuning failed, and the heuristic's check ran in this process all the same: on a GPU
+  # a hung kernel cost the check's whole timeout and stopped the call's workloads.
+  import stellarax
+  from stellarax.autotuning.measure import AllCandidatesFailedError, Measurement
+  gpu_check = _gpu_check()
+
+  def tune_one(self, ba, **kwargs):
+    raise AllCandidatesFailedError({ba.heuristics_config: Measurement(
+        status="timeout", error="the worker sent nothing within 60 s")})
+
+  monkeypatch.setattr(stellarax.Autotuner, "tune_one", tune_one)
+  gpu_check.main(["--smoke", "--no-profile", "--no-dispatch", "--only", "=rms_norm (64, 256) fwd",
+                  "--tune-budget-s", "1", "--out", str(tmp_path)])
+  rows = {r["impl"]: r for r in _rows(tmp_path)}
+  assert rows["layer_norm.pallas_triton heuristic"]["status"] == (
+      "not run here: layer_norm.pallas_triton heuristic timeout in tuning")
+  assert rows["layer_norm.pallas_triton tuned"]["status"].startswith("tuning failed: ")
+  assert rows["layer_norm.xla heuristic"]["status"] == "ok"
+
+
+def test_a_tuned_candidate_whose_check_raises_names_its_configs(tmp_path, monkeypatch):
+  # Its "error" row named no config, so land shipped the configs the run never checked.
+  gpu_check = _gpu_check()
+  real = gpu_check._check_run
+
+  def check_run(fn, inputs, timeout_s):
+    if getattr(fn, "__name__", "") == "tuned":
+      raise RuntimeError("the output's shape differs")
+    return real(fn, inputs, timeout_s)
+
+  monkeypatch.setattr(gpu_check, "_check_run", check_run)
+  real_with = gpu_check._with_result
+
+  def with_result(result, call):
+    fn = real_with(result, call)
+    fn.__name__ = "tuned"
+    return fn
+
+  monkeypatch.setattr(gpu_check, "_with_result", with_result)
+  gpu_check.main(["--smoke", "--no-profile", "--no-dispatch", "--only", "=rms_norm (64, 256) fwd",
+                  "--tune-budget-s", "1", "--out", str(tmp_path)])
+  row = {r["impl"]: r for r in _rows(tmp_path)}["layer_norm.pallas_triton tuned"]
+  assert row["status"].startswith("error: the output's shape differs"), row
+  assert row["config"].startswith("layer_norm.pallas_triton: PallasTritonLayerNormConfig(")
+
+
 def test_dispatch_calibration_times_small_calls_both_ways():
   gpu_check = _gpu_check()
   calibration = gpu_check.dispatch_calibration(smoke=True)
