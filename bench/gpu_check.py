@@ -75,7 +75,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import stellarax
-from stellarax.autotuning import measure, profile
+from stellarax.autotuning import file_format, measure, profile
 
 # The deadlines count from here (the profile and jax's start-up included): the device
 # tool's limit counts the whole call.
@@ -380,6 +380,17 @@ def _rate(seconds: float | None, flops, nbytes) -> str:
   return f"{nbytes / seconds / 1e12:.2f} TB/s"
 
 
+def _only_parts(only: str) -> list[str]:
+  """--only's parts; commas inside parentheses are part of a name: "=rms_norm (8192, 8192) fwd"."""
+  return [s.strip() for s in re.split(r",(?![^()]*\))", only or "") if s.strip()]
+
+
+def _selects(name: str, part: str) -> bool:
+  """Whether a part of --only selects a workload: "=name" that workload alone, a plain
+  part every name that holds it."""
+  return name == part[1:] if part.startswith("=") else part in name
+
+
 def run(args) -> list[Row]:
   rows: list[Row] = []
   tuned_all = None
@@ -388,8 +399,7 @@ def run(args) -> list[Row]:
   opts = measure.MeasureOptions(rounds=3 if args.smoke else 10, max_total_s=1.0 if args.smoke else 5.0,
                                 timeout_s=20.0)
   start = _STARTED
-  # Commas inside parentheses are part of a name: "=rms_norm (8192, 8192) fwd".
-  only = [s.strip() for s in re.split(r",(?![^()]*\))", args.only or "") if s.strip()]
+  only = _only_parts(args.only)
 
   skip_after_s = args.deadline_s + 60 if args.skip_after_s is None else args.skip_after_s
   # Seconds on the device, first: what no deadline may cut, and no kernel that loses the
@@ -402,8 +412,7 @@ def run(args) -> list[Row]:
   save()
   lost = ""  # why the device cannot run anything more, once a kernel lost it
   for w in _workloads(args.smoke):
-    # "=name" asks for that workload alone; a plain part, for every name holding it.
-    if only and not any(w.name == s[1:] if s.startswith("=") else s in w.name for s in only):
+    if only and not any(_selects(w.name, s) for s in only):
       continue
     elapsed = time.monotonic() - start
     if elapsed > skip_after_s or lost:
@@ -865,7 +874,9 @@ def _write(out: Path, rows: list[Row], tuned_all, dispatch=None, batching=None) 
     data["dispatch"] = dispatch
   if batching is not None:
     data["batching"] = batching
-  (out / "results.json").write_text(json.dumps(data, indent=1))
+  # Whole or not at all: the hard limit's exit (or the device tool's kill) may come at
+  # any moment, and land reads this file.
+  file_format.atomic_write(out / "results.json", json.dumps(data, indent=1))
 
 
 def record_profile(out: Path, smoke: bool) -> list[Any]:
@@ -1134,6 +1145,12 @@ def main(argv=None) -> int:
                       help="exit (status 124) after this many seconds whatever runs, e.g. a hung kernel")
   args = parser.parse_args(argv)
   args.leave_out = _implementations(args.leave_out)
+  names = [w.name for w in _workloads(args.smoke)]
+  if unmatched := [s for s in _only_parts(args.only) if not any(_selects(n, s) for n in names)]:
+    # A typo would run nothing of that part, on the GPU's scarce time, and exit 0.
+    print(f"gpu_check: error: --only {', '.join(map(repr, unmatched))} names no workload; "
+          "the workloads are:\n  " + "\n  ".join(names), file=sys.stderr)
+    return 2
   if args.hard_limit_s is not None:
     _stop_after(args.hard_limit_s)
   print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)

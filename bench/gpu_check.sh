@@ -10,7 +10,7 @@
 # workload. ONLY="ragged_dot,attention" reruns just those workloads. SKIP_AFTER_S
 # skips workloads started after that many seconds (default DEADLINE_S + 60), and
 # NO_DISPATCH=1 leaves out the timing of small calls against the dispatch floor,
-# NO_PROFILE=1 the small model's profile; SMOKE=1 runs tiny shapes in interpret mode
+# NO_PROFILE=1 the small model's profile (0 or unset: kept); SMOKE=1 runs tiny shapes in interpret mode
 # (on a CPU: how the tests run this script). A kernel that hangs (a check run past
 # 120 s, a timed run past its timeout) or loses the device ends the workloads: its row
 # says which, the rest are skipped, and the tables are printed. Then the next call can
@@ -20,14 +20,16 @@
 # Afterwards, on the development machine: python bench/land_gpu_check.py <files_at>/gpu_check
 # ships the confirmed configs and records the run (its docstring says what else).
 #
-# With 15 minutes of device time (a start of 1-2 minutes included), two calls of at
-# most about 400 and 300 seconds:
-#   1. TUNE_BUDGET_S=0 SKIP_AFTER_S=330 HARD_LIMIT_S=420 bash bench/gpu_check.sh    (the dispatch and
+# With 15 minutes of device time (counted from the ask until the give-back, a start of
+# 1-2 minutes and the idle time between calls included), two calls of at most about
+# 390 and 300 seconds, each given the tool's timeout_s a little above its hard limit:
+#   1. TUNE_BUDGET_S=0 SKIP_AFTER_S=310 HARD_LIMIT_S=390 bash bench/gpu_check.sh    (the dispatch and
 #      batch checks, then every workload it reaches checked and timed with its heuristic
 #      configs; untuned)
-#   2. TUNE_BUDGET_S=10 DEADLINE_S=200 SKIP_AFTER_S=260 HARD_LIMIT_S=320 NO_DISPATCH=1 NO_PROFILE=1 ONLY="=ragged_dot G=8 M=8192 K=4096 N=14336 fwd+bwd,=attention B=2 T=8192 H=16 D=128 causal fwd+bwd,=rms_norm (8192, 8192) fwd+bwd" bash bench/gpu_check.sh
+#   2. TUNE_BUDGET_S=10 DEADLINE_S=180 SKIP_AFTER_S=240 HARD_LIMIT_S=300 NO_DISPATCH=1 NO_PROFILE=1 ONLY="=ragged_dot G=8 M=8192 K=4096 N=14336 fwd+bwd,=attention B=2 T=8192 H=16 D=128 causal fwd+bwd,=rms_norm (8192, 8192) fwd+bwd" bash bench/gpu_check.sh
 #      (tunes the speed targets: a fwd+bwd workload tunes its forward calls too)
-# and land each call's results (each call gets its own $OUT). The budget pays for
+# then give the machine back at once, and land each call's results (each call gets its
+# own $OUT). An ONLY part that names no workload stops the run before anything runs. The budget pays for
 # compiles and timings only (a worker's start and the call's inputs and reference come
 # before it), but a Mosaic GPU compile takes seconds: a budget of a few seconds may
 # measure the heuristic alone, and land ships no such entry.
@@ -50,7 +52,12 @@ def target_probe(x): return x + 1
 print(jax.__version__, jax.devices())
 jax.jit(target_probe)(jnp.ones(8)).block_until_ready()" \
   && cp /tmp/xla_target/*target_probe*gpu_target_config.pbtxt "$out/h200_target_config.pbtxt" || true
+# A switch is on where its variable is set to anything but 0 (NO_DISPATCH=0 keeps it).
+switches=()
+[[ "${NO_DISPATCH:-0}" != 0 ]] && switches+=(--no-dispatch)
+[[ "${NO_PROFILE:-0}" != 0 ]] && switches+=(--no-profile)
+[[ "${SMOKE:-0}" != 0 ]] && switches+=(--smoke)
 "$python" bench/gpu_check.py --out "$out" --tune-budget-s "${TUNE_BUDGET_S:-6}" \
   --deadline-s "${DEADLINE_S:-400}" ${SKIP_AFTER_S:+--skip-after-s "$SKIP_AFTER_S"} \
-  --hard-limit-s "${HARD_LIMIT_S:-570}" ${NO_DISPATCH:+--no-dispatch} ${NO_PROFILE:+--no-profile} \
-  ${SMOKE:+--smoke} --only "${ONLY:-}" --leave-out "${LEAVE_OUT:-}" 2>&1 | tee "$out.log"
+  --hard-limit-s "${HARD_LIMIT_S:-570}" ${switches[@]+"${switches[@]}"} \
+  --only "${ONLY:-}" --leave-out "${LEAVE_OUT:-}" 2>&1 | tee "$out.log"

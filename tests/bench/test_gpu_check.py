@@ -120,6 +120,17 @@ def test_skip_after_and_an_exact_workload_name(tmp_path):
   assert {r["status"] for r in _rows(tmp_path / "none")} == {"skipped: past -1 s"}
 
 
+def test_an_only_part_that_names_no_workload_stops_before_anything_runs(tmp_path, capsys):
+  # A typo (a missing space) ran nothing of that part and exited 0: a GPU call wasted.
+  gpu_check = _gpu_check()
+  code = gpu_check.main(["--smoke", "--no-profile", "--out", str(tmp_path), "--only",
+                         "=rms_norm (64,256) fwd,attention"])
+  assert code == 2 and not (tmp_path / "results.json").exists()
+  err = capsys.readouterr().err
+  assert "--only '=rms_norm (64,256) fwd' names no workload" in err
+  assert "  rms_norm (64, 256) fwd\n" in err
+
+
 def test_profile_step_finds_every_op_family(tmp_path, capsys):
   drop_live_programs()
   calls = _gpu_check().record_profile(tmp_path / "profile", smoke=True)
