@@ -94,18 +94,27 @@ def load_run(folder: str | Path, *, any_device: bool = False) -> Run:
   if not results.is_file():
     raise LandError(f"{results}: no such file. Pass the folder bench/gpu_check.sh wrote "
                     "($OUT/gpu_check, under the device tool's files_at).")
-  data = json.loads(results.read_text())
-  env = data["env"]
+  try:
+    data = json.loads(results.read_text())
+    env, raw_rows = data["env"], data["rows"]
+    rows = [gpu_check.Row(**row) for row in raw_rows]
+  except (ValueError, KeyError, TypeError) as e:  # cut short, or not gpu_check's
+    raise LandError(f"{results}: not a results file of bench/gpu_check.py ({type(e).__name__}: "
+                    f"{e}). Was the call cut off while writing it? gpu_check.log beside it "
+                    "says how far it got.") from None
   device = str(env.get("device", ""))
   if not any_device and device.lower() in ("", "cpu"):
     raise LandError(f"{results}: ran on {device or 'an unknown device'!r}, not a GPU; a smoke "
                     "run's numbers are interpret-mode times. Land a run from the GPU machine.")
-  rows = [gpu_check.Row(**row) for row in data["rows"]]
   if not any(row.median_ms for row in rows):
     raise LandError(f"{results}: no row was timed ({len(rows)} rows); nothing to land. "
                     "Read gpu_check.log beside it for why.")
   tuned_path = folder / "tuned.json"
-  tuned = AutotuningResult.load(tuned_path) if tuned_path.is_file() else None
+  try:
+    tuned = AutotuningResult.load(tuned_path) if tuned_path.is_file() else None
+  except ValueError as e:  # FormatError: it names the file
+    raise LandError(f"{str(e).splitlines()[0]} Land without it by moving it aside: no "
+                    "config is shipped then, the table is still recorded.") from None
   return Run(folder, env, rows, tuned, data.get("dispatch", []), data.get("batching") or {})
 
 
@@ -271,6 +280,26 @@ def land(run: Run, *, command: str, root: Path = ROOT, dry_run: bool = False) ->
   ship, left_out = confirmed_entries(run)
   for line in left_out:
     print(f"not shipped: {line}")
+  # Everything is made before anything is written: a failure writes nothing. Landing a
+  # run again adds neither its section nor its profile twice (the cache merges as is).
+  benchmarks = root / "BENCHMARKS.md"
+  text = benchmarks.read_text()
+  finished = f" finished {run.env.get('date')}"
+  landed = bool(run.env.get("date")) and any(
+      line.startswith("    device: ") and line.endswith(finished) for line in text.splitlines())
+  if landed:
+    print(f"BENCHMARKS.md has this run's section already (finished {run.env.get('date')})")
+  else:
+    text = add_section(text, device, benchmarks_section(run, command))
+  fixture = profile_fixture(run)
+  profiles = root / "tests" / "data" / "profiles"
+  slug = cache.device_kind_slug(device)
+  if fixture is not None and any(
+      (folder / "profile.xplane.pb.gz").is_file()
+      and (folder / "profile.xplane.pb.gz").read_bytes() == fixture[0]
+      for folder in profiles.glob(f"{slug}*")):
+    print("tests/data/profiles holds this run's profile already")
+    fixture = None
   if ship is not None:
     library_root = root / "src" / "stellarax" / "data" / "autotuning"
     library = cache.FileCache(library_root, "library_cache", writable=True)
@@ -280,12 +309,10 @@ def land(run: Run, *, command: str, root: Path = ROOT, dry_run: bool = False) ->
       written += library.write(ship)
       for lock in library_root.rglob("*.lock"):
         lock.unlink()
-  benchmarks = root / "BENCHMARKS.md"
-  write(benchmarks, add_section(benchmarks.read_text(), device, benchmarks_section(run, command)))
-  fixture = profile_fixture(run)
+  if not landed:
+    write(benchmarks, text)
   if fixture is not None:
-    folder = _new_fixture_folder(root / "tests" / "data" / "profiles",
-                                 cache.device_kind_slug(device), _run_date(run) or "undated")
+    folder = _new_fixture_folder(profiles, slug, _run_date(run) or "undated")
     write(folder / "profile.xplane.pb.gz", fixture[0])
     write(folder / "calls.json", fixture[1])
   target = run.folder / "h200_target_config.pbtxt"

@@ -152,21 +152,47 @@ def test_a_tuned_config_not_run_after_failing_in_tuning_is_not_confirmed():
                                               "ragged_dot.pallas_triton_vjp: C(b=2)"]
 
 
-def test_land_twice_adds_a_second_section_and_keeps_the_faster_configs(tmp_path, capsys):
+def test_landing_a_run_again_adds_nothing_and_a_new_run_adds_beside(tmp_path, capsys):
   folder, good = _results_folder(tmp_path)
   root = _repo(tmp_path)
   assert land.main([str(folder), "--root", str(root)]) == 0
+  landed = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+  # Again (a re-run after a crash, say): its section and profile were added twice.
+  assert land.main([str(folder), "--root", str(root)]) == 0
+  assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == landed
+  assert "has this run's section already" in capsys.readouterr().out
+  # Another run (another date): a second section; its profile, the same bytes, is kept
+  # once (another one would go beside the first: tests read old ones for what they
+  # showed); the cache keeps the faster configs.
+  data = json.loads((folder / "results.json").read_text())
+  data["env"]["date"] = "2026-12-02 09:00:00 UTC"
+  (folder / "results.json").write_text(json.dumps(data))
   assert land.main([str(folder), "--root", str(root)]) == 0
   text = (root / "BENCHMARKS.md").read_text()
-  assert text.count("### bench/gpu_check.sh, 2026-12-01") == 2
+  assert text.count("### bench/gpu_check.sh, 2026-12-0") == 2
   shipped = root / "src" / "stellarax" / "data" / "autotuning" / "NVIDIA_H200" / "ragged_dot.pallas_triton.json"
   assert [e.key for e in autotuning.AutotuningResult.load(shipped)] == [good.key]
-  # The first run's profile stays; the second's is kept beside it (tests read old ones
-  # for what they showed: an H200 profile of command buffers was overwritten before).
   profiles = root / "tests" / "data" / "profiles"
-  assert sorted(p.name for p in profiles.iterdir()) == ["NVIDIA_H200", "NVIDIA_H200_2026-12-01"]
-  assert (profiles / "NVIDIA_H200" / "calls.json").read_bytes() == (
-      profiles / "NVIDIA_H200_2026-12-01" / "calls.json").read_bytes()
+  assert sorted(p.name for p in profiles.iterdir()) == ["NVIDIA_H200"]
+
+
+def test_a_results_file_cut_short_or_foreign_is_refused_by_name(tmp_path, capsys):
+  # Each gave a traceback (JSONDecodeError, KeyError, TypeError, FormatError).
+  folder, _ = _results_folder(tmp_path)
+  root = _repo(tmp_path)
+  results = folder / "results.json"
+  good = results.read_text()
+  data = json.loads(good)
+  for text in (good[:len(good) // 2], "{}",
+               json.dumps(data | {"rows": [data["rows"][0] | {"colour": "red"}]})):
+    results.write_text(text)
+    assert land.main([str(folder), "--root", str(root)]) == 2
+    assert f"{results}: not a results file of bench/gpu_check.py" in capsys.readouterr().err
+  results.write_text(good)
+  tuned = folder / "tuned.json"
+  tuned.write_text(tuned.read_text()[:100])
+  assert land.main([str(folder), "--root", str(root)]) == 2
+  assert "Land without it by moving it aside" in capsys.readouterr().err
 
 
 def test_dry_run_writes_nothing(tmp_path, capsys):
