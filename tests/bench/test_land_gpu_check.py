@@ -236,3 +236,15 @@ def test_a_profile_too_large_for_a_fixture_is_not_kept(tmp_path, monkeypatch, ca
   assert "profile not kept" in capsys.readouterr().out
   assert not (root / "tests" / "data" / "profiles").exists()
   assert (root / "bench" / "h200_target_config.txtpb").exists()  # the rest still lands
+
+
+def test_a_new_profile_goes_beside_the_earlier_ones(tmp_path):
+  # Tests read old profiles for what they showed: an H200 profile of command buffers was
+  # overwritten once.
+  profiles = tmp_path / "profiles"
+  names = []
+  for _ in range(3):
+    folder = land._new_fixture_folder(profiles, "NVIDIA_H200", "2026-12-01")
+    folder.mkdir(parents=True)
+    names.append(folder.name)
+  assert names == ["NVIDIA_H200", "NVIDIA_H200_2026-12-01", "NVIDIA_H200_2026-12-01_2"]
