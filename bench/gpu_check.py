@@ -1101,7 +1101,7 @@ def _leave_now(status: int, why: str) -> None:
   it until the device call's own limit."""
   print(why, flush=True)
   from stellarax.autotuning import isolation
-  isolation.close_workers()
+  isolation.close_workers(at_once=True)  # a busy one was given 10 s of the limit's time
   sys.stderr.flush()
   os._exit(status)
 

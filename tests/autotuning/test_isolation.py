@@ -7,6 +7,7 @@ failure with its status, and pick the fast config.
 """
 
 import dataclasses
+import io
 import os
 import subprocess
 import sys
@@ -398,3 +399,28 @@ def test_a_worker_compiles_each_search_s_configs_anew():
   assert again["measurements"][0].compile_time_s == reply["measurements"][0].compile_time_s
   _, same = isolation._serve(dataclasses.replace(request, configs=()), measurer, lambda: None)
   assert same is measurer and fast not in measurer.compiled  # a new search: its own
+
+
+def test_closing_workers_at_once_kills_a_busy_one_without_waiting(monkeypatch):
+  # At gpu_check's hard limit a worker in the middle of a measurement was given 10 s to
+  # exit, 10 s past a limit meant to bound the device's time.
+  class Busy:  # a process that never exits on its own
+    def __init__(self):
+      self.stdin, self.stdout, self.killed, self.waits = io.BytesIO(), io.BytesIO(), False, []
+
+    def wait(self, timeout=None):
+      self.waits.append(timeout)
+      if not self.killed:
+        time.sleep(timeout or 0)
+        raise subprocess.TimeoutExpired("worker", timeout)
+
+    def kill(self):
+      self.killed = True
+
+  worker = object.__new__(isolation._Worker)
+  worker.process, worker.closed = Busy(), False
+  monkeypatch.setattr(isolation, "_workers", {None: worker})
+  start = time.monotonic()
+  isolation.close_workers(at_once=True)
+  assert worker.process.killed and worker.closed and time.monotonic() - start < 1.0
+  assert worker.process.waits == [None]  # only the wait for the killed process

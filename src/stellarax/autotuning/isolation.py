@@ -179,12 +179,15 @@ class _Worker:
     with self._asking:
       self._shut()
 
-  def _shut(self) -> None:
-    """Closes the worker's stdin (it exits) and kills it if it does not exit."""
+  def _shut(self, wait_s: float = 10.0) -> None:
+    """Closes the worker's stdin (it exits) and kills it if it does not exit within
+    `wait_s` (at once for 0)."""
     self.closed = True
     try:
       self.process.stdin.close()
-      self.process.wait(timeout=10)
+      if wait_s <= 0:
+        raise TimeoutError  # no waiting: killed below
+      self.process.wait(timeout=wait_s)
     except Exception:  # a stuck or already broken worker
       self.process.kill()
       self.process.wait()
@@ -213,14 +216,19 @@ def _retire(device_index: int | None, worker: _Worker) -> None:
 
 
 @atexit.register
-def close_workers() -> None:
-  """Stops every worker process (run at exit; safe to call any time)."""
+def close_workers(*, at_once: bool = False) -> None:
+  """Stops every worker process (run at exit; safe to call any time).
+
+  Args:
+    at_once: kill them, where a worker in the middle of a measurement would otherwise
+      be given 10 s to finish (a program that must end now, at a hard time limit).
+  """
   with _workers_lock:
     workers = list(_workers.items())
     _workers.clear()
   for _, worker in workers:
     if not worker.closed:
-      worker._shut()
+      worker._shut(wait_s=0.0 if at_once else 10.0)
 
 
 def _deadline_s(count: int, options: measure_lib.MeasureOptions) -> float:
