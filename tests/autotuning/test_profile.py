@@ -40,6 +40,16 @@ TRIPS = 5  # trips of the scan around the scanned op
 CALLS = 3  # calls of the unrolled op from one line in a Python loop
 
 
+def _profiled_runs(path, program, *args):
+  """The op calls of RUNS runs of `program(*args)` profiled into `path`, after one run
+  outside the profile (so that it holds no compilation)."""
+  jax.block_until_ready(program(*args))
+  with jax.profiler.trace(path):
+    for _ in range(RUNS):
+      jax.block_until_ready(program(*args))
+  return read_op_calls(path)
+
+
 def _marked(fn, marker):
   # As the ops mark themselves: the backward pass is left to its own (VJP) op.
   return xla_metadata_call2(fn, {"stellarax_op": marker}, ad_metadata="drop")
@@ -343,11 +353,7 @@ def test_calls_of_one_line_that_xla_fuses_together_count_each(tmp_path):
     return x
   program = jax.jit(normed)
   x = jax.random.normal(jax.random.key(8), (4, 4))
-  program(x).block_until_ready()
-  with jax.profiler.trace(tmp_path):
-    for _ in range(RUNS):
-      program(x).block_until_ready()
-  (call,) = read_op_calls(tmp_path)
+  (call,) = _profiled_runs(tmp_path, program, x)
   assert call.count == CALLS * RUNS
 
 
@@ -358,11 +364,7 @@ def test_two_calls_on_one_line_are_two_call_sites(tmp_path):
   scale = jnp.ones((16,))
   program = jax.jit(lambda x: stellarax.rms_norm(x, scale).sum() + stellarax.rms_norm(x * 2, scale).sum())
   x = jax.random.normal(jax.random.key(9), (8, 16))
-  program(x).block_until_ready()
-  with jax.profiler.trace(tmp_path):
-    for _ in range(RUNS):
-      program(x).block_until_ready()
-  (call,) = read_op_calls(tmp_path)
+  (call,) = _profiled_runs(tmp_path, program, x)
   assert call.count == 2 * RUNS
 
 
@@ -667,11 +669,7 @@ def test_work_hoisted_out_of_a_loop_is_no_call_of_its_own(tmp_path):
   keys = jax.random.split(jax.random.key(4), 2)
   x, weights = jax.random.normal(keys[0], (2, 24, 48)), 0.2 * jax.random.normal(keys[1], (2, 48, 48))
   program = jax.jit(_scanned_layers)
-  program(x, weights).block_until_ready()
-  with jax.profiler.trace(tmp_path):
-    for _ in range(RUNS):
-      program(x, weights).block_until_ready()
-  (call,) = read_op_calls(tmp_path)
+  (call,) = _profiled_runs(tmp_path, program, x, weights)
   assert call.count == 2 * RUNS  # two layers a run
   # The case at hand: marked work outside the loop too, which read alone would count as
   # one more call a run.
@@ -704,11 +702,7 @@ def test_counts_unrolled_layers_and_backward_ops_with_several_results(layers, tm
           0.05 * jax.random.normal(keys[4], (d, 2, d)), jnp.array([13, 0, 20, 9], jnp.int32))
   step = jax.jit(jax.grad(functools.partial(_unrolled_layers, layers=layers),
                           argnums=(0, 1, 2, 3, 4)))
-  jax.block_until_ready(step(*args))
-  with jax.profiler.trace(tmp_path):
-    for _ in range(RUNS):
-      jax.block_until_ready(step(*args))
-  calls = read_op_calls(tmp_path)
+  calls = _profiled_runs(tmp_path, step, *args)
   counts = collections.Counter()
   for call in calls:
     ba = json.loads(call.marker)
@@ -725,11 +719,8 @@ def test_a_backward_op_with_two_results_at_one_frame_is_one_call(tmp_path):
   keys = jax.random.split(jax.random.key(6), 2)
   x, scale = jax.random.normal(keys[0], (64, 96)), jax.random.normal(keys[1], (96,))
   step = jax.jit(jax.grad(lambda x, s: jnp.sum(stellarax.rms_norm(x, s) ** 2), (0, 1)))
-  jax.block_until_ready(step(x, scale))
-  with jax.profiler.trace(tmp_path):
-    for _ in range(RUNS):
-      jax.block_until_ready(step(x, scale))
-  counts = {json.loads(c.marker)["op"]["name"]: c.count for c in read_op_calls(tmp_path)}
+  counts = {json.loads(c.marker)["op"]["name"]: c.count
+            for c in _profiled_runs(tmp_path, step, x, scale)}
   assert counts == {"layer_norm.xla": RUNS, "layer_norm.xla_vjp": RUNS}
 
 
