@@ -50,7 +50,7 @@ from stellarax.autotuning import search
 from stellarax.autotuning.cache import (USER_CACHE, CacheWriteWarning, cached_results, current_device_kind,
                                        device_kind_slug)
 from stellarax.autotuning.progress import Progress
-from stellarax.autotuning.result import AutotuningResult, Entry
+from stellarax.autotuning.result import AutotuningResult, Entry, merge_entries
 from stellarax.core import registry
 from stellarax.core import resolution
 from stellarax.core.bound_args import BoundArguments
@@ -855,11 +855,12 @@ def _joined(old: Entry | None, new: Entry) -> Entry:
   """What the user cache keeps of a call tuned again beside its entry `old` (read under
   the file's lock): the winner of the two as results merge, with the other's
   measurements of the configs it lacks (`Entry.joined`)."""
-  one = lambda e: AutotuningResult("", {e.key: e})
-  if old is None or not old.is_current or old.starved():  # changed since it was judged
-    return new if old is None else (one(old) | one(new)).entry(new.bound_args)
-  winner = (one(old) | one(new)).entry(new.bound_args)
-  return winner.joined(new if winner == old else old)
+  if old is None:
+    return new
+  winner = merge_entries(old, new)
+  if not old.is_current or old.starved():  # changed since it was judged: a plain merge
+    return winner
+  return winner.joined(new if winner is old else old)
 
 
 def _alternatives(ba: BoundArguments) -> list[BoundArguments]:
