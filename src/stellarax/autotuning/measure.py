@@ -606,6 +606,7 @@ def check_close(output: Any, reference: Any, *, rtol: float | None = None,
 
 
 def _is_key(x: Any) -> bool:
+  """Whether `x` is a typed PRNG key array."""
   dtype = getattr(x, "dtype", None)
   return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
@@ -616,11 +617,9 @@ def _comparable(tree: Any) -> Any:
   float0 leaf (the gradient of an integer input, `jax.grad(allow_int=True)`), which holds
   nothing, as booleans of its shape."""
   def leaf(x):
-    if _is_key(x):
-      return jax.random.key_data(x)
     if getattr(x, "dtype", None) == jax.dtypes.float0:
       return np.zeros(np.shape(x), np.bool_)
-    return x
+    return _key_data(x)
   return jax.tree.map(leaf, tree)
 
 
@@ -722,7 +721,7 @@ def _surely_close(output: Any, reference: Any, rtol: float | None,
   refs, ref_tree = jax.tree.flatten(reference)
   if out_tree != ref_tree or not all(isinstance(x, jax.Array) for x in (*outs, *refs)):
     return False
-  if any(jnp.issubdtype(x.dtype, jax.dtypes.prng_key) for x in (*outs, *refs)):
+  if any(map(_is_key, (*outs, *refs))):
     return False  # (the host check compares their key data)
   if any(o.shape != r.shape for o, r in zip(outs, refs)):
     return False
@@ -1096,8 +1095,7 @@ def _digest(args: Any) -> jax.Array:
 
 def _bits_as_uint32(x: jax.Array) -> jax.Array:
   """The array's bit patterns as uint32 (NaNs included, unlike its values)."""
-  if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-    x = jax.random.key_data(x)
+  x = _key_data(x)
   if jnp.issubdtype(x.dtype, jnp.complexfloating):
     x = jnp.stack([x.real, x.imag])
   unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}.get(x.dtype.itemsize)
@@ -1140,7 +1138,7 @@ class _InputGuard:
     def put(host, now):
       if not isinstance(now, jax.Array):
         return host
-      if jnp.issubdtype(now.dtype, jax.dtypes.prng_key):
+      if _is_key(now):
         host = jax.random.wrap_key_data(host, impl=jax.random.key_impl(now))
       return jax.device_put(host, now.sharding)
     self.args = jax.block_until_ready(jax.tree.map(put, self._host, self.args))
@@ -1148,9 +1146,7 @@ class _InputGuard:
 
 def _key_data(x: Any) -> Any:
   """`x`, or its key data where it is a PRNG key array."""
-  if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-    return jax.random.key_data(x)
-  return x
+  return jax.random.key_data(x) if _is_key(x) else x
 
 
 def _wrote_its_inputs(cand: _Candidate) -> None:
