@@ -187,9 +187,7 @@ class ProgramCheck:
   @property
   def _slower_beyond_noise(self) -> bool:
     """Whether the heuristic program is faster than the tuned one beyond noise."""
-    both = {_HEURISTICS: self.heuristics, _TUNED: self.tuned}
-    return (self.heuristics.ok and self.tuned.ok and
-            measure_lib.pick_best(both, prefer=_TUNED, order=[_TUNED, _HEURISTICS]) == _HEURISTICS)
+    return self.tuned.ok and _helps(self.heuristics, self.tuned)
 
   def kept(self) -> AutotuningResult:
     """The result with each call that did not help put back to its heuristic config
