@@ -262,12 +262,11 @@ class Autotuner:
     if not calls and not _is_bound_args(f):
       warn(_nothing_found(f, len(found)), NothingToTuneWarning)
     from stellarax.autotuning import distributed  # It imports this module.
+    todo = [ba for ba in calls if self._reusable_entry(ba) is None]
     # Weighing a callable's calls runs it: not when every call comes from a cache.
-    to_tune = any(self._reusable_entry(ba) is None for ba in calls)
-    weights = self._weights(f, calls, args, kwargs, profiled) if to_tune else {}
+    weights = self._weights(f, calls, args, kwargs, profiled) if todo else {}
     if not (self.distribute and distributed.should_distribute()):
       return self._tune_here(calls, weights)
-    todo = [ba for ba in calls if self._reusable_entry(ba) is None]
     try:
       result = distributed.tune_distributed(self, calls, timeout_s=self.distributed_timeout_s,
                                             weights=weights)
