@@ -10,7 +10,8 @@
 # workload. ONLY="ragged_dot,attention" reruns just those workloads. SKIP_AFTER_S
 # skips workloads started after that many seconds (default DEADLINE_S + 60), and
 # NO_DISPATCH=1 leaves out the timing of small calls against the dispatch floor,
-# NO_PROFILE=1 the small model's profile (0 or unset: kept); SMOKE=1 runs tiny shapes in interpret mode
+# NO_PROFILE=1 the small model's profile (0 or unset: kept); SMOKE=1 runs tiny shapes
+# in interpret mode
 # (on a CPU: how the tests run this script). A kernel that hangs (a check run past
 # 120 s, a timed run past its timeout) or loses the device ends the workloads: its row
 # says which, the rest are skipped, and the tables are printed. Then the next call can
@@ -29,7 +30,8 @@
 #   2. TUNE_BUDGET_S=10 DEADLINE_S=180 SKIP_AFTER_S=240 HARD_LIMIT_S=300 NO_DISPATCH=1 NO_PROFILE=1 ONLY="=ragged_dot G=8 M=8192 K=4096 N=14336 fwd+bwd,=attention B=2 T=8192 H=16 D=128 causal fwd+bwd,=rms_norm (8192, 8192) fwd+bwd" bash bench/gpu_check.sh
 #      (tunes the speed targets: a fwd+bwd workload tunes its forward calls too)
 # then give the machine back at once, and land each call's results (each call gets its
-# own $OUT). An ONLY part that names no workload stops the run before anything runs. The budget pays for
+# own $OUT). An ONLY part that names no workload stops the run before anything runs.
+# The budget pays for
 # compiles and timings only (a worker's start and the call's inputs and reference come
 # before it), but a Mosaic GPU compile takes seconds: a budget of a few seconds may
 # measure the heuristic alone, and land ships no such entry.

@@ -378,8 +378,8 @@ class FileCache:
     """Removes every file of the cache (results, their locks, files moved aside as
     unreadable, tuning journals, temporary files of writes that did not finish) and the
     folders it left empty; other files and folders in the cache folder stay (it may be a
-    folder of the user's: only files named as the cache names its own are removed), and so do temporary files younger than `LEFTOVER_AGE_S` (a write
-    may still be under way).
+    folder of the user's: only files named as the cache names its own are removed), and
+    so do temporary files younger than `LEFTOVER_AGE_S` (a write may still be under way).
 
     Writers may go on meanwhile: each result file is removed under its lock, so a
     write lands whole either before the clear (and is removed) or after it (and

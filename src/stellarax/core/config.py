@@ -139,11 +139,12 @@ def config_from_json(config_cls: type[T], data: Mapping[str, Any]) -> T:
 
 
 def revived_enums(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
-  """Values read from JSON for the fields of `cls`, with each enum member
-  recorded by its name (an IntEnum's or StrEnum's by its value) turned back into the
-  member, where the field's annotation names its Enum class (alone, in a union, or as
-  `tuple[E, ...]`/`list[E]`) or its default is a member of one. JSON records members by name (`specs.to_spec`): read back as strings, a
-  loaded config's `config.order.value` raised AttributeError.
+  """Values read from JSON for the fields of `cls`, with each enum member recorded by
+  its name (an IntEnum's or StrEnum's by its value) turned back into the member, where
+  the field's annotation names its Enum class (alone, in a union, or as
+  `tuple[E, ...]`/`list[E]`) or its default is a member of one. JSON records members
+  by name (`specs.to_spec`): read back as strings, a loaded config's
+  `config.order.value` raised AttributeError.
 
   Args:
     cls: a config class (`is_config_class`) or an `Op` subclass.
