@@ -11,8 +11,7 @@
 # skips workloads started after that many seconds (default DEADLINE_S + 60), and
 # NO_DISPATCH=1 leaves out the timing of small calls against the dispatch floor,
 # NO_PROFILE=1 the small model's profile (0 or unset: kept); SMOKE=1 runs tiny shapes
-# in interpret mode
-# (on a CPU: how the tests run this script). A kernel that hangs (a check run past
+# in interpret mode (on a CPU: how the tests run this script). A kernel that hangs (a check run past
 # 120 s, a timed run past its timeout) or loses the device ends the workloads: its row
 # says which, the rest are skipped, and the tables are printed. Then the next call can
 # leave that implementation out: LEAVE_OUT=attention.pallas_mosaic_gpu (comma-separated).
@@ -31,10 +30,9 @@
 #      (tunes the speed targets: a fwd+bwd workload tunes its forward calls too)
 # then give the machine back at once, and land each call's results (each call gets its
 # own $OUT). An ONLY part that names no workload stops the run before anything runs.
-# The budget pays for
-# compiles and timings only (a worker's start and the call's inputs and reference come
-# before it), but a Mosaic GPU compile takes seconds: a budget of a few seconds may
-# measure the heuristic alone, and land ships no such entry.
+# The budget pays for compiles and timings only (a worker's start and the call's inputs
+# and reference come before it), but a Mosaic GPU compile takes seconds: a budget of a
+# few seconds may measure the heuristic alone, and land ships no such entry.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-results}/gpu_check"
