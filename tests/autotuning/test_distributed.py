@@ -359,7 +359,7 @@ def _check_consistency(result: AutotuningResult, out: dict) -> None:
     result = result.with_entry(dataclasses.replace(entry, best_config=other))
   try:
     stellarax.autotuning.check_consistent(result, timeout_s=60)
-  except distributed.InconsistentConfigsError as exc:
+  except stellarax.autotuning.InconsistentConfigsError as exc:  # exported where users catch it
     out["inconsistent"] = str(exc)
 
 

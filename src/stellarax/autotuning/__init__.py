@@ -17,6 +17,7 @@ from stellarax.autotuning.capture import bound_args_to_json as bound_args_to_jso
 from stellarax.autotuning.capture import call_weights_from_json as call_weights_from_json
 from stellarax.autotuning.capture import get_bound_args as get_bound_args
 from stellarax.autotuning.distributed import DistributedTuningError as DistributedTuningError
+from stellarax.autotuning.distributed import InconsistentConfigsError as InconsistentConfigsError
 from stellarax.autotuning.distributed import check_consistent as check_consistent
 from stellarax.autotuning.explain import Explanation as Explanation
 from stellarax.autotuning.explain import explain as explain

@@ -152,6 +152,14 @@ class Autotuner:
       (see `isolation.py`); costs a few seconds to start each worker, which
       `budget_s` does not count (nor the call's inputs and reference, as in
       this process).
+
+  Raises:
+    ValueError: when made with an unknown `strategy` or `implementations`, a budget
+      or `distributed_timeout_s` that is not a positive finite number, both
+      `budget_s` and `total_budget_s`, or `strategy="random"` with no budget.
+    TypeError: when made with a flag that is not a bool, a `prune` that is not
+      callable, `measure_options` that are not a `MeasureOptions`, or a `seed` that
+      is not an int.
   """
 
   strategy: str | Callable[..., Any] = "auto"
@@ -209,7 +217,25 @@ class Autotuner:
   # ---- inputs -----------------------------------------------------------
 
   def collect(self, f: Any, /, *args, **kwargs) -> list[BoundArguments]:
-    """The unique bound arguments to tune, from any accepted input."""
+    """The calls `autotune` would tune, without tuning them.
+
+    Args:
+      f: what `autotune` takes: a callable, `jax.stages.Lowered`, `BoundArguments`,
+        a sequence of them, or bound-argument JSON (path or string).
+      *args, **kwargs: the arguments of `f` when it is a callable (it is traced,
+        not run).
+
+    Returns:
+      A list of unique `BoundArguments` without configs: the op calls found (with
+      every other implementation of each when `implementations="all"`), leaving
+      out calls that run no kernel (an empty dimension).
+
+    Raises:
+      TypeError: when `f` is none of the accepted inputs, or a callable's arguments
+        do not fit it (as tracing it raises).
+      ValueError: for bound-argument JSON that is not valid.
+      OSError: for a JSON path that cannot be read (FileNotFoundError, ...).
+    """
     return self._to_tune(_found_calls(f, args, kwargs)[0])
 
   def _to_tune(self, found: Sequence[BoundArguments]) -> list[BoundArguments]:
@@ -701,7 +727,15 @@ def autotune(f: Any, /, *args, **kwargs) -> AutotuningResult:
 
   Raises:
     IncompleteTuningError: (a ValueError) when some call could not be tuned, e.g.
-      every config of it failed; it says why and carries the tuned calls.
+      every config of it failed; it says why and carries the tuned calls in
+      `partial_result`.
+    distributed.DistributedTuningError: (an IncompleteTuningError) when tuning is
+      spread over several devices or processes and one stalled or a call failed.
+    TypeError: for traced arguments (autotune called inside jit, vmap or grad), or a
+      tuning option among f's keyword arguments (pass it to an `Autotuner`).
+    measure.DeviceLostError: (a RuntimeError) when a config lost the device (an
+      illegal memory access); use `Autotuner(isolate=True)` to go on past such configs.
+    KeyboardInterrupt: on Ctrl-C; it carries the calls tuned so far in `partial_result`.
 
   Warns:
     NothingToTuneWarning: when `f` holds no op call (see `Autotuner.autotune`).

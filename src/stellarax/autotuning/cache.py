@@ -148,6 +148,8 @@ class FileCache:
 
   @property
   def root(self) -> Path:
+    """The cache's folder: the one it was made with, else `user_cache_root()` (read
+    each time, so that STELLARAX_CACHE_DIR set later is followed)."""
     return self._root if self._root is not None else user_cache_root()
 
   def path_for(self, device_kind: str, op_name: str) -> Path:
@@ -156,6 +158,10 @@ class FileCache:
 
   def result_for(self, device_kind: str, op_name: str) -> AutotuningResult | None:
     """The cached result of one op on one device kind, or None.
+
+    Args:
+      device_kind: a device kind as JAX names it (e.g. "NVIDIA H200").
+      op_name: a registered op name (e.g. "ragged_dot.pallas_triton").
 
     A cache only saves time, so a file that cannot be read (corrupt, not in the format,
     or a cache folder that is not one) is passed over with a `CacheWarning` naming it,
@@ -273,10 +279,15 @@ class FileCache:
     return None if result is None else result.entry(bound_args)
 
   def lookup_config(self, bound_args, accept=None) -> Any | None:
+    """The cached config of a call on the current device kind (a `ConfigSource`, as
+    `AutotuningResult.lookup_config`): the entry's `config_for(accept)`, or None where
+    the cache has no entry for it (a stale entry applies until `prune` removes it)."""
     entry = self._entry(bound_args)
     return None if entry is None else entry.config_for(accept)
 
   def lookup_time(self, bound_args) -> float | None:
+    """The cached median time in seconds of a call's best config on the current device
+    kind, or None where the cache has no entry for it or that config was not timed ok."""
     entry = self._entry(bound_args)
     return None if entry is None else entry.best_time
 

@@ -198,6 +198,11 @@ class Measurement:
     method: how the time was taken, e.g. "gpu-batched" (see the module docstring).
     profiled_s: seconds per call the device was busy with the candidate in a profiled
       batch (step 8 of the module docstring), or None where not profiled.
+
+  Raises:
+    ValueError: when made with a status not in `STATUSES`, with fields that do not fit
+      it (an "ok" without a median and interval, a failure without an error or with a
+      time), or a negative or non-finite time.
   """
 
   status: str
@@ -349,6 +354,12 @@ class MeasureOptions:
       calls ("Why batches" in the module docstring), so that what a batch pays once
       (its start on an empty queue, its sync) does not count; None: on every platform
       but the CPU. Its samples' method is "<platform>-paired".
+
+  Raises:
+    ValueError: when made with a time that is negative or not finite (`timeout_s` 0),
+      a count that is not an int or below its least value (e.g. `rounds` < 1), a
+      negative tolerance, `host_bound_factor` < 1, `compile_threads` < 1, or a
+      `paired_batches` other than None, True or False.
   """
 
   warmup_s: float = 0.05

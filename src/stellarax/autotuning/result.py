@@ -89,10 +89,20 @@ class Entry:
 
   @property
   def key(self) -> tuple[str, str]:
+    """(op JSON, call-key JSON): what identifies the entry's call in results and caches
+    (two entries of one call have equal keys, whatever their measurements)."""
     return (self.bound_args.op_json(), self.bound_args.key_json())
 
   def time_of(self, config: Any) -> float | None:
-    """The median time of `config` if it was measured ok, else None."""
+    """The median time of `config` in seconds.
+
+    Args:
+      config: a config of the entry's op.
+
+    Returns:
+      The median of its first measurement that ran ok, or None when it was not
+      measured or every measurement of it failed.
+    """
     m = self._first_ok(config)
     return None if m is None else m.median_s
 
@@ -165,14 +175,18 @@ class Entry:
 
   @property
   def best_time(self) -> float | None:
+    """The median time of `best_config` in seconds, or None if it was not measured ok."""
     return self.time_of(self.best_config)
 
   @property
   def heuristic_time(self) -> float | None:
+    """The median time of `heuristic_config` in seconds (the baseline of the entry's
+    speed-up), or None if it was not measured ok."""
     return self.time_of(self.heuristic_config)
 
   @property
   def num_failed(self) -> int:
+    """How many configs measured failed (wrong output, compile error, timeout, ...)."""
     return sum(m.status != "ok" for _, m in self.measurements)
 
 
@@ -246,7 +260,14 @@ class AutotuningResult:
     return f"AutotuningResult(device_kind={self.device_kind!r}, {len(self)} entries)"
 
   def entry(self, bound_args: BoundArguments) -> Entry | None:
-    """The entry of a call, or None."""
+    """The entry of a call.
+
+    Args:
+      bound_args: the call (its config, if pinned, is ignored).
+
+    Returns:
+      Its `Entry`, or None when the call was not tuned in this result.
+    """
     return self._entries.get((bound_args.op_json(), bound_args.key_json()))
 
   def best_config(self, bound_args: BoundArguments) -> Any | None:
@@ -394,7 +415,15 @@ class AutotuningResult:
                                         warn_other_versions=warn_other_versions, skipped=skipped)
 
   def dump(self, path_or_file: str | os.PathLike | io.TextIOBase) -> None:
-    """Writes this result to a path (atomically) or an open text file."""
+    """Writes this result as JSON (`dumps`).
+
+    Args:
+      path_or_file: a path, written atomically (a reader sees the old file or the new,
+        never part of one; the file keeps its permissions), or an open text file.
+
+    Raises:
+      OSError: when the path cannot be written (its folder missing or read-only).
+    """
     if hasattr(path_or_file, "write"):
       path_or_file.write(self.dumps())
     else:

@@ -40,7 +40,22 @@ class BoundArguments:
 
   @classmethod
   def from_values(cls, op: Op, values: Mapping[str, Any], vmap_axes: VmapAxes = ()) -> BoundArguments:
-    """Builds bound arguments from (possibly concrete) argument values."""
+    """Builds bound arguments from argument values.
+
+    Args:
+      op: the op called.
+      values: each argument's value by name: arrays (concrete or abstract, kept as
+        their shape and dtype), static options, or pytrees of them.
+      vmap_axes: the `jax.vmap` levels around the call, innermost first: (axis size,
+        which array leaves are batched).
+
+    Returns:
+      The `BoundArguments` of the call, with no config.
+
+    Raises:
+      TypeError: for a value that is neither an array nor a plain static value (a
+        callable, an object of no JSON form).
+    """
     arguments = specs.FrozenDict({k: specs.to_spec(v, what=k) for k, v in values.items()})
     return cls(op, arguments, tuple((int(n), tuple(map(bool, b))) for n, b in vmap_axes))
 
@@ -80,7 +95,12 @@ class BoundArguments:
     return dataclasses.replace(self, op=self.op.replace(config=config))
 
   def with_outer_vmap(self, axis_size: int, batched: tuple[bool, ...]) -> BoundArguments:
-    """The same call seen one `jax.vmap` level further out."""
+    """The same call seen one `jax.vmap` level further out.
+
+    Args:
+      axis_size: the size of the vmapped axis.
+      batched: for each array leaf (`array_specs` order), whether that level maps it.
+    """
     return dataclasses.replace(self, vmap_axes=self.vmap_axes + ((int(axis_size), tuple(batched)),))
 
   # ---- shapes of the batched call --------------------------------------
@@ -90,7 +110,11 @@ class BoundArguments:
     return [spec for name in sorted(self.arguments) for spec in self.array_specs_of(name)]
 
   def array_specs_of(self, name: str) -> list[specs.ArraySpec]:
-    """The unbatched array leaves of one argument, in flattening order."""
+    """The unbatched array leaves of one argument, in flattening order.
+
+    Args:
+      name: the argument's name (a `KeyError` if the call has none of that name).
+    """
     return [leaf for leaf in jax.tree.leaves(_thaw(self.arguments[name]), is_leaf=_is_spec)
             if isinstance(leaf, specs.ArraySpec)]
 
@@ -132,7 +156,15 @@ class BoundArguments:
   # ---- running ----------------------------------------------------------
 
   def example_values(self, seed: int = 0) -> dict[str, Any]:
-    """Random unbatched argument values matching the specs (fresh, not zeros)."""
+    """Random unbatched argument values matching the specs (fresh, not zeros).
+
+    Args:
+      seed: seeds the draw: the same seed gives the same values.
+
+    Returns:
+      Each argument by name: arrays drawn as the op draws them (`Op._example_value`:
+      e.g. group sizes that sum to at most M), static options as they are.
+    """
     keys = iter(jax.random.split(jax.random.key(seed), max(1, len(self.array_specs()))))
     out = {}
     for name, value in self.arguments.items():
@@ -142,7 +174,15 @@ class BoundArguments:
     return self.op._complete_example(out)
 
   def example_arrays(self, seed: int = 0) -> list[jax.Array]:
-    """Random array leaves for the (batched) call, as `runner()` takes them."""
+    """Random array leaves for the (batched) call, as `runner()` takes them.
+
+    Args:
+      seed: as in `example_values`.
+
+    Returns:
+      The array leaves of `example_values(seed)`, broadcast along each vmap level that
+      batches them.
+    """
     values = self.example_values(seed)
     leaves = [x for x in jax.tree.leaves(values) if specs.is_array_value(x)]
     for size, batched in self.vmap_axes:

@@ -97,6 +97,14 @@ class Op(abc.ABC):
     array_options: (class) the keyword-only parameters of `_fwd` that take arrays;
       every other keyword-only parameter is a static option, which a call never
       traces (an op called eagerly reads an array given there as a value).
+
+  Raises:
+    TypeError: when a subclass registering a name has a `config_cls` that is neither
+      a `@stellarax.config_dataclass` nor a `typing.NamedTuple`; when an op is made
+      with a `config` that is not of its `config_cls`, or with a field that is not a
+      plain value (a callable, an array).
+    ValueError: when a subclass registers a malformed name (not "<family>.<backend>")
+      or one another class already has.
   """
 
   config: Any = None
@@ -338,11 +346,24 @@ class Op(abc.ABC):
     return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "config"}
 
   def replace(self, **changes) -> Op:
-    """Returns a copy of this op with fields replaced (e.g. `config=`)."""
+    """Returns a copy of this op with fields replaced (e.g. `config=`).
+
+    Raises:
+      TypeError: for a field the op does not have, or a value `Op` refuses (above).
+    """
     return dataclasses.replace(self, **changes)
 
   def vjp_op(self) -> Op:
-    """The op computing this op's backward pass."""
+    """The op computing this op's backward pass.
+
+    Returns:
+      An instance of `vjp_cls` carrying the fields this op shares with it (such as
+      `interpret`), with no pinned config.
+
+    Raises:
+      NotImplementedError: when the op has no VJP op (`vjp_cls` is None): its
+        gradient is JAX's autodiff of its forward.
+    """
     vjp = getattr(self, "vjp", None)
     if vjp is not None:
       return vjp
