@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import re
 import time
 import warnings
 
@@ -340,7 +341,17 @@ def test_import_makes_a_package_s_own_ops_known_to_every_command(tmp_path):
 def test_cache_clear_removes_the_cache_s_files_only(tmp_path, user_cache_dir, capsys):
   lhs, rhs = jnp.ones((32, 16)), jax.random.normal(jax.random.key(0), (2, 16, 8))
   ba = stellarax.XlaRaggedDot.bind(lhs, rhs, jnp.array([10, 22], jnp.int32))
-  stellarax.Autotuner(budget_s=0.5, progress=False, cache=True).autotune([ba])
+  tuned = stellarax.Autotuner(budget_s=0.5, progress=False, cache=True).autotune([ba])
+  # Results of the user's kept in a folder of the cache root (which the cache passes
+  # over, as `list` says), one of them stale: `prune` deleted the stale one, `clear` both.
+  results = user_cache_dir / "results"
+  results.mkdir()
+  tuned.dump(results / "my_tuned.json")
+  stale_text = re.sub(r'"code": "\w+"', '"code": "0000000000000000"', tuned.dumps())
+  (results / "old_run.json").write_text(stale_text)
+  assert cli.main(["cache", "prune"]) == 0
+  assert "old_run" not in capsys.readouterr().out
+  assert (results / "old_run.json").read_text() == stale_text
   notes = user_cache_dir / "notes.txt"
   notes.write_text("the user's own")
   # A file the cache set aside as unreadable is the cache's too.
@@ -362,14 +373,18 @@ def test_cache_clear_removes_the_cache_s_files_only(tmp_path, user_cache_dir, ca
     path.parent.mkdir(exist_ok=True)
     path.write_text(text)
   assert cli.main(["cache", "list"]) == 0
-  assert "json" not in capsys.readouterr().out.replace("ragged_dot.xla.json", "")
+  listed = capsys.readouterr().out
+  assert "results/old_run.json: 1 entries; it holds results of 'cpu' in the folder" in listed
+  assert "prune" not in listed  # it would not touch them
+  listed = re.sub(r"results/(my_tuned|old_run).json: .*\n", "", listed)
+  assert "json" not in listed.replace("ragged_dot.xla.json", "")
   with warnings.catch_warnings():  # package.json was read as a broken cache file
     warnings.simplefilter("error")
     assert len(cache.FileCache(None, "user_cache", writable=True).results()) == 1
   assert cli.main(["cache", "clear"]) == 0
   assert "files removed" in capsys.readouterr().out
   assert sorted(p.name for p in user_cache_dir.rglob("*") if p.is_file()) == sorted(
-      ["notes.txt"] + [p.name for p in own])
+      ["notes.txt", "my_tuned.json", "old_run.json"] + [p.name for p in own])
   assert all(path.read_text() == text for path, text in own.items())
   assert (user_cache_dir / "empty").is_dir() and not journal.exists()
   assert autotuning.explain(ba).source != "user_cache"

@@ -389,8 +389,10 @@ class FileCache:
     """Removes every file of the cache (results, their locks, files moved aside as
     unreadable, tuning journals, temporary files of writes that did not finish) and the
     folders it left empty; other files and folders in the cache folder stay (it may be a
-    folder of the user's: only files named as the cache names its own are removed), and
-    so do temporary files younger than `LEFTOVER_AGE_S` (a write may still be under way).
+    folder of the user's: only files named as the cache names its own are removed, and
+    results files only in their device kind's folder: one in another folder, which the
+    cache passes over, is the user's), and so do temporary files younger than
+    `LEFTOVER_AGE_S` (a write may still be under way).
 
     Writers may go on meanwhile: each result file is removed under its lock, so a
     write lands whole either before the clear (and is removed) or after it (and
@@ -454,7 +456,9 @@ class FileCache:
     """Removes the stale entries (`Entry.stale_reason`: measured under other versions
     or on other code of their op, those this stellarax cannot read included) from every
     file, safely under concurrent writers; a file left empty is deleted, an unreadable
-    one (or one with invalid entries) is left as it is and reported.
+    one (or one with invalid entries) is left as it is and reported. A results file in
+    another device kind's folder (`misplaced`: a result of the user's, which the cache
+    passes over) is not touched.
 
     A stale entry's config still applies until it is pruned (and `autotune` measures
     its call again); pruning is for a cache whose old measurements should no longer
@@ -470,6 +474,8 @@ class FileCache:
       raise PermissionError(f"The {self.source_name} at {self.root} is read-only.")
     pruned = []
     for path in self.files():
+      if not _in_its_folder(path):  # the user's, passed over by the cache: not touched
+        continue
       with _exclusive_lock(path.with_suffix(".json.lock")):
         unread = []
         try:
@@ -571,7 +577,7 @@ def _clear_folder(folder: Path) -> int:
   # never leaves a writer holding a lock file that another writer cannot find.
   # Only the cache's own files: a JSON file of the user's stays (`is_cache_file`).
   results = {n for n in names if n.endswith(".json") and not _is_temporary(Path(n))
-             and is_cache_file(folder / n)}
+             and is_cache_file(folder / n) and _in_its_folder(folder / n)}
   results |= {n.removesuffix(".lock") for n in names if n.endswith(".json.lock")
               and (n.removesuffix(".lock") not in names or n.removesuffix(".lock") in results)}
   for name in sorted(results):
@@ -584,6 +590,18 @@ def _clear_folder(folder: Path) -> int:
                      if _ASIDE_NAME.fullmatch(n) or journal_lib.is_journal_name(n)):
     removed += _unlink(folder / name)
   return removed
+
+
+def _in_its_folder(path: Path) -> bool:
+  """Whether a results file lies in the folder of the device kind it holds, as the cache
+  writes them; one in another folder (a result of the user's, kept in a folder of the
+  cache root, which the cache passes over: `misplaced`) is not the cache's to remove. A
+  file that cannot be read (cut short, named for an op) counts as the cache's."""
+  try:
+    device_kind = json.loads(path.read_bytes()).get("device_kind")
+  except (OSError, ValueError, AttributeError):
+    return True
+  return not isinstance(device_kind, str) or device_kind_slug(device_kind) == path.parent.name
 
 
 def _unlink(path: Path) -> int:

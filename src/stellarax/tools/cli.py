@@ -264,7 +264,8 @@ def _cache(args) -> int:
       print(f"wrote {path}")
   elif args.action == "clear":
     removed = cache.USER_CACHE.clear()
-    print(f"cleared the user cache at {root}: {removed} files removed")
+    print(f"cleared the user cache at {root}: {removed} files removed (results, their "
+          "locks, journals; files of yours stay)")
     if kept := cache.USER_CACHE.temporaries():
       print(f"kept {len(kept)} temporary files of cache writes that may still be under way "
             f"(`stellarax cache clear` removes them once {cache.LEFTOVER_AGE_S / 60:g} minutes "
@@ -312,7 +313,8 @@ def _list(user_cache) -> None:
     stale = sum(not e.is_current for e in result) + len(skipped) - len(invalid)
     problem = cache.misplaced(path, result)
     print(f"{name}: {len(result) + len(skipped)} entries"
-          + (f", {stale} stale (`stellarax cache prune` removes them)" if stale else "")
+          + (f", {stale} stale (`stellarax cache prune` removes them)"
+             if stale and not problem else "")
           + (f", {len(invalid)} invalid ({invalid[0].reason}) {_FIX_OR_DELETE}" if invalid else "")
           + (f"; {problem}" if problem else ""))
   # Only old temporaries: a younger one is most likely a write under way.
@@ -407,8 +409,8 @@ def main(argv=None) -> int:
   p.add_argument("action", choices=("list", "path", "add", "prune", "clear", "ship"),
                  help="list: its files and entries; path: where it is (STELLARAX_CACHE_DIR "
                       "moves it); add: merge a result file into it; prune: remove entries "
-                      "measured under other versions or on other code; clear: remove every "
-                      "file; ship (developers): merge a result into the library cache")
+                      "measured under other versions or on other code; clear: remove the "
+                      "cache's own files (results, locks, journals; other files stay); ship (developers): merge a result into the library cache")
   p.add_argument("result", nargs="?",
                  help="with add or ship: the result JSON to merge into the user or library cache")
   p.add_argument("--root", help="with ship: the library cache folder (default: the package's)")
