@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import tempfile
 import re
 import time
 import warnings
@@ -455,6 +456,50 @@ def test_mistakes_are_found_before_any_work_and_nothing_else_is_touched(tmp_path
   assert (user_cache_dir / "cpu" / "ragged_dot.xla.json").exists()
   assert cli.main(["cache", "ship"]) == 2
   assert "needs a result file" in capsys.readouterr().err
+
+
+def test_an_output_that_would_replace_the_input_or_is_no_file_is_refused(tmp_path,
+                                                                           user_cache_dir, capsys):
+  ba = stellarax.XlaRaggedDot.bind(jnp.ones((32, 16)), jnp.ones((2, 16, 8)),
+                                   jnp.array([10, 22], jnp.int32))
+  calls = tmp_path / "calls.json"
+  autotuning.bound_args_to_json([ba], calls)
+  before = calls.read_text()
+  # The result replaced the calls (exit 0), and the same command run again failed; a
+  # device such as /dev/null was replaced by a regular file (as root). A pipe stands in.
+  pipe = tmp_path / "pipe"
+  os.mkfifo(pipe)
+  for output, problem in [(calls, f"is the input file {calls}"),
+                          (pipe, "is not a regular file")]:
+    assert cli.main(["autotune", str(calls), "--output", str(output)]) == 2
+    assert problem in capsys.readouterr().err
+  assert calls.read_text() == before and pipe.is_fifo()
+
+
+def test_a_result_that_cannot_be_saved_after_tuning_goes_to_a_file_of_its_own(
+    tmp_path, user_cache_dir, capsys, monkeypatch):
+  # What was checked before tuning can change during it (here a file is where the
+  # folder was): the error ended the command (exit 2, "bad input") and the measurements
+  # were lost.
+  ba = stellarax.XlaRaggedDot.bind(jnp.ones((32, 16)), jnp.ones((2, 16, 8)),
+                                   jnp.array([10, 22], jnp.int32))
+  calls = tmp_path / "calls.json"
+  autotuning.bound_args_to_json([ba], calls)
+  (tmp_path / "gone").write_text("")
+  output = tmp_path / "gone" / "r.json"
+  monkeypatch.setattr(cli, "output_problem", lambda *a, **k: None)
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+  assert cli.main(["autotune", str(calls), "--output", str(output), "--budget-s", "0.3",
+                   "--no-progress"]) == 1
+  err = capsys.readouterr().err
+  (fallback,) = tmp_path.glob("stellarax-result-*.json")
+  assert f"--output={output} could not be written" in err and str(fallback) in err
+  assert len(stellarax.AutotuningResult.load(fallback)) == 1
+  # An existing file is replaced, and the command says so.
+  output = tmp_path / "r.json"
+  output.write_text("{}")
+  assert cli.main(["autotune", str(calls), "--output", str(output), "--budget-s", "0.3"]) == 0
+  assert f"result saved to {output} (it replaced the file there)" in capsys.readouterr().out
 
 
 def test_cache_add_merges_a_result_file_into_the_user_cache(tmp_path, user_cache_dir, capsys):

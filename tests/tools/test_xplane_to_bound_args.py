@@ -83,6 +83,17 @@ def test_an_output_file_in_no_folder_is_refused_before_the_profile_is_read(tmp_p
   assert "--output_file=" in proc.stderr and "no folder" in proc.stderr
 
 
+def test_an_output_file_that_is_the_profile_is_refused(profile_dir, tmp_path, capsys):
+  # It was overwritten with the JSON: the profile, which may take long to record again,
+  # was lost.
+  (pb,) = profile_dir.rglob("*.xplane.pb")
+  before = pb.read_bytes()
+  for given in (profile_dir, pb):
+    assert xplane_to_bound_args.main([f"--xplane_file={given}", f"--output_file={pb}"]) == 2
+    assert "is the input file" in capsys.readouterr().err
+  assert pb.read_bytes() == before
+
+
 def test_profile_without_ops_is_a_clear_error(tmp_path):
   drop_live_programs()
   folder = tmp_path / "plain"

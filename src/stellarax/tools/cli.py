@@ -19,7 +19,9 @@ import argparse
 import contextlib
 import os
 import sys
+import tempfile
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 from stellarax.tools import positive_seconds
@@ -28,7 +30,9 @@ from stellarax.tools import positive_seconds
 def _autotune(args) -> int:
   """Tunes the calls of a bound-arguments file; exits 1 when some could not be tuned
   (after saving and caching the others, and saying why each failed), the file holds
-  none, or the user cache could not be written (after saving the --output file); 2
+  none, the user cache could not be written (after saving the --output file), or the
+  --output file could not be written after tuning (the result goes to a temporary
+  file, named); 2
   when the file cannot be read or the result would have nowhere to go; 130 on Ctrl-C,
   after saving and caching the calls tuned so far."""
   import stellarax
@@ -78,9 +82,9 @@ def _autotune(args) -> int:
     print(result.summary())
   # An empty result is saved too where tuning ended normally (every call found runs no
   # kernel): the file asked for exists. One cut short before tuning any call is not.
+  saved = True
   if args.output and (len(result) or (failure is None and not interrupted)):
-    result.dump(args.output)
-    print(f"result saved to {args.output}")
+    saved = _save(result, args.output)
   if failure is not None:
     print(failure, file=sys.stderr)
   if not_cached:
@@ -88,7 +92,26 @@ def _autotune(args) -> int:
           file=sys.stderr)
   if interrupted:
     return 130  # what a shell reports for a program stopped by SIGINT
-  return 1 if failure is not None or not_cached else 0
+  return 1 if failure is not None or not_cached or not saved else 0
+
+
+def _save(result, output: str) -> bool:
+  """Writes `result` to `output`, or where that fails after tuning (checked before, the
+  folder may have changed since), to a file of its own in the temporary folder, so that
+  no measurement is lost; says where it went. Returns whether it went to `output`."""
+  replaced = os.path.exists(output)
+  try:
+    result.dump(output)
+  except OSError as exc:
+    fd, fallback = tempfile.mkstemp(prefix="stellarax-result-", suffix=".json")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+      result.dump(f)
+    print(f"stellarax autotune: error: --output={output} could not be written "
+          f"({exc.strerror or exc}); the result is saved to {fallback} instead.",
+          file=sys.stderr)
+    return False
+  print(f"result saved to {output}" + (" (it replaced the file there)" if replaced else ""))
+  return True
 
 
 def _cached(cache, device_kind: str, entry):
@@ -118,7 +141,7 @@ def _destination_problem(args) -> str | None:
   if not (args.output or args.cache):
     return (f"nowhere to keep the result: pass --output FILE to save it to a file, --cache "
             f"to write it into the user cache (at {cache.user_cache_root()}), or both.")
-  problem = args.output and output_problem(args.output)
+  problem = args.output and output_problem(args.output, [args.bound_args])
   if problem:
     return f"--output={args.output}: {problem}"
   problem = args.cache and cache.USER_CACHE.root_problem(writing=True)
@@ -169,12 +192,13 @@ def _not_cached(failure, output: str | None) -> str:
           f"file, or with STELLARAX_CACHE_DIR set to {folder}.")
 
 
-def output_problem(path: str) -> str | None:
+def output_problem(path: str, inputs: Sequence[str] = ()) -> str | None:
   """What keeps a command from writing its output file at `path`, checked before the
   work that makes it; None when nothing does.
 
   Args:
     path: the output file's path, as given.
+    inputs: the command's input files: the output may not replace one of them.
 
   Returns:
     The problem and its fix, in words, or None.
@@ -182,13 +206,23 @@ def output_problem(path: str) -> str | None:
   target = Path(path)
   if target.is_dir():
     return "is a folder; name a file in it, e.g. " + str(target / "out.json")
+  if target.exists() and not target.is_file():  # /dev/stdout, a pipe: written as a file
+    return ("is not a regular file (a device, a pipe or a terminal); name a file to write "
+            "the JSON to.")
+  for given in inputs:
+    if target.exists() and os.path.exists(given) and os.path.samefile(target, given):
+      return (f"is the input file {given}; writing there would replace it: name another "
+              "file.")
   folder = target.absolute().parent
   if not folder.exists():
     return f"no folder {folder}; create it or name a file in an existing one."
   if not folder.is_dir():
     return f"{folder} is not a folder; name a file in an existing folder."
-  if not os.access(folder, os.W_OK | os.X_OK):
-    return f"the folder {folder} is not writable; name a file in a writable folder."
+  try:  # by writing, not os.access: that says yes to root on a read-only file system
+    tempfile.TemporaryFile(dir=folder).close()
+  except OSError as exc:
+    return (f"the folder {folder} is not writable ({exc.strerror}); name a file in a "
+            "writable folder.")
   return None
 
 

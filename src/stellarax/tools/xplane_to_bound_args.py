@@ -25,6 +25,7 @@ import os
 import sys
 from typing import Any
 
+from stellarax.autotuning import file_format
 from stellarax.autotuning.profile import ProfileError, profile_files, read_op_calls
 
 
@@ -79,7 +80,11 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   from stellarax.core import registry
   from stellarax.tools.cli import output_problem
-  problem = output_problem(args.output_file)
+  try:  # the output may not replace the profile (nor, in a trace folder, its files)
+    inputs = [args.xplane_file, *map(str, profile_files(args.xplane_file)[0])]
+  except (ProfileError, OSError):  # said below, once the output is known to be fine
+    inputs = [args.xplane_file]
+  problem = output_problem(args.output_file, inputs)
   if problem:  # before the profile, which may take long to read
     print(f"{_PROG}: error: --output_file={args.output_file}: {problem}", file=sys.stderr)
     return 2
@@ -92,9 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   out = {"stellarax": __version__, "source": os.fspath(args.xplane_file), "calls": records}
   try:
-    with open(args.output_file, "w", encoding="utf-8") as f:
-      json.dump(out, f, indent=1, sort_keys=True)
-      f.write("\n")
+    # Atomically: a write that fails leaves an earlier file there whole.
+    file_format.atomic_write(args.output_file, json.dumps(out, indent=1, sort_keys=True) + "\n")
   except OSError as e:
     print(f"{_PROG}: error: --output_file={args.output_file}: {e.strerror}", file=sys.stderr)
     return 2
