@@ -139,7 +139,7 @@ def test_transfer_never_returns_a_config_invalid_for_the_shape():
   # Large tiles are best on the large shapes; the small calls cannot take them.
   rng = np.random.default_rng(0)
   entries = [_entry(_ragged(m), _tiled(512)) for m in (1024, 2048, 4096)]
-  entries.append(_entry(_ragged(8192, g=64), _tiled(16)))
+  entries.append(_entry(_ragged(2048, g=8), _tiled(16)))
   result = _result(*entries)
   with result:
     for m in [1, 3, 17, 40, 64, 100, 200, 255] + rng.integers(1, 9000, size=12).tolist():
@@ -148,7 +148,7 @@ def test_transfer_never_returns_a_config_invalid_for_the_shape():
       assert resolved.config in ba.autotuning_configs, (m, resolved)
       if resolved.config == _tiled(512):
         assert 2 * m >= 512 and resolved.source.startswith("transfer:")
-  # 512 rows allow tile 512 only from M = 256 on; below, the next nearest (M=8192, G=64).
+  # 512 rows allow tile 512 only from M = 256 on; below, the next nearest (M=2048, G=8).
   with result:
     assert resolution.resolve_config(_ragged(200)).config == _tiled(16)
 
@@ -257,6 +257,22 @@ def test_explain_reports_the_transfer():
   assert "from transfer (key distance 1.00)" in text.splitlines()[0], text
   assert "lhs: float32[512, 64] != float32[256, 64]" in text
   assert plain.source == "heuristics" and plain.confidence is None
+
+
+def test_nothing_transfers_from_beyond_the_limit_and_explain_says_why():
+  # A config tuned at one size went to a call any number of times larger (attention's
+  # unchunked config from T=256 to T=16384: 16 GiB of scores).
+  with _result(_entry(_ragged(256), _tiled(32))):
+    at_limit = autotuning.explain(_ragged(256 * 16))  # one dimension 16x: distance 4
+    beyond = autotuning.explain(_ragged(256 * 32))
+    with transfer.transfer_scope(False):
+      heuristic = autotuning.explain(_ragged(256 * 32)).config
+    assert transfer.nearest_distance(_ragged(256 * 32)) == 5.0
+  assert at_limit.source == "transfer:4.00" and at_limit.config == _tiled(32)
+  assert beyond.source == "heuristics" and beyond.config == heuristic != _tiled(32)
+  assert beyond.too_far == 5.0
+  assert "nearest comparable tuned call is at key distance 5.00, beyond 4" in str(beyond)
+  assert at_limit.too_far is None
 
 
 def test_explain_names_a_difference_of_type_alone():

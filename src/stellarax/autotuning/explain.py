@@ -8,8 +8,8 @@ from typing import Any
 
 from stellarax.autotuning.autotuner import config_tuned_on_miss
 from stellarax.autotuning.cache import cached_results, other_device_kinds
-from stellarax.autotuning.transfer import (TransferResolution, transfer_enabled,
-                                          transfer_scope)
+from stellarax.autotuning.transfer import (MAX_DISTANCE, TransferResolution, nearest_distance,
+                                          transfer_enabled, transfer_scope)
 from stellarax.core import resolution
 from stellarax.core.bound_args import BoundArguments
 from stellarax.core.config import config_to_json
@@ -38,6 +38,8 @@ class Explanation:
     stale: for a config from a stale result or cache entry, why it is stale
       (`Entry.stale_reason`; `autotune` measures the call again); for a transferred
       config, why the entry it came from is; else None.
+    too_far: on a miss where transfer is on, the distance to the nearest comparable
+      tuned call when it lies beyond `transfer.MAX_DISTANCE`; else None.
     other_device_kinds: on a miss with nothing of this op tuned for this device kind,
       the device kinds the caches hold tuned calls of the op for (configs tuned on one
       device are not used on another).
@@ -50,6 +52,7 @@ class Explanation:
   confidence: float | None = None
   stale: str | None = None
   other_device_kinds: tuple[str, ...] = ()
+  too_far: float | None = None
 
   def __str__(self) -> str:
     if self.source == "trivial":
@@ -71,6 +74,11 @@ class Explanation:
     elif self.nearest is not None:
       where, diffs = self.nearest
       lines.append(f"  nearest tuned call ({where}) differs in: " + "; ".join(diffs))
+      if self.too_far is not None:
+        lines.append(f"  no config transferred: the nearest comparable tuned call is at key "
+                     f"distance {self.too_far:.2f}, beyond {MAX_DISTANCE:g} (transfer."
+                     "MAX_DISTANCE), so the heuristic answers; tune this call for a measured "
+                     "config")
     elif self.source == resolution.ONLY_CONFIG:
       lines.append("  its only config for this call: nothing to tune, whatever the miss policy")
     elif self.source.startswith(("heuristics", "miss")):
@@ -129,14 +137,17 @@ def explain(bound_args: BoundArguments) -> Explanation:
     return Explanation(bound_args.op.name, resolved.config, resolved.source,
                        (resolved.where, tuple(diffs)), resolved.confidence,
                        stale=_stale_reason(resolved.neighbour, where))
-  nearest, elsewhere = None, ()
+  nearest, elsewhere, too_far = None, (), None
   if resolved.source not in ("explicit", "result") and not resolved.source.endswith("cache"):
     nearest = _nearest(bound_args)
     if nearest is None:
       elsewhere = other_device_kinds(bound_args.op.name)
+    elif policy == "heuristics" and transfer_enabled():
+      distance = nearest_distance(bound_args)
+      too_far = distance if distance is not None and distance > MAX_DISTANCE else None
   return Explanation(bound_args.op.name, resolved.config, resolved.source, nearest,
                      stale=_stale_reason(bound_args, resolved.source),
-                     other_device_kinds=elsewhere)
+                     other_device_kinds=elsewhere, too_far=too_far)
 
 
 def _stale_reason(bound_args: BoundArguments, source: str) -> str | None:

@@ -15,6 +15,13 @@ nearest one, provided that config is in the new call's search space (`autotuning
 a tile larger than the new shape allows is never transferred); otherwise the next nearest,
 and so on. When nothing qualifies, the heuristic answers as before.
 
+Not from further than `MAX_DISTANCE` (4: one dimension 16 times larger or smaller, or two
+about 7 times): what was fastest at a sequence length of 256 says little about 16384,
+where it may not even fit (attention's unchunked XLA config, the fastest at T=256 on a
+CPU, needs 16 GiB of scores at T=16384, its heuristic's chunks 0.1 GiB). The heuristic,
+written for every shape, answers there. In the recorded CPU sweeps every key has a
+neighbour within 2.9, and their leave-one-out regret is the same with the limit.
+
 Features. An op class may define `_transfer_features(self, ba) -> dict[str, float]`; the
 default, `default_features`, is log2 of every array dimension and of every vmap size.
 Distance: the Euclidean norm of the feature differences (calls whose feature names differ
@@ -49,6 +56,9 @@ from stellarax.core import resolution
 from stellarax.core import specs
 from stellarax.core import trace_keys
 from stellarax.core.bound_args import BoundArguments
+
+# The farthest a tuned call's config is transferred from (see the module docstring).
+MAX_DISTANCE = 4.0
 
 _ENV = "STELLARAX_TRANSFER"
 _ON = ("1", "true", "on", "yes")
@@ -251,7 +261,8 @@ def _leaves(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
 
 def nearest_config(ba: BoundArguments, candidates: Iterable[tuple[str, Entry]]
                    ) -> TransferResolution | None:
-  """The best config of the nearest comparable candidate that is valid for `ba`.
+  """The best config of the nearest comparable candidate that is valid for `ba`, within
+  `MAX_DISTANCE`.
 
   Candidates at equal distance are taken in the order given. The device kind is not
   checked here: give candidates of one device kind.
@@ -261,14 +272,14 @@ def nearest_config(ba: BoundArguments, candidates: Iterable[tuple[str, Entry]]
     candidates: (where, entry) pairs, e.g. ("user_cache", entry).
 
   Returns:
-    A `TransferResolution`, or None when no comparable candidate has a best config in
-    `ba.autotuning_configs`.
+    A `TransferResolution`, or None when no comparable candidate within `MAX_DISTANCE`
+    has a best config in `ba.autotuning_configs`.
   """
   ours = _profile(ba.with_config(None))
   ranked = []
   for order, (where, entry) in enumerate(candidates):
     distance = _distance(ours, _profile(entry.bound_args))
-    if distance is not None:
+    if distance is not None and distance <= MAX_DISTANCE:
       ranked.append((distance, order, where, entry))
   ranked.sort(key=lambda r: r[:2])
   space = ba.autotuning_configs
@@ -302,6 +313,23 @@ def _transfer_from(active: tuple[Any, ...], ba: BoundArguments) -> TransferResol
   candidates = ((where, entry) for where, result in _sources(active, ba.op.name)
                 for entry in _entries_of(result, op_json))
   return nearest_config(ba, candidates)
+
+
+def nearest_distance(ba: BoundArguments) -> float | None:
+  """The distance from `ba` to the nearest comparable tuned call that transfer could
+  look at (of the active results and caches, on this device kind), however far.
+
+  Args:
+    ba: the call.
+
+  Returns:
+    The distance, or None when no comparable call was tuned.
+  """
+  ours, op_json = _profile(ba.with_config(None)), ba.op_json()
+  distances = (_distance(ours, _profile(entry.bound_args))
+               for _, result in _sources(resolution.active_results(), ba.op.name)
+               for entry in _entries_of(result, op_json))
+  return min((d for d in distances if d is not None), default=None)
 
 
 def _sources(active: tuple[Any, ...], op_name: str) -> Iterator[tuple[str, AutotuningResult]]:
