@@ -2,7 +2,9 @@
 `BoundArguments.default_config` and `benchmark` run: each with values known in advance,
 so that a number read from the wrong measurement or a config ignored fails."""
 
+import contextlib
 import dataclasses
+import warnings
 
 import jax
 import pytest
@@ -86,3 +88,42 @@ def test_default_config_and_benchmark_run_the_resolved_config_or_the_one_given(b
     assert ba.default_config == wrong
     assert ba.benchmark(rounds=1, leader_rounds=0).status == "wrong_result"
   assert ba.default_config == _Config()
+
+
+def test_a_stale_entry_whose_config_the_op_no_longer_offers_is_passed_over(user_cache_dir):
+  # Its config (tiles of 512 rows for 20 rows: not in the space) was run, and failed
+  # where newer code checks it; a cache only saves time.
+  from stellarax.autotuning import cache
+  from stellarax.autotuning.file_format import VersionWarning
+  from stellarax.ops.ragged_dot.base import XlaRaggedDotConfig
+  ba = stellarax.XlaRaggedDot.bind(jax.ShapeDtypeStruct((20, 16), "float32"),
+                                   jax.ShapeDtypeStruct((2, 16, 8), "float32"),
+                                   jax.ShapeDtypeStruct((2,), "int32"))
+  offered, gone = XlaRaggedDotConfig(strategy="masked"), XlaRaggedDotConfig(strategy="tiled",
+                                                                             tile_m=512)
+  assert offered in ba.autotuning_configs and gone not in ba.autotuning_configs
+  kind = jax.devices()[0].device_kind
+  for config, stale in [(gone, True), (offered, True), (gone, False)]:
+    entry = autotuning.Entry(ba, config, ba.heuristics_config, ((config, _ok(1e-3)),),
+                             code="0000000000000000" if stale else "")
+    result = autotuning.AutotuningResult(kind, {entry.key: entry})
+    passed_over = stale and config == gone
+    for source in ("result", "user_cache"):  # warned once, passed over in both
+      warns = passed_over and source == "result"
+      with pytest.warns(VersionWarning, match="no longer offers") if warns else _no_warning():
+        if source == "result":
+          with result:
+            explained = autotuning.explain(ba)
+        else:
+          cache.USER_CACHE.clear()
+          cache.USER_CACHE.write(result)
+          explained = autotuning.explain(ba)
+      assert explained.source == ("heuristics" if passed_over else source), (config, stale)
+      assert explained.config == (ba.heuristics_config if passed_over else config)
+
+
+@contextlib.contextmanager
+def _no_warning():
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", autotuning.VersionWarning)
+    yield

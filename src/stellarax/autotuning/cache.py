@@ -280,10 +280,11 @@ class FileCache:
 
   def lookup_config(self, bound_args, accept=None) -> Any | None:
     """The cached config of a call on the current device kind (a `ConfigSource`, as
-    `AutotuningResult.lookup_config`): the entry's `config_for(accept)`, or None where
-    the cache has no entry for it (a stale entry applies until `prune` removes it)."""
+    `AutotuningResult.lookup_config`): the entry's `config_to_run(accept)`, or None
+    where the cache has no entry for it (a stale entry applies until `prune` removes it,
+    unless its config is no longer in the call's space)."""
     entry = self._entry(bound_args)
-    return None if entry is None else entry.config_for(accept)
+    return None if entry is None else entry.config_to_run(accept)
 
   def lookup_time(self, bound_args) -> float | None:
     """The cached median time in seconds of a call's best config on the current device

@@ -134,6 +134,31 @@ class Entry:
     prefer = self.heuristic_config if self.heuristic_config in taken else None
     return pick_best(taken, prefer=prefer)
 
+  def config_to_run(self, accept: Callable[[Any], bool] | None = None) -> Any | None:
+    """`config_for(accept)`, unless the entry is stale and that config is no longer in
+    its call's search space (the op's current code refuses it, e.g. a tile a newer
+    version checks against the shape): then None, with a `VersionWarning` (once), so
+    that the call resolves further down the order instead of failing when traced. A
+    current entry is not checked: its space is the one it was measured in.
+
+    Args:
+      accept: as in `config_for`.
+
+    Returns:
+      A config, or None.
+    """
+    config = self.config_for(accept)
+    if config is None or self.is_current or config in self.bound_args.autotuning_configs:
+      return config
+    if (self.key, config) not in _PASSED_OVER:
+      _PASSED_OVER.add((self.key, config))
+      warn(f"The stale entry of {self.bound_args} ({self.stale_reason}) holds "
+           f"{config}, which this version of {self.bound_args.op.name} no longer offers "
+           "for the call: it is passed over (the next result, cache or the heuristic "
+           "answers). `stellarax cache prune` removes stale cache entries; autotune "
+           "measures the call again.", file_format.VersionWarning)
+    return None
+
   def starved(self, accept: Callable[[Any], bool] | None = None) -> bool:
     """Whether the entry measured only its heuristic config of a larger space searched
     (a budget too small to search it): it chose nothing, and tuning it again can only
@@ -188,6 +213,10 @@ class Entry:
   def num_failed(self) -> int:
     """How many configs measured failed (wrong output, compile error, timeout, ...)."""
     return sum(m.status != "ok" for _, m in self.measurements)
+
+
+# (entry key, config) of the stale entries' configs passed over, warned about once.
+_PASSED_OVER: set[tuple[tuple[str, str], Any]] = set()
 
 
 class OtherDeviceWarning(UserWarning):
@@ -285,12 +314,13 @@ class AutotuningResult:
       accept: which configs may run (e.g. `Op._is_reproducible`); None: any.
 
     Returns:
-      The entry's `Entry.config_for(accept)`: its best config, or where `accept`
+      The entry's `Entry.config_to_run(accept)`: its best config, or where `accept`
       refuses that, the fastest accepted one measured ok; None where the result has no
-      entry for the call or none is accepted.
+      entry for the call, none is accepted, or a stale entry's config is no longer in
+      the call's space.
     """
     entry = self.entry(bound_args)
-    return None if entry is None else entry.config_for(accept)
+    return None if entry is None else entry.config_to_run(accept)
 
   def lookup_time(self, bound_args: BoundArguments) -> float | None:
     """The best measured time of a call, in seconds.
