@@ -151,6 +151,32 @@ def test_require_available_is_quiet_where_jax_has_the_backend():
     pallas_backends.missing_reason("tpu")
 
 
+
+@pytest.mark.parametrize("kind,capability,mosaic,triton", [
+    ("NVIDIA H200", "9.0", True, True),
+    ("NVIDIA H100 80GB HBM3", "9.0", True, True),
+    # Blackwell has no wgmma: the Mosaic GPU kernels would not compile (they took it as
+    # ">= 9.0"); its 227 KiB a block hold the Triton kernels' configs.
+    ("NVIDIA B200", "10.0", False, True),
+    # 163 KiB (A100) and 99 KiB (L40S, consumer Blackwell) a block: the Triton kernels'
+    # heuristic configs need more (attention's head dim 128: about 128 KiB).
+    ("NVIDIA A100-SXM4-80GB", "8.0", False, False),
+    ("NVIDIA L40S", "8.9", False, False),
+    ("NVIDIA GeForce RTX 5090", "12.0", False, False),
+    ("NVIDIA H200", "", False, False),  # no capability known
+    ("TPU v5 lite", "9.0", False, False),
+])
+def test_kernels_are_picked_only_on_gpus_they_compile_for(kind, capability, mosaic, triton):
+  import stellarax
+  device = type("Device", (), {"platform": "tpu" if "TPU" in kind else "gpu",
+                               "device_kind": kind, "compute_capability": capability})()
+  for cls in (stellarax.PallasMosaicGpuRaggedDot, stellarax.PallasMosaicGpuAttention):
+    assert cls.supported_on(device) is mosaic
+  for cls in (stellarax.PallasTritonRaggedDot, stellarax.PallasTritonAttention,
+              stellarax.PallasTritonLayerNorm, stellarax.PallasTritonGatedLinearUnit):
+    assert cls.supported_on(device) is triton
+
+
 if __name__ == "__main__":
   with open(sys.argv[2], "w") as f:
     json.dump(_observe(sys.argv[1]), f)

@@ -71,9 +71,13 @@ class PallasTritonOp(Op):
 
   @classmethod
   def supported_on(cls, device: Any) -> bool:
-    """Pallas Triton kernels compile for NVIDIA GPUs, with a JAX that has the backend."""
-    return (cls._unavailable_reason() is None and getattr(device, "platform", None) == "gpu"
-            and "nvidia" in str(getattr(device, "device_kind", "")).lower())
+    """Pallas Triton kernels compile for NVIDIA GPUs, with a JAX that has the backend;
+    these kernels' spaces and heuristics assume 227 KiB of shared memory a block, which
+    data-centre Hopper and Blackwell GPUs have (compute capability 9.0, 10.x): on others
+    (A100's 163 KiB, L40S's and consumer GPUs' 99 KiB) their configs would not compile,
+    so a call does not pick them there (named, they are still tried)."""
+    return (cls._unavailable_reason() is None and _is_nvidia_gpu(device)
+            and _compute_capability(device)[0] in (9, 10))
 
   @classmethod
   def _unavailable_reason(cls) -> str | None:
@@ -143,11 +147,22 @@ class PallasMosaicGpuOp(Op):
 
   @classmethod
   def supported_on(cls, device: Any) -> bool:
-    """Mosaic GPU kernels need an NVIDIA GPU of compute capability >= 9.0, and a JAX
+    """These Mosaic GPU kernels need a Hopper GPU (compute capability 9.x: their products
+    are wgmma, which only sm_90a has; Blackwell's are other instructions), and a JAX
     with the backend."""
-    if cls._unavailable_reason() is not None or getattr(device, "platform", None) != "gpu" or "nvidia" not in str(getattr(device, "device_kind", "")).lower():
-      return False
-    try:
-      return float(getattr(device, "compute_capability", "0")) >= 9.0
-    except ValueError:
-      return False
+    return (cls._unavailable_reason() is None and _is_nvidia_gpu(device)
+            and _compute_capability(device)[0] == 9)
+
+
+def _is_nvidia_gpu(device: Any) -> bool:
+  return (getattr(device, "platform", None) == "gpu"
+          and "nvidia" in str(getattr(device, "device_kind", "")).lower())
+
+
+def _compute_capability(device: Any) -> tuple[int, int]:
+  """(major, minor) of a device's `compute_capability` ("9.0"); (0, 0) when it has none."""
+  major, _, minor = str(getattr(device, "compute_capability", "")).partition(".")
+  try:
+    return int(major), int(minor or 0)
+  except ValueError:
+    return 0, 0
