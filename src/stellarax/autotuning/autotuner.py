@@ -869,7 +869,7 @@ def _cached_entry(ba: BoundArguments, accept: Callable[[Any], bool] | None = Non
   """The call's entry in the user or library cache, unless it is stale
   (`Entry.stale_reason`), a budget let it measure only its heuristic config
   (`Entry.starved`), or it measured no config that `accept` takes: those are measured again."""
-  for _, result in cached_results(ba.op.name):
+  for _, result in cached_results(ba.op.name, current_device_kind()):  # where it measures
     entry = result.entry(ba)
     if (entry is not None and entry.is_current and not entry.starved(accept)
         and entry.config_for(accept) is not None):

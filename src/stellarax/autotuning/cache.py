@@ -99,8 +99,18 @@ def device_kind_slug(device_kind: str) -> str:
 
 
 def current_device_kind() -> str:
-  """The device kind of the default backend's first device."""
+  """The device kind of the default backend's first device: where tuning measures."""
   return jax.devices()[0].device_kind
+
+
+def target_device_kind() -> str:
+  """The device kind a call traced now is for: the abstract mesh's device where one is
+  set (lowering for another machine, e.g. `jax.sharding.use_abstract_mesh` of an H200's
+  from a CPU host, as `jax.export` and deviceless compiles do), else
+  `current_device_kind()`. Configs are looked up under it: a program lowered for an
+  H200 takes the H200's tuned entries, not those of the host it is lowered on."""
+  abstract = jax.sharding.get_abstract_mesh().abstract_device
+  return abstract.device_kind if abstract is not None else current_device_kind()
 
 
 def user_cache_root() -> Path:
@@ -275,20 +285,21 @@ class FileCache:
     return self.source_name.replace("_", " ")
 
   def _entry(self, bound_args) -> Any:
-    result = self.result_for(current_device_kind(), bound_args.op.name)
+    result = self.result_for(target_device_kind(), bound_args.op.name)
     return None if result is None else result.entry(bound_args)
 
   def lookup_config(self, bound_args, accept=None) -> Any | None:
-    """The cached config of a call on the current device kind (a `ConfigSource`, as
-    `AutotuningResult.lookup_config`): the entry's `config_to_run(accept)`, or None
+    """The cached config of a call on the device kind it is traced for (a `ConfigSource`,
+    as `AutotuningResult.lookup_config`): the entry's `config_to_run(accept)`, or None
     where the cache has no entry for it (a stale entry applies until `prune` removes it,
     unless its config is no longer in the call's space)."""
     entry = self._entry(bound_args)
     return None if entry is None else entry.config_to_run(accept)
 
   def lookup_time(self, bound_args) -> float | None:
-    """The cached median time in seconds of a call's best config on the current device
-    kind, or None where the cache has no entry for it or that config was not timed ok."""
+    """The cached median time in seconds of a call's best config on the device kind it is
+    traced for, or None where the cache has no entry for it or that config was not timed
+    ok."""
     entry = self._entry(bound_args)
     return None if entry is None else entry.best_time
 
@@ -764,12 +775,12 @@ def cached_results(op_name: str, device_kind: str | None = None):
 
   Args:
     op_name: the op's registered name.
-    device_kind: default: the current device's kind.
+    device_kind: default: the kind calls are traced for (`target_device_kind`).
 
   Yields:
     (source name, AutotuningResult) for every registered cache holding the op.
   """
-  kind = device_kind or current_device_kind()
+  kind = device_kind or target_device_kind()
   for cache in resolution.cache_sources():
     result_for = getattr(cache, "result_for", None)
     result = result_for(kind, op_name) if result_for is not None else None
@@ -796,7 +807,7 @@ def other_device_kinds(op_name: str) -> tuple[str, ...]:
       found.update(p.parent.name for p in files() if p.stem == op_name)
     except OSError:  # a cache that cannot be listed says nothing here
       continue
-  found.discard(device_kind_slug(current_device_kind()))
+  found.discard(device_kind_slug(target_device_kind()))
   return tuple(sorted(found))
 
 

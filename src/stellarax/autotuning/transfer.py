@@ -50,7 +50,7 @@ import os
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from stellarax.autotuning.cache import cached_results, current_device_kind
+from stellarax.autotuning.cache import cached_results, target_device_kind
 from stellarax.autotuning.result import AutotuningResult, Entry
 from stellarax.core import resolution
 from stellarax.core import specs
@@ -316,8 +316,8 @@ def _transfer_from(active: tuple[Any, ...], ba: BoundArguments) -> TransferResol
 
 
 def nearest_distance(ba: BoundArguments) -> float | None:
-  """The distance from `ba` to the nearest comparable tuned call that transfer could
-  look at (of the active results and caches, on this device kind), however far.
+  """The distance from `ba` to the nearest comparable tuned call that transfer could look
+  at (of the active results and caches, of the device kind traced for), however far.
 
   Args:
     ba: the call.
@@ -334,7 +334,7 @@ def nearest_distance(ba: BoundArguments) -> float | None:
 
 def _sources(active: tuple[Any, ...], op_name: str) -> Iterator[tuple[str, AutotuningResult]]:
   """The results to look in, in resolution order, of the current device kind."""
-  kind = current_device_kind()
+  kind = target_device_kind()
   for result in reversed(active):
     if isinstance(result, AutotuningResult) and result.device_kind == kind:
       yield "active result", result

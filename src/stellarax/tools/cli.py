@@ -444,7 +444,8 @@ def main(argv=None) -> int:
                  help="list: its files and entries; path: where it is (STELLARAX_CACHE_DIR "
                       "moves it); add: merge a result file into it; prune: remove entries "
                       "measured under other versions or on other code; clear: remove the "
-                      "cache's own files (results, locks, journals; other files stay); ship (developers): merge a result into the library cache")
+                      "cache's own files (results, locks, journals; other files stay); ship "
+                      "(developers): merge a result into the library cache")
   p.add_argument("result", nargs="?",
                  help="with add or ship: the result JSON to merge into the user or library cache")
   p.add_argument("--root", help="with ship: the library cache folder (default: the package's)")

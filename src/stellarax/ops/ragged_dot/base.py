@@ -161,11 +161,18 @@ def _xla_heuristic(ba) -> XlaRaggedDotConfig:
   this implementation itself (`core/partitioning.py`), and the tiles gather rows by
   where the groups fall, which it cannot keep split (lhs rows split over devices:
   every device computes every row, after an all-reduce of the tiles, and the
-  output leaves whole), where `lax.ragged_dot` keeps them split."""
-  if jax.devices()[0].platform != "cpu" or jax.device_count() > 1:
+  output leaves whole), where `lax.ragged_dot` keeps them split. The platform is the
+  one traced for (an abstract mesh's device when lowering for a GPU from a CPU host).
+  Tiles no larger than the space offers (`_xla_space`: up to twice M rows)."""
+  abstract = jax.sharding.get_abstract_mesh().abstract_device
+  platform = abstract.platform if abstract is not None else jax.devices()[0].platform
+  if platform != "cpu" or jax.device_count() > 1:
     return XlaRaggedDotConfig(strategy="lax")
   m, g = ba.arguments["lhs"].shape[0], ba.arguments["rhs"].shape[0]
-  return XlaRaggedDotConfig(strategy="tiled", tile_m=64 if m < 128 * max(g, 1) else 128)
+  tile = 64 if m < 128 * max(g, 1) else 128
+  while tile > max(16, 2 * m):
+    tile //= 2
+  return XlaRaggedDotConfig(strategy="tiled", tile_m=tile)
 
 
 def _wider(a: Any, b: Any) -> Any:

@@ -1,0 +1,60 @@
+"""A program lowered for another machine (an H200's abstract mesh on a CPU host, as
+`jax.export` and deviceless compiles do) takes that machine's configs: its tuned entries
+and heuristics, not those of the host it is lowered on."""
+
+import jax
+import jax.numpy as jnp
+
+import stellarax
+from stellarax import autotuning
+from stellarax.autotuning import cache
+from stellarax.autotuning.measure import Measurement
+from stellarax.ops.ragged_dot.base import XlaRaggedDotConfig
+from h200 import H200_MESH, lower_for_h200  # tests/ is on sys.path
+
+_SPECS = (jax.ShapeDtypeStruct((256, 64), jnp.float32),
+          jax.ShapeDtypeStruct((4, 64, 32), jnp.float32),
+          jax.ShapeDtypeStruct((4,), jnp.int32))
+
+
+def _cached(device_kind: str, config) -> None:
+  ba = stellarax.XlaRaggedDot.bind(*_SPECS)
+  ok = Measurement(status="ok", median_s=1e-3, ci_low_s=1e-3, ci_high_s=1e-3, num_samples=3)
+  entry = autotuning.Entry(ba, config, ba.heuristics_config, ((config, ok),))
+  cache.USER_CACHE.write(autotuning.AutotuningResult(device_kind, {entry.key: entry}))
+
+
+def test_lowering_for_an_h200_takes_the_h200_s_entries_and_heuristic(user_cache_dir):
+  ba = lambda: stellarax.XlaRaggedDot.bind(*_SPECS)  # fresh: a call keeps its heuristic
+  with jax.sharding.use_abstract_mesh(H200_MESH):
+    # No entry: the GPU's heuristic (XLA's grouped matmul), not the CPU host's tiles.
+    assert autotuning.explain(ba()).config == XlaRaggedDotConfig(strategy="lax")
+  assert autotuning.explain(ba()).config.strategy == "tiled"
+  masked, tiled = XlaRaggedDotConfig(strategy="masked"), XlaRaggedDotConfig(strategy="tiled",
+                                                                            tile_m=32)
+  _cached("NVIDIA H200", masked)
+  _cached(cache.current_device_kind(), tiled)
+  with jax.sharding.use_abstract_mesh(H200_MESH):
+    explained = autotuning.explain(ba())
+    assert (explained.source, explained.config) == ("user_cache", masked)
+    # Its transfer looks at the H200's entries too.
+    bigger = stellarax.XlaRaggedDot.bind(jax.ShapeDtypeStruct((512, 64), jnp.float32),
+                                         *_SPECS[1:])
+    assert autotuning.explain(bigger).config == masked
+  assert autotuning.explain(ba()).config == tiled
+  # The lowered program is the H200 entry's: masked products, no tiles' gathers.
+  text = lower_for_h200(lambda l, r, g: stellarax.ragged_dot(l, r, g, implementation="xla"),
+                        *_SPECS)
+  host = jax.jit(lambda l, r, g: stellarax.ragged_dot(l, r, g, implementation="xla")).lower(
+      *_SPECS).as_text()
+  assert "gather" in host and "gather" not in text
+
+
+def test_tiny_calls_get_a_heuristic_tile_their_space_offers():
+  for m in (1, 5, 20, 31, 32, 100):
+    ba = stellarax.XlaRaggedDot.bind(jax.ShapeDtypeStruct((m, 16), jnp.float32),
+                                     jax.ShapeDtypeStruct((2, 16, 8), jnp.float32),
+                                     jax.ShapeDtypeStruct((2,), jnp.int32))
+    tile = ba.heuristics_config.tile_m
+    assert tile <= max(16, 2 * m) and ba.op._get_autotuning_configs(ba) >= {
+        ba.heuristics_config}, m
