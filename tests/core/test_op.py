@@ -388,6 +388,9 @@ def test_a_preference_list_passes_by_kernels_that_do_not_run_on_the_device():
       r"ragged_dot.pallas_triton: does not run on the default device \(cpu\); pass an "
       r"instance with interpret=True to run its kernel here, or name it alone")):
     stellarax.ragged_dot(lhs, rhs, gs, implementation=["pallas_triton", "pallas_mosaic_gpu"])
+  # A list of one is a list (it was tried as if named alone, and failed in JAX's lowering).
+  with pytest.raises(NotImplementedError, match=r"pallas_triton: does not run on the default"):
+    stellarax.ragged_dot(lhs, rhs, gs, implementation=["pallas_triton"])
 
 
 def test_a_kernel_named_alone_that_cannot_run_here_says_how_to_run_it():

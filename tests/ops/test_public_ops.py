@@ -303,6 +303,22 @@ def test_attention_takes_a_bias_or_mask_of_lower_rank_as_jax(impl, name, shape):
   np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-5)
 
 
+def test_attention_adds_an_integer_or_bool_bias_as_jax():
+  # jax takes one; the flash kernels raised ValueError from inside their kernel, which a
+  # preference list does not pass by. (The public function casts it, for every kernel.)
+  q, k, v = _attention_operands(15, t=8, s=12, n=2, k=1)
+  for dtype, impl in [(jnp.bool_, "xla"), (jnp.int32, stellarax.PallasTritonAttention(
+      interpret=True))]:
+    bias = jax.random.randint(jax.random.key(16), (8, 12), -3, 3).astype(dtype)
+    grad = lambda f: jax.grad(lambda q: f(q, k, v, bias=bias).sum())(q)
+    jax_attend = functools.partial(jax.nn.dot_product_attention, implementation="xla")
+    attend = functools.partial(stellarax.dot_product_attention, implementation=impl)
+    np.testing.assert_allclose(attend(q, k, v, bias=bias), jax_attend(q, k, v, bias=bias),
+                               rtol=2e-5, atol=2e-5)
+    if impl == "xla":  # the cast and its float0 gradient are the public function's
+      np.testing.assert_allclose(grad(attend), grad(jax_attend), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("impl", ["xla"])
 def test_attention_takes_unbatched_queries_keys_and_values_as_jax(impl):
   q, k, v = (x[0] for x in _attention_operands(13))  # (T, N, H) and (S, K, H)
@@ -331,10 +347,18 @@ def test_attention_refuses_unbatched_queries_with_batched_keys_naming_the_shapes
                              atol=2e-5)
 
 
-def test_attention_refuses_a_traced_is_causal_as_a_static_option():
+def test_attention_and_norms_refuse_traced_static_options_saying_so():
   q, k, v = _attention_operands(13)
   with pytest.raises(ValueError, match=r"is_causal=.* must be a Python bool: it is a static option"):
     jax.jit(lambda c: stellarax.dot_product_attention(q, k, v, is_causal=c))(True)
+  # The window and a norm's axis said "must be an int", of the int the caller passed.
+  static = r"=.*JitTracer.* is a static option of the call, and here it is traced"
+  with pytest.raises(ValueError, match="local_window_size" + static):
+    jax.jit(lambda w: stellarax.dot_product_attention(q, k, v, local_window_size=w))(3)
+  with pytest.raises(ValueError, match="local_window_size" + static):
+    jax.jit(lambda w: stellarax.dot_product_attention(q, k, v, local_window_size=(w, 2)))(3)
+  with pytest.raises(ValueError, match="axis" + static):
+    jax.jit(lambda a: stellarax.layer_norm(q, None, None, axis=a))(1)
 
 
 def test_norm_axes_may_be_numpy_integers():

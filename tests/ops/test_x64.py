@@ -77,6 +77,16 @@ def test_triton_ragged_dot_and_gated_linear_unit_run_under_x64(x64):
          jax.grad(lambda x: stellarax.gated_linear_unit(x, w, implementation="xla").sum())(x), 1e-4)
 
 
+def test_interpreting_triton_attention_under_x64_is_refused_so_a_list_moves_on(x64):
+  # jax's interpreter failed deep in the kernel's stores (a TypeError no list passes by).
+  q = jax.random.normal(jax.random.key(1), (1, 16, 2, 64), jnp.float32)
+  out = stellarax.dot_product_attention(
+      q, q, q, implementation=[PallasTritonAttention(interpret=True), "xla"])
+  np.testing.assert_allclose(out, jax.nn.dot_product_attention(q, q, q), rtol=1e-5, atol=1e-5)
+  with pytest.raises(NotImplementedError, match="interpret mode with jax_enable_x64 on"):
+    stellarax.dot_product_attention(q, q, q, implementation=PallasTritonAttention(interpret=True))
+
+
 def _attention_grad(op):
   def f(q):
     out = stellarax.dot_product_attention(q, q, q, is_causal=True, implementation=op)

@@ -316,6 +316,13 @@ def test_attention_rejects_bad_arguments():
     attention_xla(q, k, v, chunk_q=0)
   with pytest.raises(ValueError, match="multiple of the key/value heads"):
     attention_xla(q, k[:, :, :1].repeat(3, axis=2), v[:, :, :1].repeat(3, axis=2))
+  # No key/value head (a ZeroDivisionError), and one check failed named alone.
+  with pytest.raises(ValueError, match="key/value heads K=0 .*nothing to attend to"):
+    attention_xla(q, k[:, :, :0], v[:, :, :0])
+  with pytest.raises(ValueError, match=r"must share the head dim H; got \d+ and 4"):
+    attention_xla(q, k[..., :4], v[..., :4])
+  no_heads = attention_reference(q[:, :, :0], k[:, :, :0], v[:, :, :0])
+  assert no_heads.shape == q[:, :, :0].shape
   with pytest.raises(ValueError, match="mask.dtype=float32 must be bool"):
     attention_xla(q, k, v, mask=extras["bias"])
   with pytest.raises(ValueError, match="bias.shape=.* must be 4-D and broadcastable"):
@@ -398,6 +405,22 @@ def test_layer_norm_large_mean_is_stable():
   expected = (centred - centred.mean(-1, keepdims=True)) / np.sqrt(
       centred.var(-1, keepdims=True) + 1e-6)
   np.testing.assert_allclose(jax.jit(layer_norm_xla)(x, None, None), expected, atol=2e-3)
+
+
+def test_layer_norm_of_constant_rows_is_the_offset():
+  # x - mean is exactly 0 there; the output was folded into x * m + (offset - mean * m),
+  # whose two products cancel where m = scale / sqrt(epsilon) is huge: 0.25 off of 0.25.
+  # (Values whose mean float32 sums exactly: of 3.7 it is 1e-6 off, which epsilon 1e-12
+  # rightly scales up in any implementation.)
+  scale, offset = jnp.full((64,), 1.5), jnp.full((64,), 0.25)
+  for value in (100.0, 1000.0):
+    for epsilon in (1e-6, 1e-12):
+      x = jnp.full((4, 64), value, jnp.float32)
+      out = jax.jit(layer_norm_xla, static_argnames="epsilon")(x, scale, offset,
+                                                               epsilon=epsilon)
+      np.testing.assert_array_equal(out, 0.25)
+  one = jax.random.normal(jax.random.key(0), (4, 6, 1)) * 3 + 1  # rows of one element
+  np.testing.assert_array_equal(layer_norm_xla(one, jnp.array([1.3]), jnp.array([0.25])), 0.25)
 
 
 def test_normalization_rejects_bad_arguments():

@@ -104,7 +104,8 @@ def call_family(family: str, preference: Sequence[str], implementation: Any, arg
       each one's reason (an implementation the installed JAX cannot run is one).
     ValueError: for an unknown implementation name, an Op of another family, a
       backward (VJP) op, or an empty sequence; a kernel named alone that JAX cannot
-      lower on the default device raises JAX's error with a note on how to run it.
+      lower on the default device raises JAX's error, called eagerly with a note on how
+      to run it (under `jit` the error comes when the caller's program is lowered).
     TypeError: for an op class instead of an instance, or an implementation of
       another type.
   """
@@ -185,7 +186,7 @@ def _call_family(family: str, preference: Sequence[str], implementation: Any, ar
     ops, explicit = [_as_op(family, implementation)], True
 
   reasons = []
-  if not explicit or len(ops) > 1:  # one named alone is always tried
+  if not explicit or isinstance(implementation, (list, tuple)):  # named alone: always tried
     device = jax.devices()[0]
     runs = [_runs_on(op, device) for op in ops]
     if explicit:

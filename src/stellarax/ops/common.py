@@ -49,6 +49,21 @@ def concrete_float(value: Any) -> float | None:
     return None
 
 
+def refuse_traced(name: str, value: Any) -> None:
+  """Raises ValueError when a static option (a window, an axis) holds a traced value: the
+  option shapes what is computed, so it must be known when the call is traced.
+
+  Args:
+    name: the option's name, for the message.
+    value: what was given (a value, or a tuple or list of them).
+  """
+  leaves = value if isinstance(value, (tuple, list)) else (value,)
+  if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+    raise ValueError(f"{name}={value!r:.80} is a static option of the call, and here it is "
+                     "traced: pass a Python int (a constant), or mark the argument static "
+                     "(jax.jit(f, static_argnames=...)).")
+
+
 def lax_precision(name: str | None) -> jax.lax.Precision | None:
   """Inverse of `canonical_precision`."""
   return None if name is None else jax.lax.Precision[name]

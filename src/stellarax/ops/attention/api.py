@@ -27,7 +27,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       (N, T, S)), added to the scaled logits. The Pallas kernels raise biased logits
       below about -9.1e4 to that floor, so a row a huge bias masks whole (-1e9,
       finfo.min, -inf) averages V, as jax's rounding makes -1e9 do (jax gives NaN for
-      -inf), and its gradients are jax's (flash_blocks.BIASED_LOGIT_FLOOR).
+      -inf), and its gradients are jax's (flash_blocks.BIASED_LOGIT_FLOOR). An integer
+      or bool bias is added as float32, as jax adds it (its gradient is float0).
     mask: optional bool, broadcastable to (B, N, T, S) as the bias; True keeps a position.
     scale: logit scale (default 1/sqrt(H)).
     is_causal: keep only keys s <= t.
@@ -48,6 +49,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   _check_batch_dims(query, key, value)
   query, key, value = (_batched(name, x) for name, x in
                        (("query", query), ("key", key), ("value", value)))
+  if bias is not None and hasattr(bias, "dtype") and not jnp.issubdtype(bias.dtype,
+                                                                         jnp.floating):
+    bias = jnp.asarray(bias, jnp.float32)  # the kernels add floats: jax promotes it so
   if _rank(query) == 4 and _rank(key) == 4:
     # What every implementation's kernels see: (B, N, T, S), as jax pads it.
     full = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])

@@ -974,7 +974,14 @@ class PallasTritonAttentionVjpConfig:
                        num_stages=self.num_stages)
 
 
-def _check_kernel_takes(arguments):
+def _check_kernel_takes(arguments, interpret: bool):
+  if interpret and jax.config.jax_enable_x64:
+    # jax's Triton-style interpreter mixes int32 and int64 starts in these kernels'
+    # stores and fails (jax 0.11.2); compiled for a GPU they run (tests/ops/test_x64.py).
+    raise NotImplementedError(
+        "interpret mode with jax_enable_x64 on: jax's interpreter cannot run this kernel's "
+        "stores with 64-bit types (on a GPU it runs); interpret it with x64 off, or use "
+        "implementation='xla' here.")
   flash_blocks.require_window_the_kernels_take(arguments.get("local_window_size"))
   flash_blocks.require_keys_the_kernels_take(arguments)
   q = arguments["query"]
@@ -997,7 +1004,7 @@ class PallasTritonAttentionVjp(pallas_common.PallasTritonOp, _base.AttentionVjp,
   config_cls = PallasTritonAttentionVjpConfig
 
   def _check_supported(self, arguments):
-    _check_kernel_takes(arguments)
+    _check_kernel_takes(arguments, self.interpret)
 
   def _fwd(self, residuals, out, dout, query, key, value, bias=None, mask=None, *, config, **static):
     (lse,) = residuals
@@ -1024,7 +1031,7 @@ class PallasTritonAttention(pallas_common.PallasTritonOp, _base.Attention, name=
   vjp_cls = PallasTritonAttentionVjp
 
   def _check_supported(self, arguments):
-    _check_kernel_takes(arguments)
+    _check_kernel_takes(arguments, self.interpret)
 
   def _fwd(self, query, key, value, bias=None, mask=None, *, config, **static):
     out, lse = attention_fwd_pallas_triton(query, key, value, bias, mask,

@@ -46,10 +46,11 @@ def normalize_local_window(local_window_size: LocalWindow) -> tuple[int, int] | 
     None or a (left, right) tuple of ints.
 
   Raises:
-    ValueError: for anything else.
+    ValueError: for anything else, a traced value too.
   """
   if local_window_size is None:
     return None
+  common.refuse_traced("local_window_size", local_window_size)
   if isinstance(local_window_size, (int, np.integer)) and not isinstance(local_window_size, bool):
     return int(local_window_size), int(local_window_size)
   if (isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2
@@ -83,10 +84,18 @@ def check_attention_inputs(query, key, value, bias=None, mask=None, query_seq_le
         f"attention needs query (B, T, N, H) and key, value (B, S, K, H) of one shape; got "
         f"query.shape={query.shape}, key.shape={key.shape}, value.shape={value.shape}.")
   (b, t, n, h), (bk, s, k, hk) = query.shape, key.shape
-  if (b, h) != (bk, hk) or n % k:
+  if b != bk:
+    raise ValueError(f"query.shape={query.shape} and key.shape={key.shape} must share the "
+                     f"batch B; got {b} and {bk}.")
+  if h != hk:
+    raise ValueError(f"query.shape={query.shape} and key.shape={key.shape} must share the "
+                     f"head dim H; got {h} and {hk}.")
+  if (k == 0 and n > 0) or (k > 0 and n % k):
     raise ValueError(
-        f"query.shape={query.shape} and key.shape={key.shape} must share B and H, and the "
-        f"query heads N={n} must be a multiple of the key/value heads K={k}.")
+        f"the query heads N={n} of query.shape={query.shape} must be a multiple of the "
+        f"key/value heads K={k} of key.shape={key.shape} (each key/value head serves N/K "
+        "query heads)" + ("; with no key/value head there is nothing to attend to." if k == 0
+                          else "."))
   if not query.dtype == key.dtype == value.dtype:
     raise ValueError(
         f"query, key and value must share a dtype; got {query.dtype}, {key.dtype}, "
@@ -182,7 +191,8 @@ def attention_reference_with_lse(
   check_attention_inputs(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths)
   b, t, n, h = query.shape
   s, k = key.shape[1], key.shape[2]
-  if s == 0:  # no key: zeros, as jax.nn.dot_product_attention gives, and an empty sum
+  if s == 0 or n == 0:  # no key: zeros, as jax.nn.dot_product_attention gives, and an
+    # empty sum; no query head: an empty output
     return jnp.zeros(query.shape, query.dtype), jnp.full((b, n, t), -jnp.inf, jnp.float32)
   # Query head n reads key/value head n // (N // K).
   key32 = jnp.repeat(key.astype(jnp.float32), n // k, axis=2)

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from stellarax.ops import common
+
 Axis = int | Sequence[int]
 
 
@@ -31,6 +33,7 @@ def normalize_axes(axis: Axis, ndim: int) -> tuple[int, ...]:
     ValueError: for an axis out of range or not an integer (bools are not), a repeated
       axis or no axis at all.
   """
+  common.refuse_traced("axis", axis)
   single = _integer(axis)
   try:
     axes = (single,) if single is not None else tuple(_integer(a) for a in axis)

@@ -26,8 +26,9 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
       results.
     precision: None, a `jax.lax.Precision` or its name, or a pair of one precision
       for both operands (the kernels take one precision for both).
-    preferred_element_type: output dtype (default: the operands' dtype, or their
-      promoted type when they differ, as in jax.lax.ragged_dot).
+    preferred_element_type: output dtype (default: the operands' dtype, or when they
+      differ `jnp.result_type` of the two, as jax.lax.ragged_dot does, but for float16
+      with bfloat16: float32 here, bfloat16 there).
     implementation: None (best available), a name ("xla", "pallas_triton",
       ...), an Op instance, or a sequence of these tried in order.
 

@@ -53,7 +53,8 @@ class RaggedDot(Op):
     arguments["precision"] = common.canonical_precision(arguments["precision"])
     out = common.canonical_dtype(arguments["preferred_element_type"], what="preferred_element_type")
     if out is None and common.dtype_of(lhs) != common.dtype_of(rhs):
-      # As jax.lax.ragged_dot: operands of two dtypes give their promoted type.
+      # Operands of two dtypes give their promoted type (jax.lax.ragged_dot too, but
+      # for float16 with bfloat16: float32 here, bfloat16 there).
       out = jnp.result_type(common.dtype_of(lhs), common.dtype_of(rhs)).name
     arguments["preferred_element_type"] = out
     return arguments
