@@ -208,12 +208,15 @@ class ProgramCheck:
     else:
       speedup = ""
     out = [f"program: {ms(self.heuristics)} with heuristics -> {ms(self.tuned)} tuned{speedup};"
-           f" {len(self.calls)} of {self.num_calls} op calls have a tuned config"]
+           f" {len(self.calls)} of {self.num_calls} op calls run a tuned config other than"
+           " their heuristic's"]
     for call in self.calls:
       gain = ""
       if call.without.ok and self.tuned.ok:
         gain = call.without.median_s - self.tuned.median_s
-        gain = f", its gain {'-' if gain < 0 else '+'}{format_time(abs(gain))}"
+        # Called a gain only where it helps: a difference within noise is not one.
+        gain = (f", {'its gain' if call.helps else 'a difference of'} "
+                f"{'-' if gain < 0 else '+'}{format_time(abs(gain))}")
       if call.culprits_out:
         verdict = ("helps" if call.helps else "not faster beyond noise: kept() keeps the "
                    "heuristic") + " (judged with the culprits at their heuristic configs)"

@@ -137,6 +137,13 @@ def run(args: argparse.Namespace) -> int:
   check = stellarax.autotuning.check_in_program(result, step, params, x,
                                                 options=measure.MeasureOptions(rounds=15))
   print("training step, " + "\n".join(check.lines()))
+  kept = check.kept()
+  kept.dump(out_dir / "kept.json")
+  helped = sum(call.helps for call in check.calls)
+  print(f"{out_dir / 'result.json'} holds every tuned config; {out_dir / 'kept.json'} only "
+        f"those that made this step faster beyond noise ({helped} of {len(check.calls)}; the "
+        "others at their heuristic configs): use it in this program, "
+        "`with stellarax.AutotuningResult.load(path):`.")
   return 0
 
 
