@@ -96,8 +96,20 @@ def test_bound_args_from_json_reads_a_path(tmp_path):
   result = autotuning.AutotuningResult(jax.devices()[0].device_kind)
   with pytest.raises(ValueError, match=r"got an autotuning result .*AutotuningResult.load"):
     autotuning.bound_args_from_json(result.dumps())
-  with pytest.raises(ValueError, match="got a JSON dict"):
+  with pytest.raises(ValueError, match="got a JSON object"):
     autotuning.bound_args_from_json('{"call": 1}')
+  # It said "a JSON int" of the file, an object, and "a JSON NoneType" of null.
+  with pytest.raises(ValueError, match="its 'calls' must be a JSON list .*got a JSON number"):
+    autotuning.bound_args_from_json('{"calls": 5}')
+  (tmp_path / "null.json").write_text("null")
+  with pytest.raises(ValueError, match="got null"):
+    autotuning.bound_args_from_json(str(tmp_path / "null.json"))
+  # An unknown op's name came quoted twice (a KeyError's str).
+  data = ba.to_json()
+  data["op"]["name"] = "ragged_dot.nonesuch"
+  with pytest.raises(ValueError) as raised:
+    autotuning.bound_args_from_json(json.dumps([data]))
+  assert "item 0: \"" not in str(raised.value) and "ragged_dot.nonesuch" in str(raised.value)
 
 
 @pytest.mark.parametrize("change, complaint", [

@@ -2,8 +2,9 @@
 
 import dataclasses
 import os
-import tempfile
 import re
+import sys
+import tempfile
 import time
 import warnings
 
@@ -232,7 +233,7 @@ def test_bad_input_files_are_error_messages_not_tracebacks(tmp_path, capsys):
   assert "stellarax report: error:" in capsys.readouterr().err
   assert cli.main(["report", str(missing)]) == 2
   assert cli.main(["cache", "ship", str(missing), "--root", str(tmp_path / "library")]) == 2
-  assert "stellarax cache: error:" in capsys.readouterr().err
+  assert "stellarax cache ship: error:" in capsys.readouterr().err
 
 
 def test_demo_command_takes_the_demos_options(capsys):
@@ -502,6 +503,36 @@ def test_a_result_that_cannot_be_saved_after_tuning_goes_to_a_file_of_its_own(
   assert f"result saved to {output} (it replaced the file there)" in capsys.readouterr().out
 
 
+def test_messages_speak_of_options_warnings_are_the_command_s_and_report_flags_stale(
+    tmp_path, user_cache_dir, capsys):
+  ba = stellarax.XlaRaggedDot.bind(jnp.ones((32, 16)), jnp.ones((2, 16, 8)),
+                                   jnp.array([10, 22], jnp.int32))
+  calls = tmp_path / "calls.json"
+  autotuning.bound_args_to_json([ba], calls)
+  out = tmp_path / "r.json"
+  # They spoke of Python: budget_s=..., strategy=functools.partial(...).
+  for extra, says in [(["--budget-s", "1", "--total-budget-s", "2"],
+                       "--budget-s 1.0 (per call) and --total-budget-s 2.0"),
+                      (["--strategy", "random"], "pass --budget-s (per call) or --total-budget")]:
+    assert cli.main(["autotune", str(calls), "--output", str(out), *extra]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "budget_s=" not in err and "functools" not in err, err
+  # A warning read "<frozen runpy>:88: SmallBudgetWarning: ..." (from python -m).
+  with warnings.catch_warnings():  # shown as Python shows them outside pytest's record
+    warnings.simplefilter("always")
+    warnings.showwarning = lambda message, category, filename, lineno, *_: sys.stderr.write(
+        warnings.formatwarning(message, category, filename, lineno))
+    assert cli.main(["autotune", str(calls), "--output", str(out), "--budget-s", "0.001",
+                     "--no-progress"]) == 0
+  assert "stellarax autotune: warning (SmallBudgetWarning): " in capsys.readouterr().err
+  # A stale entry's table read as any other.
+  tuned = stellarax.AutotuningResult.load(out)
+  out.write_text(re.sub(r'"code": "\w+"', '"code": "0000000000000000"', tuned.dumps()))
+  assert cli.main(["report", str(out)]) == 0
+  assert ("1 of 1 entries are stale (e.g. ragged_dot.xla: measured on other code of "
+          "ragged_dot.xla") in capsys.readouterr().out
+
+
 def test_cache_add_merges_a_result_file_into_the_user_cache(tmp_path, user_cache_dir, capsys):
   lhs, rhs = jnp.ones((32, 16)), jax.random.normal(jax.random.key(0), (2, 16, 8))
   ba = stellarax.XlaRaggedDot.bind(lhs, rhs, jnp.array([10, 22], jnp.int32))
@@ -532,7 +563,7 @@ def test_cache_add_merges_a_result_file_into_the_user_cache(tmp_path, user_cache
   assert cli.main(["cache", "add", str(out), "--root", str(tmp_path)]) == 2
   assert "only `cache ship` takes --root" in capsys.readouterr().err
   assert cli.main(["cache", "add", str(tmp_path / "missing.json")]) == 2
-  assert "stellarax cache: error:" in capsys.readouterr().err
+  assert "stellarax cache add: error:" in capsys.readouterr().err
 
 
 def test_cache_commands_say_what_they_could_not_do_and_advise_no_clear(tmp_path, user_cache_dir,

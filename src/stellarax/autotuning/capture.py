@@ -209,11 +209,15 @@ def _records(path_or_json: str | os.PathLike) -> list[tuple[BoundArguments, floa
   except (json.JSONDecodeError, RecursionError) as e:
     raise ValueError(f"{source}: not valid JSON ({type(e).__name__}: {e}).") from None
   if isinstance(data, dict) and "calls" in data:  # xplane_to_bound_args output
+    if not isinstance(data["calls"], list):
+      raise ValueError(f"{source}: its 'calls' must be a JSON list of op calls (as "
+                       f"xplane_to_bound_args writes), got {_json_type(data['calls'])}.")
     data = data["calls"]
   if not isinstance(data, list):
     what = ("an autotuning result (it has 'entries'), which is applied, not tuned: "
-            "`with stellarax.AutotuningResult.load(path):`"
-            if isinstance(data, dict) and "entries" in data else f"a JSON {type(data).__name__}")
+            "`with stellarax.AutotuningResult.load(path):` in Python, `stellarax report` "
+            "or `stellarax cache add` on the command line"
+            if isinstance(data, dict) and "entries" in data else _json_type(data))
     raise ValueError(f"{source}: expected a JSON list of bound arguments (from "
                      f"bound_args_to_json or xplane_to_bound_args), got {what}.")
   out = []
@@ -230,9 +234,17 @@ def _records(path_or_json: str | os.PathLike) -> list[tuple[BoundArguments, floa
     try:
       out.append((BoundArguments.from_json(item), None if seconds is None else float(seconds)))
     except Exception as e:  # noqa: BLE001 (whatever the op's checks raise, the item is bad)
-      why = str(e) if isinstance(e, (KeyError, ValueError)) else f"{type(e).__name__}: {e}"
+      why = (e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+             if isinstance(e, (KeyError, ValueError)) else f"{type(e).__name__}: {e}")
       raise ValueError(f"{source}: item {i}: {why}") from None
   return out
+
+
+def _json_type(value: Any) -> str:
+  """What a parsed JSON value is, in JSON's words: "a JSON object", "null", ..."""
+  names = {dict: "a JSON object", list: "a JSON list", str: "a JSON string",
+           bool: "a JSON boolean", int: "a JSON number", float: "a JSON number"}
+  return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 def _read_text(path_or_json: str | os.PathLike) -> tuple[str, str]:

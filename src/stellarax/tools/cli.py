@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
+import re
 import sys
 import tempfile
 import warnings
@@ -36,12 +38,17 @@ def _autotune(args) -> int:
   when the file cannot be read or the result would have nowhere to go; 130 on Ctrl-C,
   after saving and caching the calls tuned so far."""
   import stellarax
+  if args.strategy == "random" and args.budget_s is None and args.total_budget_s is None:
+    print("stellarax autotune: error: --strategy random draws configs until its budget is "
+          "spent, and no budget was given: pass --budget-s (per call) or --total-budget-s.",
+          file=sys.stderr)
+    return 2
   try:
     tuner = stellarax.Autotuner(budget_s=args.budget_s, total_budget_s=args.total_budget_s,
                                 cache=args.cache, progress=not args.no_progress,
                                 strategy=args.strategy, isolate=args.isolate)
   except ValueError as exc:  # e.g. both budgets: the message says which to drop
-    print(f"stellarax autotune: {exc}", file=sys.stderr)
+    print(f"stellarax autotune: error: {_as_options(str(exc))}", file=sys.stderr)
     return 2
   try:  # Read first, so that a bad file is an error message, not a traceback.
     calls = stellarax.autotuning.bound_args_from_json(args.bound_args)
@@ -112,6 +119,12 @@ def _save(result, output: str) -> bool:
     return False
   print(f"result saved to {output}" + (" (it replaced the file there)" if replaced else ""))
   return True
+
+
+def _as_options(text: str) -> str:
+  """A message about the Autotuner's arguments, in the command line's option names."""
+  text = re.sub(r"\btotal_budget_s=", "--total-budget-s ", text)
+  return re.sub(r"\bbudget_s=", "--budget-s ", text)
 
 
 def _cached(cache, device_kind: str, entry):
@@ -380,6 +393,11 @@ def _report(args) -> int:
   result = AutotuningResult.load(args.result)
   print(f"{args.result}: device {result.device_kind}, versions {result.versions}")
   print(result.summary())
+  stale = [e for e in result if not e.is_current]
+  if stale:
+    print(f"{len(stale)} of {len(result)} entries are stale (e.g. {stale[0].bound_args.op.name}"
+          f": {stale[0].stale_reason}): their configs still apply where the op offers them, "
+          "and `stellarax autotune` of their calls measures them again.")
   return 0
 
 
@@ -468,13 +486,26 @@ def main(argv=None) -> int:
   except ImportError as exc:
     print(f"stellarax {args.command}: error: {exc}", file=sys.stderr)
     return 2
+  name = f"stellarax {args.command}" + (f" {args.action}" if args.command == "cache" else "")
+  # A warning printed as the command's own (the format only: filters and whatever
+  # records warnings, such as pytest's, see them as before).
+  formatwarning, warnings.formatwarning = warnings.formatwarning, functools.partial(
+      _format_warning, name)
   try:
     return args.run(args)
   except (OSError, FormatError) as exc:  # a file to read or write: say which, no traceback
     what = (f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) and exc.filename
             else str(exc))
-    print(f"stellarax {args.command}: error: {what}", file=sys.stderr)
+    print(f"{name}: error: {what}", file=sys.stderr)
     return 2
+  finally:
+    warnings.formatwarning = formatwarning
+
+
+def _format_warning(name: str, message, category, filename, lineno, line=None) -> str:
+  """`stellarax autotune: warning (Category): ...`, not Python's `<frozen runpy>:88:
+  Category: ...` and the source line."""
+  return f"{name}: warning ({category.__name__}): {message}\n"
 
 
 def _xplane(args) -> int:
