@@ -1,6 +1,7 @@
 """The `stellarax` command line."""
 
 import dataclasses
+import json
 import os
 import re
 import sys
@@ -446,7 +447,15 @@ def test_mistakes_are_found_before_any_work_and_nothing_else_is_touched(tmp_path
   binary.write_bytes(b"\xff\x00")
   for command in (["autotune", str(binary)], ["report", str(binary)]):
     assert cli.main(command) == 2
-    assert f"{binary}: not a text file" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{binary}: not a text file" in err and "Delete" not in err  # the user's input
+  # Op calls given where a result belongs: what they are, and what to do with them.
+  calls_json = tmp_path / "profiled_calls.json"
+  calls_json.write_text(json.dumps({"stellarax": "0.1.0", "calls": [
+      {"bound_args": ba.to_json(), "count": 3, "device_time_s": 1e-3}]}))
+  for command in (["report", str(calls_json)], ["cache", "add", str(calls_json)]):
+    assert cli.main(command) == 2
+    assert "It holds op calls (bound arguments" in capsys.readouterr().err
   # `cache clear` and `list` work on the user cache only; --root is `ship`'s.
   (user_cache_dir / "cpu").mkdir(parents=True)
   (user_cache_dir / "cpu" / "ragged_dot.xla.json").write_text("{}")

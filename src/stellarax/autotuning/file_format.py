@@ -139,19 +139,22 @@ def parse(text: str, *, source: str) -> dict[str, Any]:
   try:
     data = json.loads(text)
   except (json.JSONDecodeError, RecursionError) as e:  # (nested too deep to read)
-    raise FormatError(f"{source}: not valid JSON ({type(e).__name__}: {e}). Delete or fix "
-                      "the file.") from None
+    raise FormatError(f"{source}: not valid JSON ({type(e).__name__}: {e}): not a "
+                      "stellarax results file, or one cut short.") from None
+  calls = data.get("calls") if isinstance(data, dict) else data
+  hint = ""
+  if isinstance(calls, list) and calls and all(
+      isinstance(d, dict) and ("op" in d or "bound_args" in d) for d in calls):
+    hint = (" It holds op calls (bound arguments, as bound_args_to_json and "
+            "xplane_to_bound_args write them): tune them with `stellarax autotune FILE "
+            "--output RESULT.json` or stellarax.autotune(FILE), which gives a results file.")
   if not isinstance(data, dict):
-    hint = ""
-    if isinstance(data, list) and all(isinstance(d, dict) and "op" in d for d in data):
-      hint = (" It is a list of op calls (bound arguments): tune them with"
-              " `stellarax autotune FILE --output RESULT.json` or"
-              " stellarax.autotune(FILE), which gives a results file.")
     raise FormatError(f"{source}: expected a JSON object with 'schema', 'device_kind' and"
                       f" 'entries'.{hint}")
   for field in ("schema", "device_kind", "entries"):
     if field not in data:
-      raise FormatError(f"{source}: missing field {field!r}; this is not a stellarax results file.")
+      raise FormatError(f"{source}: missing field {field!r}; this is not a stellarax results "
+                        f"file.{hint}")
   schema = data["schema"]
   if not isinstance(schema, int) or isinstance(schema, bool) or schema < 1:
     raise FormatError(f"{source}: schema {schema!r} is not a schema version (a positive "

@@ -488,7 +488,7 @@ def _read_text(read: Any, source: str) -> str:
   except UnicodeDecodeError as exc:
     raise file_format.FormatError(
         f"{source}: not a text file (byte {exc.start} is not UTF-8); this is not a "
-        "stellarax results file. Delete it or pass the right file.") from None
+        "stellarax results file.") from None
 
 
 def merge_entries(a: Entry, b: Entry) -> Entry:
