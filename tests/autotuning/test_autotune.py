@@ -1276,9 +1276,14 @@ def test_progress_counts_configs_once_and_ends_full():
   ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
   stream = io.StringIO()
   progress = Progress(len(ba.autotuning_configs), stream=stream)
-  tuner(strategy="racing", budget_s=2).tune_one(ba, progress=progress)
+  entry = tuner(strategy="racing", budget_s=2).tune_one(ba, progress=progress)
   assert progress.done == progress.total == len(ba.autotuning_configs)
-  assert f"{progress.total}/{progress.total} configs" in stream.getvalue()
+  # It ended at "5/5 configs" where one was measured: those passed over are said.
+  passed_over = progress.total - len(entry.measurements)
+  assert progress.skipped == passed_over
+  assert stream.getvalue().rstrip().split("\r")[-1].startswith(
+      f"autotune [{'#' * 24}] {progress.total}/{progress.total} configs"
+      + (f" ({passed_over} passed over)" if passed_over else "") + ",")
 
 
 @pytest.mark.parametrize("option, value, says", [

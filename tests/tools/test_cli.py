@@ -32,14 +32,16 @@ def test_autotune_report_and_cache_commands(tmp_path, user_cache_dir, capsys):
   assert cli.main(["report", str(out)]) == 0
   assert "ragged_dot.xla" in capsys.readouterr().out
   assert cli.main(["report", str(calls)]) == 2  # the file tuned, not its result
-  assert ("It is a list of op calls (bound arguments): tune them with `stellarax autotune FILE"
-          in capsys.readouterr().err)
+  assert ("It holds op calls (bound arguments, as bound_args_to_json and xplane_to_bound_args "
+          "write them): tune them with `stellarax autotune FILE" in capsys.readouterr().err)
   assert cli.main(["cache", "list"]) == 0
   assert "ragged_dot.xla.json: 1 entries" in capsys.readouterr().out
   assert cli.main(["cache", "path"]) == 0
   assert str(user_cache_dir) in capsys.readouterr().out
   assert cli.main(["autotune", str(calls), "--total-budget-s", "3", "--no-progress",
                    "--cache"]) == 0
+  # With --cache alone, nothing said where the result went.
+  assert f"1 calls' entries are in the user cache at {user_cache_dir}" in capsys.readouterr().out
   assert cli.main(["autotune", str(calls), "--budget-s", "1", "--total-budget-s", "3"]) == 2
   assert "exclude each other" in capsys.readouterr().err
   library = tmp_path / "library"

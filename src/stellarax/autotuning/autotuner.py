@@ -559,7 +559,7 @@ class Autotuner:
     outcome = strategy(space, measure, heuristic=heuristic, budget_s=self.budget_s)
     outcome = _confirm_recalled(outcome, measure_here, journal, heuristic)
     if progress is not None:  # configs a budgeted strategy skipped or left out count as done
-      progress.advance(len(counted - seen), label)
+      progress.advance(len(counted - seen), label, skipped=True)
     measurements = tuple(outcome.measurements.items())
     return Entry(
         bound_args=ba, best_config=outcome.best, heuristic_config=heuristic,

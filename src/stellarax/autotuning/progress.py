@@ -19,13 +19,22 @@ class Progress:
   def __init__(self, total: int, *, enabled: bool = True, stream: TextIO | None = None):
     self.total = max(total, 1)
     self.done = 0
+    self.skipped = 0
     self.enabled = enabled
     self.stream = stream or sys.stderr
     self._start = time.monotonic()
 
-  def advance(self, n: int, label: str = "") -> None:
-    """Records `n` more configs measured; `label` names the current op."""
+  def advance(self, n: int, label: str = "", *, skipped: bool = False) -> None:
+    """Records `n` more configs done; `label` names the current op.
+
+    Args:
+      n: how many.
+      label: the op being tuned.
+      skipped: the search passed them over (a budget or a strategy left them out): done,
+        but not measured, which the line says.
+    """
     self.done = min(self.total, self.done + n)
+    self.skipped += n if skipped else 0
     if not self.enabled:
       return
     elapsed = time.monotonic() - self._start
@@ -34,7 +43,9 @@ class Progress:
     filled = int(width * self.done / self.total)
     bar = "#" * filled + "." * (width - filled)
     eta = f"{left:5.0f}s left" if left == left else "     ?s left"
-    self.stream.write(f"\rautotune [{bar}] {self.done}/{self.total} configs, {eta}  {label[:40]:<40}")
+    passed = f" ({self.skipped} passed over)" if self.skipped else ""
+    self.stream.write(f"\rautotune [{bar}] {self.done}/{self.total} configs{passed}, {eta}  "
+                      f"{label[:40]:<40}")
     self.stream.flush()
 
   def close(self) -> None:

@@ -97,6 +97,10 @@ def _autotune(args) -> int:
   if not_cached:
     print(f"stellarax autotune: error: {_not_cached(not_cached[0], args.output)}",
           file=sys.stderr)
+  elif args.cache and len(result):
+    from stellarax.autotuning.cache import user_cache_root
+    print(f"{len(result)} calls' entries are in the user cache at {user_cache_root()} "
+          "(`stellarax cache list` shows them)")
   if interrupted:
     return 130  # what a shell reports for a program stopped by SIGINT
   return 1 if failure is not None or not_cached or not saved else 0
@@ -260,7 +264,7 @@ def _cache(args) -> int:
           f"{problem}.", file=sys.stderr)
     return 2
   if args.action == "path":
-    print(root)
+    print(root.absolute())  # a relative STELLARAX_CACHE_DIR is relative to where one runs
   elif args.action == "list":
     _list(cache.USER_CACHE)
   elif args.action == "prune":
@@ -437,7 +441,10 @@ def main(argv=None) -> int:
                                   "command refuses to tune with neither)")
   p.add_argument("--cache", action="store_true",
                  help="write the result into the user cache (STELLARAX_CACHE_DIR moves it)")
-  p.add_argument("--budget-s", type=positive_seconds, default=None, help="tuning budget per op call")
+  p.add_argument("--budget-s", type=positive_seconds, default=None,
+                 help="tuning budget per op call, in seconds (default: none: every config "
+                      "of a call's space is measured, all alike for small spaces, by "
+                      "successive halving for large ones)")
   p.add_argument("--total-budget-s", type=positive_seconds, default=None,
                  help="one budget for the whole run, shared by the calls by their device time"
                       " in the profile (xplane_to_bound_args output), else equally")

@@ -74,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   budgets.add_argument("--total-budget-s", type=positive_seconds, default=None,
                        help="one budget for all calls instead, shared by their device time in"
                             " a profile of the step (Autotuner.total_budget_s)")
-  parser.add_argument("--no-progress", action="store_true")
+  parser.add_argument("--no-progress", action="store_true",
+                      help="no progress bar while tuning; print the table when done")
 
 
 def _output_problem(folder: str) -> str | None:
