@@ -120,6 +120,15 @@ def test_a_stale_entry_whose_config_the_op_no_longer_offers_is_passed_over(user_
           explained = autotuning.explain(ba)
       assert explained.source == ("heuristics" if passed_over else source), (config, stale)
       assert explained.config == (ba.heuristics_config if passed_over else config)
+      # explain says why (it showed the entry as a "nearest call" differing in nothing),
+      # and a config that will not run gives no time to choose its implementation by.
+      assert (explained.passed_over is not None) == passed_over
+      if passed_over:
+        assert "stale (measured on other code" in str(explained)
+        assert "which the op no longer offers for it: passed over" in str(explained)
+        assert "differs in: \n" not in str(explained) + "\n"
+      lookup = result if source == "result" else cache.USER_CACHE
+      assert (lookup.lookup_time(ba) is None) == passed_over
 
 
 @contextlib.contextmanager

@@ -2,8 +2,11 @@
 `jax.export` and deviceless compiles do) takes that machine's configs: its tuned entries
 and heuristics, not those of the host it is lowered on."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
+import pytest
 
 import stellarax
 from stellarax import autotuning
@@ -58,3 +61,35 @@ def test_tiny_calls_get_a_heuristic_tile_their_space_offers():
     tile = ba.heuristics_config.tile_m
     assert tile <= max(16, 2 * m) and ba.op._get_autotuning_configs(ba) >= {
         ba.heuristics_config}, m
+
+
+def test_under_another_device_s_mesh_nothing_is_tuned_and_its_results_apply_quietly(
+    user_cache_dir):
+  ba = lambda: stellarax.XlaRaggedDot.bind(*_SPECS)
+  with jax.sharding.use_abstract_mesh(H200_MESH):
+    # The "autotune" policy measured on the CPU host and put its config into the H200's
+    # program.
+    with autotuning.miss_policy_scope("autotune"):
+      with pytest.warns(autotuning.OtherDeviceWarning, match="cannot measure .* 'NVIDIA H200'"):
+        text = lower_for_h200(
+            lambda l, r, g: stellarax.ragged_dot(l, r, g, implementation="xla"), *_SPECS)
+    assert "gather" not in text  # the GPU's heuristic (lax), not a CPU-tuned tile
+    # An H200 result entered there is not "applied on 'cpu'".
+    ok = Measurement(status="ok", median_s=1e-3, ci_low_s=1e-3, ci_high_s=1e-3, num_samples=3)
+    masked = XlaRaggedDotConfig(strategy="masked")
+    entry = autotuning.Entry(ba(), masked, ba().heuristics_config, ((masked, ok),))
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", autotuning.OtherDeviceWarning)
+      with autotuning.AutotuningResult("NVIDIA H200", {entry.key: entry}):
+        assert autotuning.explain(ba()).config == masked
+
+
+def test_xla_s_own_grouped_matmul_lowers_for_an_h200_with_its_gradients():
+  # Under the H200's mesh (an Explicit axis) with arrays of no sharding, lax.ragged_dot
+  # and ragged_dot_general raised: JAX infers no output sharding for them there.
+  def loss(lhs, rhs, sizes):
+    out = stellarax.ragged_dot(lhs, rhs, sizes, implementation=stellarax.XlaRaggedDot(
+        config=XlaRaggedDotConfig(strategy="lax")))
+    return (out.astype(jnp.float32) ** 2).sum()
+  text = lower_for_h200(jax.grad(loss, argnums=(0, 1)), *_SPECS)
+  assert text.count("chlo.ragged_dot") >= 3  # the forward and both products of the backward

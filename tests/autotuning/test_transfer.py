@@ -273,6 +273,11 @@ def test_nothing_transfers_from_beyond_the_limit_and_explain_says_why():
   assert beyond.too_far == 5.0
   assert "nearest comparable tuned call is at key distance 5.00, beyond 4" in str(beyond)
   assert at_limit.too_far is None
+  # A call with one config has nothing to transfer or tune: no advice to tune it.
+  norm = lambda rows: stellarax.XlaLayerNorm.bind(_spec(rows, 64), None, None)
+  with _result(_entry(norm(8), norm(8).heuristics_config)):
+    one = autotuning.explain(norm(8 * 1024))
+  assert one.too_far is None and "beyond" not in str(one)
 
 
 def test_explain_names_a_difference_of_type_alone():

@@ -507,6 +507,16 @@ def test_a_result_that_cannot_be_saved_after_tuning_goes_to_a_file_of_its_own(
   (fallback,) = tmp_path.glob("stellarax-result-*.json")
   assert f"--output={output} could not be written" in err and str(fallback) in err
   assert len(stellarax.AutotuningResult.load(fallback)) == 1
+  # The other messages name where it went (they named the --output that failed).
+  fallback.unlink()
+  user_cache_dir.mkdir()
+  (user_cache_dir / cache.device_kind_slug(cache.current_device_kind())).write_text("")
+  with pytest.warns(autotuning.CacheWarning):
+    assert cli.main(["autotune", str(calls), "--output", str(output), "--cache",
+                     "--budget-s", "0.3", "--no-progress"]) == 1
+  (fallback,) = tmp_path.glob("stellarax-result-*.json")
+  err = capsys.readouterr().err
+  assert f"It is saved in {fallback}" in err and f"saved in {output}" not in err, err
   # An existing file is replaced, and the command says so.
   output = tmp_path / "r.json"
   output.write_text("{}")

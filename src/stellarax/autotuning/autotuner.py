@@ -47,10 +47,11 @@ from stellarax.autotuning import journal as journal_lib
 from stellarax.autotuning import measure as measure_lib
 from stellarax.autotuning import profile
 from stellarax.autotuning import search
-from stellarax.autotuning.cache import (USER_CACHE, CacheWriteWarning, cached_results, current_device_kind,
-                                       device_kind_slug)
+from stellarax.autotuning.cache import (USER_CACHE, CacheWriteWarning, cached_results,
+                                       current_device_kind, device_kind_slug,
+                                       target_device_kind)
 from stellarax.autotuning.progress import Progress
-from stellarax.autotuning.result import AutotuningResult, Entry, merge_entries
+from stellarax.autotuning.result import AutotuningResult, Entry, OtherDeviceWarning, merge_entries
 from stellarax.core import registry
 from stellarax.core import resolution
 from stellarax.core.bound_args import BoundArguments
@@ -913,7 +914,9 @@ def _alternatives(ba: BoundArguments) -> list[BoundArguments]:
   return out
 
 
-_TUNED_ON_MISS: dict[tuple[str, str], Any] = {}
+_TUNED_ON_MISS: dict[tuple[str, str, bool, str], Any] = {}
+# The misses of calls traced for another device kind than this host's, warned about.
+_UNMEASURABLE_MISSES: set[tuple[str, str, bool, str]] = set()
 
 
 def _autotune_on_miss(ba: BoundArguments) -> Any:
@@ -923,6 +926,16 @@ def _autotune_on_miss(ba: BoundArguments) -> Any:
   programs of its own, which inside that trace would be staged into it. JAX's trace
   state is per thread, so the tuning runs in a thread of its own.
   """
+  target = target_device_kind()
+  if target != current_device_kind():  # lowering for another machine: nothing to measure on
+    heuristic = resolution.reproducible_heuristic(ba, resolution.reproducible_filter(ba.op))
+    if _miss_key(ba) not in _UNMEASURABLE_MISSES:
+      _UNMEASURABLE_MISSES.add(_miss_key(ba))  # warned once
+      warn(f"The 'autotune' miss policy cannot measure {ba} for {target!r} on this "
+           f"{current_device_kind()!r} host (the program is lowered for another device): it "
+           f"takes its heuristic config. Tune the call on a {target!r} device "
+           "(stellarax.autotune) and cache or ship the result.", OtherDeviceWarning)
+    return heuristic
   key = _miss_key(ba)
   with _IN_FLIGHT_LOCK:  # a retry after a Ctrl-C waits on the tuning it left running
     if key in _TUNED_ON_MISS:
@@ -943,7 +956,7 @@ def _autotune_on_miss(ba: BoundArguments) -> Any:
   return config
 
 
-def _settle(key: tuple[str, str, bool], pending: _OwnThread, config: Any | None) -> None:
+def _settle(key: tuple[str, str, bool, str], pending: _OwnThread, config: Any | None) -> None:
   """Ends `pending`'s time in flight (not a newer tuning's of the key) and keeps its
   config, if it found one."""
   with _IN_FLIGHT_LOCK:
@@ -953,7 +966,7 @@ def _settle(key: tuple[str, str, bool], pending: _OwnThread, config: Any | None)
       _TUNED_ON_MISS.setdefault(key, config)
 
 
-_IN_FLIGHT: dict[tuple[str, str, bool], _OwnThread] = {}
+_IN_FLIGHT: dict[tuple[str, str, bool, str], _OwnThread] = {}
 _IN_FLIGHT_LOCK = threading.Lock()
 
 
@@ -1013,10 +1026,10 @@ def config_tuned_on_miss(ba: BoundArguments) -> Any | None:
   return _TUNED_ON_MISS.get(key)
 
 
-def _miss_key(ba: BoundArguments) -> tuple[str, str, bool]:
-  """A call's key in _TUNED_ON_MISS: its op (with fields), its arguments and whether
-  only reproducible configs were tuned."""
-  return ba.op_json(), ba.key_json(), resolution.reproducible()
+def _miss_key(ba: BoundArguments) -> tuple[str, str, bool, str]:
+  """A call's key in _TUNED_ON_MISS: its op (with fields), its arguments, whether only
+  reproducible configs were tuned, and the device kind it is traced for."""
+  return ba.op_json(), ba.key_json(), resolution.reproducible(), target_device_kind()
 
 
 class _TuningBackend:

@@ -294,14 +294,15 @@ class FileCache:
     where the cache has no entry for it (a stale entry applies until `prune` removes it,
     unless its config is no longer in the call's space)."""
     entry = self._entry(bound_args)
-    return None if entry is None else entry.config_to_run(accept)
+    return None if entry is None else entry.config_to_run(accept,
+                                                          warn_passed_over=self.writable)
 
   def lookup_time(self, bound_args) -> float | None:
     """The cached median time in seconds of a call's best config on the device kind it is
     traced for, or None where the cache has no entry for it or that config was not timed
     ok."""
     entry = self._entry(bound_args)
-    return None if entry is None else entry.best_time
+    return None if entry is None else entry.time_to_run(warn_passed_over=self.writable)
 
   def results(self, device_kind: str | None = None) -> list[AutotuningResult]:
     """Every result file of a device kind (default: the current one)."""

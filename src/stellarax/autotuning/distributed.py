@@ -367,9 +367,10 @@ class _LockedProgress:
     self._progress = Progress(total, enabled=enabled)
     self._lock = threading.Lock()
 
-  def advance(self, n: int, label: str = "") -> None:
+  def advance(self, n: int, label: str = "", *, skipped: bool = False) -> None:
+    """`Progress.advance`, under the lock."""
     with self._lock:
-      self._progress.advance(n, label)
+      self._progress.advance(n, label, skipped=skipped)
 
   def close(self) -> None:
     self._progress.close()

@@ -38,6 +38,8 @@ class Explanation:
     stale: for a config from a stale result or cache entry, why it is stale
       (`Entry.stale_reason`; `autotune` measures the call again); for a transferred
       config, why the entry it came from is; else None.
+    passed_over: where the call's own entry was passed over (stale, its config no
+      longer offered: `Entry.config_to_run`), which entry and why, in words; else None.
     too_far: on a miss where transfer is on, the distance to the nearest comparable
       tuned call when it lies beyond `transfer.MAX_DISTANCE`; else None.
     other_device_kinds: on a miss with nothing of this op tuned for this device kind,
@@ -53,6 +55,7 @@ class Explanation:
   stale: str | None = None
   other_device_kinds: tuple[str, ...] = ()
   too_far: float | None = None
+  passed_over: str | None = None
 
   def __str__(self) -> str:
     if self.source == "trivial":
@@ -62,6 +65,8 @@ class Explanation:
     if source.startswith("transfer:"):  # "transfer:<distance>" reads as a score otherwise
       source = f"transfer (key distance {source.partition(':')[2]})"
     lines = [f"{self.op}: {json.dumps(config_to_json(self.config))} from {source}"]
+    if self.passed_over is not None:
+      lines.append(f"  {self.passed_over}")
     if self.stale is not None and self.confidence is not None:
       lines.append(f"  transferred from a stale entry ({self.stale}): autotune(...) of this "
                    "call measures it")
@@ -81,7 +86,7 @@ class Explanation:
                      "config")
     elif self.source == resolution.ONLY_CONFIG:
       lines.append("  its only config for this call: nothing to tune, whatever the miss policy")
-    elif self.source.startswith(("heuristics", "miss")):
+    elif self.source.startswith(("heuristics", "miss")) and self.passed_over is None:
       lines.append("  no call of this op was tuned in the active results or caches")
     if self.other_device_kinds:
       lines.append(f"  the caches hold calls of this op tuned on other devices "
@@ -137,17 +142,33 @@ def explain(bound_args: BoundArguments) -> Explanation:
     return Explanation(bound_args.op.name, resolved.config, resolved.source,
                        (resolved.where, tuple(diffs)), resolved.confidence,
                        stale=_stale_reason(resolved.neighbour, where))
-  nearest, elsewhere, too_far = None, (), None
+  nearest, elsewhere, too_far, passed_over = None, (), None, None
   if resolved.source not in ("explicit", "result") and not resolved.source.endswith("cache"):
+    passed_over = _passed_over(bound_args)
     nearest = _nearest(bound_args)
     if nearest is None:
       elsewhere = other_device_kinds(bound_args.op.name)
-    elif policy == "heuristics" and transfer_enabled():
+    elif resolved.source == "heuristics" and transfer_enabled():  # (not "only config")
       distance = nearest_distance(bound_args)
       too_far = distance if distance is not None and distance > MAX_DISTANCE else None
   return Explanation(bound_args.op.name, resolved.config, resolved.source, nearest,
                      stale=_stale_reason(bound_args, resolved.source),
-                     other_device_kinds=elsewhere, too_far=too_far)
+                     other_device_kinds=elsewhere, too_far=too_far, passed_over=passed_over)
+
+
+def _passed_over(bound_args: BoundArguments) -> str | None:
+  """Where the call's own entry holds a config it was not given (stale, no longer in
+  its space: `Entry.config_to_run`), in words; None where no entry of it was."""
+  for where, entry in _candidates(bound_args):
+    if entry.key != (bound_args.op_json(), bound_args.key_json()) or entry.is_current:
+      continue
+    config = entry.config_for()
+    if config is not None and entry.config_to_run(warn_passed_over=False) is None:
+      where = "result" if where == "active result" else where
+      return (f"the {where}'s entry of this call is stale ({entry.stale_reason}) and holds "
+              f"{json.dumps(config_to_json(config))}, which the op no longer offers for it: "
+              "passed over; autotune measures the call again")
+  return None
 
 
 def _stale_reason(bound_args: BoundArguments, source: str) -> str | None:
@@ -182,6 +203,8 @@ def _nearest(bound_args: BoundArguments):
     diffs = tuple(_diff(ours, entry.bound_args.autotuning_cache_key))
     if entry.bound_args.op_json() != bound_args.op_json():
       diffs = ("op fields",) + diffs
+    if not diffs:  # the call's own entry, passed over (`_passed_over` says why)
+      continue
     if best is None or len(diffs) < len(best[1]):
       best = (where, diffs)
   return best

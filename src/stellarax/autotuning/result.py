@@ -134,7 +134,8 @@ class Entry:
     prefer = self.heuristic_config if self.heuristic_config in taken else None
     return pick_best(taken, prefer=prefer)
 
-  def config_to_run(self, accept: Callable[[Any], bool] | None = None) -> Any | None:
+  def config_to_run(self, accept: Callable[[Any], bool] | None = None, *,
+                    warn_passed_over: bool = True) -> Any | None:
     """`config_for(accept)`, unless the entry is stale and that config is no longer in
     its call's search space (the op's current code refuses it, e.g. a tile a newer
     version checks against the shape): then None, with a `VersionWarning` (once), so
@@ -143,6 +144,8 @@ class Entry:
 
     Args:
       accept: as in `config_for`.
+      warn_passed_over: False passes over silently (the library cache, whose shipped
+        entries a user cannot prune, is silent about versions too).
 
     Returns:
       A config, or None.
@@ -150,14 +153,20 @@ class Entry:
     config = self.config_for(accept)
     if config is None or self.is_current or config in self.bound_args.autotuning_configs:
       return config
-    if (self.key, config) not in _PASSED_OVER:
+    if warn_passed_over and (self.key, config) not in _PASSED_OVER:
       _PASSED_OVER.add((self.key, config))
       warn(f"The stale entry of {self.bound_args} ({self.stale_reason}) holds "
            f"{config}, which this version of {self.bound_args.op.name} no longer offers "
            "for the call: it is passed over (the next result, cache or the heuristic "
-           "answers). `stellarax cache prune` removes stale cache entries; autotune "
-           "measures the call again.", file_format.VersionWarning)
+           "answers). autotune measures the call again (`stellarax cache prune` removes "
+           "the user cache's stale entries).", file_format.VersionWarning)
     return None
+
+  def time_to_run(self, *, warn_passed_over: bool = True) -> float | None:
+    """The median time of `config_to_run()` in seconds; None where it is None or was not
+    measured ok."""
+    config = self.config_to_run(warn_passed_over=warn_passed_over)
+    return None if config is None else self.time_of(config)
 
   def starved(self, accept: Callable[[Any], bool] | None = None) -> bool:
     """Whether the entry measured only its heuristic config of a larger space searched
@@ -329,11 +338,13 @@ class AutotuningResult:
       bound_args: the call.
 
     Returns:
-      The median time of the entry's best config; None where the result has no entry for
-      the call or none of its configs ran.
+      The median time of the config the entry runs (`Entry.config_to_run`: its best); None
+      where the result has no entry for the call, none of its configs ran, or a stale
+      entry's config is no longer offered (it would not run: its time must not choose an
+      implementation either).
     """
     entry = self.entry(bound_args)
-    return None if entry is None else entry.best_time
+    return None if entry is None else entry.time_to_run()
 
   def summary(self) -> str:
     """A table: op, shapes, best config, its time, the heuristic's, speed-up (and the
@@ -359,10 +370,11 @@ class AutotuningResult:
 
     Warns:
       OtherDeviceWarning: when the result was measured on another device kind than
-        the default device's: its configs still apply (they are valid there) but
-        were not measured there.
+        calls are traced for (the default device's, or under an abstract mesh its
+        device's): its configs still apply but were not measured there.
     """
-    running = jax.devices()[0].device_kind
+    from stellarax.autotuning.cache import target_device_kind  # (cache imports this module)
+    running = target_device_kind()  # an abstract mesh's device, lowering for another machine
     if len(self) and self.device_kind != running:
       warn(f"This result was measured on {self.device_kind!r} and is applied on "
            f"{running!r}: its configs are valid here but were not measured here, and "

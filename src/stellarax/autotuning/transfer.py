@@ -15,12 +15,15 @@ nearest one, provided that config is in the new call's search space (`autotuning
 a tile larger than the new shape allows is never transferred); otherwise the next nearest,
 and so on. When nothing qualifies, the heuristic answers as before.
 
-Not from further than `MAX_DISTANCE` (4: one dimension 16 times larger or smaller, or two
-about 7 times): what was fastest at a sequence length of 256 says little about 16384,
-where it may not even fit (attention's unchunked XLA config, the fastest at T=256 on a
-CPU, needs 16 GiB of scores at T=16384, its heuristic's chunks 0.1 GiB). The heuristic,
-written for every shape, answers there. In the recorded CPU sweeps every key has a
-neighbour within 2.9, and their leave-one-out regret is the same with the limit.
+Not from further than `MAX_DISTANCE` (4): what was fastest at a sequence length of 256
+says little about 16384, where it may not even fit (attention's unchunked XLA config, the
+fastest at T=256 on a CPU, needs 16 GiB of scores at T=16384, its heuristic's chunks
+0.1 GiB). The heuristic, written for every shape, answers there. A size counts once for
+every array dimension that has it, so the limit is one array dimension 16 times larger or
+smaller (ragged_dot's M), but for self-attention's T and S, in the query, key and value,
+about 5 times (about 3 with a bias and a mask over T and S too). In the recorded CPU
+sweeps every key has a neighbour within 2.9, and their leave-one-out regret is the same
+with the limit.
 
 Features. An op class may define `_transfer_features(self, ba) -> dict[str, float]`; the
 default, `default_features`, is log2 of every array dimension and of every vmap size.

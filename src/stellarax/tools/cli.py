@@ -63,22 +63,16 @@ def _autotune(args) -> int:
   if problem:  # before tuning, whose measurements would have nowhere to go
     print(f"stellarax autotune: error: {problem}", file=sys.stderr)
     return 2
-  failure, interrupted = None, False
+  failure, incomplete, interrupted = None, None, False
   with _cache_write_failures() as not_cached:
     try:
       result = tuner.autotune(args.bound_args)
     except stellarax.autotuning.IncompleteTuningError as exc:
-      result, failure = exc.partial_result, _incomplete_text(exc, args)
+      result, incomplete = exc.partial_result, exc
     except KeyboardInterrupt as exc:  # Ctrl-C: keep what was tuned, then stop
       result = getattr(exc, "partial_result", None)
       if result is None:
         raise
-      failure = f"stellarax autotune: interrupted after tuning {len(result)} calls; " + (
-          "they are in the user cache, so a rerun with --cache tunes only the others"
-          if args.cache else f"to tune only the others, `stellarax cache add {args.output}`"
-          " and rerun with --cache")
-      if not len(result):
-        failure = "stellarax autotune: interrupted before any call was tuned"
       interrupted = True
     except stellarax.autotuning.DeviceLostError as exc:  # its message says: --isolate
       from stellarax.autotuning.cache import current_device_kind
@@ -89,13 +83,22 @@ def _autotune(args) -> int:
     print(result.summary())
   # An empty result is saved too where tuning ended normally (every call found runs no
   # kernel): the file asked for exists. One cut short before tuning any call is not.
-  saved = True
-  if args.output and (len(result) or (failure is None and not interrupted)):
-    saved = _save(result, args.output)
+  saved_to = None  # where the result went: --output, or a file of its own if that failed
+  stopped = failure is not None or incomplete is not None or interrupted
+  if args.output and (len(result) or not stopped):
+    saved_to = _save(result, args.output)
+  if incomplete is not None:
+    failure = _incomplete_text(incomplete, saved_to, args.cache)
+  elif interrupted:
+    failure = (f"stellarax autotune: interrupted after tuning {len(result)} calls; " + (
+        "they are in the user cache, so a rerun with --cache tunes only the others"
+        if args.cache else f"to tune only the others, `stellarax cache add {saved_to}` and "
+        "rerun with --cache") if len(result) else
+        "stellarax autotune: interrupted before any call was tuned")
   if failure is not None:
     print(failure, file=sys.stderr)
   if not_cached:
-    print(f"stellarax autotune: error: {_not_cached(not_cached[0], args.output)}",
+    print(f"stellarax autotune: error: {_not_cached(not_cached[0], saved_to)}",
           file=sys.stderr)
   elif args.cache and len(result):
     from stellarax.autotuning.cache import user_cache_root
@@ -103,13 +106,14 @@ def _autotune(args) -> int:
           "(`stellarax cache list` shows them)")
   if interrupted:
     return 130  # what a shell reports for a program stopped by SIGINT
-  return 1 if failure is not None or not_cached or not saved else 0
+  not_saved = saved_to is not None and saved_to != args.output
+  return 1 if failure is not None or not_cached or not_saved else 0
 
 
-def _save(result, output: str) -> bool:
+def _save(result, output: str) -> str:
   """Writes `result` to `output`, or where that fails after tuning (checked before, the
   folder may have changed since), to a file of its own in the temporary folder, so that
-  no measurement is lost; says where it went. Returns whether it went to `output`."""
+  no measurement is lost; says where it went. Returns that path."""
   replaced = os.path.exists(output)
   try:
     result.dump(output)
@@ -120,9 +124,9 @@ def _save(result, output: str) -> bool:
     print(f"stellarax autotune: error: --output={output} could not be written "
           f"({exc.strerror or exc}); the result is saved to {fallback} instead.",
           file=sys.stderr)
-    return False
+    return fallback
   print(f"result saved to {output}" + (" (it replaced the file there)" if replaced else ""))
-  return True
+  return output
 
 
 def _as_options(text: str) -> str:
@@ -137,17 +141,17 @@ def _cached(cache, device_kind: str, entry):
   return None if found is None else found.entry(entry.bound_args)
 
 
-def _incomplete_text(exc, args) -> str:
+def _incomplete_text(exc, saved_to: str | None, cached: bool) -> str:
   """An IncompleteTuningError's message for the command line: its calls and why, then
   where the tuned ones went (its own words speak of Python: exc.partial_result)."""
   lines = [line.replace(" (exc.errors has them all)", "") for line in str(exc).splitlines()
            if "exc.partial_result" not in line]
   tuned = len(exc.partial_result)
-  kept = [where for where, given in ((f"saved to {args.output}", args.output),
-                                     ("in the user cache", args.cache)) if given]
+  kept = [where for where, given in ((f"saved to {saved_to}", saved_to),
+                                     ("in the user cache", cached)) if given]
   if tuned and kept:
     lines.append(f"The {tuned} tuned calls are {' and '.join(kept)}"
-                 + ("; a rerun with --cache tunes only what is missing." if args.cache else "."))
+                 + ("; a rerun with --cache tunes only what is missing." if cached else "."))
   return "\n".join(lines)
 
 

@@ -1,9 +1,10 @@
 """layer_norm and rms_norm in plain JAX (XLA).
 
-Statistics are float32 whatever x's dtype. The affine part is folded into one
-multiply-add per element, y = x * a + c, with a and c computed per normalised
-slice (a = scale / std, c = offset - mean * a): XLA fuses the two reductions and
-that one elementwise pass, so x is read twice and written once.
+Statistics are float32 whatever x's dtype. The output is one elementwise pass,
+y = (x - mean) * a + offset with a = scale / std per normalised slice: XLA fuses the two
+reductions and that pass, so x is read twice and written once. (Not x * a + (offset -
+mean * a), one multiply-add fewer: where a is huge, a constant row or a tiny epsilon, its
+two products cancel and lose the offset.)
 """
 
 from __future__ import annotations

@@ -178,16 +178,38 @@ def ragged_dot_xla(
 
 
 def _out_sharding(lhs, rhs):
-  """The (M, N) output's split where the operands' types carry an Explicit mesh (JAX does
-  not infer one for ragged_dot there: a call on such arrays that the partitioning left
-  whole, as under vmap, raised), else None. Rows as lhs's, columns as rhs's."""
-  lhs_type, rhs_type = jax.typeof(lhs), jax.typeof(rhs)
-  mesh = getattr(lhs_type.sharding, "mesh", None)
+  """The (M, N) output's split where an Explicit mesh is in play, else None: rows as
+  lhs's, columns as rhs's (`_explicit_sharding`)."""
+  return _explicit_sharding(((lhs, 0), (rhs, 2)))
+
+
+def _explicit_sharding(dims):
+  """The output sharding to give `lax.ragged_dot(_general)` where an Explicit mesh is in
+  play (JAX does not infer one for it there, and raises): on the operands' types (a call
+  on such arrays that the partitioning left whole, as under vmap), or the context's
+  (`jax.sharding.use_abstract_mesh`, lowering for another machine, with arrays of no
+  sharding); else None.
+
+  Args:
+    dims: for each output dimension, (operand, its dimension the output's follows), or
+      None for one left whole.
+  """
+  arrays = [x for x, _ in filter(None, dims)]
+  meshes = [getattr(jax.typeof(x).sharding, "mesh", None) for x in arrays]
+  mesh = next((m for m in meshes if m is not None and not m.empty), None)
+  on_arrays = mesh is not None
+  mesh = mesh if on_arrays else jax.sharding.get_abstract_mesh()
   if mesh is None or mesh.empty or jax.sharding.AxisType.Explicit not in mesh.axis_types:
     return None
-  rows = lhs_type.sharding.spec[0] if len(lhs_type.sharding.spec) > 0 else None
-  columns = rhs_type.sharding.spec[2] if len(rhs_type.sharding.spec) > 2 else None
-  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(rows, columns))
+
+  def part(dim):
+    if dim is None:
+      return None
+    spec = jax.typeof(dim[0]).sharding.spec
+    return spec[dim[1]] if len(spec) > dim[1] else None
+
+  spec = jax.sharding.PartitionSpec(*(part(d) for d in dims))
+  return jax.sharding.NamedSharding(mesh, spec) if on_arrays else spec
 
 
 def _rhs_grad_masked(lhs, dout, group_sizes, precision, out_dtype):
@@ -254,7 +276,8 @@ def ragged_dot_rhs_grad_xla(
   out_dtype = preferred_element_type or lhs.dtype
   if strategy == "lax":
     return lax.ragged_dot_general(lhs, dout, group_sizes.astype(jnp.int32), _RHS_GRAD_DIMS,
-                                  precision=precision, preferred_element_type=out_dtype)
+                                  precision=precision, preferred_element_type=out_dtype,
+                                  out_sharding=_explicit_sharding((None, (lhs, 1), (dout, 1))))
   if strategy == "masked":
     return _rhs_grad_masked(lhs, dout, group_sizes, precision, out_dtype)
   return _rhs_grad_tiled(lhs, dout, group_sizes, num_groups, tile_m, precision, out_dtype)
