@@ -994,7 +994,7 @@ def test_miss_policy_autotune_tunes_on_the_spot(user_cache_dir):
     mp.setattr(stellarax.XlaRaggedDot, "_fwd", spy)
     out = jax.jit(lambda l: stellarax.ragged_dot(l, rhs, gs))(lhs[:24])
   np.testing.assert_allclose(out, jax.lax.ragged_dot(lhs[:24], rhs, gs), rtol=1e-5, atol=1e-5)
-  assert seen[-1] == autotuner_lib._TUNED_ON_MISS[(other.op_json(), other.key_json(), False)]
+  assert seen[-1] == autotuner_lib._TUNED_ON_MISS[autotuner_lib._miss_key(other)]
   # explain tells what a call traced now gets: the config tuned on the miss, not the
   # heuristic (a user study found it saying the heuristic).
   with resolution.miss_policy_scope("autotune"):
