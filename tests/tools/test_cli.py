@@ -207,7 +207,7 @@ def test_cache_list_counts_stale_entries_and_prune_removes_them(tmp_path, user_c
   out = capsys.readouterr().out
   assert "ragged_dot.xla.json: removed 1 stale entries, kept 1" in out
   assert "ragged_dot.only_stale.json: removed 1 stale entries, kept 0 (file deleted)" in out
-  assert "ragged_dot.corrupt.json: unreadable, left as it is" in out
+  assert "ragged_dot.corrupt.json: not pruned, left as it is: " in out
   assert [e.key for e in stellarax.AutotuningResult.load(cached)] == [current.key]
   assert not only_stale.exists() and corrupt.exists()
   corrupt.unlink()

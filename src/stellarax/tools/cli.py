@@ -280,7 +280,7 @@ def _cache(args) -> int:
       elif p.newer:
         print(f"{name}: left as it is: {p.error} {_NEWER}")
       elif p.error:
-        print(f"{name}: unreadable, left as it is: {p.error} {_FIX_OR_DELETE}")
+        print(f"{name}: not pruned, left as it is: {p.error} {_FIX_OR_DELETE}")
       else:
         print(f"{name}: removed {p.removed} stale entries, kept {p.kept}"
               + ("" if p.kept else " (file deleted)"))
