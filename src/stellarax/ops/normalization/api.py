@@ -28,7 +28,10 @@ def layer_norm(x, scale, offset, *, axis=-1, epsilon=1e-6, implementation=None):
 
   Raises:
     ValueError: for a bad axis or parameter shapes.
-    NotImplementedError: when no requested implementation supports the input.
+    NotImplementedError: when no requested implementation supports the input (a list
+      passes by the kernels that do not run on the default device, saying why).
+    ValueError: from JAX, for a Pallas kernel named alone where it cannot be lowered (a
+      CPU, without `interpret=True`); called eagerly, a note says how to run it.
   """
   return dispatch.call_family("layer_norm", PREFERENCE, implementation, (x, scale, offset),
                               dict(axis=axis, epsilon=epsilon, subtract_mean=True))
@@ -51,7 +54,10 @@ def rms_norm(x, scale, *, offset=None, axis=-1, epsilon=1e-6, implementation=Non
 
   Raises:
     ValueError: for a bad axis or parameter shape.
-    NotImplementedError: when no requested implementation supports the input.
+    NotImplementedError: when no requested implementation supports the input (a list
+      passes by the kernels that do not run on the default device, saying why).
+    ValueError: from JAX, for a Pallas kernel named alone where it cannot be lowered (a
+      CPU, without `interpret=True`); called eagerly, a note says how to run it.
   """
   return dispatch.call_family("layer_norm", PREFERENCE, implementation, (x, scale, offset),
                               dict(axis=axis, epsilon=epsilon, subtract_mean=False))
