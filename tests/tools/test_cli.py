@@ -554,6 +554,30 @@ def test_messages_speak_of_options_warnings_are_the_command_s_and_report_flags_s
           "ragged_dot.xla") in capsys.readouterr().out
 
 
+def test_autotune_says_which_calls_the_cache_answers_and_can_measure_them_again(
+    tmp_path, user_cache_dir, capsys):
+  # A rerun printed the table of the cached entries as if it had measured them.
+  ba = stellarax.XlaRaggedDot.bind(jnp.ones((32, 16)), jnp.ones((2, 16, 8)),
+                                   jnp.array([10, 22], jnp.int32))
+  calls = tmp_path / "calls.json"
+  autotuning.bound_args_to_json([ba], calls)
+  ok = autotuning.Measurement(status="ok", median_s=1e-3, ci_low_s=1e-3, ci_high_s=1e-3,
+                              num_samples=3)
+  cached = autotuning.Entry(ba, ba.heuristics_config, ba.heuristics_config,
+                            tuple((c, ok) for c in ba.autotuning_configs))  # a whole search
+  autotuning.USER_CACHE.write(autotuning.AutotuningResult(cache.current_device_kind(),
+                                                          {cached.key: cached}))
+  entry_now = lambda: autotuning.USER_CACHE.result_for(
+      cache.current_device_kind(), "ragged_dot.xla").entry(ba)
+  run = lambda *extra: cli.main(["autotune", str(calls), "--cache", "--no-progress", *extra])
+  assert run() == 0
+  assert "1 calls have current entries in the user or library cache" in capsys.readouterr().out
+  assert entry_now() == cached
+  assert run("--ignore-cache", "--budget-s", "0.3") == 0
+  assert "have current entries" not in capsys.readouterr().out
+  assert entry_now() != cached  # measured again, and replaced
+
+
 def test_cache_add_merges_a_result_file_into_the_user_cache(tmp_path, user_cache_dir, capsys):
   lhs, rhs = jnp.ones((32, 16)), jax.random.normal(jax.random.key(0), (2, 16, 8))
   ba = stellarax.XlaRaggedDot.bind(lhs, rhs, jnp.array([10, 22], jnp.int32))

@@ -1,7 +1,7 @@
 """The `stellarax` command line.
 
     stellarax autotune BOUND_ARGS_JSON (--output result.json | --cache | both)
-        [--budget-s S | --total-budget-s S]
+        [--budget-s S | --total-budget-s S] [--ignore-cache]
     stellarax xplane_to_bound_args --xplane_file=X --output_file=Y
     stellarax cache list | path | prune | clear
     stellarax cache add RESULT_JSON                 (a result tuned elsewhere, into the user cache)
@@ -46,7 +46,8 @@ def _autotune(args) -> int:
   try:
     tuner = stellarax.Autotuner(budget_s=args.budget_s, total_budget_s=args.total_budget_s,
                                 cache=args.cache, progress=not args.no_progress,
-                                strategy=args.strategy, isolate=args.isolate)
+                                strategy=args.strategy, isolate=args.isolate,
+                                ignore_cache=args.ignore_cache)
   except ValueError as exc:  # e.g. both budgets: the message says which to drop
     print(f"stellarax autotune: error: {_as_options(str(exc))}", file=sys.stderr)
     return 2
@@ -63,6 +64,11 @@ def _autotune(args) -> int:
   if problem:  # before tuning, whose measurements would have nowhere to go
     print(f"stellarax autotune: error: {problem}", file=sys.stderr)
     return 2
+  reused = sum(tuner._reusable_entry(ba) is not None  # said, or a run looks like it measured
+               for ba in tuner.collect(calls))
+  if reused:
+    print(f"{reused} calls have current entries in the user or library cache: they are "
+          "reused as they are, not measured again (--ignore-cache measures them again)")
   failure, incomplete, interrupted = None, None, False
   with _cache_write_failures() as not_cached:
     try:
@@ -456,6 +462,9 @@ def main(argv=None) -> int:
                  help="how to search each call's configs (auto: by the size of its space)")
   p.add_argument("--no-progress", action="store_true",
                  help="no progress bar; print the summary table at the end")
+  p.add_argument("--ignore-cache", action="store_true",
+                 help="measure again the calls the user or library cache holds (with --cache, "
+                      "the new entries replace the cached ones)")
   p.add_argument("--isolate", action="store_true",
                  help="measure in worker processes, so that a hung or crashing config cannot stop the run")
   p.set_defaults(run=_autotune)
