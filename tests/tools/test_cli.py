@@ -19,6 +19,15 @@ from stellarax.autotuning import cache
 from stellarax.tools import cli
 
 
+def _one_call_file(tmp_path):
+  """A small ragged_dot call, and a bound-arguments file holding it (calls.json)."""
+  ba = stellarax.XlaRaggedDot.bind(jnp.ones((32, 16)), jnp.ones((2, 16, 8)),
+                                   jnp.array([10, 22], jnp.int32))
+  calls = tmp_path / "calls.json"
+  autotuning.bound_args_to_json([ba], calls)
+  return ba, calls
+
+
 @pytest.mark.slow  # ~8 s (it tunes); the other commands run fast below
 def test_autotune_report_and_cache_commands(tmp_path, user_cache_dir, capsys):
   lhs, rhs = jnp.ones((32, 16)), jax.random.normal(jax.random.key(0), (2, 16, 8))
@@ -85,10 +94,7 @@ def test_autotune_command_keeps_the_tuned_calls_when_one_fails(tmp_path, user_ca
 
 def test_autotune_refuses_to_tune_when_the_result_would_have_nowhere_to_go(
     tmp_path, user_cache_dir, capsys, monkeypatch):
-  ba = stellarax.XlaRaggedDot.bind(jnp.ones((32, 16)), jnp.ones((2, 16, 8)),
-                                   jnp.array([10, 22], jnp.int32))
-  calls = tmp_path / "calls.json"
-  autotuning.bound_args_to_json([ba], calls)
+  ba, calls = _one_call_file(tmp_path)
 
   def autotune(*args, **kwargs):
     raise AssertionError("tuned, with nowhere to keep the result")
@@ -122,10 +128,7 @@ def test_autotune_of_calls_that_run_no_kernel_saves_the_empty_result(tmp_path):
 
 def test_autotune_says_when_the_user_cache_could_not_be_written(tmp_path, user_cache_dir,
                                                                 capsys):
-  ba = stellarax.XlaRaggedDot.bind(jnp.ones((32, 16)), jnp.ones((2, 16, 8)),
-                                   jnp.array([10, 22], jnp.int32))
-  calls = tmp_path / "calls.json"
-  autotuning.bound_args_to_json([ba], calls)
+  ba, calls = _one_call_file(tmp_path)
   # The cache folder is one, but a file stands where its device kind's folder goes:
   # found only when the tuner writes.
   user_cache_dir.mkdir()
@@ -150,10 +153,7 @@ def test_autotune_says_when_the_user_cache_could_not_be_written(tmp_path, user_c
 
 def test_autotune_exits_1_when_a_newer_stellarax_s_file_kept_its_entries_out(
     tmp_path, user_cache_dir, capsys):
-  ba = stellarax.XlaRaggedDot.bind(jnp.ones((32, 16)), jnp.ones((2, 16, 8)),
-                                   jnp.array([10, 22], jnp.int32))
-  calls = tmp_path / "calls.json"
-  autotuning.bound_args_to_json([ba], calls)
+  ba, calls = _one_call_file(tmp_path)
   newer = autotuning.cache.USER_CACHE.path_for(autotuning.cache.current_device_kind(),
                                                ba.op.name)
   newer.parent.mkdir(parents=True)
@@ -431,10 +431,7 @@ def test_python_dash_m_runs_the_command_line():
 
 def test_mistakes_are_found_before_any_work_and_nothing_else_is_touched(tmp_path,
                                                                        user_cache_dir, capsys):
-  ba = stellarax.XlaRaggedDot.bind(jnp.ones((32, 16)), jnp.ones((2, 16, 8)),
-                                   jnp.array([10, 22], jnp.int32))
-  calls = tmp_path / "calls.json"
-  autotuning.bound_args_to_json([ba], calls)
+  ba, calls = _one_call_file(tmp_path)
   a_file = tmp_path / "a_file"
   a_file.write_text("")
   for output, problem in [(tmp_path / "no" / "such" / "r.json", "no folder"),
@@ -472,10 +469,7 @@ def test_mistakes_are_found_before_any_work_and_nothing_else_is_touched(tmp_path
 
 def test_an_output_that_would_replace_the_input_or_is_no_file_is_refused(tmp_path,
                                                                            user_cache_dir, capsys):
-  ba = stellarax.XlaRaggedDot.bind(jnp.ones((32, 16)), jnp.ones((2, 16, 8)),
-                                   jnp.array([10, 22], jnp.int32))
-  calls = tmp_path / "calls.json"
-  autotuning.bound_args_to_json([ba], calls)
+  ba, calls = _one_call_file(tmp_path)
   before = calls.read_text()
   # The result replaced the calls (exit 0), and the same command run again failed; a
   # device such as /dev/null was replaced by a regular file (as root). A pipe stands in.
@@ -493,10 +487,7 @@ def test_a_result_that_cannot_be_saved_after_tuning_goes_to_a_file_of_its_own(
   # What was checked before tuning can change during it (here a file is where the
   # folder was): the error ended the command (exit 2, "bad input") and the measurements
   # were lost.
-  ba = stellarax.XlaRaggedDot.bind(jnp.ones((32, 16)), jnp.ones((2, 16, 8)),
-                                   jnp.array([10, 22], jnp.int32))
-  calls = tmp_path / "calls.json"
-  autotuning.bound_args_to_json([ba], calls)
+  ba, calls = _one_call_file(tmp_path)
   (tmp_path / "gone").write_text("")
   output = tmp_path / "gone" / "r.json"
   monkeypatch.setattr(cli, "output_problem", lambda *a, **k: None)
@@ -526,10 +517,7 @@ def test_a_result_that_cannot_be_saved_after_tuning_goes_to_a_file_of_its_own(
 
 def test_messages_speak_of_options_warnings_are_the_command_s_and_report_flags_stale(
     tmp_path, user_cache_dir, capsys):
-  ba = stellarax.XlaRaggedDot.bind(jnp.ones((32, 16)), jnp.ones((2, 16, 8)),
-                                   jnp.array([10, 22], jnp.int32))
-  calls = tmp_path / "calls.json"
-  autotuning.bound_args_to_json([ba], calls)
+  ba, calls = _one_call_file(tmp_path)
   out = tmp_path / "r.json"
   # They spoke of Python: budget_s=..., strategy=functools.partial(...).
   for extra, says in [(["--budget-s", "1", "--total-budget-s", "2"],
@@ -557,10 +545,7 @@ def test_messages_speak_of_options_warnings_are_the_command_s_and_report_flags_s
 def test_autotune_says_which_calls_the_cache_answers_and_can_measure_them_again(
     tmp_path, user_cache_dir, capsys):
   # A rerun printed the table of the cached entries as if it had measured them.
-  ba = stellarax.XlaRaggedDot.bind(jnp.ones((32, 16)), jnp.ones((2, 16, 8)),
-                                   jnp.array([10, 22], jnp.int32))
-  calls = tmp_path / "calls.json"
-  autotuning.bound_args_to_json([ba], calls)
+  ba, calls = _one_call_file(tmp_path)
   ok = autotuning.Measurement(status="ok", median_s=1e-3, ci_low_s=1e-3, ci_high_s=1e-3,
                               num_samples=3)
   cached = autotuning.Entry(ba, ba.heuristics_config, ba.heuristics_config,
