@@ -926,17 +926,16 @@ def _autotune_on_miss(ba: BoundArguments) -> Any:
   programs of its own, which inside that trace would be staged into it. JAX's trace
   state is per thread, so the tuning runs in a thread of its own.
   """
-  target = target_device_kind()
-  if target != current_device_kind():  # lowering for another machine: nothing to measure on
-    heuristic = resolution.reproducible_heuristic(ba, resolution.reproducible_filter(ba.op))
-    if _miss_key(ba) not in _UNMEASURABLE_MISSES:
-      _UNMEASURABLE_MISSES.add(_miss_key(ba))  # warned once
-      warn(f"The 'autotune' miss policy cannot measure {ba} for {target!r} on this "
-           f"{current_device_kind()!r} host (the program is lowered for another device): it "
-           f"takes its heuristic config. Tune the call on a {target!r} device "
-           "(stellarax.autotune) and cache or ship the result.", OtherDeviceWarning)
-    return heuristic
   key = _miss_key(ba)
+  target, host = target_device_kind(), current_device_kind()
+  if target != host:  # lowering for another machine: nothing to measure on
+    if key not in _UNMEASURABLE_MISSES:
+      _UNMEASURABLE_MISSES.add(key)  # warned once
+      warn(f"The 'autotune' miss policy cannot measure {ba} for {target!r} on this "
+           f"{host!r} host (the program is lowered for another device): it takes its "
+           f"heuristic config. Tune the call on a {target!r} device (stellarax.autotune) "
+           "and cache or ship the result.", OtherDeviceWarning)
+    return resolution.reproducible_heuristic(ba, resolution.reproducible_filter(ba.op))
   with _IN_FLIGHT_LOCK:  # a retry after a Ctrl-C waits on the tuning it left running
     if key in _TUNED_ON_MISS:
       return _TUNED_ON_MISS[key]

@@ -52,6 +52,7 @@ import jax
 from stellarax.autotuning import file_format
 from stellarax.autotuning import journal as journal_lib
 from stellarax.autotuning.result import AutotuningResult
+from stellarax.core import partitioning
 from stellarax.core import registry
 from stellarax.core import resolution
 from stellarax.core import specs
@@ -109,8 +110,7 @@ def target_device_kind() -> str:
   from a CPU host, as `jax.export` and deviceless compiles do), else
   `current_device_kind()`. Configs are looked up under it: a program lowered for an
   H200 takes the H200's tuned entries, not those of the host it is lowered on."""
-  abstract = jax.sharding.get_abstract_mesh().abstract_device
-  return abstract.device_kind if abstract is not None else current_device_kind()
+  return partitioning.target_device().device_kind
 
 
 def user_cache_root() -> Path:

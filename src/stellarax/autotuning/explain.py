@@ -159,8 +159,9 @@ def explain(bound_args: BoundArguments) -> Explanation:
 def _passed_over(bound_args: BoundArguments) -> str | None:
   """Where the call's own entry holds a config it was not given (stale, no longer in
   its space: `Entry.config_to_run`), in words; None where no entry of it was."""
+  key = (bound_args.op_json(), bound_args.key_json())
   for where, entry in _candidates(bound_args):
-    if entry.key != (bound_args.op_json(), bound_args.key_json()) or entry.is_current:
+    if entry.key != key or entry.is_current:
       continue
     config = entry.config_for()
     if config is not None and entry.config_to_run(warn_passed_over=False) is None:

@@ -20,10 +20,9 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import jax
-
 from stellarax.autotuning import file_format
 from stellarax.autotuning.measure import Measurement, pick_best
+from stellarax.core import partitioning
 from stellarax.core import resolution
 from stellarax.core import specs
 from stellarax.core.bound_args import BoundArguments
@@ -373,8 +372,8 @@ class AutotuningResult:
         calls are traced for (the default device's, or under an abstract mesh its
         device's): its configs still apply but were not measured there.
     """
-    from stellarax.autotuning.cache import target_device_kind  # (cache imports this module)
-    running = target_device_kind()  # an abstract mesh's device, lowering for another machine
+    running = partitioning.target_device().device_kind  # an abstract mesh's, lowering for
+    # another machine (as `cache.target_device_kind`)
     if len(self) and self.device_kind != running:
       warn(f"This result was measured on {self.device_kind!r} and is applied on "
            f"{running!r}: its configs are valid here but were not measured here, and "

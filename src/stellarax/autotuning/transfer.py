@@ -312,10 +312,15 @@ def transfer_config(ba: BoundArguments) -> TransferResolution | None:
 def _transfer_from(active: tuple[Any, ...], ba: BoundArguments) -> TransferResolution | None:
   if len(ba.autotuning_configs) <= 1:
     return None
+  return nearest_config(ba, _candidates(active, ba))
+
+
+def _candidates(active: tuple[Any, ...], ba: BoundArguments) -> Iterator[tuple[str, Entry]]:
+  """(where, entry) of the tuned calls of `ba`'s op that transfer looks at, in
+  resolution order."""
   op_json = ba.op_json()
-  candidates = ((where, entry) for where, result in _sources(active, ba.op.name)
-                for entry in _entries_of(result, op_json))
-  return nearest_config(ba, candidates)
+  return ((where, entry) for where, result in _sources(active, ba.op.name)
+          for entry in _entries_of(result, op_json))
 
 
 def nearest_distance(ba: BoundArguments) -> float | None:
@@ -328,10 +333,9 @@ def nearest_distance(ba: BoundArguments) -> float | None:
   Returns:
     The distance, or None when no comparable call was tuned.
   """
-  ours, op_json = _profile(ba.with_config(None)), ba.op_json()
+  ours = _profile(ba.with_config(None))
   distances = (_distance(ours, _profile(entry.bound_args))
-               for _, result in _sources(resolution.active_results(), ba.op.name)
-               for entry in _entries_of(result, op_json))
+               for _, entry in _candidates(resolution.active_results(), ba))
   return min((d for d in distances if d is not None), default=None)
 
 

@@ -108,6 +108,15 @@ class ShardingLayout:
     return dataclasses.replace(self, outputs=(self.outputs[0], None))
 
 
+def target_device() -> Any:
+  """The device a call traced now is for: the abstract mesh's device where one is set
+  (lowering for another machine, e.g. `jax.sharding.use_abstract_mesh` of an H200's from
+  a CPU host, as `jax.export` and deviceless compiles do: a `jax.sharding.AbstractDevice`,
+  with `device_kind` and `platform`), else the default backend's first device."""
+  abstract = jax.sharding.get_abstract_mesh().abstract_device
+  return abstract if abstract is not None else jax.devices()[0]
+
+
 def _dims(labels: str) -> Labels:
   """"b (k g) d" -> (("b",), ("k", "g"), ("d",))."""
   return tuple(tuple(token.strip("()").split()) for token in re.findall(r"\([^)]*\)|\S+", labels))

@@ -165,9 +165,7 @@ def _xla_heuristic(ba) -> XlaRaggedDotConfig:
   output leaves whole), where `lax.ragged_dot` keeps them split. The platform is the
   one traced for (an abstract mesh's device when lowering for a GPU from a CPU host).
   Tiles no larger than the space offers (`_xla_space`: up to twice M rows)."""
-  abstract = jax.sharding.get_abstract_mesh().abstract_device
-  platform = abstract.platform if abstract is not None else jax.devices()[0].platform
-  if platform != "cpu" or jax.device_count() > 1:
+  if partitioning.target_device().platform != "cpu" or jax.device_count() > 1:
     return XlaRaggedDotConfig(strategy="lax")
   m, g = ba.arguments["lhs"].shape[0], ba.arguments["rhs"].shape[0]
   tile = 64 if m < 128 * max(g, 1) else 128
