@@ -234,8 +234,12 @@ def _records(path_or_json: str | os.PathLike) -> list[tuple[BoundArguments, floa
     try:
       out.append((BoundArguments.from_json(item), None if seconds is None else float(seconds)))
     except Exception as e:  # noqa: BLE001 (whatever the op's checks raise, the item is bad)
-      why = (e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-             if isinstance(e, (KeyError, ValueError)) else f"{type(e).__name__}: {e}")
+      if isinstance(e, KeyError) and e.args:  # its str() quotes the message again
+        why = e.args[0]
+      elif isinstance(e, (KeyError, ValueError)):
+        why = str(e)
+      else:
+        why = f"{type(e).__name__}: {e}"
       raise ValueError(f"{source}: item {i}: {why}") from None
   return out
 
