@@ -93,3 +93,45 @@ def test_xla_s_own_grouped_matmul_lowers_for_an_h200_with_its_gradients():
     return (out.astype(jnp.float32) ** 2).sum()
   text = lower_for_h200(jax.grad(loss, argnums=(0, 1)), *_SPECS)
   assert text.count("chlo.ragged_dot") >= 3  # the forward and both products of the backward
+
+
+_BF16_SPECS = (jax.ShapeDtypeStruct((256, 128), jnp.bfloat16),
+               jax.ShapeDtypeStruct((4, 128, 256), jnp.bfloat16),
+               jax.ShapeDtypeStruct((4,), jnp.int32))
+
+
+def _kernels(text: str) -> set[str]:
+  """The custom calls a lowered program makes: Mosaic GPU's, Triton's."""
+  return {name for name in ("mosaic_gpu", "xla.gpu.triton") if name in text}
+
+
+def test_dispatch_picks_the_kernels_of_the_device_lowered_for(user_cache_dir):
+  # The host (a CPU) runs no kernel: an H200's program lowered there took XLA's grouped
+  # matmul and attention, not the kernels the same call gets on an H200.
+  ragged = lambda l, r, g: stellarax.ragged_dot(l, r, g)
+  assert _kernels(lower_for_h200(ragged, *_BF16_SPECS)) == {"mosaic_gpu"}
+  assert not _kernels(jax.jit(ragged).lower(*_BF16_SPECS).as_text())
+  q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+  attend = lambda q, k, v: stellarax.dot_product_attention(q, k, v, is_causal=True)
+  assert _kernels(lower_for_h200(attend, q, q, q)) == {"mosaic_gpu"}
+  # The H200's measured times choose among them, as on an H200.
+  ok = lambda s: Measurement(status="ok", median_s=s, ci_low_s=s, ci_high_s=s, num_samples=3)
+  for op, seconds in ((stellarax.PallasMosaicGpuRaggedDot(), 2e-3),
+                      (stellarax.PallasTritonRaggedDot(), 1e-3)):
+    ba = op.bind(*_BF16_SPECS)
+    config = ba.heuristics_config
+    entry = autotuning.Entry(ba, config, config, ((config, ok(seconds)),))
+    cache.USER_CACHE.write(autotuning.AutotuningResult("NVIDIA H200", {entry.key: entry}))
+  assert _kernels(lower_for_h200(ragged, *_BF16_SPECS)) == {"xla.gpu.triton"}
+
+
+def test_a_gpu_whose_capability_is_unknown_gets_xla_and_is_named(user_cache_dir):
+  other = jax.sharding.AbstractDevice(device_kind="NVIDIA Future GPU", num_cores=100,
+                                      platform="gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=other)
+  lower = lambda f: jax.jit(f).trace(*_BF16_SPECS).lower(lowering_platforms=("cuda",)).as_text()
+  with jax.sharding.use_abstract_mesh(mesh):
+    assert not _kernels(lower(lambda l, r, g: stellarax.ragged_dot(l, r, g)))
+    with pytest.raises(NotImplementedError,
+                       match=r"does not run on the abstract mesh's device \(NVIDIA Future GPU\)"):
+      lower(lambda l, r, g: stellarax.ragged_dot(l, r, g, implementation=["pallas_triton"]))

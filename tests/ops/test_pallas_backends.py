@@ -163,13 +163,24 @@ def test_require_available_is_quiet_where_jax_has_the_backend():
     ("NVIDIA A100-SXM4-80GB", "8.0", False, False),
     ("NVIDIA L40S", "8.9", False, False),
     ("NVIDIA GeForce RTX 5090", "12.0", False, False),
-    ("NVIDIA H200", "", False, False),  # no capability known
+    # An abstract device (lowering from a CPU host) states none: its kind tells.
+    ("NVIDIA H200", None, True, True),
+    ("NVIDIA GH200 480GB", None, True, True),
+    ("NVIDIA B200", None, False, True),
+    ("NVIDIA A100-SXM4-80GB", None, False, False),
+    ("NVIDIA Future GPU", None, False, False),  # not known: nothing picked
+    ("NVIDIA H200", "", True, True),
     ("TPU v5 lite", "9.0", False, False),
 ])
 def test_kernels_are_picked_only_on_gpus_they_compile_for(kind, capability, mosaic, triton):
+  import jax
   import stellarax
-  device = type("Device", (), {"platform": "tpu" if "TPU" in kind else "gpu",
-                               "device_kind": kind, "compute_capability": capability})()
+  platform = "tpu" if "TPU" in kind else "gpu"
+  if capability is None:
+    device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=132, platform=platform)
+  else:
+    device = type("Device", (), {"platform": platform, "device_kind": kind,
+                                 "compute_capability": capability})()
   for cls in (stellarax.PallasMosaicGpuRaggedDot, stellarax.PallasMosaicGpuAttention):
     assert cls.supported_on(device) is mosaic
   for cls in (stellarax.PallasTritonRaggedDot, stellarax.PallasTritonAttention,

@@ -1,13 +1,14 @@
 """Choosing an implementation for a public op function (`implementation=`).
 
-- None: the implementations that run on the default device, fastest first
+- None: the implementations that run on the device the call is traced for (the
+  default device, or an abstract mesh's when lowering for another machine), fastest first
   when measurements of this call exist in the active results or caches, else
   in the family's stated preference order;
 - a name ("xla", "pallas_triton", or the full "ragged_dot.xla") or an `Op`
   instance: that one;
-- a list or tuple of those: tried in order, passing by those that do not run on the default device
-  (a Pallas kernel not in interpret mode on a CPU); a single name or instance is
-  always tried (e.g. to lower for a GPU from a CPU host).
+- a list or tuple of those: tried in order, passing by those that do not run on that
+  device (a Pallas kernel not in interpret mode on a CPU); a single name or instance is
+  always tried.
 
 Candidates that raise `NotImplementedError` for the given arguments, and those
 the installed JAX cannot run (`Op.require_available`), are skipped; when none
@@ -25,6 +26,7 @@ import jax
 
 from stellarax.core import calling
 from stellarax.core import eager as eager_calls
+from stellarax.core import partitioning
 from stellarax.core import registry
 from stellarax.core import resolution
 from stellarax.core.bound_args import BoundArguments
@@ -68,6 +70,13 @@ def _runs_on(op: Op, device: Any) -> bool:
   """Whether `op` runs on `device`: its class says so, or it interprets its kernel
   (which runs anywhere)."""
   return bool(getattr(op, "interpret", False)) or type(op).supported_on(device)
+
+
+def _device_words(device: Any) -> str:
+  """How messages name the device a call is traced for."""
+  if isinstance(device, jax.sharding.AbstractDevice):
+    return f"the abstract mesh's device ({device.device_kind})"
+  return f"the default device ({device.device_kind})"
 
 
 def _times_in(sources: Sequence[Any], ba: BoundArguments) -> list[float]:
@@ -158,11 +167,10 @@ def _note_where_it_runs(e: Exception, op: Op) -> None:
   """Adds to JAX's error for a kernel that cannot lower here (its own words, such as
   "Only interpret mode is supported on CPU backend.", say neither which op asked for the
   kernel nor how to run it here) which op it was and how to run it."""
-  device = jax.devices()[0]
+  device = partitioning.target_device()
   if _runs_on(op, device) or any(n.startswith("stellarax:") for n in getattr(e, "__notes__", ())):
     return
-  e.add_note(f"stellarax: {op.name} does not run on the default device"
-             f" ({device.device_kind}); pass {type(op).__name__}(interpret=True) to run"
+  e.add_note(f"stellarax: {op.name} does not run on {_device_words(device)}; pass {type(op).__name__}(interpret=True) to run"
              " its kernel here, or a preference list such as"
              f" [{op.name.partition('.')[2]!r}, 'xla'] to fall back.")
 
@@ -187,10 +195,10 @@ def _call_family(family: str, preference: Sequence[str], implementation: Any, ar
 
   reasons = []
   if not explicit or isinstance(implementation, (list, tuple)):  # named alone: always tried
-    device = jax.devices()[0]
+    device = partitioning.target_device()  # an H200's when lowering for one from a CPU host
     runs = [_runs_on(op, device) for op in ops]
     if explicit:
-      reasons = [f"  {op.name}: does not run on the default device ({device.device_kind}); "
+      reasons = [f"  {op.name}: does not run on {_device_words(device)}; "
                  "pass an instance with interpret=True to run its kernel here, or name it "
                  "alone to lower it for another device" for op, ok in zip(ops, runs) if not ok]
     ops = [op for op, ok in zip(ops, runs) if ok]
@@ -202,7 +210,7 @@ def _call_family(family: str, preference: Sequence[str], implementation: Any, ar
     except NotImplementedError as e:
       reasons.append(f"  {op.name}: {e}")
   if not bound:
-    why = "\n".join(reasons) or f"  none of {list(preference)} runs on {jax.devices()[0].platform}"
+    why = "\n".join(reasons) or f"  none of {list(preference)} runs on {partitioning.target_device().platform}"
     raise NotImplementedError(f"No {family} implementation supports these arguments:\n{why}")
   if not explicit and len(bound) > 1:
     timed = [(_measured_time(BoundArguments.from_values(op, v)), i) for i, (op, v) in enumerate(bound)]

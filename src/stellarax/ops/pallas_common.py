@@ -5,6 +5,7 @@ operands, and the Mosaic GPU kernels' help for the interpreter's race detector."
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -159,9 +160,28 @@ def _is_nvidia_gpu(device: Any) -> bool:
           and "nvidia" in str(getattr(device, "device_kind", "")).lower())
 
 
+# Compute capabilities of NVIDIA GPUs by the words of their device kind, for a device
+# that does not state its own: a `jax.sharding.AbstractDevice` (lowering for a GPU from
+# a CPU host: `jax.export`, deviceless compiles) has a kind and a platform only. Data-centre
+# parts only; any other kind is taken as unknown, and no kernel is picked for it.
+_CAPABILITY_BY_KIND = (
+    (re.compile(r"\bG?H(100|200|800|20)\b"), (9, 0)),  # Hopper
+    (re.compile(r"\bG?B(100|200)\b"), (10, 0)),        # Blackwell
+    (re.compile(r"\bG?B300\b"), (10, 3)),
+    (re.compile(r"\bA(100|800|30)\b"), (8, 0)),        # Ampere
+    (re.compile(r"\bL(4|40|40S)\b"), (8, 9)),          # Ada
+)
+
+
 def _compute_capability(device: Any) -> tuple[int, int]:
-  """(major, minor) of a device's `compute_capability` ("9.0"); (0, 0) when it has none."""
-  major, _, minor = str(getattr(device, "compute_capability", "")).partition(".")
+  """(major, minor) of a device's `compute_capability` ("9.0"); for a device that has
+  none (an abstract one), that of its kind where `_CAPABILITY_BY_KIND` knows it; else
+  (0, 0)."""
+  stated = str(getattr(device, "compute_capability", "") or "")
+  if not stated:
+    kind = str(getattr(device, "device_kind", ""))
+    return next((cc for pattern, cc in _CAPABILITY_BY_KIND if pattern.search(kind)), (0, 0))
+  major, _, minor = stated.partition(".")
   try:
     return int(major), int(minor or 0)
   except ValueError:

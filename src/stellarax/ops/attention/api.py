@@ -44,7 +44,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     ValueError: for operands that do not fit together (a query, key or value not of rank
       3 or 4, a bias or mask that does not broadcast to (B, N, T, S), ...), naming them.
     NotImplementedError: when no requested implementation supports the input (a list
-      passes by the kernels that do not run on the default device, saying why).
+      passes by the kernels that do not run on the device traced for, saying why).
     ValueError: from JAX, for a Pallas kernel named alone where it cannot be lowered (a
       CPU, without `interpret=True`); called eagerly, a note says how to run it.
   """

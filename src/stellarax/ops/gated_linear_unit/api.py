@@ -34,7 +34,7 @@ def gated_linear_unit(x, weights, *, activation=jax.nn.swish, precision=None, im
   Raises:
     ValueError: for shapes that do not fit or an unknown activation.
     NotImplementedError: when no requested implementation supports the input (a list
-      passes by the kernels that do not run on the default device, saying why).
+      passes by the kernels that do not run on the device traced for, saying why).
     ValueError: from JAX, for a Pallas kernel named alone where it cannot be lowered (a
       CPU, without `interpret=True`); called eagerly, a note says how to run it.
   """

@@ -29,7 +29,7 @@ def layer_norm(x, scale, offset, *, axis=-1, epsilon=1e-6, implementation=None):
   Raises:
     ValueError: for a bad axis or parameter shapes.
     NotImplementedError: when no requested implementation supports the input (a list
-      passes by the kernels that do not run on the default device, saying why).
+      passes by the kernels that do not run on the device traced for, saying why).
     ValueError: from JAX, for a Pallas kernel named alone where it cannot be lowered (a
       CPU, without `interpret=True`); called eagerly, a note says how to run it.
   """
@@ -55,7 +55,7 @@ def rms_norm(x, scale, *, offset=None, axis=-1, epsilon=1e-6, implementation=Non
   Raises:
     ValueError: for a bad axis or parameter shape.
     NotImplementedError: when no requested implementation supports the input (a list
-      passes by the kernels that do not run on the default device, saying why).
+      passes by the kernels that do not run on the device traced for, saying why).
     ValueError: from JAX, for a Pallas kernel named alone where it cannot be lowered (a
       CPU, without `interpret=True`); called eagerly, a note says how to run it.
   """

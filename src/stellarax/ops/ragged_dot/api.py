@@ -38,7 +38,7 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
   Raises:
     ValueError, TypeError: for inconsistent shapes or dtypes.
     NotImplementedError: when no requested implementation supports the input (a list
-      passes by the kernels that do not run on the default device, saying why).
+      passes by the kernels that do not run on the device traced for, saying why).
     ValueError: from JAX, for a Pallas kernel named alone where it cannot be lowered (a
       CPU, without `interpret=True`); called eagerly, a note says how to run it.
   """
