@@ -85,6 +85,35 @@ def test_an_interrupted_tuning_resumes_from_the_configs_it_measured(user_cache_d
   assert cached == entry
 
 
+def test_an_interrupted_measuring_again_resumes_when_measured_again(user_cache_dir, measured):
+  # ignore_cache started its journal over on every run: Ctrl-C in a long call and the
+  # rerun measured every config of it again.
+  calls, state = measured
+  ba = _call()
+  (first,) = _tuner().autotune(ba)
+  calls.clear()
+  state["stop_at"] = 2
+  again = lambda: stellarax.Autotuner(progress=False, measure_options=FAST, cache=True,
+                                      ignore_cache=True, strategy=functools.partial(
+                                          search.exhaustive, chunk_size=2)).autotune(ba)
+  with pytest.raises(KeyboardInterrupt):
+    again()
+  done = {c for call in calls for c in call}
+  assert len(done) >= 3
+  calls.clear()
+  state["stop_at"] = None
+  (entry,) = again()
+  # As for an interrupted tuning: the heuristic first, then the configs not measured
+  # before; those that were, only to confirm the leaders together.
+  assert calls[0] == [ba.heuristics_config]
+  rest, *confirming = calls[1:]
+  assert sorted(map(str, rest)) == sorted(str(c) for c in ba.autotuning_configs if c not in done)
+  assert len(confirming) <= 1
+  assert not list(user_cache_dir.rglob("*.journal"))  # the entry is in the cache
+  (cached,) = stellarax.autotuning.USER_CACHE.results()[0]
+  assert cached == entry and entry.measurements != first.measurements
+
+
 def test_a_journal_of_other_settings_or_cut_short_is_not_recalled(user_cache_dir, measured):
   calls, state = measured
   ba = _call()
@@ -202,9 +231,12 @@ def test_journals_of_concurrent_or_cut_short_runs_keep_every_whole_line(tmp_path
   with open(first.path, "ab") as f:
     f.write(b"\xff\n")
   assert set(journal().recalled) == {a, b, c}
-  # Measuring anew (ignore_cache) still starts it over.
+  # Measuring again (ignore_cache) recalls none of it, in a journal of its own, which a
+  # later measuring again resumes; the ordinary tuning's is left as it was.
+  assert journal(anew=True).recalled == {}
   journal(anew=True).record({c: _ok(4.0)}, 1.0)
-  assert set(journal().recalled) == {c} and journal().recall(c, 1.0) == _ok(4.0)
+  assert journal(anew=True).recall(c, 1.0) == _ok(4.0) and set(journal(anew=True).recalled) == {c}
+  assert set(journal().recalled) == {a, b, c} and journal().recall(c, 1.0) == _ok(3.0)
   journal_lib.remove(ba, tmp_path)
   assert not list(tmp_path.iterdir())
 

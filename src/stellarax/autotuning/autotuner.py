@@ -121,7 +121,9 @@ class Autotuner:
       revision, or on other code of their op, `Entry.stale_reason`; those are
       measured again). With `cache=True`, the new entries replace the user
       cache's (a merge would keep the faster of old and new, and a lucky old
-      time would never be replaced).
+      time would never be replaced), and a call whose measuring again was
+      interrupted resumes from what it measured when run again with
+      ignore_cache (not from an ordinary tuning's journal).
     cache: write each call's entry into the user cache as soon as it is tuned
       (an interrupted or failed run keeps what it measured; the next run reads
       those calls from the cache unless ignore_cache), and each measured config

@@ -15,7 +15,10 @@ fingerprint, the inputs' seed and the measure options (the settings, whose diges
 the name). Then one JSON line per measured config: the config, its `Measurement` and
 the effort it was taken at. A rerun of the same tuning (all of the first line equal)
 takes a config's journaled measurement instead of measuring it, where it was taken at
-the effort asked or more. Tunings of one
+the effort asked or more. Measuring a call again (`Autotuner(ignore_cache=True)`)
+recalls nothing an ordinary tuning measured: its journal's first line says so
+(`"remeasure": true`), so it is a file of its own, and only a rerun that measures again
+resumes it. Tunings of one
 call with other settings (two environments sharing the cache, other measure options)
 keep journals of their own, so neither truncates the other's or appends under its first
 line; runs with the same settings append to one journal, a line per write (`O_APPEND`).
@@ -76,14 +79,13 @@ class Journal:
     recalled: config -> `Recalled`, what an earlier run of the same tuning measured.
   """
 
-  def __init__(self, path: Path, header: dict[str, Any], config_cls: type, *, anew: bool = False):
+  def __init__(self, path: Path, header: dict[str, Any], config_cls: type):
     self.path, self._header, self._config_cls = path, header, config_cls
     self.recalled: dict[Any, Recalled] = {}
     self._started = False  # whether this run's header is in the file
-    self._restart = anew  # whether the first record starts the file over
+    self._restart = False  # whether the first record starts the file over
     self._torn = False  # whether the file ends in a line cut short
-    if not anew:
-      self._read()
+    self._read()
 
   @classmethod
   def for_call(cls, bound_args: BoundArguments, folder: Path, *, seed: int,
@@ -97,7 +99,9 @@ class Journal:
       seed: the seed of the call's random inputs.
       options: how each config is measured.
       isolate: whether configs are measured in worker processes.
-      anew: recall nothing (measure again); the first record starts the file over.
+      anew: the call is measured again (`ignore_cache`): recall only what an earlier
+        measuring again of it, interrupted, took (a journal of its own), not what an
+        ordinary tuning did.
 
     Returns:
       The journal; nothing is written until `record`.
@@ -107,9 +111,10 @@ class Journal:
               "versions": dict(file_format.current_versions()),
               "code": code_fingerprint(type(bound_args.op)), "seed": seed,
               "options": _json_safe(dataclasses.asdict(options)), "isolate": isolate}
+    if anew:
+      header["remeasure"] = True
     header = json.loads(canonical_json(header))
-    return cls(journal_path(bound_args, folder, header), header,
-               type(bound_args.op).config_cls, anew=anew)
+    return cls(journal_path(bound_args, folder, header), header, type(bound_args.op).config_cls)
 
   def _read(self) -> None:
     try:
