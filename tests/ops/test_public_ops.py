@@ -200,7 +200,7 @@ def test_a_traced_epsilon_is_refused_as_a_static_option():
   x = jax.random.normal(_keys(1)[0], (8, 32))
   for norm in (lambda x, e: stellarax.rms_norm(x, None, epsilon=e),
                lambda x, e: stellarax.layer_norm(x, None, None, epsilon=e)):
-    with pytest.raises(ValueError, match=r"must be a Python number >= 0; it is a static option"):
+    with pytest.raises(ValueError, match=r"must be a Python number >= 0: it is a static option"):
       jax.jit(norm)(x, 1e-3)
     # A concrete array scalar is a number.
     np.testing.assert_allclose(norm(x, jnp.float32(1e-3)), norm(x, 1e-3), rtol=1e-6)
@@ -352,7 +352,7 @@ def test_attention_and_norms_refuse_traced_static_options_saying_so():
   with pytest.raises(ValueError, match=r"is_causal=.* must be a Python bool: it is a static option"):
     jax.jit(lambda c: stellarax.dot_product_attention(q, k, v, is_causal=c))(True)
   # The window and a norm's axis said "must be an int", of the int the caller passed.
-  static = r"=.*JitTracer.* is a static option of the call, and here it is traced"
+  static = r"=.*JitTracer.* must be a Python int or a tuple of them: it is a static option of the call, and a traced"
   with pytest.raises(ValueError, match="local_window_size" + static):
     jax.jit(lambda w: stellarax.dot_product_attention(q, k, v, local_window_size=w))(3)
   with pytest.raises(ValueError, match="local_window_size" + static):

@@ -49,9 +49,30 @@ def concrete_float(value: Any) -> float | None:
     return None
 
 
+def static_option_error(name: str, value: Any, expected: str, *, other_way: str = "") -> ValueError:
+  """The error for a static option (one that shapes what is computed, so it must be known
+  when the call is traced) given a value that is not a constant, a traced one mostly.
+  One message for every op's static options.
+
+  Args:
+    name: the option's name.
+    value: what was given.
+    expected: what it must be, e.g. "a Python bool".
+    other_way: a further way out, said after the usual one (e.g. "choose between two
+      calls with lax.cond").
+
+  Returns:
+    A ValueError for the caller to raise.
+  """
+  also = f", or {other_way}" if other_way else ""
+  return ValueError(f"{name}={value!r:.80} must be {expected}: it is a static option of the "
+                    "call, and a traced value cannot be one. Pass a constant, or mark the "
+                    f"argument static (jax.jit(f, static_argnames=...)){also}.")
+
+
 def refuse_traced(name: str, value: Any) -> None:
-  """Raises ValueError when a static option (a window, an axis) holds a traced value: the
-  option shapes what is computed, so it must be known when the call is traced.
+  """Raises `static_option_error` when a static option (a window, an axis) holds a traced
+  value, or a tuple or list of them does.
 
   Args:
     name: the option's name, for the message.
@@ -59,9 +80,7 @@ def refuse_traced(name: str, value: Any) -> None:
   """
   leaves = value if isinstance(value, (tuple, list)) else (value,)
   if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-    raise ValueError(f"{name}={value!r:.80} is a static option of the call, and here it is "
-                     "traced: pass a Python int (a constant), or mark the argument static "
-                     "(jax.jit(f, static_argnames=...)).")
+    raise static_option_error(name, value, "a Python int or a tuple of them")
 
 
 def lax_precision(name: str | None) -> jax.lax.Precision | None:

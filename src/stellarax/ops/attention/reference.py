@@ -139,10 +139,8 @@ def static_flag(name: str, value: Any) -> bool:
   try:
     return bool(value)
   except jax.errors.ConcretizationTypeError:
-    raise ValueError(f"{name}={value!r} must be a Python bool: it is a static option of the "
-                     "call, and here it is traced. Pass it as a static argument (e.g. "
-                     "jax.jit(f, static_argnames=...)) or choose between two calls with "
-                     "lax.cond.") from None
+    raise common.static_option_error(
+        name, value, "a Python bool", other_way="choose between two calls with lax.cond") from None
 
 
 def _keep_mask(b, n, t, s, mask, is_causal, window, q_lengths, kv_lengths) -> jax.Array:

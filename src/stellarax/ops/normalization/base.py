@@ -143,9 +143,7 @@ def _static_epsilon(epsilon) -> float:
   """epsilon as a Python float; ValueError for a traced, non-numeric or negative one."""
   value = common.concrete_float(epsilon)
   if value is None:
-    raise ValueError(f"epsilon={epsilon!r:.80} must be a Python number >= 0; it is a static"
-                     " option of the call (a traced value cannot be one): pass a constant,"
-                     " or mark the argument static (jax.jit(..., static_argnums=...)).")
+    raise common.static_option_error("epsilon", epsilon, "a Python number >= 0")
   if not value >= 0:  # NaN fails too
     raise ValueError(f"epsilon={value} must be >= 0: it is added to the variance (or mean"
                      " square) before the square root; typical values are 1e-6 to 1e-5.")
