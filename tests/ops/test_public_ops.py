@@ -192,8 +192,11 @@ def test_lists_where_arrays_belong_say_so():
 @pytest.mark.parametrize("scale", ["a", float("inf"), [0.5]])
 def test_attention_refuses_a_scale_that_is_not_a_number(scale):
   q = jnp.ones((1, 4, 1, 8))
-  with pytest.raises(ValueError, match=r"must be None \(1/sqrt\(H\) = 0.3536\) or a finite"):
+  with pytest.raises(ValueError, match=r"must be None \(1/sqrt\(H\) = 0.3536\) or a finite") as e:
     stellarax.dot_product_attention(q, q, q, scale=scale)
+  assert "traced" not in str(e.value)  # said only of a traced scale
+  with pytest.raises(ValueError, match=r"or a finite Python number: it is a static option"):
+    jax.jit(lambda s: stellarax.dot_product_attention(q, q, q, scale=s))(0.5)
 
 
 def test_a_traced_epsilon_is_refused_as_a_static_option():

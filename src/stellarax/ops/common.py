@@ -51,8 +51,9 @@ def concrete_float(value: Any) -> float | None:
 
 def static_option_error(name: str, value: Any, expected: str, *, other_way: str = "") -> ValueError:
   """The error for a static option (one that shapes what is computed, so it must be known
-  when the call is traced) given a value that is not a constant, a traced one mostly.
-  One message for every op's static options.
+  when the call is traced) given a value it cannot take: a traced one (the message says
+  how to pass a constant), or another (a string, NaN). One message for every op's
+  static options.
 
   Args:
     name: the option's name.
@@ -64,6 +65,8 @@ def static_option_error(name: str, value: Any, expected: str, *, other_way: str 
   Returns:
     A ValueError for the caller to raise.
   """
+  if not _is_traced(value):
+    return ValueError(f"{name}={value!r:.80} must be {expected}.")
   also = f", or {other_way}" if other_way else ""
   return ValueError(f"{name}={value!r:.80} must be {expected}: it is a static option of the "
                     "call, and a traced value cannot be one. Pass a constant, or mark the "
@@ -78,9 +81,14 @@ def refuse_traced(name: str, value: Any) -> None:
     name: the option's name, for the message.
     value: what was given (a value, or a tuple or list of them).
   """
-  leaves = value if isinstance(value, (tuple, list)) else (value,)
-  if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+  if _is_traced(value):
     raise static_option_error(name, value, "a Python int or a tuple of them")
+
+
+def _is_traced(value: Any) -> bool:
+  """Whether `value`, or an item of a tuple or list of them, is traced."""
+  leaves = value if isinstance(value, (tuple, list)) else (value,)
+  return any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
 
 
 def lax_precision(name: str | None) -> jax.lax.Precision | None:

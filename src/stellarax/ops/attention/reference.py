@@ -124,8 +124,8 @@ def default_scale(head_dim: int, scale: float | None) -> float:
     return 1.0 / float(np.sqrt(head_dim)) if head_dim else 1.0
   value = common.concrete_float(scale)
   if value is None or not np.isfinite(value):
-    raise ValueError(f"scale={scale!r} must be None (1/sqrt(H) = {1 / np.sqrt(head_dim):.4g}) or "
-                     "a finite Python number; it is a static option of the call.")
+    default = f"None (1/sqrt(H) = {1 / np.sqrt(head_dim):.4g}) or a finite Python number"
+    raise common.static_option_error("scale", scale, default)
   return value
 
 
