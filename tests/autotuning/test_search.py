@@ -1025,3 +1025,59 @@ def test_the_walk_over_tuples_of_other_classes_and_numpy_numbers():
   geometry = search._Geometry([Named(*c) for c in itertools.product(sizes, sizes, sizes)])
   assert geometry.distance(Named(16, 16, 16), Named(128, 128, 128)) == 9
   assert search._CostModel.fit([(1, 0.0, 0.5, 0, 0)]).fixed_s == pytest.approx(0.5)
+
+
+class _TimedOutHeuristic:
+  """A measure on a fake clock: config "h" times out (each measurement of it costs the
+  2 s limit), configs 0..19 run ok in 0.07 s at full effort, 0 the fastest."""
+
+  def __init__(self, limit_s: float = 2.0):
+    self.now, self.calls, self.limit_s = 0.0, [], limit_s
+
+  def clock(self) -> float:
+    return self.now
+
+  def __call__(self, configs, *, effort=1.0):
+    self.calls.append(list(configs))
+    out = {}
+    for c in configs:
+      if c == "h":
+        self.now += self.limit_s
+        out[c] = Measurement(status="timeout", error=f"did not finish within {self.limit_s} s")
+      else:
+        self.now += 0.05 * effort + 0.02
+        t = 1e-3 * (1 + c / 100)
+        out[c] = Measurement(status="ok", median_s=t, ci_low_s=t, ci_high_s=t, num_samples=3,
+                             compile_time_s=0.02)
+    return out
+
+
+@pytest.mark.parametrize("strategy,budget_s", [
+    (search.racing, 7.5), (search.racing, 8.0), (search.racing, 12.0),
+    (search.exhaustive, 7.5), (search.random_search, 7.5)])
+def test_a_failed_heuristic_is_measured_once_and_the_search_goes_on(strategy, budget_s):
+  # Racing measured the timed-out heuristic again (its second call, its last round):
+  # 4-6 s of the budget, a cost model that priced every call as a timeout, and at a
+  # budget of 7.5 "None of the 1 candidates succeeded" with 20 configs unmeasured.
+  measure = _TimedOutHeuristic()
+  outcome = strategy(["h", *range(20)], measure, heuristic="h", budget_s=budget_s,
+                     clock=measure.clock)
+  assert outcome.best == 0 and sum("h" in call for call in measure.calls) == 1
+  assert outcome.measurements["h"].status == "timeout"
+
+
+@pytest.mark.parametrize("strategy", [search.racing, search.exhaustive, search.random_search])
+def test_a_budget_spent_on_a_failed_heuristic_still_finds_a_config_that_runs(strategy):
+  # The heuristic's failure took longer than the whole budget: every strategy raised
+  # "None of the 1 candidates succeeded ... widen the search space".
+  measure = _TimedOutHeuristic(limit_s=3.0)
+  outcome = strategy(["h", *range(20)], measure, heuristic="h", budget_s=1.0, clock=measure.clock)
+  assert outcome.best_measurement.ok and len(measure.calls) == 2
+
+
+def test_a_space_whose_every_config_fails_names_each_failure_whatever_the_budget():
+  failing = {c: Measurement(status="compile_error", error=f"no {c}") for c in "abcd"}
+  replay = search.ReplayMeasure(failing, compile_cost_s=5.0)
+  with pytest.raises(AllCandidatesFailedError) as e:
+    search.racing(list("abcd"), replay, heuristic="a", budget_s=1.0, clock=replay.clock)
+  assert all(f"no {c}" in str(e.value) for c in "abcd")

@@ -28,8 +28,10 @@ say which through an attribute `recalled(configs, effort) -> set of configs`: th
 model learns from the others only, since a recalled config costs nothing and would make
 the configs yet to measure look free (so the heuristic, whose measurements are the
 first calls a strategy times, should not be recalled). Failed configs come back as
-data and are never chosen; when every measured config failed, the strategy raises
-`AllCandidatesFailedError` listing why each failed.
+data, are never chosen and are not measured again in the search. Where the budget is
+spent before any config ran ok (a heuristic that timed out), the configs not measured
+yet are measured one at a time until one runs: only a space whose every config fails
+makes the strategy raise `AllCandidatesFailedError`, listing why each failed.
 
 Budget. A budgeted strategy plans each call on a cost model fitted to the calls before
 it (`_CostModel`; where a call compiled one new config and its Measurement reports
@@ -228,7 +230,17 @@ class _Session(Generic[C]):
     return measured, sum(c not in self._paid for c in dict.fromkeys(measured))
 
   def measure(self, configs: Sequence[C], effort: float) -> dict[C, Measurement]:
-    configs = list(configs)
+    """Measures `configs` at `effort` (the measure's answers, kept), but for those that
+    failed already in this session: their failure is returned as it was, not measured
+    again. A failure is what a config is here (a compile error, a wrong result) or cost
+    its limit (a timeout): measured again, a timed-out heuristic in racing's second and
+    last calls took 4 s of an 8 s budget, measured nothing new, and taught the cost model
+    that a call costs a timeout, so the search stopped with every config but the
+    heuristic unmeasured (2026-12-07)."""
+    failed = {c: self.kept(c) for c in configs if c in self._best and not self.kept(c).ok}
+    configs = [c for c in dict.fromkeys(configs) if c not in failed]
+    if not configs:
+      return failed
     measured, _ = self.to_pay(configs, effort)
     start = self._clock()
     got = self._measure(configs, effort=effort)
@@ -258,7 +270,7 @@ class _Session(Generic[C]):
       else:
         self.calls += [(1, 0.0, compile_s, 0, 0), (0, work, seconds - compile_s, 0, 1)]
       self._paid.update(measured)
-    return {c: got[c] for c in configs}
+    return {**failed, **{c: got[c] for c in configs}}
 
   def timed_together(self, configs: Iterable[C]) -> bool:
     """Whether the kept measurements of `configs` all come from one measure call."""
@@ -270,9 +282,26 @@ class _Session(Generic[C]):
     return self._best[config][1]
 
   def choose(self, finalists: Iterable[C], heuristic: C | None, order: Sequence[C]) -> C:
-    measurements = {c: self.kept(c) for c in dict.fromkeys(finalists)}
+    """The best of `finalists` (`pick_best`, `heuristic` preferred on ties). Where no
+    config measured so far ran ok, the budget does not end the search: the configs of
+    `order` not measured yet are measured one at a time until one runs (`_first_to_run`),
+    so that only a space whose every config fails raises, and then its error lists
+    every config's failure."""
+    finalists = list(dict.fromkeys(finalists))
+    if not any(m.ok for _, m, _ in self._best.values()):
+      runs = self._first_to_run(order)
+      finalists = runs or self.measured()  # every config failed: the error lists each
+    measurements = {c: self.kept(c) for c in finalists}
     prefer = heuristic if heuristic in measurements else None
     return pick_best(measurements, prefer=prefer, order=order)
+
+  def _first_to_run(self, order: Sequence[C]) -> list[C]:
+    """Measures the configs of `order` not measured yet, one at a time at full effort,
+    until one runs ok; returns it ([] where none does)."""
+    for config in order:
+      if config not in self._best and self.measure([config], 1.0)[config].ok:
+        return [config]
+    return []
 
   def outcome(self, strategy: str, best: C, num_configs: int) -> SearchOutcome[C]:
     return SearchOutcome(
