@@ -1719,3 +1719,47 @@ def test_prune_narrows_each_calls_space_and_keeps_the_heuristic():
     tuner(prune=lambda ba, configs: [stranger]).autotune([call])
   with pytest.raises(TypeError, match="pass a function"):
     stellarax.Autotuner(prune=["lax"])
+
+
+@stellarax.config_dataclass
+class _ShapeConfig:
+  rows: str = "all"  # "all": the op's output; "drop_last": one row short; "bad": no trace
+  k: int = 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Rows(stellarax.Op, name="tests.rows_of_heuristic"):
+  """sin(x), computed whole or (a config's defect) one row short, or not at all."""
+
+  config_cls = _ShapeConfig
+  heuristic: str = "all"
+
+  def _fwd(self, x, *, config):
+    if config.rows == "bad":
+      raise ValueError("this config cannot be traced")
+    y = jnp.sin(x)
+    return (y[:-1] if config.rows == "drop_last" else y), None
+
+  def _reference(self, x):
+    return jnp.sin(x)
+
+  def _get_heuristics_config(self, ba):
+    return _ShapeConfig(rows=self.heuristic)
+
+  def _get_autotuning_configs(self, ba):
+    return {_ShapeConfig(rows=self.heuristic), _ShapeConfig(rows="all", k=1),
+            _ShapeConfig(rows="drop_last", k=2)}
+
+
+@pytest.mark.parametrize("heuristic", ["drop_last", "bad"])
+def test_output_shapes_are_the_reference_s_where_the_heuristic_s_differ_or_fail(heuristic):
+  # The heuristic's program set the output types every config was judged by: one a row
+  # short made every correct config a wrong result ("differ from the expected"), and one
+  # that could not be traced left a config a row short unjudged by its shape.
+  x = jax.random.normal(jax.random.key(0), (8, 16))
+  (entry,) = stellarax.Autotuner(progress=False, measure_options=FAST).autotune(
+      [_Rows(heuristic=heuristic).bind(x)])
+  measured = {c.k: m for c, m in entry.measurements}  # the heuristic's k is 0
+  assert entry.best_config == _ShapeConfig(rows="all", k=1) and measured[1].ok
+  assert measured[0].status == ("wrong_result" if heuristic == "drop_last" else "compile_error")
+  assert measured[2].status == "wrong_result"

@@ -356,7 +356,7 @@ class CallMeasurer:
     reference = jax.jit(bound_args.runner(reference=True))(*self.arrays)
     self.reference = jax.tree.map(_read_only_copy, jax.device_get(reference))
     self.digest = measure_lib.input_digest(self.arrays)
-    self.output_types = _output_types(bound_args, self.arrays)
+    self.output_types = _output_types(bound_args, self.arrays, self.reference)
     self.compiled: dict[Any, Any] = {}  # racing re-measures configs: compile each once
 
   def __call__(self, configs: Sequence[Any], effort: float,
@@ -387,15 +387,25 @@ def _read_only_copy(x: Any) -> Any:
   return copy
 
 
-def _output_types(bound_args: Any, arrays: tuple) -> Any:
-  """The shapes and dtypes of the call's output with its heuristic config: what the op
-  returns, which no config may change (a reference may compute in another dtype). None
-  where the heuristic config's program cannot be traced (its measurement says why)."""
+def _output_types(bound_args: Any, arrays: tuple, reference: Any) -> Any:
+  """The shapes and dtypes every config's output must have (no config may change what
+  the op returns): those of the heuristic config's program (what an untuned call
+  returns, so what the caller's program was traced with), where it has the reference's
+  structure and shapes. Where it does not (a heuristic that computes something else),
+  or cannot be traced (its measurement says why), the reference's structure and
+  shapes, of any dtype (`measure.AnyDtype`: a reference may compute in another one).
+  Taken from the heuristic alone, a heuristic of a wrong shape made every correct
+  config a wrong result, and one that failed to trace left shapes unchecked."""
   import jax
+  import numpy as np
+  of_reference = jax.tree.map(lambda x: measure_lib.AnyDtype(np.shape(x)), reference)
   try:
-    return jax.eval_shape(bound_args.runner(bound_args.heuristics_config), *arrays)
+    of_heuristic = jax.eval_shape(bound_args.runner(bound_args.heuristics_config), *arrays)
   except Exception:  # noqa: BLE001 (the heuristic's own measurement records the failure)
-    return None
+    return of_reference
+  if measure_lib.other_output_types(of_heuristic, of_reference) is not None:
+    return of_reference
+  return of_heuristic
 
 
 def _serve(request: _Request, measurer: CallMeasurer | None, set_up: Any

@@ -1199,7 +1199,7 @@ def _check_output(cand: _Candidate, args: tuple, expected: _Expected,
   kind, out = run_with_timeout(lambda: jax.block_until_ready(cand.executable(*args)),
                                options.timeout_s)
   if kind == "ok":
-    reason = _other_output_types(out, expected.output_types)
+    reason = other_output_types(out, expected.output_types)
     if reason is not None:
       cand.fail("wrong_result", reason)
       return
@@ -1276,13 +1276,37 @@ class _Expected:
     return expected
 
 
-def _other_output_types(output: Any, expected: Any) -> str | None:
-  """Why `output` does not have the `expected` shapes and dtypes (a pytree of objects
-  with .shape and .dtype), or None when it does."""
+@dataclasses.dataclass(frozen=True)
+class AnyDtype:
+  """A leaf of `measure_candidates`' output_types that asks for a shape only: the
+  output's leaf may have any dtype.
+
+  Attributes:
+    shape: the leaf's shape.
+  """
+
+  shape: tuple[int, ...]
+  dtype: None = None
+
+
+def other_output_types(output: Any, expected: Any) -> str | None:
+  """Why `output` does not have the `expected` structure, shapes and dtypes, or None
+  when it does.
+
+  Args:
+    output: a pytree of objects with .shape and .dtype (arrays, ShapeDtypeStructs).
+    expected: the same; a leaf of it that is `AnyDtype` matches any dtype; None
+      matches anything.
+
+  Returns:
+    A reason for a wrong result, or None.
+  """
   if expected is None:
     return None
   got, want = _layout(output), _layout(expected)
-  if got != want:
+  wildcard = lambda g, w: (g[0], None) if w[1] is None else g
+  got_matched = (got[0], tuple(wildcard(g, w) for g, w in zip(got[1], want[1])))
+  if len(got[1]) != len(want[1]) or got_matched != want:
     return (f"the output's shapes and dtypes {list(got[1])} differ from the expected "
             f"{list(want[1])}: a config may change how the op computes, not what it returns")
   return None
@@ -1290,9 +1314,14 @@ def _other_output_types(output: Any, expected: Any) -> str | None:
 
 def _layout(tree: Any) -> tuple:
   """A pytree's structure and its leaves' (shape, dtype name): what two pytrees of
-  arrays must share to hold the same kind of values."""
-  return jax.tree.structure(tree), tuple(
-      (tuple(np.shape(x)), str(getattr(x, "dtype", type(x)))) for x in jax.tree.leaves(tree))
+  arrays must share to hold the same kind of values (dtype None for `AnyDtype`)."""
+  return jax.tree.structure(tree), tuple(map(_leaf_layout, jax.tree.leaves(tree)))
+
+
+def _leaf_layout(x: Any) -> tuple[tuple[int, ...], str | None]:
+  if isinstance(x, AnyDtype):
+    return tuple(x.shape), None
+  return tuple(np.shape(x)), str(getattr(x, "dtype", type(x)))
 
 
 def _on_device(args: tuple) -> tuple:
@@ -1690,8 +1719,9 @@ def measure_candidates(
       `options.with_effort(effort)` (fewer rounds, same compilation and check). Search
       strategies pass it to measure cheaply first (see search.py).
     output_types: the shapes and dtypes every candidate's output must have (a pytree
-      of objects with .shape and .dtype, as `jax.eval_shape` returns), checked before
-      the values; a candidate whose output differs is a `wrong_result`. None: not
+      of objects with .shape and .dtype, as `jax.eval_shape` returns; an `AnyDtype`
+      leaf asks for its shape only), checked before the values
+      (`other_output_types`); a candidate whose output differs is a `wrong_result`. None: not
       checked (a reference computed in another dtype passes `check_close`).
 
   Returns:
