@@ -378,3 +378,31 @@ def test_a_config_that_changes_the_output_dtype_is_never_chosen():
   measured = dict(entry.measurements)
   assert measured[_Config(unroll=2)].status == "wrong_result"
   assert "float16" in measured[_Config(unroll=2)].error and entry.best_config == _Config(unroll=1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Labelled(_Tunable, stellarax.Op, name="test_user_ops.labelled"):
+  """x times a string option's length: the option is all its calls' keys differ by."""
+
+  def _fwd(self, x, *, label: str = "a", config):
+    return x * len(label), None
+
+  def _reference(self, x, *, label="a"):
+    return x * len(label)
+
+
+@pytest.mark.parametrize("label", ["plain", "café", "back\\slash", 'say "hi"', "tab\there"])
+def test_string_options_with_escapes_are_captured_and_their_results_apply(label):
+  # MLIR prints a backslash of the marker's JSON as two: capture read "café" back as
+  # "caf\\u00e9" and a backslash doubled (the tuned entry never applied: a transfer),
+  # and a quote's escape made autotune raise a JSONDecodeError.
+  from stellarax.core import markers
+  op, x = Labelled(), jnp.ones((4, 4))
+  f = lambda x: op(x, label=label)
+  assert markers.find_markers(jax.jit(f).lower(x).as_text()) == [op.bind(x, label=label).to_marker()]
+  result = stellarax.Autotuner(progress=False, measure_options=autotuning.MeasureOptions(
+      rounds=2, leader_rounds=0, warmup_s=0.0, max_total_s=0.2, min_batch_s=2e-4)).autotune(f, x)
+  (entry,) = result
+  assert entry.bound_args.arguments["label"] == label
+  with result:
+    assert autotuning.explain(op.bind(x, label=label)).source == "result"

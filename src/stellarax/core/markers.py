@@ -50,12 +50,12 @@ MARKER_KEY = "stellarax_op"
 SCOPE_PREFIX = MARKER_KEY + "="
 """Starts the named scope of a call; the marker JSON follows it."""
 
-# stellarax_op = "..." inside a frontend_attributes dict; MLIR escapes '"' and
-# '\' (and non-printables) as \XX hex pairs. A named scope's location in text
+# stellarax_op = "..." inside a frontend_attributes dict; MLIR escapes '\' as '\\' and
+# '"' (and non-printables) as \XX hex pairs. A named scope's location in text
 # printed with debug info reads `stellarax_op={\22...`, which this never matches:
 # a marker is a JSON object, so '{' and never '"' follows the '='.
 _MARKER_RE = re.compile(MARKER_KEY + r'\s*=\s*"((?:[^"\\]|\\.)*)"')
-_HEX_ESCAPE = re.compile(r"\\([0-9A-Fa-f]{2})")
+_ESCAPE = re.compile(r"\\(\\|[0-9A-Fa-f]{2})")
 _DECODER = json.JSONDecoder()
 
 
@@ -81,8 +81,10 @@ def mark(bound_args: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _unescape(s: str) -> str:
-  # Marker JSON is ASCII (json.dumps escapes the rest), so each \XX is one char.
-  return _HEX_ESCAPE.sub(lambda m: chr(int(m.group(1), 16)), s)
+  r"""MLIR's string escapes undone, left to right: '\\' is one backslash (a marker's own
+  JSON escapes: a quote, a backslash, a non-ASCII '\u00e9' of a user op's string
+  option), '\XX' one character (marker JSON is ASCII: json.dumps escapes the rest)."""
+  return _ESCAPE.sub(lambda m: "\\" if m.group(1) == "\\" else chr(int(m.group(1), 16)), s)
 
 
 def find_markers(text: str) -> list[str]:
