@@ -4,6 +4,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import stellarax
@@ -198,6 +199,18 @@ def test_static_arguments_reach_the_program_as_autotune_takes_them():
   tuned = stellarax.Autotuner(total_budget_s=1.0, progress=False).autotune(
       jitted, lhs, rhs, gs, "scaled", scale=2.0)
   assert len(tuned) == 2
+  # NumPy scalars too: capture traced them, and a jitted f's static one raised JAX's
+  # "Non-hashable static arguments"; an epsilon passed on to a norm, "traced".
+  sliced = jax.jit(lambda x, n, eps: stellarax.rms_norm(x[:n], None, epsilon=eps),
+                   static_argnums=(1, 2))
+  (call,) = autotuning.get_bound_args(sliced, lhs, np.int64(5), np.float32(0.5))
+  assert call.arguments["x"].shape == (5, lhs.shape[1]) and call.arguments["epsilon"] == 0.5
+  plain_norm = lambda x, eps: stellarax.layer_norm(x, None, None, epsilon=eps)
+  (call,) = autotuning.get_bound_args(plain_norm, lhs, np.float32(0.25))
+  assert call.arguments["epsilon"] == 0.25
+  check = autotuning.check_in_program(result, sliced, lhs, np.int64(5), np.float32(0.5),
+                                      options=FAST)
+  assert check.heuristics.ok
 
 
 def test_profile_gives_each_calls_own_device_time_in_the_program():

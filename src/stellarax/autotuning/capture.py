@@ -30,21 +30,23 @@ def program_of_arrays(f: Callable[..., Any], args: tuple,
                       kwargs: Mapping[str, Any]) -> tuple[Callable[[list], Any], list]:
   """`f(*args, **kwargs)` as a function of the arrays among its arguments alone.
 
-  The other leaves of the arguments (strings, Python numbers, None, ...) are closed over
-  as constants, so that `jax.jit` of the program takes whatever `f` does, e.g. a mode
-  string that a plain function branches on (`jax.jit(f)` would try to trace it).
+  The other leaves of the arguments (strings, Python and NumPy scalars, None, ...) are
+  closed over as constants, so that `jax.jit` of the program takes whatever `f` does,
+  e.g. a mode string that a plain function branches on (`jax.jit(f)` would try to trace
+  it), or `np.int64(16)` for a static argument of a jitted `f` (traced, it raised JAX's
+  "Non-hashable static arguments"). A scalar `f` computes with is the same constant.
 
   Args:
     f: the callable.
-    args, kwargs: its arguments; arrays (JAX, NumPy, numpy scalars) or
-      `jax.ShapeDtypeStruct`s are the program's inputs.
+    args, kwargs: its arguments; arrays (JAX, NumPy) or `jax.ShapeDtypeStruct`s are
+      the program's inputs.
 
   Returns:
     (program, arrays): `program(arrays)` calls `f` with the arguments rebuilt.
   """
   arrays, rebuild = specs.split_arrays(
       (tuple(args), dict(kwargs)),
-      lambda x: isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)))
+      lambda x: isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)))
 
   def program(new_arrays):
     a, k = rebuild(new_arrays)
