@@ -539,6 +539,16 @@ def test_autotune_accepts_bound_args_sequences_json_and_lowered(tmp_path):
   autotuning.bound_args_to_json([ba], path)
   assert {e.bound_args for e in t.autotune(str(path))} == {ba}
   assert {e.bound_args for e in t.autotune(jax.jit(model).lower(lhs, rhs, gs))} == {ba}
+  # A Traced too (it raised an AssertionError), with a total budget (shared equally: it
+  # holds no arrays to profile); a Compiled says what to pass instead.
+  traced = jax.jit(model).trace(lhs, rhs, gs)
+  assert {e.bound_args for e in tuner(total_budget_s=1.0).autotune(traced)} == {ba}
+  with pytest.raises(TypeError, match=r"Compiled holds no program text.*\.trace\(\.\.\.\)"):
+    t.autotune(jax.jit(model).lower(lhs, rhs, gs).compile())
+  with pytest.raises(TypeError, match="Traced takes no arguments"):
+    t.autotune(traced, lhs)
+  # What f returns besides arrays does not matter to capture (lowering refused a string).
+  assert autotuning.get_bound_args(lambda *a: (model(*a), "tag"), lhs, rhs, gs) == [ba]
   with pytest.raises(TypeError, match="Autotuner"):
     t.autotune([ba], 1)
   with pytest.raises(TypeError, match=r"got one: pass \[ba\]"):

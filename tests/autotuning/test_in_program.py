@@ -154,6 +154,8 @@ def test_a_lowered_program_is_refused_up_front():
   lowered = jax.jit(program).lower(*_inputs())
   with pytest.raises(TypeError, match=r"Lowered.*pass f and its arguments"):
     autotuning.check_in_program(result, lowered)
+  with pytest.raises(TypeError, match=r"Traced.*pass f and its arguments"):
+    autotuning.check_in_program(result, jax.jit(program).trace(*_inputs()))
 
 
 def test_a_program_failing_at_its_heuristics_says_nothing_can_be_checked():

@@ -8,7 +8,7 @@ options live on an `Autotuner` instance:
     result = tuner.autotune(f, x, y)
 
 What can be tuned: a callable with its arguments (a plain or jitted function,
-or a closure taking none, e.g. `jax.grad` of a model), a `jax.stages.Lowered`,
+or a closure taking none, e.g. `jax.grad` of a model), a `jax.stages.Traced` or `Lowered`,
 a `BoundArguments` or a sequence of them, or bound-argument JSON (a path or a
 string, e.g. from `xplane_to_bound_args`).
 
@@ -223,7 +223,7 @@ class Autotuner:
     """The calls `autotune` would tune, without tuning them.
 
     Args:
-      f: what `autotune` takes: a callable, `jax.stages.Lowered`, `BoundArguments`,
+      f: what `autotune` takes: a callable, `jax.stages.Traced` or `Lowered`, `BoundArguments`,
         a sequence of them, or bound-argument JSON (path or string).
       *args, **kwargs: the arguments of `f` when it is a callable (it is traced,
         not run).
@@ -255,7 +255,7 @@ class Autotuner:
     """Tunes every op call found in `f` (see the module docstring).
 
     Args:
-      f: a callable, `jax.stages.Lowered`, `BoundArguments`, a sequence of
+      f: a callable, `jax.stages.Traced` or `Lowered`, `BoundArguments`, a sequence of
         them, or bound-argument JSON (path or string).
       *args, **kwargs: the arguments of `f` when it is a callable.
 
@@ -415,7 +415,8 @@ class Autotuner:
       return {}
     if in_file is not None:
       profiled = dict(in_file)
-    elif callable(f) and _all_arrays((args, kwargs)):
+    elif callable(f) and not isinstance(f, jax.stages.Traced) and _all_arrays((args, kwargs)):
+      # (A Traced is callable, but holds no arrays to run on: its calls share equally.)
       profiled = _profiled_weights(f, args, kwargs, calls)
     else:
       profiled = {}
@@ -721,7 +722,7 @@ def autotune(f: Any, /, *args, **kwargs) -> AutotuningResult:
   use an `Autotuner` for options (strategy, budget, caching, progress).
 
   Args:
-    f: a callable, `jax.stages.Lowered`, `BoundArguments`, a sequence of
+    f: a callable, `jax.stages.Traced` or `Lowered`, `BoundArguments`, a sequence of
       them, or bound-argument JSON (path or string).
     *args, **kwargs: the arguments of `f` when it is a callable.
 

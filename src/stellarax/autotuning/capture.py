@@ -57,16 +57,27 @@ def program_of_arrays(f: Callable[..., Any], args: tuple,
 
 
 def _lowered(f: Any, args: tuple, kwargs: dict) -> jax.stages.Lowered:
-  if isinstance(f, jax.stages.Lowered):
+  if isinstance(f, (jax.stages.Lowered, jax.stages.Traced)):
     if args or kwargs:
-      raise TypeError("A jax.stages.Lowered takes no arguments: it was lowered with its own.")
-    return f
+      raise TypeError(f"A jax.stages.{type(f).__name__} takes no arguments: it was traced "
+                      "with its own.")
+    if isinstance(f, jax.stages.Lowered):
+      return f
+    with miss_policy_scope("heuristics"):
+      return f.lower()
+  if isinstance(f, jax.stages.Compiled):
+    raise TypeError("A jax.stages.Compiled holds no program text to find op calls in: pass "
+                    "the function, or its .trace(...) or .lower(...) before .compile().")
   if not callable(f):
-    raise TypeError(f"Expected a callable or a jax.stages.Lowered, got {type(f).__name__}: {f!r}.")
+    raise TypeError(f"Expected a callable, a jax.stages.Traced or Lowered, got "
+                    f"{type(f).__name__}: {f!r}.")
   program, arrays = program_of_arrays(f, args, kwargs)
-  # Capture only reads which ops run: no tuning on the spot while tracing.
+  # Capture only reads which ops run: no tuning on the spot while tracing. Of the
+  # outputs only the traced ones are kept (lowering refuses a string one; a call whose
+  # output is dropped is dead code, and JAX drops it).
+  traced_outputs = lambda a: [x for x in jax.tree.leaves(program(a)) if isinstance(x, jax.core.Tracer)]
   with miss_policy_scope("heuristics"):
-    return jax.jit(program).lower(arrays)
+    return jax.jit(traced_outputs).lower(arrays)
 
 
 def bound_args_from_text(text: str, per_device: Mapping[str, BoundArguments] | None = None
@@ -91,8 +102,8 @@ def get_bound_args(f: Callable[..., Any] | jax.stages.Lowered, /, *args, **kwarg
 
   Args:
     f: a callable (plain, jitted, or a closure taking no arguments, e.g.
-      `jax.grad(loss)` bound with `functools.partial`) or a
-      `jax.stages.Lowered`.
+      `jax.grad(loss)` bound with `functools.partial`), or a `jax.stages.Traced` or
+      `jax.stages.Lowered` (`jax.jit(f).trace(x)`, `.lower(x)`).
     *args, **kwargs: the arguments to lower `f` with (arrays or
       `jax.ShapeDtypeStruct`s).
 
@@ -102,7 +113,8 @@ def get_bound_args(f: Callable[..., Any] | jax.stages.Lowered, /, *args, **kwarg
     device runs (with Auto mesh axes, `f` is compiled to find it).
 
   Raises:
-    TypeError: when `f` is neither callable nor lowered.
+    TypeError: when `f` is neither callable nor traced or lowered (a `Compiled` holds
+      no program text), or is traced or lowered and also given arguments.
   """
   lowered = _lowered(f, args, kwargs)
   text = lowered.as_text()

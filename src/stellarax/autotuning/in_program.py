@@ -394,16 +394,16 @@ def check_in_program(result: AutotuningResult, f: Callable[..., Any], /, *args,
     The `ProgramCheck`.
 
   Raises:
-    TypeError: for a `jax.stages.Lowered` (its configs were fixed when it was lowered;
-      pass the function and its arguments).
+    TypeError: for a `jax.stages.Traced`, `Lowered` or `Compiled` (its configs were
+      fixed when it was traced; pass the function and its arguments).
     ValueError: if the program has no stellarax op call.
     stellarax.autotuning.profile.ProfileError: with `profile`, if a profile cannot be
       read; RuntimeError if a trace is already running (one at a time).
   """
-  if isinstance(f, (jax.stages.Lowered, jax.stages.Compiled)):
+  if isinstance(f, (jax.stages.Traced, jax.stages.Lowered, jax.stages.Compiled)):
     raise TypeError(
         f"check_in_program got a {type(f).__module__}.{type(f).__name__}, whose op configs "
-        "were chosen when it was lowered; it traces the program once per variant, so it "
+        "were chosen when it was traced; it traces the program once per variant, so it "
         "needs the function: pass f and its arguments (check_in_program(result, f, *args)), "
         "not f.lower(*args).")
   found = capture.get_bound_args(f, *args, **kwargs)
