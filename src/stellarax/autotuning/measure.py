@@ -1543,7 +1543,15 @@ def _loop_trips(cand: _Candidate, floor_s: float, options: MeasureOptions,
   and lasts a batch (`min_batch_s`), at least 2 and at most `loop_calls`. A 0.9 ms call
   looped 256 times ran 0.24 s, and its samples of three runs made a full measurement
   take the whole `max_total_s` (a TPU v5e, 2026-12-07). Where a compile cache is kept,
-  a candidate keeps the count it was first given, so its loop compiles once."""
+  a candidate keeps the count it was first given, so its loop compiles once.
+
+  Each run's own cost (about one dispatch floor where dispatch does not overlap the
+  work, XLA:CPU's) is shared by its calls, so candidates given fewer calls read slower
+  by up to 1/`host_bound_factor` of their time when `min_batch_s` is below the loop's
+  8 floors: three copies of one program read 0.78-1.13 us a call at 160-20 calls with
+  `min_batch_s=2e-4` (2026-12-07). At the default 1 ms a run, that is under 1% on the
+  CPU here, and where dispatch overlaps the device's work (GPU, TPU) a device-bound
+  run hides it."""
   remembered = _Aux("trips", (cand.key, options.loop_calls))
   if cache is not None and remembered in cache:
     return cache[remembered]
