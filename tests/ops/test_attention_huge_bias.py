@@ -82,3 +82,19 @@ def test_a_row_biased_minus_inf_averages_its_kept_values():
       q, k, v, bias, implementation=op), q, key, value)
   np.testing.assert_allclose(out[0, 5], value[0].mean(axis=0), rtol=1e-5, atol=1e-5)
   assert all(np.isfinite(g).all() for g in pull(dout))
+
+
+@pytest.mark.parametrize("op", [
+    pytest.param(PallasTritonAttention(interpret=True), id="triton"),
+    pytest.param(PallasMosaicGpuAttention(interpret=True), id="mosaic_gpu",
+                 marks=pytest.mark.mosaic_interpret),
+])
+def test_a_bias_above_float16_s_range_attends_to_its_key_as_jax(op):
+  # The Mosaic GPU kernels' per-query bias tile is stored in the inputs' dtype: 7e4
+  # became float16's +inf, and its query row NaN; jax (float32 logits) gives v[key].
+  q, key, value, _, _, _ = _inputs(jnp.float16)
+  bias = jnp.zeros((1, 1, _T, _T), jnp.float32).at[0, 0, 5, 3].set(7e4)
+  out = stellarax.dot_product_attention(q, key, value, bias, implementation=op)
+  out = np.asarray(out, np.float32)
+  assert np.isfinite(out).all()
+  np.testing.assert_allclose(out[0, 5], np.asarray(value[0, 3], np.float32), atol=1e-3)

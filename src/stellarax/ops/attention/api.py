@@ -28,8 +28,14 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       below about -9.1e4 to that floor, so a row a huge bias masks whole (-1e9,
       finfo.min, -inf) averages V, as jax's rounding makes -1e9 do (jax gives NaN for
       -inf), and its gradients are jax's (flash_blocks.BIASED_LOGIT_FLOOR). An integer
-      or bool bias is added as float32, as jax adds it (its gradient is float0).
-    mask: optional bool, broadcastable to (B, N, T, S) as the bias; True keeps a position.
+      or bool bias is added as float32, as jax adds it (its gradient is float0). The
+      Mosaic GPU kernels take a bias that varies over the queries in the inputs' dtype
+      (a bfloat16 bias of magnitude 20 moves logits by up to 0.04; one the same for
+      every query stays float32), as cuDNN does.
+    mask: optional bool, broadcastable to (B, N, T, S) as the bias; True keeps a
+      position. The Mosaic GPU kernels add -inf to a removed position's logit, so a
+      NaN or infinite key there gives NaN rows (jax and the other kernels select
+      instead); the sequence lengths and windows remove keys whatever they hold.
     scale: logit scale (default 1/sqrt(H)).
     is_causal: keep only keys s <= t.
     query_seq_lengths, key_value_seq_lengths: optional (B,) int lengths ((1,) unbatched).

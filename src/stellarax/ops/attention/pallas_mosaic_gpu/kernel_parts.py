@@ -133,8 +133,9 @@ def _pair_operand(bias: Any, mask: Any, p: _Problem, t_pad: int, s_pad: int, *,
 
   Kept positions hold the bias (0 without one), masked ones -inf, which the kernels
   treat like positions their positional masks remove; a bias is raised to twice
-  `flash_blocks.BIASED_LOGIT_FLOOR` (natural units, or float16's lowest), so that it is
-  finite and, where it is that low, the kernels' floor applies. Broadcast batch and
+  `flash_blocks.BIASED_LOGIT_FLOOR` (natural units, or float16's lowest), and lowered
+  to the stored dtype's largest, so that it is finite and, where it is that low, the
+  kernels' floor applies. Broadcast batch and
   head dims stay of size 1. When every query row sees the same values (`pair_per_key`)
   the operand is a float32 vector over the keys; otherwise T and S are materialised
   (TMA copies whole tiles), padded, and rounded to the input dtype.
@@ -151,7 +152,9 @@ def _pair_operand(bias: Any, mask: Any, p: _Problem, t_pad: int, s_pad: int, *,
   else:
     stored = jnp.float32 if p.pair_per_key else p.dtype
     lowest = max(2 * flash_blocks.BIASED_LOGIT_FLOOR / _LOG2E, float(jnp.finfo(stored).min))
-    x = jnp.maximum(bias.astype(jnp.float32), lowest)
+    # And no higher than the stored dtype holds: float16's 65504 (a bias of 7e4 became
+    # +inf, and its query row NaN, where jax attends to that key).
+    x = jnp.clip(bias.astype(jnp.float32), lowest, float(jnp.finfo(stored).max))
   if mask is not None:
     x = jnp.where(mask, x, -jnp.inf)
   if p.pair_per_key:
