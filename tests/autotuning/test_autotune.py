@@ -543,12 +543,17 @@ def test_autotune_accepts_bound_args_sequences_json_and_lowered(tmp_path):
   # holds no arrays to profile); a Compiled says what to pass instead.
   traced = jax.jit(model).trace(lhs, rhs, gs)
   assert {e.bound_args for e in tuner(total_budget_s=1.0).autotune(traced)} == {ba}
-  with pytest.raises(TypeError, match=r"Compiled holds no program text.*\.trace\(\.\.\.\)"):
+  with pytest.raises(TypeError, match=r"Compiled is past the StableHLO.*\.trace\(\.\.\.\)"):
     t.autotune(jax.jit(model).lower(lhs, rhs, gs).compile())
-  with pytest.raises(TypeError, match="Traced takes no arguments"):
+  with pytest.raises(TypeError, match="Traced takes no arguments") as e:
     t.autotune(traced, lhs)
+  with pytest.raises(TypeError) as e:
+    t.autotune(jax.jit(model).lower(lhs, rhs, gs).compile())
+  assert not getattr(e.value, "__notes__", None)  # not "autotune called f with no arguments"
   # What f returns besides arrays does not matter to capture (lowering refused a string).
-  assert autotuning.get_bound_args(lambda *a: (model(*a), "tag"), lhs, rhs, gs) == [ba]
+  tagged = lambda *a: (model(*a), "tag")
+  assert autotuning.get_bound_args(tagged, lhs, rhs, gs) == [ba]
+  assert len(tuner(total_budget_s=1.0).autotune(tagged, lhs, rhs, gs)) == 1  # profiled too
   with pytest.raises(TypeError, match="Autotuner"):
     t.autotune([ba], 1)
   with pytest.raises(TypeError, match=r"got one: pass \[ba\]"):
@@ -1764,8 +1769,9 @@ class _Rows(stellarax.Op, name="tests.rows_of_heuristic"):
 @pytest.mark.parametrize("heuristic", ["drop_last", "bad"])
 def test_output_shapes_are_the_reference_s_where_the_heuristic_s_differ_or_fail(heuristic):
   # The heuristic's program set the output types every config was judged by: one a row
-  # short made every correct config a wrong result ("differ from the expected"), and one
-  # that could not be traced left a config a row short unjudged by its shape.
+  # short made every correct config a wrong result ("differ from the expected"). One that
+  # cannot be traced leaves the reference's shapes to judge by (the value check also
+  # refuses a config a row short).
   x = jax.random.normal(jax.random.key(0), (8, 16))
   (entry,) = stellarax.Autotuner(progress=False, measure_options=FAST).autotune(
       [_Rows(heuristic=heuristic).bind(x)])

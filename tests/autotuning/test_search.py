@@ -1077,7 +1077,55 @@ def test_a_budget_spent_on_a_failed_heuristic_still_finds_a_config_that_runs(str
 
 def test_a_space_whose_every_config_fails_names_each_failure_whatever_the_budget():
   failing = {c: Measurement(status="compile_error", error=f"no {c}") for c in "abcd"}
-  replay = search.ReplayMeasure(failing, compile_cost_s=5.0)
+  replay = search.ReplayMeasure(failing, compile_cost_s=0.4, cost_s_per_config=0.0)
   with pytest.raises(AllCandidatesFailedError) as e:
     search.racing(list("abcd"), replay, heuristic="a", budget_s=1.0, clock=replay.clock)
   assert all(f"no {c}" in str(e.value) for c in "abcd")
+
+
+class _EveryConfigFails:
+  """A measure on a fake clock whose every config fails to compile, 1 s each."""
+
+  def __init__(self, status="compile_error", passes_after=None):
+    self.now, self.calls = 0.0, []
+    self.status, self.passes_after = status, passes_after
+
+  def clock(self) -> float:
+    return self.now
+
+  def __call__(self, configs, *, effort=1.0):
+    self.calls.append(list(configs))
+    out = {}
+    for c in configs:
+      self.now += 1.0
+      if self.passes_after is not None and len(self.calls) > self.passes_after:
+        t = 1e-3 * (1 + 0.02 * (c != 0))
+        out[c] = Measurement(status="ok", median_s=t, ci_low_s=t, ci_high_s=t, num_samples=3)
+      else:
+        out[c] = Measurement(status=self.status, error=f"no {c}")
+    return out
+
+
+@pytest.mark.parametrize("strategy", [search.racing, search.exhaustive, search.random_search])
+def test_looking_past_the_budget_for_a_config_that_runs_ends_at_twice_the_search(strategy):
+  # It measured all of a 10,000-config space past a 5 s budget (10,000 s).
+  measure = _EveryConfigFails()
+  with pytest.raises(AllCandidatesFailedError):
+    strategy(range(10_000), measure, heuristic=0, budget_s=5.0, clock=measure.clock)
+  assert 5.0 < measure.now <= 2 * (5.0 + 1.0) + 1.0
+
+
+def test_random_search_past_its_budget_draws_only_its_samples():
+  measure = _EveryConfigFails()
+  with pytest.raises(AllCandidatesFailedError):
+    search.random_search(range(50), measure, heuristic=0, num_samples=2, budget_s=30.0,
+                         clock=measure.clock)
+  assert sum(map(len, measure.calls)) == 3  # the heuristic and its two samples
+
+
+def test_a_runtime_error_is_measured_again_in_its_search():
+  # The device's memory held by another process for a moment: the heuristic failed at
+  # first, then ran; measured once only, a config 2% slower was chosen.
+  measure = _EveryConfigFails(status="runtime_error", passes_after=1)
+  outcome = search.racing(range(40), measure, heuristic=0, clock=measure.clock)
+  assert outcome.best == 0 and outcome.best_measurement.ok

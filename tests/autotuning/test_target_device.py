@@ -135,3 +135,13 @@ def test_a_gpu_whose_capability_is_unknown_gets_xla_and_is_named(user_cache_dir)
     with pytest.raises(NotImplementedError,
                        match=r"does not run on the abstract mesh's device \(NVIDIA Future GPU\)"):
       lower(lambda l, r, g: stellarax.ragged_dot(l, r, g, implementation=["pallas_triton"]))
+
+
+def test_under_a_concrete_mesh_the_device_itself_is_the_target():
+  # A concrete mesh has an abstract device too: dispatch read an H200's compute
+  # capability from its kind under `jax.set_mesh`, not from the device.
+  from stellarax.core import partitioning
+  with jax.set_mesh(jax.make_mesh((1,), ("x",))):
+    assert partitioning.target_device() is jax.devices()[0]
+  with jax.sharding.use_abstract_mesh(H200_MESH):
+    assert partitioning.target_device().device_kind == "NVIDIA H200"

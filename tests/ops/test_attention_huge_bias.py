@@ -89,11 +89,13 @@ def test_a_row_biased_minus_inf_averages_its_kept_values():
     pytest.param(PallasMosaicGpuAttention(interpret=True), id="mosaic_gpu",
                  marks=pytest.mark.mosaic_interpret),
 ])
-def test_a_bias_above_float16_s_range_attends_to_its_key_as_jax(op):
+@pytest.mark.parametrize("dtype,huge", [(jnp.float16, 7e4), (jnp.bfloat16, 3e38)])
+def test_a_bias_above_float16_s_range_attends_to_its_key_as_jax(op, dtype, huge):
   # The Mosaic GPU kernels' per-query bias tile is stored in the inputs' dtype: 7e4
-  # became float16's +inf, and its query row NaN; jax (float32 logits) gives v[key].
-  q, key, value, _, _, _ = _inputs(jnp.float16)
-  bias = jnp.zeros((1, 1, _T, _T), jnp.float32).at[0, 0, 5, 3].set(7e4)
+  # became float16's +inf, and its query row NaN; 3e38, finite in bfloat16, overflowed
+  # once scaled by log2(e). jax (float32 logits) gives v[key].
+  q, key, value, _, _, _ = _inputs(dtype)
+  bias = jnp.zeros((1, 1, _T, _T), jnp.float32).at[0, 0, 5, 3].set(huge)
   out = stellarax.dot_product_attention(q, key, value, bias, implementation=op)
   out = np.asarray(out, np.float32)
   assert np.isfinite(out).all()

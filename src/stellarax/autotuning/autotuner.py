@@ -278,7 +278,7 @@ class Autotuner:
         tuned before in `partial_result`.
 
     Warns:
-      NothingToTuneWarning: when a callable, Lowered or JSON holds no op call (the
+      NothingToTuneWarning: when a callable, Traced, Lowered or JSON holds no op call (the
         result is then empty); an empty sequence of BoundArguments does not warn.
     """
     _check_not_traced(args, kwargs)
@@ -683,7 +683,8 @@ def _found_calls(f: Any, args: tuple, kwargs: Mapping[str, Any]
   try:
     return capture.get_bound_args(f, *args, **kwargs), None
   except TypeError as exc:
-    if not args and not kwargs:  # the spec's `autotune(jax.grad(f))`, with f's arguments left out
+    stage = isinstance(f, (jax.stages.Traced, jax.stages.Lowered, jax.stages.Compiled))
+    if not args and not kwargs and not stage:  # `autotune(jax.grad(f))`, f's arguments left out
       exc.add_note("autotune called f with no arguments. If f takes some, pass them after it, "
                    "autotune(f, x, y) or autotune(jax.grad(loss), params, batch), or bind them "
                    "first: autotune(functools.partial(f, x, y)).")

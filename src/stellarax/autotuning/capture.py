@@ -1,4 +1,5 @@
-"""Finding the op calls of a program: from a callable, a Lowered, or JSON.
+"""Finding the op calls of a program: from a callable, a jax.stages.Traced or Lowered,
+or JSON.
 
 Every op call leaves a marker (see `stellarax.core.markers`) in the lowered
 program; capture lowers the program and reads the markers back from its text. A
@@ -42,7 +43,9 @@ def program_of_arrays(f: Callable[..., Any], args: tuple,
       the program's inputs.
 
   Returns:
-    (program, arrays): `program(arrays)` calls `f` with the arguments rebuilt.
+    (program, arrays): `program(arrays)` calls `f` with the arguments rebuilt and
+    returns the list of its outputs' array leaves (a string or other value among them
+    cannot be an output of a jitted program; the ops' outputs are arrays).
   """
   arrays, rebuild = specs.split_arrays(
       (tuple(args), dict(kwargs)),
@@ -50,7 +53,8 @@ def program_of_arrays(f: Callable[..., Any], args: tuple,
 
   def program(new_arrays):
     a, k = rebuild(new_arrays)
-    return f(*a, **k)
+    return [x for x in jax.tree.leaves(f(*a, **k))
+            if isinstance(x, (jax.Array, np.ndarray, np.generic))]  # float0 gradients too
 
   program.__name__ = getattr(f, "__name__", "program")
   return program, arrays
@@ -61,23 +65,18 @@ def _lowered(f: Any, args: tuple, kwargs: dict) -> jax.stages.Lowered:
     if args or kwargs:
       raise TypeError(f"A jax.stages.{type(f).__name__} takes no arguments: it was traced "
                       "with its own.")
-    if isinstance(f, jax.stages.Lowered):
-      return f
-    with miss_policy_scope("heuristics"):
-      return f.lower()
+    return f if isinstance(f, jax.stages.Lowered) else f.lower()
   if isinstance(f, jax.stages.Compiled):
-    raise TypeError("A jax.stages.Compiled holds no program text to find op calls in: pass "
-                    "the function, or its .trace(...) or .lower(...) before .compile().")
+    raise TypeError("A jax.stages.Compiled is past the StableHLO that op calls are found "
+                    "in: pass the function, or its .trace(...) or .lower(...) before "
+                    ".compile().")
   if not callable(f):
     raise TypeError(f"Expected a callable, a jax.stages.Traced or Lowered, got "
                     f"{type(f).__name__}: {f!r}.")
   program, arrays = program_of_arrays(f, args, kwargs)
-  # Capture only reads which ops run: no tuning on the spot while tracing. Of the
-  # outputs only the traced ones are kept (lowering refuses a string one; a call whose
-  # output is dropped is dead code, and JAX drops it).
-  traced_outputs = lambda a: [x for x in jax.tree.leaves(program(a)) if isinstance(x, jax.core.Tracer)]
+  # Capture only reads which ops run: no tuning on the spot while tracing.
   with miss_policy_scope("heuristics"):
-    return jax.jit(traced_outputs).lower(arrays)
+    return jax.jit(program).lower(arrays)
 
 
 def bound_args_from_text(text: str, per_device: Mapping[str, BoundArguments] | None = None
@@ -97,7 +96,8 @@ def bound_args_from_text(text: str, per_device: Mapping[str, BoundArguments] | N
   return list(seen)
 
 
-def get_bound_args(f: Callable[..., Any] | jax.stages.Lowered, /, *args, **kwargs) -> list[BoundArguments]:
+def get_bound_args(f: Callable[..., Any] | jax.stages.Traced | jax.stages.Lowered, /, *args,
+                   **kwargs) -> list[BoundArguments]:
   """Returns the unique `BoundArguments` of every stellarax op in `f`.
 
   Args:

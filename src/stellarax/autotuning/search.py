@@ -28,10 +28,11 @@ say which through an attribute `recalled(configs, effort) -> set of configs`: th
 model learns from the others only, since a recalled config costs nothing and would make
 the configs yet to measure look free (so the heuristic, whose measurements are the
 first calls a strategy times, should not be recalled). Failed configs come back as
-data, are never chosen and are not measured again in the search. Where the budget is
-spent before any config ran ok (a heuristic that timed out), the configs not measured
-yet are measured one at a time until one runs: only a space whose every config fails
-makes the strategy raise `AllCandidatesFailedError`, listing why each failed.
+data, are never chosen and, but for runtime errors, not measured again in the search.
+Where the budget is spent before any config ran ok (a heuristic that timed out), the
+configs not measured yet are measured one at a time until one runs, for up to the
+budget again, or the time taken so far where that is longer (`_Session.until_one_runs`); when every measured config failed, the
+strategy raises `AllCandidatesFailedError`, listing why each failed.
 
 Budget. A budgeted strategy plans each call on a cost model fitted to the calls before
 it (`_CostModel`; where a call compiled one new config and its Measurement reports
@@ -166,6 +167,11 @@ class Strategy(Protocol):
 # --- bookkeeping ------------------------------------------------------------------------
 
 
+# Failures a search does not measure again: what the config is (it does not compile, it
+# computes something else) or what costs its limit again (a timeout).
+_NOT_MEASURED_AGAIN: Final = frozenset({"compile_error", "wrong_result", "timeout"})
+
+
 class _Session(Generic[C]):
   """The clock, the cost of every measure call, and the best measurement of each config."""
 
@@ -231,13 +237,14 @@ class _Session(Generic[C]):
 
   def measure(self, configs: Sequence[C], effort: float) -> dict[C, Measurement]:
     """Measures `configs` at `effort` (the measure's answers, kept), but for those that
-    failed already in this session: their failure is returned as it was, not measured
-    again. A failure is what a config is here (a compile error, a wrong result) or cost
-    its limit (a timeout): measured again, a timed-out heuristic in racing's second and
-    last calls took 4 s of an 8 s budget, measured nothing new, and taught the cost model
-    that a call costs a timeout, so the search stopped with every config but the
-    heuristic unmeasured (2026-12-07)."""
-    failed = {c: self.kept(c) for c in configs if c in self._best and not self.kept(c).ok}
+    failed already in this session for what they are (`_NOT_MEASURED_AGAIN`): their
+    failure is returned as it was. Measured again, a timed-out heuristic in racing's
+    second and last calls took 4 s of an 8 s budget, measured nothing new, and taught
+    the cost model that a call costs a timeout, so the search stopped with every config
+    but the heuristic unmeasured (2026-12-07). A runtime error (the device's memory
+    held by another process) is measured again: it may pass, and it costs little."""
+    failed = {c: self.kept(c) for c in configs
+              if c in self._best and self.kept(c).status in _NOT_MEASURED_AGAIN}
     configs = [c for c in dict.fromkeys(configs) if c not in failed]
     if not configs:
       return failed
@@ -282,26 +289,33 @@ class _Session(Generic[C]):
     return self._best[config][1]
 
   def choose(self, finalists: Iterable[C], heuristic: C | None, order: Sequence[C]) -> C:
-    """The best of `finalists` (`pick_best`, `heuristic` preferred on ties). Where no
-    config measured so far ran ok, the budget does not end the search: the configs of
-    `order` not measured yet are measured one at a time until one runs (`_first_to_run`),
-    so that only a space whose every config fails raises, and then its error lists
-    every config's failure."""
-    finalists = list(dict.fromkeys(finalists))
-    if not any(m.ok for _, m, _ in self._best.values()):
-      runs = self._first_to_run(order)
-      finalists = runs or self.measured()  # every config failed: the error lists each
+    """The best of `finalists` (`pick_best`, `heuristic` preferred on ties); where none
+    of them ran ok, the best of every config measured (`until_one_runs` found one), and
+    where none of those did either, `pick_best`'s error lists each one's failure."""
+    finalists = [c for c in dict.fromkeys(finalists) if self.has(c)]
+    if not any(self.kept(c).ok for c in finalists):
+      finalists = self.measured()
     measurements = {c: self.kept(c) for c in finalists}
     prefer = heuristic if heuristic in measurements else None
     return pick_best(measurements, prefer=prefer, order=order)
 
-  def _first_to_run(self, order: Sequence[C]) -> list[C]:
-    """Measures the configs of `order` not measured yet, one at a time at full effort,
-    until one runs ok; returns it ([] where none does)."""
-    for config in order:
+  def until_one_runs(self, candidates: Sequence[C]) -> None:
+    """Where the budget ended the search before any config ran ok (a heuristic that
+    timed out took it: every strategy raised "None of the 1 candidates succeeded" with
+    the space unmeasured), measures the `candidates` not measured yet one at a time at
+    full effort until one runs, for at most as long again as the budget or as the search
+    took, whichever is longer: a search has nothing to return until one does, and past
+    that a space whose configs keep failing raises as before (with 10,000 configs that
+    all fail, the whole space was measured past a 5 s budget)."""
+    if self.budget_s is None or any(m.ok for _, m, _ in self._best.values()):
+      return
+    now = self._clock()
+    deadline = now + max(self.budget_s, now - self._start)
+    for config in candidates:
+      if self._clock() >= deadline:
+        return
       if config not in self._best and self.measure([config], 1.0)[config].ok:
-        return [config]
-    return []
+        return
 
   def outcome(self, strategy: str, best: C, num_configs: int) -> SearchOutcome[C]:
     return SearchOutcome(
@@ -722,7 +736,8 @@ def exhaustive(space: Iterable[C], measure: Measure[C], *, heuristic: C | None =
     The outcome, strategy "exhaustive".
 
   Raises:
-    AllCandidatesFailedError: if every measured config failed.
+    AllCandidatesFailedError: if every measured config failed (with a budget, also
+      those measured past it, one at a time, for a config that runs: `until_one_runs`).
     ValueError: for an empty space or bad arguments.
   """
   configs = _configs(space, heuristic)
@@ -732,6 +747,7 @@ def exhaustive(space: Iterable[C], measure: Measure[C], *, heuristic: C | None =
   session = _Session(measure, clock, budget_s)
   _sweep(session, configs, chunk_size)
   _side_by_side(session, heuristic)
+  session.until_one_runs(configs)
   best = session.choose(session.measured(), heuristic, configs)
   return session.outcome("exhaustive", best, len(configs))
 
@@ -762,7 +778,8 @@ def random_search(space: Iterable[C], measure: Measure[C], *, heuristic: C,
 
   Raises:
     ValueError: if neither num_samples nor budget_s is given, or for bad arguments.
-    AllCandidatesFailedError: if every measured config failed.
+    AllCandidatesFailedError: if every measured config failed (with a budget, also
+      those measured past it, one at a time, for a config that runs: `until_one_runs`).
   """
   if num_samples is None and budget_s is None:
     raise ValueError("random_search needs num_samples, budget_s or both; it got neither.")
@@ -775,6 +792,7 @@ def random_search(space: Iterable[C], measure: Measure[C], *, heuristic: C,
   session.measure([heuristic], 1.0)
   _sweep(session, pool, chunk_size)
   _side_by_side(session, heuristic)
+  session.until_one_runs(pool)
   best = session.choose(session.measured(), heuristic, configs)
   return session.outcome("random", best, len(configs))
 
@@ -1153,7 +1171,8 @@ def racing(space: Iterable[C], measure: Measure[C], *, heuristic: C,
      largest effort that does (at least `min_effort`), and when none does, the last round
      is held at once with the fastest configs so far. So the search ends within the budget
      as far as a call's cost can be predicted from the calls before it; the heuristic's
-     first measurement is always made.
+     first measurement is always made; where it failed and nothing has run ok, configs
+     are measured past the budget until one does (`_Session.until_one_runs`).
   5. The choice: `pick_best` over the last completed round and the heuristic, with the
      heuristic preferred on ties.
 
@@ -1173,7 +1192,8 @@ def racing(space: Iterable[C], measure: Measure[C], *, heuristic: C,
     The outcome, strategy "racing".
 
   Raises:
-    AllCandidatesFailedError: if every measured config failed.
+    AllCandidatesFailedError: if every measured config failed (with a budget, also
+      those measured past it, one at a time, for a config that runs: `until_one_runs`).
     ValueError: for an empty space or bad arguments.
   """
   if not isinstance(eta, int) or eta < 2:
@@ -1207,6 +1227,7 @@ def racing(space: Iterable[C], measure: Measure[C], *, heuristic: C,
   else:
     pool = pool[:schedule[0][0]] if schedule else []
     finalists = _race(session, pool, heuristic, schedule, min_effort, chunk_size, configs)
+  session.until_one_runs(_pool(configs, heuristic, rng_seed))
   best = session.choose([heuristic, *finalists], heuristic, configs)
   return session.outcome("racing", best, len(configs))
 

@@ -112,9 +112,16 @@ def target_device() -> Any:
   """The device a call traced now is for: the abstract mesh's device where one is set
   (lowering for another machine, e.g. `jax.sharding.use_abstract_mesh` of an H200's from
   a CPU host, as `jax.export` and deviceless compiles do: a `jax.sharding.AbstractDevice`,
-  with `device_kind` and `platform`), else the default backend's first device."""
+  with `device_kind` and `platform`), else the default backend's first device. That
+  device too where the abstract one is of its kind and platform (a concrete mesh's,
+  `jax.set_mesh`, has one), so that what the device states, its compute capability,
+  is read rather than taken from its kind."""
+  default = jax.devices()[0]
   abstract = jax.sharding.get_abstract_mesh().abstract_device
-  return abstract if abstract is not None else jax.devices()[0]
+  if abstract is None or (abstract.platform, abstract.device_kind) == (
+      default.platform, default.device_kind):
+    return default
+  return abstract
 
 
 def _dims(labels: str) -> Labels:

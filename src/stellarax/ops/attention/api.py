@@ -30,8 +30,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       -inf), and its gradients are jax's (flash_blocks.BIASED_LOGIT_FLOOR). An integer
       or bool bias is added as float32, as jax adds it (its gradient is float0). The
       Mosaic GPU kernels take a bias that varies over the queries in the inputs' dtype
-      (a bfloat16 bias of magnitude 20 moves logits by up to 0.04; one the same for
-      every query stays float32), as cuDNN does.
+      (rounded to bfloat16, a bias of magnitude 20 moves logits by up to 0.0625; one
+      the same for every query stays float32), as cuDNN does.
     mask: optional bool, broadcastable to (B, N, T, S) as the bias; True keeps a
       position. The Mosaic GPU kernels add -inf to a removed position's logit, so a
       NaN or infinite key there gives NaN rows (jax and the other kernels select

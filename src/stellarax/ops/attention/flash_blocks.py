@@ -40,6 +40,10 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 # below it lose the q.k ranking jax still keeps for a bias of about -9.1e4 to -1e7,
 # where the residual could not hold the row sum. float16's lowest, -65504, is above it.
 BIASED_LOGIT_FLOOR = -2.0 ** 17
+# The largest bias the kernels add (natural units): twice it, scaled to base 2, stays
+# finite in float32. A bias of 3e38 (finite in float32 and bfloat16) became +inf once
+# scaled by log2(e), and its row NaN, where jax attends to that key.
+BIAS_CEILING = float(np.finfo(np.float32).max) / 2 / 1.4426950408889634
 
 
 class BlockMasking:

@@ -293,8 +293,8 @@ def _scaled_logits(spec, q, k, bias_ref, mask_ref, heads, q0, bq, k0, bk, s_eff,
   orient = (lambda x: x.T) if transposed else (lambda x: x)
   if bias_ref is not None:
     bias = _load_pair_tile(bias_ref, heads[0], q0, bq, k0, bk, spec=spec, other=0.0)
-    s = jnp.maximum(s + orient(bias.astype(jnp.float32)) * _LOG2E,
-                    flash_blocks.BIASED_LOGIT_FLOOR)
+    bias = jnp.minimum(bias.astype(jnp.float32), flash_blocks.BIAS_CEILING)
+    s = jnp.maximum(s + orient(bias) * _LOG2E, flash_blocks.BIASED_LOGIT_FLOOR)
   ok = None
   if mask_ref is not None:
     ok = orient(_load_pair_tile(mask_ref, heads[1], q0, bq, k0, bk, spec=spec, other=False))

@@ -152,9 +152,11 @@ def _pair_operand(bias: Any, mask: Any, p: _Problem, t_pad: int, s_pad: int, *,
   else:
     stored = jnp.float32 if p.pair_per_key else p.dtype
     lowest = max(2 * flash_blocks.BIASED_LOGIT_FLOOR / _LOG2E, float(jnp.finfo(stored).min))
-    # And no higher than the stored dtype holds: float16's 65504 (a bias of 7e4 became
-    # +inf, and its query row NaN, where jax attends to that key).
-    x = jnp.clip(bias.astype(jnp.float32), lowest, float(jnp.finfo(stored).max))
+    # And no higher than the stored dtype holds (float16's 65504: a bias of 7e4 became
+    # +inf, and its query row NaN, where jax attends to that key), nor than
+    # `flash_blocks.BIAS_CEILING` (finite once the kernels scale it by log2(e)).
+    highest = min(float(jnp.finfo(stored).max), flash_blocks.BIAS_CEILING)
+    x = jnp.clip(bias.astype(jnp.float32), lowest, highest)
   if mask is not None:
     x = jnp.where(mask, x, -jnp.inf)
   if p.pair_per_key:
