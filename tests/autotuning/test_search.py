@@ -1027,29 +1027,40 @@ def test_the_walk_over_tuples_of_other_classes_and_numpy_numbers():
   assert search._CostModel.fit([(1, 0.0, 0.5, 0, 0)]).fixed_s == pytest.approx(0.5)
 
 
-class _TimedOutHeuristic:
-  """A measure on a fake clock: config "h" times out (each measurement of it costs the
-  2 s limit), configs 0..19 run ok in 0.07 s at full effort, 0 the fastest."""
+def _ok(seconds: float) -> Measurement:
+  return Measurement(status="ok", median_s=seconds, ci_low_s=seconds, ci_high_s=seconds,
+                     num_samples=3, compile_time_s=0.02)
 
-  def __init__(self, limit_s: float = 2.0):
-    self.now, self.calls, self.limit_s = 0.0, [], limit_s
+
+class _FakeClockMeasure:
+  """A measure on a fake clock that keeps the configs of each call; subclasses say what
+  each config gives (`_one`) and advance `now`."""
+
+  def __init__(self):
+    self.now, self.calls = 0.0, []
 
   def clock(self) -> float:
     return self.now
 
   def __call__(self, configs, *, effort=1.0):
     self.calls.append(list(configs))
-    out = {}
-    for c in configs:
-      if c == "h":
-        self.now += self.limit_s
-        out[c] = Measurement(status="timeout", error=f"did not finish within {self.limit_s} s")
-      else:
-        self.now += 0.05 * effort + 0.02
-        t = 1e-3 * (1 + c / 100)
-        out[c] = Measurement(status="ok", median_s=t, ci_low_s=t, ci_high_s=t, num_samples=3,
-                             compile_time_s=0.02)
-    return out
+    return {c: self._one(c, effort) for c in configs}
+
+
+class _TimedOutHeuristic(_FakeClockMeasure):
+  """Config "h" times out (each measurement of it costs the 2 s limit), configs 0..19
+  run ok in 0.07 s at full effort, 0 the fastest."""
+
+  def __init__(self, limit_s: float = 2.0):
+    super().__init__()
+    self.limit_s = limit_s
+
+  def _one(self, c, effort):
+    if c == "h":
+      self.now += self.limit_s
+      return Measurement(status="timeout", error=f"did not finish within {self.limit_s} s")
+    self.now += 0.05 * effort + 0.02
+    return _ok(1e-3 * (1 + c / 100))
 
 
 @pytest.mark.parametrize("strategy,budget_s", [
@@ -1083,27 +1094,19 @@ def test_a_space_whose_every_config_fails_names_each_failure_whatever_the_budget
   assert all(f"no {c}" in str(e.value) for c in "abcd")
 
 
-class _EveryConfigFails:
-  """A measure on a fake clock whose every config fails to compile, 1 s each."""
+class _EveryConfigFails(_FakeClockMeasure):
+  """Every config fails (`status`), 1 s each; with `passes_after`, every config runs ok
+  in the calls after that many, 0 the fastest."""
 
   def __init__(self, status="compile_error", passes_after=None):
-    self.now, self.calls = 0.0, []
+    super().__init__()
     self.status, self.passes_after = status, passes_after
 
-  def clock(self) -> float:
-    return self.now
-
-  def __call__(self, configs, *, effort=1.0):
-    self.calls.append(list(configs))
-    out = {}
-    for c in configs:
-      self.now += 1.0
-      if self.passes_after is not None and len(self.calls) > self.passes_after:
-        t = 1e-3 * (1 + 0.02 * (c != 0))
-        out[c] = Measurement(status="ok", median_s=t, ci_low_s=t, ci_high_s=t, num_samples=3)
-      else:
-        out[c] = Measurement(status=self.status, error=f"no {c}")
-    return out
+  def _one(self, c, effort):
+    self.now += 1.0
+    if self.passes_after is not None and len(self.calls) > self.passes_after:
+      return _ok(1e-3 * (1 + 0.02 * (c != 0)))
+    return Measurement(status=self.status, error=f"no {c}")
 
 
 @pytest.mark.parametrize("strategy", [search.racing, search.exhaustive, search.random_search])
