@@ -31,8 +31,9 @@ first calls a strategy times, should not be recalled). Failed configs come back 
 data, are never chosen and, but for runtime errors, not measured again in the search.
 Where the budget is spent before any config ran ok (a heuristic that timed out), the
 configs not measured yet are measured one at a time until one runs, for up to the
-budget again, or the time taken so far where that is longer (`_Session.until_one_runs`); when every measured config failed, the
-strategy raises `AllCandidatesFailedError`, listing why each failed.
+budget again, or the time taken so far where that is longer (`_Session.until_one_runs`);
+when every measured config failed, the strategy raises `AllCandidatesFailedError`,
+listing why each failed.
 
 Budget. A budgeted strategy plans each call on a cost model fitted to the calls before
 it (`_CostModel`; where a call compiled one new config and its Measurement reports
@@ -1225,9 +1226,9 @@ def racing(space: Iterable[C], measure: Measure[C], *, heuristic: C,
     # and are not chosen on them.
     finalists = _final_round(session, walked, heuristic, min_effort) or walked
   else:
-    pool = pool[:schedule[0][0]] if schedule else []
-    finalists = _race(session, pool, heuristic, schedule, min_effort, chunk_size, configs)
-  session.until_one_runs(_pool(configs, heuristic, rng_seed))
+    raced = pool[:schedule[0][0]] if schedule else []
+    finalists = _race(session, raced, heuristic, schedule, min_effort, chunk_size, configs)
+  session.until_one_runs(pool)
   best = session.choose([heuristic, *finalists], heuristic, configs)
   return session.outcome("racing", best, len(configs))
 

@@ -1,8 +1,8 @@
 """Choosing an implementation for a public op function (`implementation=`).
 
 - None: the implementations that run on the device the call is traced for (the
-  default device, or an abstract mesh's when lowering for another machine), fastest first
-  when measurements of this call exist in the active results or caches, else
+  default device, or an abstract mesh's when lowering for another machine), fastest
+  first when measurements of this call exist in the active results or caches, else
   in the family's stated preference order;
 - a name ("xla", "pallas_triton", or the full "ragged_dot.xla") or an `Op`
   instance: that one;
@@ -170,7 +170,8 @@ def _note_where_it_runs(e: Exception, op: Op) -> None:
   device = partitioning.target_device()
   if _runs_on(op, device) or any(n.startswith("stellarax:") for n in getattr(e, "__notes__", ())):
     return
-  e.add_note(f"stellarax: {op.name} does not run on {_device_words(device)}; pass {type(op).__name__}(interpret=True) to run"
+  e.add_note(f"stellarax: {op.name} does not run on {_device_words(device)}; pass"
+             f" {type(op).__name__}(interpret=True) to run"
              " its kernel here, or a preference list such as"
              f" [{op.name.partition('.')[2]!r}, 'xla'] to fall back.")
 
@@ -194,8 +195,8 @@ def _call_family(family: str, preference: Sequence[str], implementation: Any, ar
     ops, explicit = [_as_op(family, implementation)], True
 
   reasons = []
+  device = partitioning.target_device()  # an H200's when lowering for one from a CPU host
   if not explicit or isinstance(implementation, (list, tuple)):  # named alone: always tried
-    device = partitioning.target_device()  # an H200's when lowering for one from a CPU host
     runs = [_runs_on(op, device) for op in ops]
     if explicit:
       reasons = [f"  {op.name}: does not run on {_device_words(device)}; "
@@ -210,7 +211,7 @@ def _call_family(family: str, preference: Sequence[str], implementation: Any, ar
     except NotImplementedError as e:
       reasons.append(f"  {op.name}: {e}")
   if not bound:
-    why = "\n".join(reasons) or f"  none of {list(preference)} runs on {partitioning.target_device().platform}"
+    why = "\n".join(reasons) or f"  none of {list(preference)} runs on {device.platform}"
     raise NotImplementedError(f"No {family} implementation supports these arguments:\n{why}")
   if not explicit and len(bound) > 1:
     timed = [(_measured_time(BoundArguments.from_values(op, v)), i) for i, (op, v) in enumerate(bound)]

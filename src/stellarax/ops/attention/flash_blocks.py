@@ -43,7 +43,7 @@ BIASED_LOGIT_FLOOR = -2.0 ** 17
 # The largest bias the kernels add (natural units): twice it, scaled to base 2, stays
 # finite in float32. A bias of 3e38 (finite in float32 and bfloat16) became +inf once
 # scaled by log2(e), and its row NaN, where jax attends to that key.
-BIAS_CEILING = float(np.finfo(np.float32).max) / 2 / 1.4426950408889634
+BIAS_CEILING = float(np.finfo(np.float32).max) / 2 / math.log2(math.e)
 
 
 class BlockMasking:
