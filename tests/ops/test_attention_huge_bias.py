@@ -100,3 +100,48 @@ def test_a_bias_above_float16_s_range_attends_to_its_key_as_jax(op, dtype, huge)
   out = np.asarray(out, np.float32)
   assert np.isfinite(out).all()
   np.testing.assert_allclose(out[0, 5], np.asarray(value[0, 3], np.float32), atol=1e-3)
+
+
+@pytest.mark.parametrize("op,dtype,tol", [
+    pytest.param(PallasTritonAttention(interpret=True), jnp.float32, 2e-3, id="triton"),
+    pytest.param(PallasMosaicGpuAttention(interpret=True), jnp.bfloat16, 2e-2,
+                 id="mosaic_gpu", marks=pytest.mark.mosaic_interpret),
+])
+@pytest.mark.parametrize("per_query", [False, True], ids=["mask per key", "mask per query"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["mask", "mask and bias"])
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_non_finite_keys_under_the_mask_are_ignored_as_jax(op, dtype, tol, per_query,
+                                                           with_bias):
+  # The Mosaic GPU kernels added -inf to a masked logit, and NaN + -inf is NaN: a NaN
+  # or infinite key under the mask gave NaN rows, where jax selects.
+  q, key, value, dout, _, _ = _inputs(dtype)
+  # An ordinary bias: the huge rows of _inputs meet jax's finfo.min for masked logits.
+  bias = jax.random.normal(jax.random.key(1), (1, 2, _T, _T), jnp.float32)
+  key = key.at[0, 4, 0].set(jnp.nan).at[0, 9, 1].set(jnp.inf)
+  mask = np.ones((1, 1, _T if per_query else 1, _T), bool)
+  mask[..., [4, 9]] = False
+  mask[..., 0, 11] = False  # A per-query mask differs between rows.
+  bias = bias if with_bias else None
+  operands = (q, key, value) + ((bias,) if with_bias else ())
+
+  def ours(q, k, v, b=None):
+    return stellarax.dot_product_attention(q, k, v, b, jnp.asarray(mask),
+                                           implementation=op)
+
+  def ref(q, k, v, b=None):
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    return jax.nn.dot_product_attention(*f32, b, jnp.asarray(mask))
+
+  out, pull = jax.vjp(ours, *operands)
+  with jax.default_matmul_precision("highest"):
+    want, pull_ref = jax.vjp(ref, *operands)
+    want_grads = pull_ref(dout.astype(jnp.float32))
+  grads = pull(dout)
+  # dq is NaN in jax too (the masked column of dlogits is 0, and 0 x NaN is NaN).
+  names = ("out", "dq", "dk", "dv", "dbias")
+  for name, got, exp in zip(names, (out, *grads), (want, *want_grads)):
+    if name == "dq":
+      continue
+    got, exp = np.asarray(got, np.float32), np.asarray(exp, np.float32)
+    assert np.isfinite(exp).all(), name
+    np.testing.assert_allclose(got, exp, atol=tol * np.abs(exp).max(), err_msg=name)

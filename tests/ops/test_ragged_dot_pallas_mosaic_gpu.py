@@ -175,6 +175,41 @@ def test_drhs_matches_reference(name, config, dtype):
     start = end
 
 
+def _per_group_drhs(lhs, dout, group_sizes):
+  """drhs[g] = lhs[rows of g].T @ dout[rows of g] in float32 NumPy: a non-finite value
+  reaches only its own group's gradient."""
+  lhs, dout = np.asarray(lhs, np.float32), np.asarray(dout, np.float32)
+  out, start = [], 0
+  for size in group_sizes:
+    end = min(start + size, lhs.shape[0])
+    with np.errstate(invalid="ignore", over="ignore"):
+      out.append(lhs[start:end].T @ dout[start:end])
+    start = end
+  return np.stack(out)
+
+
+@pytest.mark.parametrize("config", [CONFIG_A, CONFIG_B], ids=["split m", "split n"])
+@pytest.mark.mosaic_interpret
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_drhs_keeps_non_finite_rows_in_their_own_group(config):
+  # A step crossing a group's edge zeroed one operand's rows outside the group (lhs
+  # with "m", dout with "n"), and 0 x NaN is NaN: a NaN in the other operand's row
+  # there, or in a row of no group, made a neighbouring group's gradient NaN.
+  w = Workload(150, 128, 256, (37, 0, 50, 40))  # Rows 127-149 are in no group.
+  lhs, _, dout, sizes = _inputs(w, jnp.bfloat16, seed=12)
+  lhs = lhs.at[40, 5].set(jnp.nan).at[130, 7].set(jnp.inf)    # Group 2; no group.
+  dout = dout.at[90, 3].set(jnp.inf).at[140, 9].set(jnp.nan)  # Group 3; no group.
+  drhs = pm.ragged_dot_drhs_pallas_mosaic_gpu(lhs, dout, sizes, w.g,
+                                              preferred_element_type=jnp.float32,
+                                              interpret=RACE_CHECK, **config)
+  assert _no_races()
+  expected = _per_group_drhs(lhs, dout, w.group_sizes)
+  assert np.isfinite(expected[[0, 1]]).all() and not np.isfinite(expected[[2, 3]]).all()
+  # NaN where the group's own rows give it (inf x 0 included), the rest as float32.
+  finite = np.abs(expected[np.isfinite(expected)]).max()
+  np.testing.assert_allclose(np.asarray(drhs), expected, rtol=1e-5, atol=1e-5 * finite)
+
+
 @pytest.mark.mosaic_interpret
 def test_split_k_forward_and_dlhs_match_reference():
   """Split-K: float32 partials of 2 contraction shares summed, awkward groups."""

@@ -33,9 +33,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       (rounded to bfloat16, a bias of magnitude 20 moves logits by up to 0.0625; one
       the same for every query stays float32), as cuDNN does.
     mask: optional bool, broadcastable to (B, N, T, S) as the bias; True keeps a
-      position. The Mosaic GPU kernels add -inf to a removed position's logit, so a
-      NaN or infinite key there gives NaN rows (jax and the other kernels select
-      instead); the sequence lengths and windows remove keys whatever they hold.
+      position. A removed position is ignored whatever its key holds (NaN, inf), as
+      are keys the sequence lengths and windows remove.
     scale: logit scale (default 1/sqrt(H)).
     is_causal: keep only keys s <= t.
     query_seq_lengths, key_value_seq_lengths: optional (B,) int lengths ((1,) unbatched).

@@ -20,10 +20,8 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
     lhs: (M, K) array; rows of group g are consecutive, in group order.
     rhs: (G, K, N) array, one matrix per group.
     group_sizes: (G,) integer array; may sum to less than M (the remaining
-      rows give zeros; their lhs rows must be finite for the Mosaic GPU kernel's rhs
-      gradient, as must the rows of a group's neighbours there: a tile that crosses
-      a group's edge zeroes one operand's rows, and 0 x NaN is NaN) and contain zeros
-      (empty groups). Sizes must be >= 0 and
+      rows give zeros, and their values, NaN included, reach no gradient) and
+      contain zeros (empty groups). Sizes must be >= 0 and
       sum to at most M; as in jax.lax.ragged_dot, the values are not checked
       (that would wait for them on the device), and other values give undefined
       results.

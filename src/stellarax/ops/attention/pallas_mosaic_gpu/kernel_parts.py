@@ -624,12 +624,15 @@ def _add_pair(p: _Problem, s: jax.Array, pair_ring: Any, slot: Any, offset: int 
   else:
     vector = pair_ring.at[slot, pl.ds(offset, s.shape[0])]
     pair = _rows(plgpu.load(vector, layout=plgpu.Layout.WGMMA.reduce(1)), s.shape)
-  s = s + pair * _LOG2E
+  # A masked position's logit is -inf whatever the key holds: selected, not added, since
+  # NaN + -inf is NaN (a NaN or infinite key under the mask gave a NaN row).
+  masked = pair == -jnp.inf
   if not p.has_bias:
-    return s
-  # The floor of biased logits (flash_blocks.BIASED_LOGIT_FLOOR); masked ones stay -inf.
-  floored = jnp.maximum(s, flash_blocks.BIASED_LOGIT_FLOOR)
-  return jnp.where(pair == -jnp.inf, s, floored) if p.has_mask else floored
+    # The pair is 0 or -inf: the select replaces the add, at the same cost.
+    return jnp.where(masked, -jnp.inf, s)
+  # The floor of biased logits (flash_blocks.BIASED_LOGIT_FLOOR).
+  floored = jnp.maximum(s + pair * _LOG2E, flash_blocks.BIASED_LOGIT_FLOOR)
+  return jnp.where(masked, -jnp.inf, floored) if p.has_mask else floored
 
 
 def _live_rows(shape: tuple[int, int], row0: Any, t_eff: Any) -> jax.Array:

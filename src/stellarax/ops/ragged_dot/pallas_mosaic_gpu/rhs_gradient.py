@@ -6,14 +6,14 @@ One loop step computes one (group, K tile, N tile) of drhs: a loop of dynamic le
 over the group's rows in steps of block_k, starting at the group's first row aligned
 down to 8 (the last step moved up to end at row M at most). Rows of a step outside
 the group, or already counted by the previous step, exist only in a group's first
-and last steps; there they are zeroed in shared memory before the wgmma. Each
-compute warpgroup zeroes only the operand slice that it alone reads (its lhs columns
-with wg_split="m", its dout columns with wg_split="n"), so the two never write the
-same shared memory. (Zeroing is exact for finite values. With wg_split="m" the
-zeroed operand is lhs, as in the reference, which masks lhs; with wg_split="n" it is
-dout, so an inf in a neighbouring group's lhs row gives NaN where the reference
-stays finite, and an inf in such a dout row does not give the reference's NaN.)
-An empty group runs no step and stores zeros. Output tiles are disjoint, so CTAs
+and last steps; there they are zeroed in shared memory, in both operands, before the
+wgmma: 0 x NaN is NaN, so a non-finite value in a neighbouring group's row (or a row
+in no group) of either operand would reach drhs (jax.lax.ragged_dot's gradient
+ignores such rows). Each compute warpgroup zeroes the slice of the split operand that
+it alone reads (its lhs columns with wg_split="m", its dout columns with "n") and
+every other 64-column granule of the operand both read, so the two never write the
+same shared memory, and then waits for the other at a barrier. A group's inner steps
+pay nothing. An empty group runs no step and stores zeros. Output tiles are disjoint, so CTAs
 never write the same element.
 """
 
@@ -34,12 +34,16 @@ from stellarax.ops import pallas_common
 from stellarax.ops.ragged_dot.pallas_mosaic_gpu.kernel_parts import (
     _column_tile, _DRHS_STATIC, _ignore, _launch, _out_dtype, _prepare, _row_operand, _StageRelease,
     _StepMma, _store_rows, _swizzled, _Tiles, _tunables_in, _warp_specialized)
-from stellarax.ops.ragged_dot.pallas_mosaic_gpu.tunables import _ROW_ALIGN
+from stellarax.ops.ragged_dot.pallas_mosaic_gpu.tunables import _NUM_COMPUTE_WGS, _ROW_ALIGN
 from stellarax.ops.ragged_dot.pallas_mosaic_gpu.work_items import (
     _pad_rows, group_offsets, padded_rows)
 from stellarax.ops.ragged_dot.reference import check_group_sizes
 
 plgpu = pallas_backends.mosaic_gpu
+
+# Columns of one 128-byte swizzle row of 16-bit elements: the narrowest slice of a
+# swizzled tile that keeps its tiling.
+_GRANULE = 64
 
 
 def _zero_rows_outside(operand: Any, *, first_row: jax.Array, lo: jax.Array,
@@ -47,14 +51,31 @@ def _zero_rows_outside(operand: Any, *, first_row: jax.Array, lo: jax.Array,
   """Zeroes, in shared memory, the rows of a (block_k, cols) tile outside [lo, hi).
 
   Row r of the tile is row first_row + r of the array. The values go through
-  registers in the wgmma layout; the fence makes them visible to the next wgmma.
+  registers in the wgmma layout; the caller's `commit_smem` makes the stores visible
+  to the next wgmma.
   """
   values = operand[...]
   rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, values.shape, 0), plgpu.Layout.WGMMA)
   rows = rows + first_row
   keep = (rows >= lo) & (rows < hi)
   operand[...] = jnp.where(keep, values, jnp.zeros_like(values))
-  plgpu.commit_smem()
+
+
+def _zero_share_of_rows_outside(operand: Any, wg: jax.Array, **rows: jax.Array) -> None:
+  """This warpgroup's share of `_zero_rows_outside` on a tile that every compute
+  warpgroup reads: the 64-column granules n with n % _NUM_COMPUTE_WGS == wg (a traced
+  offset: one code path for every warpgroup)."""
+  cols = operand.shape[1]
+  for n in range(-(-cols // (_NUM_COMPUTE_WGS * _GRANULE))):
+    col = pl.multiple_of((n * _NUM_COMPUTE_WGS + wg) * _GRANULE, _GRANULE)
+
+    def _granule(col=col):
+      _zero_rows_outside(operand.at[:, pl.ds(col, _GRANULE)], **rows)
+
+    if cols % (_NUM_COMPUTE_WGS * _GRANULE):
+      pl.when(col < cols)(_granule)  # Fewer granules left than warpgroups.
+    else:
+      _granule()
 
 
 def _drhs_specs(tiles: _Tiles, dtype: Any, index_map) -> list[Any]:
@@ -96,9 +117,10 @@ class _GroupSteps:
     return jnp.maximum(self.lo, self.aligned + step * self.block_k)
 
 
-def _drhs_mma(tiles: _Tiles, rows: _GroupSteps) -> _StepMma:
+def _drhs_mma(tiles: _Tiles, rows: _GroupSteps, edge_ready: Any) -> _StepMma:
   """An rhs-gradient step's wgmma: acc (K x N part) += lhs_tile.T @ dout_tile, rows
-  outside the group zeroed first (only a group's edge steps have any)."""
+  outside the group zeroed first in both tiles (only a group's edge steps have any);
+  the compute warpgroups meet at `edge_ready` after zeroing."""
   wm, wn = tiles.wg_shape
 
   def slices(lhs_smem, dout_smem):
@@ -114,13 +136,18 @@ def _drhs_mma(tiles: _Tiles, rows: _GroupSteps) -> _StepMma:
   def prepare(step, lhs_smem, dout_smem):
     a, b = slices(lhs_smem, dout_smem)
     first, valid = rows.first_row(step), rows.first_valid(step)
+    outside = dict(first_row=first, lo=valid, hi=rows.hi)
 
-    # Each warpgroup zeroes only the slice that it alone reads (its lhs columns, or
-    # its dout columns), so the two never write the same shared memory.
     @pl.when((first < valid) | (first + tiles.block_k > rows.hi))
     def _mask():
-      _zero_rows_outside(a if tiles.wg_split == "m" else b, first_row=first, lo=valid,
-                         hi=rows.hi)
+      # The split operand's slice only this warpgroup reads, then its share of the
+      # operand both read; the other warpgroup's share must be zeroed before the wgmma.
+      own, both_read = (a, dout_smem) if tiles.wg_split == "m" else (b, lhs_smem)
+      _zero_rows_outside(own, **outside)
+      _zero_share_of_rows_outside(both_read, lax.axis_index("wg"), **outside)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(edge_ready)
+      plgpu.barrier_wait(edge_ready)
 
   return _StepMma(operands, prepare)
 
@@ -149,9 +176,10 @@ def _drhs_kernel(offsets_gmem, lhs_gmem, dout_gmem, out_gmem, *, tiles: _Tiles,
       allocs=pipeline(_ignore, _ignore, tiles.max_concurrent_steps,
                       lambda s: (s, 0)).get_allocations(lhs_gmem, dout_gmem),
       o_smem=tiles.epilogue_buffer(out_gmem.dtype),
+      edge_ready=plgpu.Barrier(num_arrivals=_NUM_COMPUTE_WGS),
       collective_axes="wg",
   )
-  def _scope(allocs, o_smem):
+  def _scope(allocs, o_smem, edge_ready):
     wg = lax.axis_index("wg")
     wg_row, wg_col = tiles.wg_offsets(wg)
     release = _StageRelease(tiles.delay_release, allocs, check_reads)
@@ -176,7 +204,7 @@ def _drhs_kernel(offsets_gmem, lhs_gmem, dout_gmem, out_gmem, *, tiles: _Tiles,
                       count=wm)
 
       index_map = lambda step: (pl.multiple_of(rows.first_row(step), _ROW_ALIGN), 0)
-      mma = _drhs_mma(tiles, rows)
+      mma = _drhs_mma(tiles, rows, edge_ready)
       pipeline(release.body(mma), compute_context, rows.num_steps, index_map)(
           lhs_gmem.at[:, pl.ds(m0, bm)], dout_gmem.at[:, pl.ds(n0, bn)], allocations=allocs)
 
