@@ -131,6 +131,42 @@ def test_a_stale_entry_whose_config_the_op_no_longer_offers_is_passed_over(user_
       assert (lookup.lookup_time(ba) is None) == passed_over
 
 
+def test_explain_names_the_entry_that_answered_and_the_one_passed_over(user_cache_dir):
+  # The inner result's stale entry holds a config no longer offered, so the outer
+  # result's current entry answers: explain called the answer stale (it read the first
+  # entry of the call, not the one resolution took), and with a cache answering it did
+  # not say that the inner entry was passed over.
+  from stellarax.autotuning import cache
+  from stellarax.ops.ragged_dot.base import XlaRaggedDotConfig
+  ba = stellarax.XlaRaggedDot.bind(jax.ShapeDtypeStruct((20, 16), "float32"),
+                                   jax.ShapeDtypeStruct((2, 16, 8), "float32"),
+                                   jax.ShapeDtypeStruct((2,), "int32"))
+  offered, gone = XlaRaggedDotConfig(strategy="masked"), XlaRaggedDotConfig(strategy="tiled",
+                                                                             tile_m=512)
+  kind = jax.devices()[0].device_kind
+
+  def result_of(config, stale):
+    entry = autotuning.Entry(ba, config, ba.heuristics_config, ((config, _ok(1e-3)),),
+                             code="0000000000000000" if stale else "")
+    return autotuning.AutotuningResult(kind, {entry.key: entry})
+
+  inner, outer = result_of(gone, stale=True), result_of(offered, stale=False)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", autotuning.VersionWarning)
+    with outer, inner:
+      explained = autotuning.explain(ba)
+    assert (explained.source, explained.config, explained.stale) == ("result", offered, None)
+    assert "passed over" in explained.passed_over and "again" not in str(explained)
+    cache.USER_CACHE.write(outer)
+    with inner:
+      explained = autotuning.explain(ba)
+    assert (explained.source, explained.config) == ("user_cache", offered)
+    assert explained.stale is None and "the result's entry" in explained.passed_over
+    # The entry that answers first hides those behind it.
+    with inner, outer:
+      assert autotuning.explain(ba).passed_over is None
+
+
 @contextlib.contextmanager
 def _no_warning():
   with warnings.catch_warnings():

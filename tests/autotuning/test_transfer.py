@@ -25,6 +25,7 @@ from stellarax.autotuning.measure import Measurement
 from stellarax.core import resolution
 from stellarax.core.config import check_power_of_two, config_dataclass
 from stellarax.core.op import Op
+from stellarax.ops.attention.base import XlaChunkedAttentionConfig
 from stellarax.ops.ragged_dot.base import XlaRaggedDotConfig
 from stellarax.ops.ragged_dot.reference import ragged_dot_reference
 
@@ -123,6 +124,25 @@ def test_at_equal_distance_the_innermost_result_wins():
     assert resolution.resolve_config(_ragged(512)).config == _tiled(256)
   with inner, outer:
     assert resolution.resolve_config(_ragged(512)).config == _tiled(32)
+
+
+def test_an_entry_that_measured_only_its_heuristic_is_passed_over():
+  # A budget too small to search records the heuristic alone (Entry.starved); its
+  # config is its own shape's heuristic, and was handed to every neighbour instead of
+  # theirs. The next neighbour that searched is taken; with none, the call's heuristic.
+  small = _ragged(16)
+  h = small.heuristics_config
+  starved = autotuning.Entry(bound_args=small, best_config=h, heuristic_config=h,
+                             measurements=((h, _entry(small, h).measurements[0][1]),))
+  assert starved.starved()
+  big = _ragged(256)
+  assert h != big.heuristics_config  # (else passing it over would not show)
+  with _result(starved):
+    assert resolution.resolve_config(big).config == big.heuristics_config
+    assert transfer.transfer_config(big) is None
+  searched = _entry(_ragged(4096), _tiled(128))
+  with _result(starved, searched):
+    assert transfer.transfer_config(big).neighbour == _ragged(4096)
 
 
 def test_distance_counts_doublings_and_differing_options():
@@ -400,6 +420,29 @@ def test_a_fitted_rule_never_answers_a_key_it_was_fitted_on_with_a_config_that_f
   assert all(dict(e.measurements)[fit.rule.predict(e.bound_args)].ok for e in entries)
 
 
+def test_a_config_no_longer_offered_is_no_answer_of_a_sweep():
+  # A stale entry's fastest config is outside today's space: it was the "best" that
+  # regrets were measured against, and where only it ran, printing the fit raised
+  # IndexError (a leaf with an empty ranking).
+  gone = _tiled(8)
+  assert all(gone not in _ragged(m, g=8).autotuning_configs for m in (64, 256, 512, 1024))
+
+  def with_gone(entry, time_s):
+    ran = Measurement(status="ok", median_s=time_s, ci_low_s=time_s, ci_high_s=time_s,
+                      num_samples=3)
+    return dataclasses.replace(entry, measurements=entry.measurements + ((gone, ran),))
+
+  entries = [with_gone(_entry(_ragged(m, g=8), _tiled(16), slower=1.5), 1e-4)
+             for m in (64, 256, 1024)]
+  fit = autotuning.fit_heuristics(_result(*entries), "ragged_dot.xla")
+  assert fit.rule_regret.geomean == 1.0 and fit.rule.predict(_ragged(512, g=8)) == _tiled(16)
+  failed = Measurement(status="compile_error", error="too many registers")
+  only_gone = [dataclasses.replace(e, measurements=tuple(
+      (c, m if c == gone else failed) for c, m in e.measurements)) for e in entries]
+  with pytest.raises(ValueError, match="at least 3 full sweeps.*found 0 among 3"):
+    autotuning.fit_heuristics(_result(*only_gone), "ragged_dot.xla")
+
+
 def test_fit_heuristics_rejects_too_little_data():
   few = _result(*[_entry(_ragged(m), _tiled(16)) for m in (64, 128)])
   with pytest.raises(ValueError, match="at least 3 full sweeps of ragged_dot.xla"):
@@ -434,6 +477,29 @@ def test_fit_heuristics_fits_one_structure_at_a_time():
     autotuning.fit_heuristics(both, "ragged_dot.xla", like=ToyOp().bind(_spec(16, 4)))
 
 
+def test_fit_heuristics_fits_one_set_of_static_options_at_a_time():
+  # Causal and non-causal sweeps of the same shapes were pooled into one rule (the
+  # features are shapes): one config for both, 3x off at half the keys.
+  fast = XlaChunkedAttentionConfig(chunk_q=64, chunk_k=64)
+  slow = XlaChunkedAttentionConfig(chunk_q=None, chunk_k=None)
+
+  def attention(t, causal):
+    q = _spec(1, t, 2, 32)
+    return stellarax.XlaChunkedAttention.bind(q, q, q, is_causal=causal)
+
+  causal = [_entry(attention(t, True), fast, slower=3.0) for t in (256, 512, 1024)]
+  plain = [_entry(attention(t, False), slow, slower=3.0) for t in (256, 512, 1024, 2048)]
+  both = _result(*causal, *plain)
+  with pytest.raises(ValueError, match=r"2 structures or sets of static options.*4 of .*"
+                     r"is_causal=false.*3 of .*is_causal=true.*like="):
+    autotuning.fit_heuristics(both, "attention.xla_chunked")
+  for calls, best in ((causal, fast), (plain, slow)):
+    fit = autotuning.fit_heuristics(both, "attention.xla_chunked", like=calls[0].bound_args)
+    assert fit.num_keys == len(calls) and fit.rule_regret.geomean == 1.0
+    assert fit.rule.predict(attention(512, calls is causal)) == best
+    assert f"is_causal={str(calls is causal).lower()}" in fit.structure
+
+
 @pytest.mark.parametrize("options", [dict(min_gain=None), dict(min_gain="0.1"),
                                      dict(min_gain=True), dict(max_depth=2.0),
                                      dict(min_leaf=True), dict(min_gain=-0.1)])
@@ -448,6 +514,22 @@ def test_rule_text_gives_thresholds_exactly():
       (_tiled(16),), "ratio", 0.123456789, autotuning.heuristics_fit.Rule((_tiled(16),)),
       autotuning.heuristics_fit.Rule((_tiled(128),)))
   assert "if ratio <= 0.123456789:" in rule.text()
+
+
+def test_rule_text_of_a_size_agrees_with_the_rule_at_the_boundary():
+  # A threshold is the midpoint of two features seen, log2(a) and log2(b); where a * b is
+  # a square it can round just below log2(sqrt(a * b)), and the text printed
+  # floor(2 ** t): "M <= 400" where the rule sent M=400 above (14,207 such pairs).
+  text = autotuning.heuristics_fit._test_text
+  checked = 0
+  for a in range(1, 600, 7):
+    for k in range(2, 12):
+      t = (math.log2(a) + math.log2(a * k * k)) / 2
+      n = int(text("log2 M", t).split("<= ")[1])
+      assert math.log2(n) <= t < math.log2(n + 1), (a, k, t, n)
+      checked += 1
+  assert checked > 500
+  assert text("log2 M", 8.5) == "M <= 362" and text("log2 M", 0.5) == "M <= 1"
 
 
 # ---- the recorded sweeps ------------------------------------------------------------------

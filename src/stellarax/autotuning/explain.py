@@ -66,7 +66,10 @@ class Explanation:
       source = f"transfer (key distance {source.partition(':')[2]})"
     lines = [f"{self.op}: {json.dumps(config_to_json(self.config))} from {source}"]
     if self.passed_over is not None:
-      lines.append(f"  {self.passed_over}")
+      # Where no other entry answered, tuning measures the call again.
+      again = source.startswith(("heuristics", "miss", "transfer"))
+      lines.append(f"  {self.passed_over}" + ("; autotune measures the call again" if again
+                                               else ""))
     if self.stale is not None and self.confidence is not None:
       lines.append(f"  transferred from a stale entry ({self.stale}): autotune(...) of this "
                    "call measures it")
@@ -142,9 +145,11 @@ def explain(bound_args: BoundArguments) -> Explanation:
     return Explanation(bound_args.op.name, resolved.config, resolved.source,
                        (resolved.where, tuple(diffs)), resolved.confidence,
                        stale=_stale_reason(resolved.neighbour, where))
-  nearest, elsewhere, too_far, passed_over = None, (), None, None
+  nearest, elsewhere, too_far = None, (), None
+  # An entry of the call passed over before the source that answered (a stale one in an
+  # inner result, where an outer result or a cache answered) is said too.
+  passed_over = _passed_over(bound_args) if resolved.source != "explicit" else None
   if resolved.source not in ("explicit", "result") and not resolved.source.endswith("cache"):
-    passed_over = _passed_over(bound_args)
     nearest = _nearest(bound_args)
     if nearest is None:
       elsewhere = other_device_kinds(bound_args.op.name)
@@ -157,31 +162,38 @@ def explain(bound_args: BoundArguments) -> Explanation:
 
 
 def _passed_over(bound_args: BoundArguments) -> str | None:
-  """Where the call's own entry holds a config it was not given (stale, no longer in
-  its space: `Entry.config_to_run`), in words; None where no entry of it was."""
-  key = (bound_args.op_json(), bound_args.key_json())
-  for where, entry in _candidates(bound_args):
-    if entry.key != key or entry.is_current:
+  """Where resolution passed over the call's own entry, before an entry (if any) gave
+  it a config: a stale entry holding a config no longer in the call's space
+  (`Entry.config_to_run`), in words; None where none was passed over."""
+  accept = resolution.reproducible_filter(bound_args.op)
+  sources = [("result", r) for r in reversed(resolution.active_results())]
+  sources += list(cached_results(bound_args.op.name))
+  for where, result in sources:
+    entry = result.entry(bound_args) if hasattr(result, "entry") else None
+    if entry is None:
       continue
-    config = entry.config_for()
-    if config is not None and entry.config_to_run(warn_passed_over=False) is None:
-      where = "result" if where == "active result" else where
+    if entry.config_to_run(accept, warn_passed_over=False) is not None:
+      return None  # This entry answered: what follows was not reached.
+    config = entry.config_for(accept)
+    if config is not None and not entry.is_current:
       return (f"the {where}'s entry of this call is stale ({entry.stale_reason}) and holds "
               f"{json.dumps(config_to_json(config))}, which the op no longer offers for it: "
-              "passed over; autotune measures the call again")
+              "passed over")
   return None
 
 
 def _stale_reason(bound_args: BoundArguments, source: str) -> str | None:
-  """Why the entry of `bound_args` that a result ("result": the active ones) or cache
-  (its source name) holds is stale, or None."""
+  """Why the entry of `bound_args` that answered from a result ("result": the active
+  ones) or cache (its source name) is stale, or None. Entries that resolution passed
+  over (no config to run: `Entry.config_to_run`) did not answer."""
   if source == "result":
     results = reversed(resolution.active_results())  # the innermost answers first
   else:
     results = (r for where, r in cached_results(bound_args.op.name) if where == source)
+  accept = resolution.reproducible_filter(bound_args.op)
   for result in results:
     entry = result.entry(bound_args) if hasattr(result, "entry") else None
-    if entry is not None:
+    if entry is not None and entry.config_to_run(accept, warn_passed_over=False) is not None:
       return entry.stale_reason
   return None
 

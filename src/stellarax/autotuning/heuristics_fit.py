@@ -2,9 +2,11 @@
 
 Input: the entries of one op in a result or cache whose measurements cover the call's
 whole search space (full sweeps, e.g. from `Autotuner(strategy="exhaustive")`), of one
-structure: transfer's (`transfer.structure_of`: the arrays' dtypes and ranks, the vmap
-levels), which the features do not see, so a bfloat16 and a float32 sweep of one shape
-would look like two measurements of one call. `like=` picks the structure where the
+structure (`transfer.structure_of`: the arrays' dtypes and ranks, the vmap levels) and
+one set of static options (`transfer.statics_of`, e.g. `is_causal`; those of float
+value, such as a logit scale, are not told apart), which the features
+do not see: a bfloat16 and a float32 sweep of one shape, or a causal and a non-causal
+one, would look like two measurements of one call. `like=` picks the kind where the
 entries hold several. Each such
 key gives, for every config, its slowdown against the fastest measured there; a config
 that failed there (or was not measured ok) is never a good answer there: in the fit it
@@ -35,6 +37,7 @@ within noise shows a slowdown of a few percent.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Container, Mapping, Sequence
 from typing import Any
@@ -151,7 +154,7 @@ class Rule:
       "log2 X" features, in X itself).
     """
     if self.feature is None:
-      configs = [_config_text(c) for c in self.ranking]
+      configs = [_config_text(c) for c in self.ranking] or ["the call's heuristic"]
       alternatives = f"  (where not valid: {'; then '.join(configs[1:])})" if configs[1:] else ""
       return f"{indent}{configs[0]}{alternatives}"
     return "\n".join([f"{indent}if {_test_text(self.feature, self.threshold)}:",
@@ -172,8 +175,8 @@ class FittedHeuristics:
     rule_regret: the rule's regret on held-out keys.
     heuristic_regret: the op's fixed heuristic's regret on the same keys.
     transfer_regret: nearest-key transfer's regret on the same keys.
-    structure: the keys' structure in words (`transfer.describe_structure`): the rule
-      is for calls of that one.
+    structure: the keys' structure and static options in words (e.g. "lhs bfloat16
+      rank 2, ...; is_causal=true"): the rule is for calls of that kind.
   """
 
   op: str
@@ -210,8 +213,8 @@ def fit_heuristics(result_or_cache: Any, op: str | Op | type[Op], *, max_depth: 
       keys that a split must bring.
     device_kind: the cache's device kind (default: the current one); ignored for results.
     like: a call of the op (e.g. `SomeOp.bind(...)` on `jax.ShapeDtypeStruct`s): only
-      entries of its structure (dtypes, ranks, vmap levels) are used. Needed where the
-      entries hold several structures.
+      entries of its structure (dtypes, ranks, vmap levels) and static options are
+      used. Needed where the entries hold several.
 
   Returns:
     A `FittedHeuristics`: the rule fitted on every key, and the three regrets on
@@ -222,7 +225,7 @@ def fit_heuristics(result_or_cache: Any, op: str | Op | type[Op], *, max_depth: 
       that is no name, op class or op, or a `like` that is no call.
     ValueError: for bad options, fewer than `MIN_KEYS` full sweeps, entries of several
       op identities under one name when `op` is a name or class, or of several
-      structures without `like`.
+      structures or sets of static options without `like`.
   """
   _check_options(max_depth, min_leaf, min_gain)
   if like is not None and not isinstance(like, BoundArguments):
@@ -255,25 +258,47 @@ def fit_heuristics(result_or_cache: Any, op: str | Op | type[Op], *, max_depth: 
       op=name, rule=fitter.fit(list(range(len(sweeps)))), num_keys=len(sweeps),
       rule_regret=_regret(chosen["rule"]), heuristic_regret=_regret(chosen["heuristic"]),
       transfer_regret=_regret(chosen["transfer"]),
-      structure=transfer.describe_structure(sweeps[0].entry.bound_args))
+      structure=_describe_kind(sweeps[0].entry.bound_args))
+
+
+def _kind(ba: BoundArguments) -> tuple[Any, ...]:
+  """What a rule's features do not see: the structure and the static options that may
+  change the work (a causal and a non-causal sweep of one shape may want different
+  configs). Options of float value (a logit scale, an epsilon) scale numbers, not
+  work, and often follow a shape (a scale of 1/sqrt(head dim)): they are left out."""
+  return transfer.structure_of(ba), tuple(_work_statics(ba))
+
+
+def _work_statics(ba: BoundArguments) -> list[tuple[str, str]]:
+  return [(path, value) for path, value in transfer.statics_of(ba)
+          if not isinstance(json.loads(value), float)]
+
+
+def _describe_kind(ba: BoundArguments) -> str:
+  """`_kind(ba)` in words: the structure, then the static options set (not null)."""
+  statics = ", ".join(f"{path}={value}" for path, value in _work_statics(ba)
+                      if value != "null")
+  return transfer.describe_structure(ba) + (f"; {statics}" if statics else "")
 
 
 def _of_one_structure(entries: list[Entry], name: str, like: BoundArguments | None) -> list[Entry]:
-  """The entries of `like`'s structure, or all of them where they share one."""
+  """The entries of `like`'s structure and static options, or all of them where they
+  share one."""
   groups: dict[Any, list[Entry]] = {}
   for e in entries:
-    groups.setdefault(transfer.structure_of(e.bound_args), []).append(e)
+    groups.setdefault(_kind(e.bound_args), []).append(e)
   if like is not None:
     if like.op.name != name:
       raise ValueError(f"like= is a call of {like.op.name}; pass a call of {name}.")
-    return groups.get(transfer.structure_of(like), [])
+    return groups.get(_kind(like), [])
   if len(groups) > 1:
-    kinds = "; ".join(f"{len(g)} of {transfer.describe_structure(g[0].bound_args)}"
+    kinds = "; ".join(f"{len(g)} of {_describe_kind(g[0].bound_args)}"
                       for g in sorted(groups.values(), key=len, reverse=True))
     raise ValueError(
-        f"The entries of {name} hold {len(groups)} structures, which one rule cannot tell "
-        f"apart (its features are shapes): {kinds}. Pass like= a call of the structure to "
-        "fit, e.g. like=SomeOp.bind(*shape_dtype_structs).")
+        f"The entries of {name} hold {len(groups)} structures or sets of static options, "
+        f"which one rule cannot tell apart (its features are shapes): {kinds}. Pass like= "
+        "a call of the kind to fit, e.g. like=SomeOp.bind(*shape_dtype_structs, "
+        "**static_options).")
   return entries
 
 
@@ -321,11 +346,14 @@ class _Sweep:
 
   @classmethod
   def of(cls, entry: Entry) -> _Sweep | None:
-    """The sweep of an entry, or None when it did not measure its whole space."""
+    """The sweep of an entry, or None when it did not measure its whole space or no
+    config of that space ran."""
     space = entry.bound_args.autotuning_configs
     if not space <= {c for c, _ in entry.measurements}:
       return None
-    times = {c: m.median_s for c, m in entry.measurements if m.ok}
+    # Only the configs a call can get now: a stale entry's config that is no longer
+    # offered is no answer, and must not be the best the regrets are measured against.
+    times = {c: m.median_s for c, m in entry.measurements if m.ok and c in space}
     if not times or min(times.values()) <= 0:
       return None
     return cls(entry, transfer.features_of(entry.bound_args), space, times,
@@ -412,8 +440,20 @@ def _config_text(config: Any) -> str:
 
 
 def _test_text(feature: str, threshold: float) -> str:
-  # Features named "log2 X" hold log2 of an integer X: test X itself, whose values
-  # <= 2 ** threshold are exactly those <= floor(2 ** threshold).
+  # Features named "log2 X" hold math.log2 of an integer X: test X itself, against the
+  # largest n whose math.log2 is <= threshold, as the rule compares (2 ** threshold
+  # rounded down can be one off: a midpoint of log2(a) and log2(b) where a * b is a
+  # square can round below log2(sqrt(a * b))).
   if feature.startswith("log2 "):
-    return f"{feature[5:]} <= {math.floor(2.0 ** threshold + 1e-9)}"
+    return f"{feature[5:]} <= {_largest_below(threshold)}"
   return f"{feature} <= {threshold!r}"  # exact: the rule's own threshold
+
+
+def _largest_below(threshold: float) -> int:
+  """The largest integer n >= 0 with math.log2(max(n, 1)) <= threshold (0 if none)."""
+  n = max(math.floor(2.0 ** threshold), 0)
+  while math.log2(n + 1) <= threshold:
+    n += 1
+  while n > 1 and math.log2(n) > threshold:
+    n -= 1
+  return n

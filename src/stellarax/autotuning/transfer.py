@@ -179,6 +179,13 @@ def structure_of(ba: BoundArguments) -> tuple[Any, ...]:
   return _profile(ba).structure
 
 
+def statics_of(ba: BoundArguments) -> tuple[tuple[str, str], ...]:
+  """The call's non-array arguments (static options such as `is_causal`), as (path,
+  canonical JSON) pairs: what transfer counts as a distance of 1 each where they
+  differ. Hashable."""
+  return _profile(ba).statics
+
+
 def describe_structure(ba: BoundArguments) -> str:
   """`structure_of(ba)` in words, e.g. "lhs float32 rank 2, rhs float32 rank 3"."""
   arrays, levels = structure_of(ba)
@@ -265,7 +272,8 @@ def _leaves(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
 def nearest_config(ba: BoundArguments, candidates: Iterable[tuple[str, Entry]]
                    ) -> TransferResolution | None:
   """The best config of the nearest comparable candidate that is valid for `ba`, within
-  `MAX_DISTANCE`.
+  `MAX_DISTANCE`. A candidate that measured only its heuristic config (`Entry.starved`)
+  is passed over.
 
   Candidates at equal distance are taken in the order given. The device kind is not
   checked here: give candidates of one device kind.
@@ -289,6 +297,10 @@ def nearest_config(ba: BoundArguments, candidates: Iterable[tuple[str, Entry]]
   accept = resolution.reproducible_filter(ba.op)
   for distance, _, where, entry in ranked:
     config = entry.config_for(accept)
+    # An entry that measured only its heuristic (a budget too small to search) chose
+    # nothing: its config is its own shape's heuristic, which ba's own beats.
+    if entry.starved(accept) and config == entry.heuristic_config:
+      continue
     if config is not None and config in space:
       return TransferResolution(config, f"transfer:{distance:.2f}", distance=distance,
                                 confidence=2.0 ** -distance, where=where, neighbour=entry.bound_args)
