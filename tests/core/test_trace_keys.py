@@ -189,6 +189,78 @@ def test_gradient_traced_before_the_result(traced):
   assert len(count) == 2 and TUNED in traced
 
 
+@pytest.mark.parametrize("first", ["eval_shape", "trace", "lower", "compile", "make_jaxpr"])
+def test_a_function_first_traced_without_a_call_follows_the_results(traced, first):
+  # A trace (and lowering, and executable) made by eval_shape, .trace(), .lower() or
+  # .lower().compile() is reused by the first call, which cached its executable under a
+  # key that had asked nothing and so equalled every other: inside a result, f kept
+  # the result's config after the block; outside, a result entered later was ignored.
+  lhs, rhs, gs = _inputs()
+  ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
+  ahead = {"eval_shape": lambda f: jax.eval_shape(f, lhs), "trace": lambda f: f.trace(lhs),
+           "lower": lambda f: f.lower(lhs), "compile": lambda f: f.lower(lhs).compile(),
+           "make_jaxpr": lambda f: jax.make_jaxpr(f)(lhs)}[first]
+  result = _result((ba, TUNED))
+  inside, count_inside = _counting(lambda l: stellarax.ragged_dot(l, rhs, gs))
+  with result:
+    ahead(inside)
+    inside(lhs)
+  assert traced == [TUNED]
+  inside(lhs)  # traced again for the heuristic (it ran the result's config)
+  assert traced == [TUNED, ba.heuristics_config] and len(count_inside) == 2
+  outside, count_outside = _counting(lambda l: stellarax.ragged_dot(l, rhs, gs))
+  ahead(outside)
+  outside(lhs)
+  with result:
+    outside(lhs)  # traced again for the result (it was ignored)
+  assert traced[2:] == [ba.heuristics_config, TUNED] and len(count_outside) == 2
+  plain, count_plain = _counting(lambda l: l * 2)  # traced after the reuses: asks nothing
+  plain(lhs)
+  with result:
+    plain(lhs)
+  assert len(count_plain) == 1
+
+
+def test_threads_in_other_settings_do_not_share_equalities():
+  # The equality of two keys was memoised per stack of results and a process-wide
+  # epoch: a thread inside miss_policy_scope("error") reused the main thread's trace
+  # made under "heuristics" (no ConfigMissError), and one inside transfer_scope(False)
+  # a transferred config, whenever the main thread had called f in between.
+  lhs, rhs, gs = _inputs()
+  f = jax.jit(lambda l: stellarax.ragged_dot(l, rhs, gs))
+  f(lhs)
+  entered, called = threading.Event(), threading.Event()
+  seen = {}
+
+  def strict():
+    with autotuning.miss_policy_scope("error"):
+      entered.set()
+      called.wait(60)
+      try:
+        f(lhs)
+        seen["strict"] = "ran"
+      except autotuning.ConfigMissError:
+        seen["strict"] = "raised"
+
+  thread = threading.Thread(target=strict)
+  thread.start()
+  entered.wait(60)
+  f(lhs)  # memoises the equality under "heuristics" for the empty stack
+  called.set()
+  thread.join(120)
+  assert seen["strict"] == "raised"
+
+
+def test_a_miss_policy_set_in_the_environment_is_followed(monkeypatch):
+  lhs, rhs, gs = _inputs()
+  f = jax.jit(lambda l: stellarax.ragged_dot(l, rhs, gs))
+  f(lhs)
+  f(lhs)  # (an equality memoised before the variable is set)
+  monkeypatch.setenv("STELLARAX_MISS_POLICY", "error")
+  with pytest.raises(autotuning.ConfigMissError):
+    f(lhs)
+
+
 def test_threads_see_their_own_results(traced):
   lhs, rhs, gs = _inputs()
   ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)

@@ -38,8 +38,9 @@ for one dimension doubled. `explain()` reports it with the neighbour's key.
 The switch: `STELLARAX_TRANSFER=0` turns transfer off, `with transfer_scope(False):` (or
 True) overrides the variable inside a block. Transfer also steps aside unless the miss
 policy is "heuristics": "error" asks for measured configs only, "autotune" for measuring.
-Like the miss policy, these settings act when a call is traced; a function jitted earlier
-is not traced again when they change.
+Like the miss policy, these settings act when a call is traced: a function jitted earlier
+whose calls they decide is traced again where they differ (a scope's value, or the
+environment variable's when no scope is set).
 """
 
 from __future__ import annotations
@@ -110,6 +111,10 @@ def transfer_enabled() -> bool:
     return False
   raise ValueError(f"{_ENV}={os.environ[_ENV]!r} must be 1 (transfer on) or 0 (off); "
                    "unset it for the default (on).")
+
+
+# Questions read the switch (see resolution's miss policy).
+trace_keys.register_setting(lambda: (_scoped.get(), os.environ.get(_ENV)))
 
 
 @contextlib.contextmanager

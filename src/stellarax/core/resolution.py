@@ -265,6 +265,11 @@ def miss_policy() -> str:
   return policy
 
 
+# Questions read the policy: an equality of keys found under one policy (another
+# thread's scope, the variable before it was set) does not stand under another.
+trace_keys.register_setting(lambda: (_miss_policy.get(), os.environ.get(_MISS_POLICY_ENV)))
+
+
 @contextlib.contextmanager
 def miss_policy_scope(policy: str) -> Iterator[None]:
   """Sets the miss policy inside a `with` block.

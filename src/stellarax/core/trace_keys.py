@@ -58,9 +58,11 @@ takes the answers of the entries reused since the last lowering (`_on_lowering`)
 
 Questions may read settings besides the results (the miss policy, the transfer switch:
 a trace that met a miss under the "heuristics" policy must not be reused under "error");
-their scopes call `settings_changed`.
+their modules register them (`register_setting`), and their scopes call
+`settings_changed`.
 
-Equality is memoised per stack of active results until the next record or setting change: JAX
+Equality is memoised per stack of active results and settings (a scope is one thread's
+or task's; an environment variable may change) until the next record: JAX
 checks it on every call of a jitted function whose cached key is not the
 current one. That check is what a jitted function with our ops pays per call over
 one without: about 1.5 us on the 2-core CPU (2026-12-06; 2.3 us before a key already
@@ -114,6 +116,8 @@ def _empty_stack() -> Stack:
 # Bumped when a setting that questions read besides the active results changes (the miss
 # policy, the transfer switch): equalities memoised before no longer stand.
 _settings_epoch = 0
+# Getters of the settings questions read besides the active results (`register_setting`).
+_setting_getters: list[Callable[[], Hashable]] = []
 
 
 def settings_changed() -> None:
@@ -121,6 +125,25 @@ def settings_changed() -> None:
   this context, so that keys compare their answers again instead of from memory."""
   global _settings_epoch
   _settings_epoch += 1
+
+
+def register_setting(getter: Callable[[], Hashable]) -> None:
+  """Adds a setting that questions read besides the active results.
+
+  An equality is memoised for the settings it was found under: the epoch
+  (`settings_changed`) is process-wide, but a scope is one context's (another thread's
+  memo must not answer for it) and an environment variable changes without a scope.
+
+  Args:
+    getter: returns the setting's value now (e.g. a scope's context variable and the
+      environment variable behind it), hashable and cheap: it runs on every memo check.
+  """
+  if getter not in _setting_getters:
+    _setting_getters.append(getter)
+
+
+def _settings() -> tuple[Any, ...]:
+  return (_settings_epoch, *(getter() for getter in _setting_getters))
 
 
 _active_stack: Callable[[], Stack] = _empty_stack
@@ -141,14 +164,16 @@ class TraceKey:
     parent: the key current when the result that made this one was entered.
   """
 
-  __slots__ = ("stack", "parent", "_records", "_memo", "_noted_in", "__weakref__")
+  __slots__ = ("stack", "parent", "_records", "_lent", "_memo", "_noted_in", "__weakref__")
 
   def __init__(self, stack: Stack = (), parent: TraceKey | None = None):
     self.stack = stack
     self.parent = parent
     self._records: dict[tuple, _Record] = {}
-    # id(stack) -> (stack, settings epoch, holds); cleared on records
-    self._memo: dict[int, tuple[Stack, int, bool]] = {}
+    # Keys whose answers this one holds too (`_note_reuse`), their own lent keys included.
+    self._lent: tuple[TraceKey, ...] = ()
+    # id(stack) -> (stack, settings, holds); cleared on records
+    self._memo: dict[int, tuple[Stack, Any, bool]] = {}
     self._noted_in: list[TraceKey] | None = None  # the reuse list it was last noted in
 
   def __hash__(self) -> int:
@@ -159,7 +184,7 @@ class TraceKey:
       return True
     if not isinstance(other, TraceKey):
       return NotImplemented
-    if not (self._records or other._records):
+    if not (self._records or self._lent or other._records or other._lent):
       return True
     if building():
       # A cached trace reused inside a trace being built would hide its
@@ -178,24 +203,26 @@ class TraceKey:
     return len(self._records)
 
   def holds(self) -> bool:
-    """Whether every recorded question gets the same answer now."""
-    if not self._records:
+    """Whether every recorded question gets the same answer now (those of the keys lent
+    to it too)."""
+    if not (self._records or self._lent):
       return True
-    now = _active_stack()
+    now, settings = _active_stack(), _settings()
     memo = self._memo.get(id(now))
-    if memo is not None and memo[0] is now and memo[1] == _settings_epoch:
+    if memo is not None and memo[0] is now and memo[1] == settings:
       return memo[2]
     try:
       # Inside JAX's cache lookup: a warning would reach no line of the user's (and under
       # -W error be swallowed here); the trace or call it leads to warns instead.
       with warn_lib.held_back():
         holds = all(answer is not _CONFLICT and _same(question(now + above, subject), answer)
-                    for question, subject, above, answer in tuple(self._records.values()))
+                    for key in (self, *self._lent)
+                    for question, subject, above, answer in tuple(key._records.values()))
     except Exception:  # a question that fails now must cost a retrace, not a crash
       holds = False
     if len(self._memo) >= _MEMO_LIMIT:
       self._memo.clear()
-    self._memo[id(now)] = (now, _settings_epoch, holds)
+    self._memo[id(now)] = (now, settings, holds)
     return holds
 
   def _poison(self) -> None:
@@ -315,11 +342,24 @@ def _reuse_state() -> Any:
 
 def _note_reuse(a: TraceKey, b: TraceKey) -> None:
   """Two keys found equal outside a trace, one of them current: JAX may be reusing the
-  other's cache entry. Kept until the next lowering, which decides (`_on_lowering`)."""
+  other's cache entry, and cache what it builds from it under the current key.
+
+  The current key takes the other's answers at once (`_lent`): JAX may build and cache
+  an executable from the reused entry with no event to tell us (a trace made by
+  `jax.eval_shape`, `.trace()`, `.lower()` or `.lower().compile()` and then called:
+  its lowering and executable are reused too), and a key with no answers equals every
+  other. A fresh key then becomes current (about 1 us a call). The other key is also
+  kept until the next lowering (`_on_lowering`), which gives its answers to every key
+  of a trace being built."""
   key = current()
   source = b if a is key else a if b is key else None
-  if source is None or not source._records:
+  if source is None or not (source._records or source._lent):
     return
+  # Lent by reference (a copy of a large program's answers on every call cost 30 us),
+  # then a fresh key for what comes next: a function traced later must not take them.
+  key._lent = tuple({id(k): k for k in (*key._lent, source, *source._lent)}.values())
+  key._memo.clear()
+  _renew()
   keys = _reuse_state().keys  # a new list after each lowering, so this runs on every call:
   if source._noted_in is not keys and len(keys) < _MEMO_LIMIT:  # no search of the list
     keys.append(source)
@@ -342,7 +382,8 @@ def _on_lowering() -> None:
   if _top_level():
     return
   own, state.unlowered_trace = state.unlowered_trace, None
-  records = [r for k in keys if k is not own for r in k._records.values()]
+  records = [r for k in keys if k is not own for lent in (k, *k._lent)
+             for r in lent._records.values()]
   if records:
     _add(records)
     _renew()
