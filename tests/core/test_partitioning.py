@@ -24,6 +24,7 @@ import pytest
 
 import stellarax
 from stellarax.core import partitioning
+from stellarax.core import resolution
 from stellarax.core import registry
 
 _DEVICES = 4
@@ -296,6 +297,14 @@ def _run_cases(explicit: bool) -> dict:
       (jax.P("data"), jax.P(None, None, "data"), jax.P())))
   report["captured at three sites"] = sorted(
       list(ba.arguments["query"].shape) for ba in stellarax.autotuning.get_bound_args(sites, q))
+  # From a program the user compiled first, and twice from one Traced: JAX's caches of
+  # the executable skipped the partitioner, and the whole calls were captured.
+  lowered = jax.jit(lambda q: f(q) + 1).lower(q)
+  lowered.compile()
+  traced = jax.jit(lambda q: f(q) + 2).trace(q)
+  report["captured after a compile"] = [
+      [list(ba.arguments["query"].shape) for ba in stellarax.autotuning.get_bound_args(program)]
+      for program in (lowered, lowered, traced, traced)]
   # Inside a user's shard_map over one axis of two, the kernel splits over the other.
   mesh2 = jax.make_mesh((2, 2), ("data", "model"), axis_types=(axis_type, axis_type))
   x = jax.random.normal(jax.random.key(1), (64, 32))
@@ -343,6 +352,35 @@ def _run_cases(explicit: bool) -> dict:
     ran.append(sorted({unroll for shape, unroll in _CONFIGS if shape == (16, 32)}))
   report["tuned"] = {"shape": list(entry.bound_args.arguments["x"].shape),
                      "best": result.entry(entry.bound_args).best_config.unroll, "ran": ran}
+  # A program lowered inside transfer_scope and compiled after it: over Auto axes the
+  # per-device calls are resolved when it compiles, and took the switch of then. Each
+  # device runs (8, 32), whose nearest tuned call is the (16, 32) above (unroll=2).
+  small = jax.device_put(jnp.ones((32, 32)), jax.NamedSharding(mesh, jax.P("data")))
+  at_lowering = []
+  for transfer in (True, False):
+    _CONFIGS.clear()
+    program = jax.jit(lambda x, p: ScaleRows()(x, p) * 1.0)
+    with result:
+      with stellarax.autotuning.transfer_scope(transfer):
+        lowered = program.lower(small, params)
+      lowered.compile()
+    at_lowering.append(sorted({unroll for shape, unroll in _CONFIGS if shape == (8, 32)}))
+  report["scopes at lowering"] = at_lowering
+  # A program for one device on this four-device host: its kernel call is the whole
+  # call, so the miss policy fires for it (JAX inlines custom_partitioning's body, whose
+  # trace had the policy set aside: "error" raised nothing and "autotune" tuned nothing).
+  plain = jnp.ones((12, 32))
+  policies = {}
+  for policy in ("error", "autotune"):
+    asked = []
+    resolution.set_autotune_on_miss(lambda ba: (asked.append(ba), ba.heuristics_config)[1])
+    try:
+      with stellarax.autotuning.miss_policy_scope(policy):
+        jax.block_until_ready(jax.jit(lambda x, p: ScaleRows()(x, p) + 0.0)(plain, params))
+      policies[policy] = f"ran; {len(asked)} tuned"
+    except stellarax.autotuning.ConfigMissError:
+      policies[policy] = "raised"
+  report["one-device program"] = policies
   return report
 
 
@@ -444,6 +482,7 @@ def test_each_device_runs_its_shard_unless_the_op_refuses_it(sharded_run):
   # the types; from the partitioner, compiling the program, with Auto axes.
   assert report["captured"] == [[1, 64, 4, 64]]
   assert report["captured at three sites"] == [[1, 64, 4, 64], [4, 64, 1, 64], [4, 64, 4, 64]]
+  assert report["captured after a compile"] == [[[1, 64, 4, 64]]] * 4
   assert report["user shard_map"] == {"spec": [["data", "model"]], "error": 0.0}
   for case in ("user shard_map checked", "user shard_map checked, 2-D"):
     for name, error in report[case].items():
@@ -452,6 +491,8 @@ def test_each_device_runs_its_shard_unless_the_op_refuses_it(sharded_run):
     assert report["per_shard off"] == {"whole": True, "error": 0.0, "on again": True}
   tuned = report["tuned"]
   assert tuned == {"shape": [16, 32], "best": 2, "ran": [[2], [2]]}, tuned
+  assert report["scopes at lowering"] == [[2], [1]]  # transferred; the heuristic
+  assert report["one-device program"] == {"error": "raised", "autotune": "ran; 1 tuned"}
 
 
 # --- one device -----------------------------------------------------------------------

@@ -118,6 +118,20 @@ trace_keys.register_setting(lambda: (_scoped.get(), os.environ.get(_ENV)))
 
 
 @contextlib.contextmanager
+def _scope_value(value: bool | None) -> Iterator[None]:
+  """Makes `value` the switch's scope (None: none) inside a `with` block."""
+  token = _scoped.set(value)
+  try:
+    yield
+  finally:
+    _scoped.reset(token)
+
+
+# A call resolved when XLA partitions the program sees the switch of when it was traced.
+resolution.carry_setting(_scoped.get, _scope_value)
+
+
+@contextlib.contextmanager
 def transfer_scope(enabled: bool) -> Iterator[None]:
   """Turns transfer on or off inside a `with` block (overrides `STELLARAX_TRANSFER`).
 

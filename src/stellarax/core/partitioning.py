@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -64,6 +65,7 @@ import jax
 from jax._src import config as _jax_config
 from jax._src import core as _jax_core
 from jax.experimental.custom_partitioning import custom_partitioning
+from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from stellarax.core import markers
@@ -576,18 +578,38 @@ def per_device_calls(lowered: Any) -> dict[str, BoundArguments]:
     the order XLA placed them: its part where a site is split, the whole call where a
     site is not. A call XLA does not partition (a program for one device) is not in it.
   """
-  # Compiled here (without the persistent cache, whose hits skip the partitioner):
-  # the partition callbacks record the per-device calls.
+  text = lowered.as_text()
+  digest = hashlib.sha256(text.encode()).hexdigest()
+  if digest in _ANALYSED:  # (compiled again, the program would hit JAX's caches)
+    return dict(_ANALYSED[digest])
+  # Compiled here, so that the partition callbacks record the per-device calls. Every
+  # cache whose hit skips the partitioner is passed by: the persistent one (off), the
+  # executable a `Lowered` keeps from its first compile and JAX's in-memory one, keyed
+  # by the compiler options too (an option set to its default value). After the user
+  # had compiled the program, they recorded nothing, and the whole calls were tuned.
   enabled = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
   try:
-    markers_in = set(markers.find_markers(lowered.as_text()))
+    markers_in = set(markers.find_markers(text))
     for marker in markers_in:
       _PER_DEVICE.pop(marker, None)
-    lowered.compile()
+    lowered.compile(compiler_options=_OWN_COMPILE)
   finally:
     jax.config.update("jax_enable_compilation_cache", enabled)
-  return {m: tuple(_PER_DEVICE.pop(m)) for m in markers_in if m in _PER_DEVICE}
+  found = {m: tuple(_PER_DEVICE.pop(m)) for m in markers_in if m in _PER_DEVICE}
+  if len(_ANALYSED) >= _ANALYSED_LIMIT:
+    _ANALYSED.pop(next(iter(_ANALYSED)))
+  _ANALYSED[digest] = found
+  return dict(found)
+
+
+# A compiler option at its default value: it keys `per_device_calls`' compiles apart from
+# the user's in JAX's in-memory cache.
+_OWN_COMPILE = {"xla_embed_ir_in_executable": False}
+# Programs analysed by `per_device_calls` (SHA-256 of the lowered text -> its result),
+# oldest first: the same text is partitioned the same way.
+_ANALYSED: dict[str, dict[str, tuple[BoundArguments, ...]]] = {}
+_ANALYSED_LIMIT = 64
 
 
 def _tuned_calls_of(results: tuple[Any, ...], op: Any) -> tuple[Any, ...]:
@@ -639,13 +661,55 @@ def _custom_partitioned(ba: BoundArguments, plan: _Plan, run_for) -> Callable[..
     return plan.output_shardings(lambda s: NamedSharding(mesh, s), placement(mesh, arg_shapes))
 
   def call(*arrays):
-    # The body for a program compiled for one device (XLA inlines it then), traced now.
-    # Whether the call is split is known only when it is compiled, so a missing config
-    # does not fire the miss policy here but where the call is placed.
-    with resolution.miss_policy_scope("heuristics"):
-      fn = custom_partitioning(run_for(ba))
-      fn.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule,
-                       need_replication_factors=replicated, **factor_sizes)
-      return markers.mark(ba, fn)(*arrays)
+    # The body for a program compiled for one device (JAX inlines it then). Whether the
+    # call is split is known only when the program is lowered: a missing config must
+    # fire the miss policy only where the whole call runs, so the body is resolved then.
+    fn = custom_partitioning(_resolved_when_lowered(ba, run_for, context))
+    fn.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule,
+                     need_replication_factors=replicated, **factor_sizes)
+    return markers.mark(ba, fn)(*arrays)
 
   return call
+
+
+class _Deferred:
+  """A whole call whose config is resolved when it is lowered (`_whole_call_p`): the
+  call, how to run it, the context of its trace (`resolution.snapshot`), and its output
+  avals and effects. Hashed and compared by identity, as a primitive's parameter."""
+
+  __slots__ = ("ba", "run_for", "context", "out_avals", "effects")
+
+  def __init__(self, ba, run_for, context, out_avals, effects):
+    self.ba, self.run_for, self.context = ba, run_for, context
+    self.out_avals, self.effects = out_avals, effects
+
+
+_whole_call_p = _jax_core.Primitive("stellarax_whole_call")
+_whole_call_p.multiple_results = True
+_whole_call_p.def_effectful_abstract_eval(
+    lambda *avals, deferred: (deferred.out_avals, deferred.effects))
+
+
+def _lower_whole_call(ctx, *values, deferred: _Deferred):
+  # Traced again under the results and settings of the call's trace, the miss policy
+  # included: "error" raises and "autotune" tunes, as for a call of a one-device process.
+  with resolution.restored(deferred.context):
+    flat = lambda *arrays: jax.tree.leaves(deferred.run_for(deferred.ba)(*arrays))
+    return mlir.lower_fun(flat, multiple_results=True)(ctx, *values)
+
+
+mlir.register_lowering(_whole_call_p, _lower_whole_call)
+
+
+def _resolved_when_lowered(ba: BoundArguments, run_for, context) -> Callable[..., Any]:
+  """`run_for(ba)` as one primitive that runs it, resolved when the program is lowered
+  (custom_partitioning's body for one device: JAX lowers it only where it inlines it)."""
+  def body(*arrays):
+    # The types (and effects) of its outputs, from a trace under the "heuristics" policy.
+    with resolution.miss_policy_scope("heuristics"):
+      jaxpr, shapes = jax.make_jaxpr(run_for(ba), return_shape=True)(*arrays)
+    deferred = _Deferred(ba, run_for, context, tuple(jaxpr.out_avals), jaxpr.effects)
+    outs = _whole_call_p.bind(*arrays, deferred=deferred)
+    return jax.tree.unflatten(jax.tree.structure(shapes), outs)
+
+  return body

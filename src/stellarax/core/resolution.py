@@ -175,25 +175,51 @@ def ask_active_results(question: Callable[[tuple[ConfigSource, ...], Any], Any],
   return answer
 
 
-def snapshot() -> tuple[tuple[ConfigSource, ...], str | None]:
-  """The active results and miss-policy scope, to resolve later as if now (`restored`):
-  for calls whose per-device shapes are known only when XLA partitions the program."""
-  return _active_results.get(), _miss_policy.get()
+# Other settings resolution reads, carried by `snapshot` and `restored`: (read the value
+# now, a context manager making a value current); `carry_setting` adds one.
+_carried_settings: list[tuple[Callable[[], Any], Callable[[Any], Any]]] = []
+
+
+def carry_setting(read: Callable[[], Any], scope: Callable[[Any], Any]) -> None:
+  """Adds a setting that resolving a call reads, so that `snapshot` keeps it and
+  `restored` makes it current again (e.g. the transfer switch's scope).
+
+  Args:
+    read: returns the setting's value in this context now.
+    scope: `scope(value)` is a context manager under which `read()` gives `value`.
+  """
+  if (read, scope) not in _carried_settings:
+    _carried_settings.append((read, scope))
+
+
+carry_setting(reproducible, _reproducible)
+
+
+def snapshot() -> tuple[Any, ...]:
+  """The active results, the miss-policy scope and the other settings resolution reads
+  (the reproducible mode, those `carry_setting` added), to resolve later as if now
+  (`restored`): for calls whose per-device shapes are known only when XLA partitions
+  the program, which may be compiled after the scopes have ended."""
+  return (_active_results.get(), _miss_policy.get(),
+          tuple(read() for read, _ in _carried_settings))
 
 
 @contextlib.contextmanager
-def restored(state: tuple[tuple[ConfigSource, ...], str | None]) -> Iterator[None]:
-  """Makes a `snapshot()`'s results and miss-policy scope the active ones inside a
-  `with` block."""
-  results, policy = state
-  results_token, policy_token = _active_results.set(results), _miss_policy.set(policy)
-  trace_keys.settings_changed()
-  try:
-    yield
-  finally:
-    _miss_policy.reset(policy_token)
-    _active_results.reset(results_token)
+def restored(state: tuple[Any, ...]) -> Iterator[None]:
+  """Makes a `snapshot()`'s results and settings the current ones inside a `with`
+  block."""
+  results, policy, values = state
+  with contextlib.ExitStack() as stack:
+    for (_, scope), value in zip(_carried_settings, values):
+      stack.enter_context(scope(value))
+    results_token, policy_token = _active_results.set(results), _miss_policy.set(policy)
     trace_keys.settings_changed()
+    try:
+      yield
+    finally:
+      _miss_policy.reset(policy_token)
+      _active_results.reset(results_token)
+      trace_keys.settings_changed()
 
 
 def _innermost_config(results: tuple[ConfigSource, ...], bound_args: Any) -> Any | None:
