@@ -226,6 +226,29 @@ def test_a_precision_pair_is_taken_as_jax_takes_it_when_both_agree():
     stellarax.ragged_dot(lhs, rhs, gs, precision="fastest")
 
 
+def test_a_call_s_key_tells_apart_what_jax_computes_differently():
+  # An entry measured at the default matmul precision answered a call under
+  # jax.default_matmul_precision("highest"), and one measured for a float32 output
+  # (float64 asked for, x64 off) a float64 output under x64: their keys were equal.
+  specs = (jax.ShapeDtypeStruct((12, 8), jnp.float32), jax.ShapeDtypeStruct((3, 8, 5), jnp.float32),
+           jax.ShapeDtypeStruct((3,), jnp.int32))
+  key = lambda op=stellarax.XlaRaggedDot, **kw: op.bind(*specs, **kw).key_json()
+  with jax.default_matmul_precision("highest"):
+    highest = key()
+    assert key(op=stellarax.PallasTritonRaggedDot) == key(op=stellarax.PallasTritonRaggedDot,
+                                                         precision="highest")
+  assert highest == key(precision="highest") != key()
+  with jax.default_matmul_precision("tensorfloat32"):
+    assert key() == key(precision="high")
+  plain = key()
+  with jax.default_matmul_precision("BF16_BF16_F32_X3"):  # no precision names a preset
+    assert key() == plain
+  with jax.enable_x64(False):
+    assert key(preferred_element_type=jnp.float64) == key(preferred_element_type=jnp.float32)
+  with jax.enable_x64(True):
+    assert key(preferred_element_type=jnp.float64) != key(preferred_element_type=jnp.float32)
+
+
 def test_attention_bias_mask_and_gradients():
   k = _keys(5)
   q = jax.random.normal(k[0], (1, 16, 2, 8), jnp.float32)

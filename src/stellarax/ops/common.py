@@ -14,6 +14,11 @@ def canonical_precision(precision: Any) -> str | None:
   """None, a `jax.lax.Precision` or its name, or a pair of one of those for both
   operands (as jax takes) -> None or the name.
 
+  None takes `jax.default_matmul_precision`'s precision where one is set (what jax
+  computes then), so that a call's key tells the two apart: an entry measured at the
+  default precision answered a call under "highest". A dot-algorithm preset there,
+  which no precision names, leaves None.
+
   Raises:
     ValueError: for anything else, a pair of two different precisions included (the
       kernels take one precision for both operands).
@@ -31,13 +36,24 @@ def canonical_precision(precision: Any) -> str | None:
 
 def _one_precision(precision: Any) -> str | None:
   if precision is None:
-    return None
+    return _default_precision()
   if isinstance(precision, jax.lax.Precision):
     return precision.name
   if isinstance(precision, str) and precision.upper() in PRECISIONS:
     return precision.upper()
   raise ValueError(f"precision={precision!r} must be None, a jax.lax.Precision or one of"
                    f" {PRECISIONS} (or a pair of one of those for both operands).")
+
+
+def _default_precision() -> str | None:
+  """The precision `jax.default_matmul_precision` sets now, by name; None if none."""
+  value = jax.config.jax_default_matmul_precision
+  if value is None:
+    return None
+  try:
+    return jax.lax.Precision(value).name  # "tensorfloat32" -> HIGH, "float32" -> HIGHEST
+  except (ValueError, TypeError):
+    return None  # a dot-algorithm preset (e.g. "BF16_BF16_F32_X3"): no precision names it
 
 
 def concrete_float(value: Any) -> float | None:
@@ -97,11 +113,13 @@ def lax_precision(name: str | None) -> jax.lax.Precision | None:
 
 
 def canonical_dtype(dtype: Any, *, what: str) -> str | None:
-  """None or anything `jnp.dtype` takes -> None or the dtype's name."""
+  """None or anything `jnp.dtype` takes -> None or the name of the dtype jax computes
+  in: without x64, float64 is float32 (a call's key told them apart only by name, so an
+  entry measured for a float32 output answered a float64 one)."""
   if dtype is None:
     return None
   try:
-    return jnp.dtype(dtype).name
+    return jax.dtypes.canonicalize_dtype(jnp.dtype(dtype)).name
   except TypeError:
     raise ValueError(f"{what}={dtype!r} is not a dtype.") from None
 
