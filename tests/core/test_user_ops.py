@@ -406,3 +406,16 @@ def test_string_options_with_escapes_are_captured_and_their_results_apply(label)
   assert entry.bound_args.arguments["label"] == label
   with result:
     assert autotuning.explain(op.bind(x, label=label)).source == "result"
+
+
+def test_an_op_without_a_vjp_op_is_captured_under_grad():
+  # JAX differentiates its implementation, whose config decides both passes; the
+  # marker was dropped from what JAX derived, so where the gradient needs nothing of the
+  # forward (a linear use: JAX removes the forward), autotune of a gradient (a training
+  # step) found no call of the op.
+  x = jnp.arange(12.0).reshape(3, 4)
+  for loss, grad in ((lambda x: jnp.sum(Scale()(x) * 4), 8 * jnp.ones_like(x)),
+                     (lambda x: jnp.sum(Scale()(x) ** 2), 8 * x)):
+    (ba,) = autotuning.get_bound_args(jax.grad(loss), x)
+    assert ba.op.name == "test_user_ops.scale" and ba.arguments["x"].shape == (3, 4)
+    np.testing.assert_allclose(jax.grad(loss)(x), grad)

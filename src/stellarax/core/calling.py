@@ -207,7 +207,7 @@ def _differentiated_by_jax(op, ba: BoundArguments, vcall: Callable[..., Any],
     return vcall(*arrs)
 
   def call_fwd(*arrs):
-    marked = markers.mark(ba, make_impl(resolve_config(ba).config))
+    marked = markers.mark(ba, make_impl(resolve_config(ba).config), derived_too=True)
     try:
       return jax.vjp(marked, *arrs)
     except Exception as exc:  # noqa: BLE001 (re-raised, saying which op and what to do)

@@ -7,7 +7,8 @@ channels:
    which lowers to a `call` op with
    `mhlo.frontend_attributes = {stellarax_op = "<marker>"}`. The attribute survives
    `jit`, `grad` (the VJP op marks itself; the forward's marker is dropped from
-   derived computations), `vmap`, `remat` and the persistent compilation cache (it
+   derived computations, but where JAX differentiates an op with no VJP op:
+   `mark(derived_too=True)`), `vmap`, `remat` and the persistent compilation cache (it
    is part of the program, so of the cache key). XLA propagates it to the
    instructions of the inlined call, so profiles carry it, but unevenly: a pass
    that rewrites an instruction may drop it, and XLA:CPU's expansion of
@@ -59,12 +60,17 @@ _ESCAPE = re.compile(r"\\(\\|[0-9A-Fa-f]{2})")
 _DECODER = json.JSONDecoder()
 
 
-def mark(bound_args: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
+def mark(bound_args: Any, fn: Callable[..., Any], *, derived_too: bool = False
+         ) -> Callable[..., Any]:
   """Wraps `fn` so its call leaves the bound arguments' marker in both channels.
 
   Args:
     bound_args: the call's `BoundArguments`.
     fn: the implementation to run.
+    derived_too: the computations JAX derives from `fn` (its forward and backward
+      under `jax.vjp`) keep the attribute too: where no VJP op marks a backward, JAX
+      differentiates the implementation, whose config decides both passes (with the
+      default, False, such a call left no marker under `grad`, and was not captured).
 
   Returns:
     `fn`, run inside the named scope of the marker and wrapped in a call op that
@@ -77,7 +83,8 @@ def mark(bound_args: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
     with jax.named_scope(SCOPE_PREFIX + marker):
       return fn(*args, **kwargs)
 
-  return xla_metadata_call2(scoped, {MARKER_KEY: marker}, ad_metadata="drop")
+  return xla_metadata_call2(scoped, {MARKER_KEY: marker},
+                            ad_metadata="same" if derived_too else "drop")
 
 
 def _unescape(s: str) -> str:
