@@ -421,3 +421,27 @@ def test_attention_refuses_queries_of_another_rank_naming_the_layout():
   q, k, v = _attention_operands(19)
   with pytest.raises(ValueError, match=r"query.shape=\(4, 64\) must be .* or \(T, N, H\)"):
     stellarax.dot_product_attention(q[0, 0], k, v)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("impl", ["xla", stellarax.PallasTritonRaggedDot(interpret=True)],
+                         ids=["xla", "triton"])
+def test_ragged_dot_gradients_take_nothing_from_rows_outside_a_group(impl):
+  # NaN and inf in rows of other groups and in rows of no group reach only their own
+  # group's rhs gradient (the Mosaic GPU kernel's case is in its own tests).
+  k = _keys(3)
+  lhs = jax.random.normal(k[0], (40, 16)).at[12, 3].set(jnp.nan).at[37, 5].set(jnp.inf)
+  rhs = jax.random.normal(k[1], (3, 16, 8))
+  dout = jax.random.normal(k[2], (40, 8)).at[25, 2].set(jnp.inf).at[39, 1].set(jnp.nan)
+  sizes = jnp.array([10, 7, 15], jnp.int32)  # rows 32-39 are in no group
+  _, pull = jax.vjp(lambda l, r: stellarax.ragged_dot(l, r, sizes, implementation=impl),
+                    lhs, rhs)
+  dlhs, drhs = pull(dout)
+  starts = np.cumsum([0, 10, 7])
+  for g, (start, size) in enumerate(zip(starts, (10, 7, 15))):
+    rows = slice(start, start + size)
+    with np.errstate(invalid="ignore", over="ignore"):
+      want = np.asarray(lhs[rows]).T @ np.asarray(dout[rows])
+    np.testing.assert_allclose(drhs[g], want, rtol=1e-4, atol=1e-4)
+  assert np.isfinite(drhs[0]).all()  # the NaN row 12 is group 1's
+  assert (np.asarray(dlhs[32:]) == 0).all()
