@@ -167,6 +167,27 @@ def test_explain_names_the_entry_that_answered_and_the_one_passed_over(user_cach
       assert autotuning.explain(ba).passed_over is None
 
 
+def test_explain_names_a_passed_over_entry_where_transfer_answers():
+  from stellarax.ops.ragged_dot.base import XlaRaggedDotConfig
+  bind = lambda m: stellarax.XlaRaggedDot.bind(jax.ShapeDtypeStruct((m, 16), "float32"),
+                                               jax.ShapeDtypeStruct((2, 16, 8), "float32"),
+                                               jax.ShapeDtypeStruct((2,), "int32"))
+  ba, near = bind(20), bind(40)
+  gone, offered = XlaRaggedDotConfig(strategy="tiled", tile_m=512), XlaRaggedDotConfig(strategy="masked")
+  own = autotuning.Entry(ba, gone, ba.heuristics_config, ((gone, _ok(1e-3)),),
+                         code="0000000000000000")
+  searched = autotuning.Entry(near, offered, near.heuristics_config,
+                              ((offered, _ok(1e-3)), (near.heuristics_config, _ok(2e-3))))
+  result = autotuning.AutotuningResult(jax.devices()[0].device_kind,
+                                       {own.key: own, searched.key: searched})
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", autotuning.VersionWarning)
+    with result:
+      explained = autotuning.explain(ba)
+  assert explained.source.startswith("transfer") and explained.config == offered
+  assert "passed over; autotune measures the call again" in str(explained)
+
+
 @contextlib.contextmanager
 def _no_warning():
   with warnings.catch_warnings():

@@ -251,16 +251,6 @@ def test_threads_in_other_settings_do_not_share_equalities():
   assert seen["strict"] == "raised"
 
 
-def test_a_miss_policy_set_in_the_environment_is_followed(monkeypatch):
-  lhs, rhs, gs = _inputs()
-  f = jax.jit(lambda l: stellarax.ragged_dot(l, rhs, gs))
-  f(lhs)
-  f(lhs)  # (an equality memoised before the variable is set)
-  monkeypatch.setenv("STELLARAX_MISS_POLICY", "error")
-  with pytest.raises(autotuning.ConfigMissError):
-    f(lhs)
-
-
 def test_threads_see_their_own_results(traced):
   lhs, rhs, gs = _inputs()
   ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)

@@ -249,6 +249,22 @@ def test_a_call_s_key_tells_apart_what_jax_computes_differently():
     assert key(preferred_element_type=jnp.float64) != key(preferred_element_type=jnp.float32)
 
 
+def test_a_stored_call_keeps_its_key_whatever_the_reader_s_settings():
+  # Decoding a stored call canonicalised it again under the reader's settings: under
+  # default_matmul_precision("float32") an entry of precision None became HIGHEST (and
+  # answered such calls), and without x64 a float64 entry became float32 (two entries
+  # of a file became one).
+  from stellarax.core.bound_args import BoundArguments
+  specs = (jax.ShapeDtypeStruct((12, 8), jnp.float32), jax.ShapeDtypeStruct((3, 8, 5), jnp.float32),
+           jax.ShapeDtypeStruct((3,), jnp.int32))
+  plain = stellarax.XlaRaggedDot.bind(*specs)
+  with jax.enable_x64(True):
+    wide = stellarax.XlaRaggedDot.bind(*specs, preferred_element_type=jnp.float64)
+  with jax.default_matmul_precision("float32"), jax.enable_x64(False):
+    for call in (plain, wide):
+      assert BoundArguments.from_json(call.to_json()).key_json() == call.key_json()
+
+
 def test_attention_bias_mask_and_gradients():
   k = _keys(5)
   q = jax.random.normal(k[0], (1, 16, 2, 8), jnp.float32)

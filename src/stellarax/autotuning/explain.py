@@ -139,16 +139,16 @@ def explain(bound_args: BoundArguments) -> Explanation:
     tuned = config_tuned_on_miss(bound_args) if policy == "autotune" else None
     resolved = (resolution.Resolution(tuned, "autotuned") if tuned is not None
                 else resolution.Resolution(resolved.config, f"miss:{policy}"))
+  # An entry of the call passed over before the source that answered (a stale one in an
+  # inner result, where an outer result, a cache or transfer answered) is said too.
+  passed_over = _passed_over(bound_args) if resolved.source != "explicit" else None
   if isinstance(resolved, TransferResolution):
     diffs = _diff(bound_args.autotuning_cache_key, resolved.neighbour.autotuning_cache_key)
     where = "result" if resolved.where == "active result" else resolved.where
     return Explanation(bound_args.op.name, resolved.config, resolved.source,
                        (resolved.where, tuple(diffs)), resolved.confidence,
-                       stale=_stale_reason(resolved.neighbour, where))
+                       stale=_stale_reason(resolved.neighbour, where), passed_over=passed_over)
   nearest, elsewhere, too_far = None, (), None
-  # An entry of the call passed over before the source that answered (a stale one in an
-  # inner result, where an outer result or a cache answered) is said too.
-  passed_over = _passed_over(bound_args) if resolved.source != "explicit" else None
   if resolved.source not in ("explicit", "result") and not resolved.source.endswith("cache"):
     nearest = _nearest(bound_args)
     if nearest is None:

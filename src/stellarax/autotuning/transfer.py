@@ -39,8 +39,8 @@ The switch: `STELLARAX_TRANSFER=0` turns transfer off, `with transfer_scope(Fals
 True) overrides the variable inside a block. Transfer also steps aside unless the miss
 policy is "heuristics": "error" asks for measured configs only, "autotune" for measuring.
 Like the miss policy, these settings act when a call is traced: a function jitted earlier
-whose calls they decide is traced again where they differ (a scope's value, or the
-environment variable's when no scope is set).
+whose calls they decide is traced again inside a scope that changes them; the
+environment variable is read when a call is traced (set it before the program runs).
 """
 
 from __future__ import annotations
@@ -113,10 +113,6 @@ def transfer_enabled() -> bool:
                    "unset it for the default (on).")
 
 
-# Questions read the switch (see resolution's miss policy).
-trace_keys.register_setting(lambda: (_scoped.get(), os.environ.get(_ENV)))
-
-
 @contextlib.contextmanager
 def _scope_value(value: bool | None) -> Iterator[None]:
   """Makes `value` the switch's scope (None: none) inside a `with` block."""
@@ -144,12 +140,11 @@ def transfer_scope(enabled: bool) -> Iterator[None]:
   if not isinstance(enabled, bool):
     raise TypeError(f"transfer_scope(enabled={enabled!r}) takes True or False.")
   token = _scoped.set(enabled)
-  trace_keys.settings_changed()
   try:
-    yield
+    with trace_keys.settings_scope():
+      yield
   finally:
     _scoped.reset(token)
-    trace_keys.settings_changed()
 
 
 # ---- features and distance ---------------------------------------------------------------

@@ -213,13 +213,12 @@ def restored(state: tuple[Any, ...]) -> Iterator[None]:
     for (_, scope), value in zip(_carried_settings, values):
       stack.enter_context(scope(value))
     results_token, policy_token = _active_results.set(results), _miss_policy.set(policy)
-    trace_keys.settings_changed()
     try:
-      yield
+      with trace_keys.settings_scope():
+        yield
     finally:
       _miss_policy.reset(policy_token)
       _active_results.reset(results_token)
-      trace_keys.settings_changed()
 
 
 def _innermost_config(results: tuple[ConfigSource, ...], bound_args: Any) -> Any | None:
@@ -291,11 +290,6 @@ def miss_policy() -> str:
   return policy
 
 
-# Questions read the policy: an equality of keys found under one policy (another
-# thread's scope, the variable before it was set) does not stand under another.
-trace_keys.register_setting(lambda: (_miss_policy.get(), os.environ.get(_MISS_POLICY_ENV)))
-
-
 @contextlib.contextmanager
 def miss_policy_scope(policy: str) -> Iterator[None]:
   """Sets the miss policy inside a `with` block.
@@ -309,12 +303,11 @@ def miss_policy_scope(policy: str) -> Iterator[None]:
   if policy not in MISS_POLICIES:
     raise ValueError(f"policy={policy!r} must be one of {MISS_POLICIES}.")
   token = _miss_policy.set(policy)
-  trace_keys.settings_changed()
   try:
-    yield
+    with trace_keys.settings_scope():
+      yield
   finally:
     _miss_policy.reset(token)
-    trace_keys.settings_changed()
 
 
 def resolve_config(bound_args: Any) -> Resolution:

@@ -58,15 +58,17 @@ takes the answers of the entries reused since the last lowering (`_on_lowering`)
 
 Questions may read settings besides the results (the miss policy, the transfer switch:
 a trace that met a miss under the "heuristics" policy must not be reused under "error");
-their modules register them (`register_setting`), and their scopes call
-`settings_changed`.
+their scopes are `settings_scope`s. Their environment variables are read when a call is
+traced (set them before the program runs).
 
-Equality is memoised per stack of active results and settings (a scope is one thread's
-or task's; an environment variable may change) until the next record: JAX
-checks it on every call of a jitted function whose cached key is not the
-current one. That check is what a jitted function with our ops pays per call over
-one without: about 1.5 us on the 2-core CPU (2026-12-06; 2.3 us before a key already
-noted for reuse was found by a mark instead of a search of the list).
+Equality is memoised per stack of active results and settings scope (a scope is one
+thread's or task's) until the next record: JAX checks it on every call of a jitted
+function whose cached key is not the current one, and such a call then lends the
+current key its answers and makes a fresh one (`_note_reuse`). That is what a jitted
+function with our ops pays per call over one without: about 2.5 us on the 2-core CPU
+(2026-12-08; 1.5 us before the lending, which a function first traced by
+`jax.eval_shape` or `.lower()` needs, and 2.3 us before a key already noted for reuse
+was found by a mark instead of a search of the list).
 
 Cost. Inner traces cached under a key with records (JAX's own jitted helpers,
 such as `jnp` functions, traced inside a function that uses our ops) are traced
@@ -77,9 +79,11 @@ again by the next top-level trace instead of reused: tracing and lowering the
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
 import types
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import jax
@@ -116,8 +120,11 @@ def _empty_stack() -> Stack:
 # Bumped when a setting that questions read besides the active results changes (the miss
 # policy, the transfer switch): equalities memoised before no longer stand.
 _settings_epoch = 0
-# Getters of the settings questions read besides the active results (`register_setting`).
-_setting_getters: list[Callable[[], Hashable]] = []
+# A fresh object in each `settings_scope` (None outside any): an equality is memoised for
+# the scope it was found in, since the epoch is process-wide and a scope is one thread's
+# or task's (another thread's memo must not answer for it). One context variable read.
+_scope_token: contextvars.ContextVar[object | None] = contextvars.ContextVar(
+    "stellarax_settings_scope", default=None)
 
 
 def settings_changed() -> None:
@@ -127,23 +134,19 @@ def settings_changed() -> None:
   _settings_epoch += 1
 
 
-def register_setting(getter: Callable[[], Hashable]) -> None:
-  """Adds a setting that questions read besides the active results.
-
-  An equality is memoised for the settings it was found under: the epoch
-  (`settings_changed`) is process-wide, but a scope is one context's (another thread's
-  memo must not answer for it) and an environment variable changes without a scope.
-
-  Args:
-    getter: returns the setting's value now (e.g. a scope's context variable and the
-      environment variable behind it), hashable and cheap: it runs on every memo check.
-  """
-  if getter not in _setting_getters:
-    _setting_getters.append(getter)
-
-
-def _settings() -> tuple[Any, ...]:
-  return (_settings_epoch, *(getter() for getter in _setting_getters))
+@contextlib.contextmanager
+def settings_scope() -> Iterator[None]:
+  """The scope of a setting that questions read besides the active results (a miss
+  policy's, the transfer switch's): keys compare their answers again on entering and
+  leaving it, and inside it no equality memoised outside (or in another thread's
+  scope) answers."""
+  token = _scope_token.set(object())
+  settings_changed()
+  try:
+    yield
+  finally:
+    _scope_token.reset(token)
+    settings_changed()
 
 
 _active_stack: Callable[[], Stack] = _empty_stack
@@ -207,7 +210,7 @@ class TraceKey:
     to it too)."""
     if not (self._records or self._lent):
       return True
-    now, settings = _active_stack(), _settings()
+    now, settings = _active_stack(), (_settings_epoch, _scope_token.get())
     memo = self._memo.get(id(now))
     if memo is not None and memo[0] is now and memo[1] == settings:
       return memo[2]
@@ -357,8 +360,15 @@ def _note_reuse(a: TraceKey, b: TraceKey) -> None:
     return
   # Lent by reference (a copy of a large program's answers on every call cost 30 us),
   # then a fresh key for what comes next: a function traced later must not take them.
-  key._lent = tuple({id(k): k for k in (*key._lent, source, *source._lent)}.values())
+  if not key._lent:  # (a fresh key: every call of a function cached under another)
+    key._lent = (source, *source._lent)
+  elif all(k is not source for k in key._lent):
+    key._lent += tuple(k for k in (source, *source._lent) if all(k is not j for j in key._lent))
   key._memo.clear()
+  if key is _state.get_global():
+    # The default of threads with no key of their own: what they trace next must not
+    # take these answers either (as after a trace under it, `_on_trace_end`).
+    _state.set_global(TraceKey())
   _renew()
   keys = _reuse_state().keys  # a new list after each lowering, so this runs on every call:
   if source._noted_in is not keys and len(keys) < _MEMO_LIMIT:  # no search of the list
