@@ -251,6 +251,30 @@ def test_threads_in_other_settings_do_not_share_equalities():
   assert seen["strict"] == "raised"
 
 
+def test_a_fresh_thread_s_reuse_leaves_the_default_key_without_answers():
+  # A thread with no key of its own uses the process-wide default; reusing another
+  # thread's trace lent the default f's answers, so a plain function traced later by
+  # another fresh thread was traced again on entering a result that changes f's config.
+  lhs, rhs, gs = _inputs()
+  f = jax.jit(lambda l: stellarax.ragged_dot(l, rhs, gs))
+  f(lhs)
+  thread = threading.Thread(target=lambda: f(lhs))
+  thread.start()
+  thread.join(120)
+  plain, count = _counting(lambda x: jnp.sin(x) * 2)
+  result = _result((stellarax.XlaRaggedDot.bind(lhs, rhs, gs), TUNED))
+
+  def other():
+    plain(lhs)
+    with result:
+      plain(lhs)
+
+  thread = threading.Thread(target=other)
+  thread.start()
+  thread.join(120)
+  assert len(count) == 1
+
+
 def test_threads_see_their_own_results(traced):
   lhs, rhs, gs = _inputs()
   ba = stellarax.XlaRaggedDot.bind(lhs, rhs, gs)
