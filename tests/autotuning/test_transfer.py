@@ -140,6 +140,9 @@ def test_an_entry_that_measured_only_its_heuristic_is_passed_over():
   with _result(starved):
     assert resolution.resolve_config(big).config == big.heuristics_config
     assert transfer.transfer_config(big) is None
+    explained = autotuning.explain(big)  # says why nothing within reach transferred
+    assert explained.untransferred == pytest.approx(4.0) and explained.too_far is None
+    assert "measured only their heuristic config" in str(explained)
   searched = _entry(_ragged(4096), _tiled(128))
   with _result(starved, searched):
     assert transfer.transfer_config(big).neighbour == _ragged(4096)

@@ -42,6 +42,10 @@ class Explanation:
       longer offered: `Entry.config_to_run`), which entry and why, in words; else None.
     too_far: on a miss where transfer is on, the distance to the nearest comparable
       tuned call when it lies beyond `transfer.MAX_DISTANCE`; else None.
+    untransferred: on a miss where transfer is on, the distance to the nearest
+      comparable tuned call when it lies within `transfer.MAX_DISTANCE` and still none
+      gave a config (each measured only its heuristic, or holds none valid here); else
+      None.
     other_device_kinds: on a miss with nothing of this op tuned for this device kind,
       the device kinds the caches hold tuned calls of the op for (configs tuned on one
       device are not used on another).
@@ -56,6 +60,7 @@ class Explanation:
   other_device_kinds: tuple[str, ...] = ()
   too_far: float | None = None
   passed_over: str | None = None
+  untransferred: float | None = None
 
   def __str__(self) -> str:
     if self.source == "trivial":
@@ -87,6 +92,12 @@ class Explanation:
                      f"distance {self.too_far:.2f}, beyond {MAX_DISTANCE:g} (transfer."
                      "MAX_DISTANCE), so the heuristic answers; tune this call for a measured "
                      "config")
+      if self.untransferred is not None:
+        lines.append(f"  no config transferred: the comparable tuned calls within key "
+                     f"distance {MAX_DISTANCE:g} (the nearest at {self.untransferred:.2f}) "
+                     "measured only their heuristic config (a budget too small to search) "
+                     "or hold none valid for this call, so the heuristic answers; tune this "
+                     "call for a measured config")
     elif self.source == resolution.ONLY_CONFIG:
       lines.append("  its only config for this call: nothing to tune, whatever the miss policy")
     elif self.source.startswith(("heuristics", "miss")) and self.passed_over is None:
@@ -148,17 +159,20 @@ def explain(bound_args: BoundArguments) -> Explanation:
     return Explanation(bound_args.op.name, resolved.config, resolved.source,
                        (resolved.where, tuple(diffs)), resolved.confidence,
                        stale=_stale_reason(resolved.neighbour, where), passed_over=passed_over)
-  nearest, elsewhere, too_far = None, (), None
+  nearest, elsewhere, too_far, untransferred = None, (), None, None
   if resolved.source not in ("explicit", "result") and not resolved.source.endswith("cache"):
     nearest = _nearest(bound_args)
     if nearest is None:
       elsewhere = other_device_kinds(bound_args.op.name)
     elif resolved.source == "heuristics" and transfer_enabled():  # (not "only config")
       distance = nearest_distance(bound_args)
-      too_far = distance if distance is not None and distance > MAX_DISTANCE else None
+      if distance is not None:
+        too_far = distance if distance > MAX_DISTANCE else None
+        untransferred = distance if distance <= MAX_DISTANCE else None
   return Explanation(bound_args.op.name, resolved.config, resolved.source, nearest,
                      stale=_stale_reason(bound_args, resolved.source),
-                     other_device_kinds=elsewhere, too_far=too_far, passed_over=passed_over)
+                     other_device_kinds=elsewhere, too_far=too_far, passed_over=passed_over,
+                     untransferred=untransferred)
 
 
 def _passed_over(bound_args: BoundArguments) -> str | None:
