@@ -1,6 +1,7 @@
 """Entering a result retraces exactly the jitted functions whose configs it changes."""
 
 import asyncio
+import dataclasses
 import threading
 
 import jax
@@ -462,6 +463,33 @@ def test_implementation_choice_follows_the_result_under_jit(monkeypatch):
     f(q)
   f(q)
   assert len(count) == 2 and seen == [1]
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_implementation_choice_under_vmap_reads_the_batched_calls_times(monkeypatch, jitted):
+  # The measured calls of a vmapped op are keyed with their vmap levels; dispatch looked
+  # for the unbatched calls' times, found none, and took the first implementation.
+  from stellarax.core.config import NoConfig
+  q = jnp.ones((2, 1, 16, 2, 8))  # a batch of 2 to vmap over
+  level = ((2, (True, True, True)),)
+  unbatched = jax.ShapeDtypeStruct(q.shape[1:], q.dtype)
+  chunked, full = (dataclasses.replace(cls.bind(unbatched, unbatched, unbatched), vmap_axes=level)
+                   for cls in (stellarax.XlaChunkedAttention, stellarax.XlaAttention))
+
+  def entry(ba, config, t):
+    m = Measurement(status="ok", median_s=t, ci_low_s=t, ci_high_s=t, num_samples=3)
+    return autotuning.Entry(ba, config, config, ((config, m),))
+
+  seen = []
+  original = stellarax.XlaAttention._fwd
+  monkeypatch.setattr(stellarax.XlaAttention, "_fwd",
+                      lambda self, *a, **k: (seen.append(1), original(self, *a, **k))[1])
+  attend = jax.vmap(lambda x: stellarax.dot_product_attention(x, x, x))
+  fast_full = autotuning.AutotuningResult("cpu", {e.key: e for e in (
+      entry(chunked, chunked.heuristics_config, 2e-3), entry(full, NoConfig(), 1e-3))})
+  with fast_full:
+    (jax.jit(attend) if jitted else attend)(q)
+  assert seen
 
 
 def test_vmapped_and_rematerialised_calls_under_jit(traced):

@@ -31,10 +31,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-try:  # BatchTracer has no public name (`_mapped_by_vmap`)
+try:  # BatchTracer has no public name (`_mapped_by_vmap`, `vmap_levels`)
+  from jax._src import core as _jax_core
   from jax._src.interpreters import batching
 except ImportError:  # a JAX that moved it: every trace is resolved
-  batching = None
+  _jax_core = batching = None
 
 from stellarax.core import markers
 from stellarax.core import partitioning
@@ -89,6 +90,27 @@ def _mapped_by_vmap(arrays: Sequence[Any]) -> bool:
   return tracer is not None and any(
       isinstance(a, tracer) and getattr(a, "batch_dim", unmapped) is not unmapped
       for a in arrays)
+
+
+def vmap_levels(arrays: Sequence[Any]) -> tuple[tuple[int, tuple[bool, ...]], ...] | None:
+  """The `jax.vmap` levels over a call's array leaves, as `BoundArguments.vmap_axes`
+  holds them (innermost first: size, and which leaves it maps), read from the batching
+  traces the call is traced under; () outside any. A `jit` or other trace between a
+  vmap and the call hides the vmap (its rule adds the level later). None where this
+  JAX's batching traces cannot be read."""
+  try:
+    trace = _jax_core.trace_ctx.trace
+    tracer, unmapped = batching.BatchTracer, getattr(batching, "not_mapped", None)
+    levels, values = [], list(arrays)
+    while isinstance(trace, batching.BatchTrace):
+      ours = [isinstance(v, tracer) and v._trace.tag is trace.tag for v in values]
+      batched = tuple(o and v.batch_dim is not unmapped for o, v in zip(ours, values))
+      levels.append((int(trace.axis_data.size), batched))
+      values = [v.val if o else v for o, v in zip(ours, values)]
+      trace = trace.parent_trace
+    return tuple(levels)
+  except AttributeError:  # (a JAX without these internals: `batching` is None too)
+    return None
 
 
 def _vmappable(ba: BoundArguments, make_impl: Callable[[Any], Callable[..., Any]]) -> Callable[..., Any]:

@@ -29,6 +29,7 @@ from stellarax.core import eager as eager_calls
 from stellarax.core import partitioning
 from stellarax.core import registry
 from stellarax.core import resolution
+from stellarax.core import specs
 from stellarax.core.bound_args import BoundArguments
 from stellarax.core.op import Op
 
@@ -86,6 +87,13 @@ def _times_in(sources: Sequence[Any], ba: BoundArguments) -> list[float]:
 
 def _fastest_in_results(results: tuple[Any, ...], ba: BoundArguments) -> float | None:
   return min(_times_in(results, ba), default=None)
+
+
+def _with_levels(ba: BoundArguments, levels) -> BoundArguments:
+  """`ba` seen through the vmap levels `calling.vmap_levels` found (innermost first)."""
+  for size, batched in levels:
+    ba = ba.with_outer_vmap(size, batched)
+  return ba
 
 
 def _measured_time(ba: BoundArguments) -> float | None:
@@ -214,7 +222,10 @@ def _call_family(family: str, preference: Sequence[str], implementation: Any, ar
     why = "\n".join(reasons) or f"  none of {list(preference)} runs on {device.platform}"
     raise NotImplementedError(f"No {family} implementation supports these arguments:\n{why}")
   if not explicit and len(bound) > 1:
-    timed = [(_measured_time(BoundArguments.from_values(op, v)), i) for i, (op, v) in enumerate(bound)]
+    # Under jax.vmap the measured call is the batched one (its key holds the levels).
+    levels = calling.vmap_levels(specs.split_arrays(bound[0][1])[0]) or ()
+    timed = [(_measured_time(_with_levels(BoundArguments.from_values(op, v), levels)), i)
+             for i, (op, v) in enumerate(bound)]
     timed = [(t, i) for t, i in timed if t is not None]
     if timed:
       bound = [bound[min(timed)[1]]]
