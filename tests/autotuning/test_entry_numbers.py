@@ -12,6 +12,7 @@ import pytest
 import stellarax
 from stellarax import autotuning
 from stellarax.autotuning.measure import Measurement
+from stellarax.ops.ragged_dot.base import XlaRaggedDotConfig
 
 
 @stellarax.config_dataclass
@@ -90,17 +91,23 @@ def test_default_config_and_benchmark_run_the_resolved_config_or_the_one_given(b
   assert ba.default_config == _Config()
 
 
+def _ragged(m):
+  """An XLA ragged_dot call of m rows (20: tiles of 512 rows, `_GONE`, are not offered)."""
+  return stellarax.XlaRaggedDot.bind(jax.ShapeDtypeStruct((m, 16), "float32"),
+                                     jax.ShapeDtypeStruct((2, 16, 8), "float32"),
+                                     jax.ShapeDtypeStruct((2,), "int32"))
+
+
+_OFFERED = XlaRaggedDotConfig(strategy="masked")
+_GONE = XlaRaggedDotConfig(strategy="tiled", tile_m=512)
+
+
 def test_a_stale_entry_whose_config_the_op_no_longer_offers_is_passed_over(user_cache_dir):
   # Its config (tiles of 512 rows for 20 rows: not in the space) was run, and failed
   # where newer code checks it; a cache only saves time.
   from stellarax.autotuning import cache
   from stellarax.autotuning.file_format import VersionWarning
-  from stellarax.ops.ragged_dot.base import XlaRaggedDotConfig
-  ba = stellarax.XlaRaggedDot.bind(jax.ShapeDtypeStruct((20, 16), "float32"),
-                                   jax.ShapeDtypeStruct((2, 16, 8), "float32"),
-                                   jax.ShapeDtypeStruct((2,), "int32"))
-  offered, gone = XlaRaggedDotConfig(strategy="masked"), XlaRaggedDotConfig(strategy="tiled",
-                                                                             tile_m=512)
+  ba, offered, gone = _ragged(20), _OFFERED, _GONE
   assert offered in ba.autotuning_configs and gone not in ba.autotuning_configs
   kind = jax.devices()[0].device_kind
   for config, stale in [(gone, True), (offered, True), (gone, False)]:
@@ -137,12 +144,7 @@ def test_explain_names_the_entry_that_answered_and_the_one_passed_over(user_cach
   # entry of the call, not the one resolution took), and with a cache answering it did
   # not say that the inner entry was passed over.
   from stellarax.autotuning import cache
-  from stellarax.ops.ragged_dot.base import XlaRaggedDotConfig
-  ba = stellarax.XlaRaggedDot.bind(jax.ShapeDtypeStruct((20, 16), "float32"),
-                                   jax.ShapeDtypeStruct((2, 16, 8), "float32"),
-                                   jax.ShapeDtypeStruct((2,), "int32"))
-  offered, gone = XlaRaggedDotConfig(strategy="masked"), XlaRaggedDotConfig(strategy="tiled",
-                                                                             tile_m=512)
+  ba, offered, gone = _ragged(20), _OFFERED, _GONE
   kind = jax.devices()[0].device_kind
 
   def result_of(config, stale):
@@ -168,12 +170,7 @@ def test_explain_names_the_entry_that_answered_and_the_one_passed_over(user_cach
 
 
 def test_explain_names_a_passed_over_entry_where_transfer_answers():
-  from stellarax.ops.ragged_dot.base import XlaRaggedDotConfig
-  bind = lambda m: stellarax.XlaRaggedDot.bind(jax.ShapeDtypeStruct((m, 16), "float32"),
-                                               jax.ShapeDtypeStruct((2, 16, 8), "float32"),
-                                               jax.ShapeDtypeStruct((2,), "int32"))
-  ba, near = bind(20), bind(40)
-  gone, offered = XlaRaggedDotConfig(strategy="tiled", tile_m=512), XlaRaggedDotConfig(strategy="masked")
+  ba, near, offered, gone = _ragged(20), _ragged(40), _OFFERED, _GONE
   own = autotuning.Entry(ba, gone, ba.heuristics_config, ((gone, _ok(1e-3)),),
                          code="0000000000000000")
   searched = autotuning.Entry(near, offered, near.heuristics_config,
