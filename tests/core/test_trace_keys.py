@@ -489,7 +489,12 @@ def test_implementation_choice_under_vmap_reads_the_batched_calls_times(monkeypa
       entry(chunked, chunked.heuristics_config, 2e-3), entry(full, NoConfig(), 1e-3))})
   with fast_full:
     (jax.jit(attend) if jitted else attend)(q)
-  assert seen
+    assert seen
+    # A level that maps none of the call's arguments is not one of its levels.
+    seen.clear()
+    outer = jax.vmap(lambda s: attend(q) * s)
+    (jax.jit(outer) if jitted else outer)(jnp.ones(3))
+    assert seen
 
 
 def test_vmapped_and_rematerialised_calls_under_jit(traced):

@@ -260,8 +260,12 @@ def test_a_stored_call_keeps_its_key_whatever_the_reader_s_settings():
   plain = stellarax.XlaRaggedDot.bind(*specs)
   with jax.enable_x64(True):
     wide = stellarax.XlaRaggedDot.bind(*specs, preferred_element_type=jnp.float64)
+    f64 = [jax.ShapeDtypeStruct(s.shape, jnp.float64 if s.dtype == jnp.float32 else s.dtype)
+           for s in specs]
+    float64 = stellarax.XlaRaggedDot.bind(*f64)  # float64 arrays, not float32 ones
+  assert float64.key_json() != plain.key_json()
   with jax.default_matmul_precision("float32"), jax.enable_x64(False):
-    for call in (plain, wide):
+    for call in (plain, wide, float64):
       assert BoundArguments.from_json(call.to_json()).key_json() == call.key_json()
 
 

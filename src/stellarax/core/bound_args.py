@@ -10,7 +10,6 @@ dimension at the front, outermost level first).
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 from collections.abc import Mapping
@@ -268,13 +267,10 @@ class BoundArguments:
       raise ValueError(f"'arguments' must be a JSON object, got {data['arguments']!r}.")
     values = {k: _to_struct(v) for k, v in arguments.items()}
     # A stored call keeps the key it was recorded with: canonicalising reads this
-    # process's jax settings only for live calls (`decoding_stored`).
-    token = _DECODING_STORED.set(True)
-    try:
+    # process's jax settings only for live calls (`specs.decoding_stored`).
+    with specs.stored_call():
       values = op._bind_values(**values)
-    finally:
-      _DECODING_STORED.reset(token)
-    call = cls.from_values(op, values)
+      call = cls.from_values(op, values)
     return dataclasses.replace(call, vmap_axes=_vmap_axes_from_json(
         data.get("vmap_axes", []), len(call.array_specs())))
 
@@ -290,16 +286,6 @@ class BoundArguments:
 
 _RECORDED_AS_IS = (bool, int, float, str)
 
-_DECODING_STORED = contextvars.ContextVar("stellarax_decoding_stored", default=False)
-
-
-def decoding_stored() -> bool:
-  """Whether the call being bound is a stored one (`BoundArguments.from_json`: a file,
-  a cache, a marker), not a live one. An op's `_canonicalize` folds the jax settings of
-  a live call into its arguments (e.g. `jax.default_matmul_precision` into a precision
-  of None), and leaves a stored call's as recorded: a file read under other settings
-  must not change its keys (two entries could become one)."""
-  return _DECODING_STORED.get()
 
 
 def as_recorded(values: Mapping[str, Any]) -> dict[str, Any]:

@@ -105,7 +105,8 @@ def vmap_levels(arrays: Sequence[Any]) -> tuple[tuple[int, tuple[bool, ...]], ..
     while isinstance(trace, batching.BatchTrace):
       ours = [isinstance(v, tracer) and v._trace.tag is trace.tag for v in values]
       batched = tuple(o and v.batch_dim is not unmapped for o, v in zip(ours, values))
-      levels.append((int(trace.axis_data.size), batched))
+      if any(batched):  # (a level that maps none of them never reaches the call's rule)
+        levels.append((int(trace.axis_data.size), batched))
       values = [v.val if o else v for o, v in zip(ours, values)]
       trace = trace.parent_trace
     return tuple(levels)

@@ -14,11 +14,13 @@ the same bytes in every process and version.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import enum
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -71,9 +73,32 @@ class ArraySpec:
     unless `jax_enable_x64` is on, so its call is keyed so too (a call bound from NumPy
     arrays then matches the program's)."""
     dtype = x.dtype
-    if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # (a PRNG key's is not)
+    # (a PRNG key's is not; a stored call's stays as recorded: `decoding_stored`)
+    if not (jax.dtypes.issubdtype(dtype, jax.dtypes.extended) or decoding_stored()):
       dtype = jax.dtypes.canonicalize_dtype(dtype)
     return cls(tuple(x.shape), jnp.dtype(dtype).name)
+
+
+_DECODING_STORED = contextvars.ContextVar("stellarax_decoding_stored", default=False)
+
+
+def decoding_stored() -> bool:
+  """Whether the call being bound is a stored one (`BoundArguments.from_json`: a file,
+  a cache, a marker), not a live one. Binding folds the jax settings of a live call into
+  its key (x64 into array dtypes, `jax.default_matmul_precision` into a precision of
+  None: an op's `_canonicalize`), and leaves a stored call's as recorded: a file read
+  under other settings must not change its keys (two entries could become one)."""
+  return _DECODING_STORED.get()
+
+
+@contextlib.contextmanager
+def stored_call() -> Iterator[None]:
+  """Marks what is bound inside a `with` block as a stored call (`decoding_stored`)."""
+  token = _DECODING_STORED.set(True)
+  try:
+    yield
+  finally:
+    _DECODING_STORED.reset(token)
 
 
 class FrozenDict(Mapping):

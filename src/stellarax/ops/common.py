@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from stellarax.core import bound_args
+from stellarax.core import specs
 
 PRECISIONS = ("DEFAULT", "HIGH", "HIGHEST")
 
@@ -20,7 +20,7 @@ def canonical_precision(precision: Any) -> str | None:
   computes then), so that a call's key tells the two apart: an entry measured at the
   default precision answered a call under "highest". A dot-algorithm preset there,
   which no precision names, leaves None. A stored call's None stays None
-  (`bound_args.decoding_stored`).
+  (`specs.decoding_stored`).
 
   Raises:
     ValueError: for anything else, a pair of two different precisions included (the
@@ -39,7 +39,7 @@ def canonical_precision(precision: Any) -> str | None:
 
 def _one_precision(precision: Any) -> str | None:
   if precision is None:
-    return None if bound_args.decoding_stored() else _default_precision()
+    return None if specs.decoding_stored() else _default_precision()
   if isinstance(precision, jax.lax.Precision):
     return precision.name
   if isinstance(precision, str) and precision.upper() in PRECISIONS:
@@ -119,11 +119,11 @@ def canonical_dtype(dtype: Any, *, what: str) -> str | None:
   """None or anything `jnp.dtype` takes -> None or the name of the dtype jax computes
   in: without x64, float64 is float32 (a call's key told them apart only by name, so an
   entry measured for a float32 output answered a float64 one). A stored call's dtype
-  stays as recorded (`bound_args.decoding_stored`)."""
+  stays as recorded (`specs.decoding_stored`)."""
   if dtype is None:
     return None
   try:
-    if bound_args.decoding_stored():  # as recorded (`bound_args.decoding_stored`)
+    if specs.decoding_stored():  # as recorded (`specs.decoding_stored`)
       return jnp.dtype(dtype).name
     return jax.dtypes.canonicalize_dtype(jnp.dtype(dtype)).name
   except TypeError:
