@@ -123,7 +123,7 @@ def get_bound_args(f: Callable[..., Any] | jax.stages.Traced | jax.stages.Lowere
   per_device = None
   if partitioning.PARTITIONED_CALL in text:
     with miss_policy_scope("heuristics"):
-      per_device = partitioning.per_device_calls(lowered)
+      per_device = partitioning.per_device_calls(lowered, text)
   return bound_args_from_text(text, per_device)
 
 

@@ -180,12 +180,7 @@ def _passed_over(bound_args: BoundArguments) -> str | None:
   it a config: a stale entry holding a config no longer in the call's space
   (`Entry.config_to_run`), in words; None where none was passed over."""
   accept = resolution.reproducible_filter(bound_args.op)
-  sources = [("result", r) for r in reversed(resolution.active_results())]
-  sources += list(cached_results(bound_args.op.name))
-  for where, result in sources:
-    entry = result.entry(bound_args) if hasattr(result, "entry") else None
-    if entry is None:
-      continue
+  for where, entry in _own_entries(bound_args):
     if entry.config_to_run(accept, warn_passed_over=False) is not None:
       return None  # This entry answered: what follows was not reached.
     config = entry.config_for(accept)
@@ -200,25 +195,33 @@ def _stale_reason(bound_args: BoundArguments, source: str) -> str | None:
   """Why the entry of `bound_args` that answered from a result ("result": the active
   ones) or cache (its source name) is stale, or None. Entries that resolution passed
   over (no config to run: `Entry.config_to_run`) did not answer."""
-  if source == "result":
-    results = reversed(resolution.active_results())  # the innermost answers first
-  else:
-    results = (r for where, r in cached_results(bound_args.op.name) if where == source)
   accept = resolution.reproducible_filter(bound_args.op)
-  for result in results:
-    entry = result.entry(bound_args) if hasattr(result, "entry") else None
-    if entry is not None and entry.config_to_run(accept, warn_passed_over=False) is not None:
+  for where, entry in _own_entries(bound_args):
+    if where == source and entry.config_to_run(accept, warn_passed_over=False) is not None:
       return entry.stale_reason
   return None
 
 
-def _candidates(bound_args: BoundArguments):
+def _sources(bound_args: BoundArguments):
+  """(where, result) that resolution looks in for the call, in its order: the active
+  results ("result"), innermost first, then the caches (by their source names)."""
   for result in reversed(resolution.active_results()):
-    for entry in result:
-      yield "active result", entry
-  for where, result in cached_results(bound_args.op.name):
-    for entry in result:
+    yield "result", result
+  yield from cached_results(bound_args.op.name)
+
+
+def _own_entries(bound_args: BoundArguments):
+  """(where, entry) of the call's own entries, in resolution order."""
+  for where, result in _sources(bound_args):
+    entry = result.entry(bound_args) if hasattr(result, "entry") else None
+    if entry is not None:
       yield where, entry
+
+
+def _candidates(bound_args: BoundArguments):
+  for where, result in _sources(bound_args):
+    for entry in result:
+      yield "active result" if where == "result" else where, entry
 
 
 def _nearest(bound_args: BoundArguments):

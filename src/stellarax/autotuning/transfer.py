@@ -113,18 +113,8 @@ def transfer_enabled() -> bool:
                    "unset it for the default (on).")
 
 
-@contextlib.contextmanager
-def _scope_value(value: bool | None) -> Iterator[None]:
-  """Makes `value` the switch's scope (None: none) inside a `with` block."""
-  token = _scoped.set(value)
-  try:
-    yield
-  finally:
-    _scoped.reset(token)
-
-
 # A call resolved when XLA partitions the program sees the switch of when it was traced.
-resolution.carry_setting(_scoped.get, _scope_value)
+resolution.carry_setting(_scoped.get, functools.partial(trace_keys.settings_scope, _scoped))
 
 
 @contextlib.contextmanager
@@ -139,12 +129,8 @@ def transfer_scope(enabled: bool) -> Iterator[None]:
   """
   if not isinstance(enabled, bool):
     raise TypeError(f"transfer_scope(enabled={enabled!r}) takes True or False.")
-  token = _scoped.set(enabled)
-  try:
-    with trace_keys.settings_scope():
-      yield
-  finally:
-    _scoped.reset(token)
+  with trace_keys.settings_scope(_scoped, enabled):
+    yield
 
 
 # ---- features and distance ---------------------------------------------------------------

@@ -287,7 +287,6 @@ class BoundArguments:
 _RECORDED_AS_IS = (bool, int, float, str)
 
 
-
 def as_recorded(values: Mapping[str, Any]) -> dict[str, Any]:
   """Argument values as bound arguments record them, arrays kept.
 

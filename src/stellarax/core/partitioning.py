@@ -566,19 +566,20 @@ PARTITIONED_CALL = "CustomSPMDPartitioning"
 """The custom call that stands for a kernel XLA partitions (Auto axes) in lowered text."""
 
 
-def per_device_calls(lowered: Any) -> dict[str, BoundArguments]:
+def per_device_calls(lowered: Any, text: str | None = None) -> dict[str, BoundArguments]:
   """The calls each device runs in a program whose kernels XLA partitions when it
   compiles it (Auto axes), by the marker of the whole call.
 
   Args:
     lowered: the program, a `jax.stages.Lowered`.
+    text: `lowered.as_text()`, where the caller has it (a large program's takes long).
 
   Returns:
     marker JSON of a whole call -> the `BoundArguments` one device runs at its sites, in
     the order XLA placed them: its part where a site is split, the whole call where a
     site is not. A call XLA does not partition (a program for one device) is not in it.
   """
-  text = lowered.as_text()
+  text = lowered.as_text() if text is None else text
   digest = hashlib.sha256(text.encode()).hexdigest()
   if digest in _ANALYSED:  # (compiled again, the program would hit JAX's caches)
     return dict(_ANALYSED[digest])

@@ -212,13 +212,12 @@ def restored(state: tuple[Any, ...]) -> Iterator[None]:
   with contextlib.ExitStack() as stack:
     for (_, scope), value in zip(_carried_settings, values):
       stack.enter_context(scope(value))
-    results_token, policy_token = _active_results.set(results), _miss_policy.set(policy)
+    stack.enter_context(trace_keys.settings_scope(_miss_policy, policy))
+    token = _active_results.set(results)
     try:
-      with trace_keys.settings_scope():
-        yield
+      yield
     finally:
-      _miss_policy.reset(policy_token)
-      _active_results.reset(results_token)
+      _active_results.reset(token)
 
 
 def _innermost_config(results: tuple[ConfigSource, ...], bound_args: Any) -> Any | None:
@@ -302,12 +301,8 @@ def miss_policy_scope(policy: str) -> Iterator[None]:
   """
   if policy not in MISS_POLICIES:
     raise ValueError(f"policy={policy!r} must be one of {MISS_POLICIES}.")
-  token = _miss_policy.set(policy)
-  try:
-    with trace_keys.settings_scope():
-      yield
-  finally:
-    _miss_policy.reset(token)
+  with trace_keys.settings_scope(_miss_policy, policy):
+    yield
 
 
 def resolve_config(bound_args: Any) -> Resolution:

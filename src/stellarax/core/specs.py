@@ -72,11 +72,16 @@ class ArraySpec:
     computes it in: a NumPy int64 or float64 array is int32 or float32 in a program
     unless `jax_enable_x64` is on, so its call is keyed so too (a call bound from NumPy
     arrays then matches the program's)."""
-    dtype = x.dtype
-    # (a PRNG key's is not; a stored call's stays as recorded: `decoding_stored`)
-    if not (jax.dtypes.issubdtype(dtype, jax.dtypes.extended) or decoding_stored()):
-      dtype = jax.dtypes.canonicalize_dtype(dtype)
-    return cls(tuple(x.shape), jnp.dtype(dtype).name)
+    return cls(tuple(x.shape), jnp.dtype(computed_dtype(x.dtype)).name)
+
+
+def computed_dtype(dtype: Any) -> Any:
+  """The dtype jax computes `dtype` in (without `jax_enable_x64`, float64 is float32),
+  for a live call's key; an extended dtype (a PRNG key's) and a stored call's
+  (`decoding_stored`: as recorded) are kept."""
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) or decoding_stored():
+    return dtype
+  return jax.dtypes.canonicalize_dtype(dtype)
 
 
 _DECODING_STORED = contextvars.ContextVar("stellarax_decoding_stored", default=False)

@@ -135,17 +135,23 @@ def settings_changed() -> None:
 
 
 @contextlib.contextmanager
-def settings_scope() -> Iterator[None]:
-  """The scope of a setting that questions read besides the active results (a miss
-  policy's, the transfer switch's): keys compare their answers again on entering and
-  leaving it, and inside it no equality memoised outside (or in another thread's
-  scope) answers."""
-  token = _scope_token.set(object())
+def settings_scope(setting: contextvars.ContextVar, value: Any) -> Iterator[None]:
+  """Sets `setting`, one that questions read besides the active results (the miss
+  policy's scope, the transfer switch's), to `value` inside a `with` block: keys
+  compare their answers again on entering and leaving it, and inside it no equality
+  memoised outside (or in another thread's scope) answers.
+
+  Args:
+    setting: the setting's context variable.
+    value: its value inside the block.
+  """
+  token, scope = setting.set(value), _scope_token.set(object())
   settings_changed()
   try:
     yield
   finally:
-    _scope_token.reset(token)
+    _scope_token.reset(scope)
+    setting.reset(token)
     settings_changed()
 
 

@@ -123,9 +123,7 @@ def canonical_dtype(dtype: Any, *, what: str) -> str | None:
   if dtype is None:
     return None
   try:
-    if specs.decoding_stored():  # as recorded (`specs.decoding_stored`)
-      return jnp.dtype(dtype).name
-    return jax.dtypes.canonicalize_dtype(jnp.dtype(dtype)).name
+    return jnp.dtype(specs.computed_dtype(jnp.dtype(dtype))).name
   except TypeError:
     raise ValueError(f"{what}={dtype!r} is not a dtype.") from None
 
